@@ -1,0 +1,1 @@
+"""``@njit(cache=True)`` CPU kernels: raw arrays in, preallocated outputs filled."""

@@ -1,0 +1,148 @@
+"""The one place that picks NumPy + SciPy or CuPy + cupyx for a set of inputs.
+
+Every optional import (CuPy, torch, numba.cuda) is guarded here and nowhere else, so
+``import spchain`` works, and stays fast, on a machine without them.
+
+>>> import numpy as np
+>>> backend_of(np.ones(3)).name
+'numpy'
+"""
+
+import functools
+import importlib
+import sys
+from dataclasses import dataclass
+from types import ModuleType
+
+import numpy as np
+import scipy.sparse
+
+
+class CudaUnavailableError(RuntimeError):
+    """Raised when a CUDA path is asked for on a machine that cannot run it."""
+
+
+@dataclass(frozen=True)
+class Backend:
+    """An array module, its sparse module, and the device the arrays live on.
+
+    ``device`` is ``None`` for the CPU and the CUDA device id for CuPy.
+    """
+
+    xp: ModuleType
+    sparse: ModuleType
+    device: int | None = None
+
+    @property
+    def name(self) -> str:
+        return "numpy" if self.device is None else "cupy"
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device is not None
+
+    def __str__(self) -> str:
+        return "cpu (numpy)" if self.device is None else f"cuda:{self.device} (cupy)"
+
+    def use(self):
+        """A context manager that makes this backend's device current (a no-op on the CPU)."""
+        if self.device is None:
+            return _NULL_CONTEXT
+        return self.xp.cuda.Device(self.device)
+
+    def numba_stream(self):
+        """The Numba handle of CuPy's current stream, for launching kernels on it."""
+        return numba_cuda().external_stream(self.xp.cuda.get_current_stream().ptr)
+
+    def to_host(self, a):
+        """``a`` as a NumPy array (a copy from the device on the GPU)."""
+        return a if self.device is None else a.get()
+
+
+class _NullContext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NULL_CONTEXT = _NullContext()
+NUMPY = Backend(np, scipy.sparse)
+
+_CUDA_INSTALL = "install a CUDA build with `pip install spchain[cuda12]` (or [cuda13])"
+
+
+@functools.cache
+def cupy() -> ModuleType:
+    """CuPy, imported on first use; ``CudaUnavailableError`` if it cannot run here."""
+    try:
+        module = importlib.import_module("cupy")
+        importlib.import_module("cupyx.scipy.sparse")
+        module.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # ImportError, or a CUDA runtime error without a usable GPU
+        raise CudaUnavailableError(
+            f"spchain's CUDA path needs CuPy and a usable NVIDIA GPU ({exc}); {_CUDA_INSTALL}"
+        ) from exc
+    return module
+
+
+@functools.cache
+def numba_cuda() -> ModuleType:
+    """``numba.cuda``, imported on first use; ``CudaUnavailableError`` if it cannot run here."""
+    try:
+        from numba import cuda
+    except Exception as exc:
+        raise CudaUnavailableError(f"spchain's CUDA kernels need numba-cuda ({exc}); {_CUDA_INSTALL}") from exc
+    if not cuda.is_available():
+        raise CudaUnavailableError(f"numba.cuda finds no usable GPU; {_CUDA_INSTALL}")
+    return cuda
+
+
+def torch_or_none() -> ModuleType | None:
+    """The torch module if the caller's process has already imported it, else ``None``.
+
+    Never imports torch: a tensor can only exist if torch is already imported.
+    """
+    return sys.modules.get("torch")
+
+
+def _is_cupy_object(obj) -> bool:
+    module = type(obj).__module__
+    return module.startswith("cupy") or module.startswith("cupyx")
+
+
+def _is_torch_tensor(obj) -> bool:
+    torch = torch_or_none()
+    return torch is not None and isinstance(obj, torch.Tensor)
+
+
+def backend_of(*arrays, caller: str = "spchain") -> Backend:
+    """The backend of ``arrays`` (``None`` entries and Python scalars are ignored).
+
+    Raises ``TypeError`` for torch tensors (they belong to ``spchain.torch``) and other
+    unsupported types, and ``ValueError`` for inputs on different devices.
+    """
+    found: Backend | None = None
+    for a in arrays:
+        if a is None or isinstance(a, (int, float, np.generic)):
+            continue
+        if _is_torch_tensor(a):
+            hint = " and requires grad" if a.requires_grad else ""
+            raise TypeError(
+                f"{caller} got a torch.Tensor{hint}; the array API takes NumPy/CuPy arrays: "
+                f"use spchain.torch.{caller.rsplit('.', 1)[-1]} for tensors (it supports autograd), "
+                "or pass t.detach().numpy()"
+            )
+        if isinstance(a, np.ndarray) or scipy.sparse.issparse(a):
+            current = NUMPY
+        elif _is_cupy_object(a):
+            cp = cupy()
+            current = Backend(cp, importlib.import_module("cupyx.scipy.sparse"), a.device.id)
+        else:
+            raise TypeError(f"{caller} takes NumPy/SciPy or CuPy/cupyx arrays, not {type(a).__name__}")
+        if found is None:
+            found = current
+        elif found != current:
+            raise ValueError(f"{caller}: inputs are on different devices: {found} and {current}")
+    return found if found is not None else NUMPY

@@ -1,0 +1,79 @@
+"""``python -m spchain bench``: spchain beside the baselines it must beat, in one process.
+
+Each workload of DESIGN.md lives in a module here with ``CASES`` (the names of its cases) and
+``make_case(name, quick, device)`` returning a :class:`~.core.Case`, inputs built; asv's suite
+(``asv_bench/``) times the same cases.
+The command prints a table (median time, peak memory, max error against a float64
+reference, ratios against spchain) and writes a PNG bar chart.
+
+    python -m spchain bench --quick            # small sizes, under a minute
+    python -m spchain bench --only chain       # one full-size workload
+"""
+
+import argparse
+import importlib
+import platform
+import sys
+
+from .core import Case, measure
+from .report import plot, table
+
+WORKLOADS = {}
+"""Workload name → module (relative to this package) with ``CASES`` and ``make_case``."""
+
+
+def workload(name: str):
+    """The module of one workload of ``WORKLOADS``."""
+    return importlib.import_module(f".{WORKLOADS[name]}", __name__)
+
+
+def make_case(name: str, case: str, quick: bool, device: str = "cpu") -> Case:
+    """One case of a workload, its inputs built (a case's inputs are built only when it runs)."""
+    return workload(name).make_case(case, quick, device)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m spchain", description="spchain's command line")
+    commands = parser.add_subparsers(dest="command", required=True)
+    bench = commands.add_parser("bench", help="run the benchmark workloads beside their baselines")
+    bench.add_argument("--quick", action="store_true", help="small sizes (under a minute in all)")
+    bench.add_argument("--only", nargs="+", choices=sorted(WORKLOADS), metavar="WORKLOAD",
+                       help=f"run only these workloads ({', '.join(WORKLOADS)})")
+    bench.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    bench.add_argument("--repeat", type=int, default=None, help="timed rounds (default 5, quick 3)")
+    bench.add_argument("--budget", type=float, default=20.0,
+                       help="seconds after which a method's timed runs stop repeating (default 20)")
+    bench.add_argument("--png", default="spchain-bench.png", help="where to write the bar chart")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        import torch
+        from tqdm import tqdm
+    except ImportError as exc:
+        print(f"python -m spchain bench needs torch and tqdm ({exc}): pip install 'spchain[torch,bench]'",
+              file=sys.stderr)
+        return 2
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("--device cuda: torch sees no CUDA device", file=sys.stderr)
+        return 2
+    repeat = max(1, args.repeat or (3 if args.quick else 5))
+    selected = [(w, c) for w in args.only or WORKLOADS for c in workload(w).CASES]
+    results = []
+    with tqdm(total=len(selected), desc="benchmarks", unit="case", file=sys.stderr) as bar:
+        for name, case_name in selected:
+            bar.set_postfix_str(f"{name}: {case_name}")
+            case = make_case(name, case_name, args.quick, args.device)
+            runs = len(case.methods) * (repeat + 2)
+            results.extend(measure(case, repeat, args.budget, lambda: bar.update(1 / runs)))
+            del case
+    machine = torch.cuda.get_device_name() if args.device == "cuda" else f"{platform.processor() or platform.machine()}"
+    title = (f"spchain {importlib.import_module('spchain').__version__} on {machine}, torch {torch.__version__}, "
+             f"{torch.get_num_threads()} threads{' (quick sizes)' if args.quick else ''}")
+    print(title)
+    print(table(results))
+    plot(results, args.png, title)
+    print(f"bar chart written to {args.png}")
+    return 0

@@ -1,0 +1,208 @@
+"""Measuring one benchmark case: spchain beside its baselines, in one process.
+
+A :class:`Case` holds its inputs already built (so memory is counted above them) and a
+callable per method. :func:`measure` warms every method up (compiling kernels), then times
+the methods in alternating rounds, measures each one's peak memory in a run of its own, and
+compares each result with a float64 reference.
+"""
+
+import gc
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+MiB = 2.0**20
+
+
+@dataclass
+class Case:
+    """One workload at one size: ``methods`` maps a name to a callable that runs it once.
+
+    The first method is spchain's, the others are baselines. Each callable returns its
+    result (an array, a tensor, or a tuple of them), which is compared with ``reference()``,
+    a float64 result computed once; a method whose result is ``None`` gets no error figure.
+    ``device`` is ``"cpu"`` or ``"cuda"``: on CUDA every callable synchronises before it returns.
+    """
+
+    workload: str
+    name: str
+    methods: dict[str, Callable[[], Any]]
+    reference: Callable[[], Any] | None = None
+    device: str = "cpu"
+    slow: set[str] = field(default_factory=set)
+    """Methods so slow that one timed run is enough (the seed code's pairwise tree, say)."""
+
+
+@dataclass
+class Result:
+    """What :func:`measure` found for one method of one case."""
+
+    workload: str
+    case: str
+    method: str
+    times: list[float]
+    peak_bytes: float
+    max_rel_error: float
+
+    @property
+    def median(self) -> float:
+        return float(np.median(self.times))
+
+
+def to_numpy(value):
+    """``value`` (an array, tensor or scalar) as a float64 NumPy array."""
+    if hasattr(value, "detach"):
+        value = value.detach().cpu().double().numpy()
+    elif hasattr(value, "get"):
+        value = value.get()
+    return np.asarray(value, dtype=np.float64)
+
+
+def max_rel_error(result, reference) -> float:
+    """Largest ``|result - reference|`` over the largest ``|reference|``, over every part.
+
+    Entries that are equal (equal infinities included) count as exact; an infinity or NaN
+    where the reference has none makes the error infinite.
+    """
+    if not isinstance(reference, tuple):
+        result, reference = (result,), (reference,)
+    worst = 0.0
+    for r, ref in zip(result, reference):
+        r, ref = to_numpy(r), to_numpy(ref)
+        if r.shape != ref.shape:
+            return math.inf
+        same = (r == ref) | (np.isnan(r) & np.isnan(ref))
+        if not np.all(same | (np.isfinite(r) & np.isfinite(ref))):
+            return math.inf
+        finite_ref = ref[np.isfinite(ref)]
+        scale = float(np.max(np.abs(finite_ref))) if finite_ref.size else 0.0
+        diff = np.where(same, 0.0, np.abs(r - ref))
+        if diff.size and diff.max() > 0:
+            worst = max(worst, float(diff.max()) / (scale if scale > 0 else 1.0))
+    return worst
+
+
+def _rss_and_hwm() -> tuple[int, int]:
+    rss = hwm = 0
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                rss = int(line.split()[1]) * 1024
+            elif line.startswith("VmHWM:"):
+                hwm = int(line.split()[1]) * 1024
+    return rss, hwm
+
+
+def peak_host_bytes(fn: Callable[[], Any]) -> float:
+    """Resident memory that ``fn()`` added at its peak (Linux high-water mark, reset first).
+
+    torch's CPU allocations are invisible to ``tracemalloc``, so resident memory is the
+    honest measure. Returns NaN where the high-water mark cannot be reset.
+    """
+    gc.collect()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return math.nan
+    before, _ = _rss_and_hwm()
+    result = fn()
+    _, peak = _rss_and_hwm()
+    del result
+    return float(max(peak - before, 0))
+
+
+def peak_device_bytes(fn: Callable[[], Any]) -> float:
+    """Device memory that ``fn()`` added at its peak: torch's allocator plus CuPy's pool."""
+    import torch
+
+    from .. import _backend
+
+    cp = _backend.cupy()
+    pool = cp.get_default_memory_pool()
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    torch_before = torch.cuda.memory_allocated()
+    hook = _CupyPeakHook(pool.used_bytes())
+    with hook:
+        result = fn()
+        torch.cuda.synchronize()
+    del result
+    return float(torch.cuda.max_memory_allocated() - torch_before + hook.peak - hook.start)
+
+
+class _CupyPeakHook:
+    """A CuPy memory hook that records the pool's high-water mark."""
+
+    def __init__(self, start: int):
+        from cupy.cuda import memory_hook
+
+        class Hook(memory_hook.MemoryHook):
+            name = "spchain_peak"
+
+            def __init__(hook):
+                hook.used = hook.peak = start
+
+            def malloc_postprocess(hook, device_id, size, mem_size, mem_ptr, pmem_id):
+                hook.used += mem_size
+                hook.peak = max(hook.peak, hook.used)
+
+            def free_postprocess(hook, device_id, mem_size, mem_ptr, pmem_id):
+                hook.used -= mem_size
+
+        self.start = start
+        self._hook = Hook()
+
+    @property
+    def peak(self) -> int:
+        return self._hook.peak
+
+    def __enter__(self):
+        self._hook.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._hook.__exit__(*exc)
+
+
+def measure(case: Case, repeat: int, budget_s: float, tick: Callable[[], None] = lambda: None) -> list[Result]:
+    """Warm up, then time ``case``'s methods in ``repeat`` alternating rounds.
+
+    A method stops being repeated once its runs have taken ``budget_s`` seconds (at least
+    one timed run each). A method in ``case.slow`` is run once: that run is its timing and
+    its memory measurement (it compiles nothing, so it needs no warm-up). ``tick`` is called
+    after every run, for a progress bar.
+    """
+    peak = peak_device_bytes if case.device == "cuda" else peak_host_bytes
+    reference = case.reference() if case.reference is not None else None
+    times = {name: [] for name in case.methods}
+    peaks, errors = {}, {}
+
+    def run(name):
+        start = time.perf_counter()
+        out = case.methods[name]()
+        times[name].append(time.perf_counter() - start)
+        if name not in errors:
+            errors[name] = math.nan if reference is None or out is None else max_rel_error(out, reference)
+        return out
+
+    for name, fn in case.methods.items():
+        if name in case.slow:
+            peaks[name] = peak(lambda: run(name))
+        else:
+            fn()  # warm-up: compiles kernels, fills caches
+        tick()
+    for _ in range(repeat):
+        for name in case.methods:
+            if name not in case.slow and sum(times[name]) <= budget_s:
+                run(name)
+            tick()
+    for name, fn in case.methods.items():
+        if name not in peaks:
+            peaks[name] = peak(fn)
+        tick()
+    return [Result(case.workload, case.name, name, times[name], peaks[name], errors[name]) for name in case.methods]

@@ -1,0 +1,78 @@
+"""The DLPack bridge: torch tensors to NumPy/CuPy arrays and back, without copies.
+
+CPU tensors become NumPy arrays and CUDA tensors CuPy arrays that share their memory. Inside
+``device_of(...)``'s context, CuPy (and every Numba kernel spchain launches) runs on torch's
+current CUDA stream, so no synchronisation is needed on either side.
+
+>>> import torch
+>>> t = torch.zeros(3)
+>>> a = to_array(t)
+>>> a[0] = 1.0
+>>> float(t[0])
+1.0
+"""
+
+import contextlib
+
+import numpy as np
+import torch
+
+from .. import _backend
+
+
+def to_array(t: torch.Tensor):
+    """A NumPy (CPU) or CuPy (CUDA) array sharing ``t``'s memory.
+
+    ``t`` is detached; a non-contiguous ``t`` is made contiguous first (one copy), so that
+    kernels and DLPack always see a dense row-major layout.
+    """
+    if t.dtype == torch.bfloat16:
+        raise TypeError("bfloat16 tensors have no NumPy/CuPy dtype; convert with t.float() first")
+    t = t.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.device.type == "cpu":
+        return np.from_dlpack(t)
+    if t.device.type == "cuda":
+        return _backend.cupy().from_dlpack(t)
+    raise TypeError(f"spchain supports CPU and CUDA tensors, not {t.device.type} ones")
+
+
+def to_tensor(a) -> torch.Tensor:
+    """A tensor sharing ``a``'s memory (a NumPy or CuPy array).
+
+    A NumPy array that is read-only or not row-major contiguous (negative strides included)
+    is copied first: torch would otherwise write through a read-only view or reject the strides.
+    """
+    if isinstance(a, np.ndarray) and not (a.flags.c_contiguous and a.flags.writeable):
+        a = np.array(a, order="C")
+    return torch.from_dlpack(a)
+
+
+def check_same_device(caller: str, **tensors) -> torch.device:
+    """The one device of ``tensors`` (``None`` values ignored); ``ValueError`` naming two that differ."""
+    device = None
+    first = None
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{caller}: {name} must be a torch.Tensor, not {type(t).__name__}")
+        if device is None:
+            device, first = t.device, name
+        elif t.device != device:
+            raise ValueError(f"{caller}: {first} is on {device} but {name} is on {t.device}")
+    return device if device is not None else torch.device("cpu")
+
+
+@contextlib.contextmanager
+def on_device(device: torch.device):
+    """Run CuPy and spchain's kernels on ``device`` and torch's current stream there."""
+    if device.type != "cuda":
+        yield
+        return
+    cp = _backend.cupy()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = torch.cuda.current_stream(index)
+    with cp.cuda.Device(index), cp.cuda.ExternalStream(stream.cuda_stream, index):
+        yield

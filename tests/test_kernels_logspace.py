@@ -1,0 +1,112 @@
+"""The guarded log-space helpers: CPU directly, CUDA through tiny wrapper kernels."""
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from numba import cuda
+
+import reference
+from spchain.kernels.cpu import logspace as cpu_logspace
+from spchain.kernels.cuda import logspace as cuda_logspace
+
+SPECIAL = [-math.inf, math.inf, math.nan, 0.0, -1e300, 1e300, -745.0, 3.5]
+logs = st.one_of(st.sampled_from([-math.inf, math.nan]), st.floats(-1e4, 1e4))
+
+
+def fold(module, values):
+    m, s = -math.inf, 0.0
+    for v in values:
+        m, s = module.lse_push(m, s, v)
+    return module.lse_value(m, s)
+
+
+def assert_same(got, want):
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-12, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("a", SPECIAL)
+@pytest.mark.parametrize("b", SPECIAL)
+def test_log_add_exp_special_values(a, b):
+    assert_same(cpu_logspace.log_add_exp(a, b), reference.log_add_exp(a, b))
+
+
+@given(logs, logs)
+def test_log_add_exp_matches_reference(a, b):
+    assert_same(cpu_logspace.log_add_exp(a, b), reference.log_add_exp(a, b))
+
+
+@given(st.lists(logs, max_size=12))
+def test_running_log_sum_exp_matches_reference(values):
+    assert_same(fold(cpu_logspace, values), reference.log_sum_exp(values))
+
+
+@given(st.lists(logs, max_size=8), st.lists(logs, max_size=8))
+def test_merged_log_sum_exps_match_reference(left, right):
+    module = cpu_logspace
+    m1, s1 = -math.inf, 0.0
+    for v in left:
+        m1, s1 = module.lse_push(m1, s1, v)
+    m2, s2 = -math.inf, 0.0
+    for v in right:
+        m2, s2 = module.lse_push(m2, s2, v)
+    m, s = module.lse_merge(m1, s1, m2, s2)
+    assert_same(module.lse_value(m, s), reference.log_sum_exp(left + right))
+
+
+def test_all_minus_inf_gives_minus_inf_not_nan():
+    module = cpu_logspace
+    assert fold(module, [-math.inf] * 5) == -math.inf
+    assert module.log_add_exp(-math.inf, -math.inf) == -math.inf
+
+
+# Wrapper kernels live at module level: the simulator swaps the `cuda` module only in globals.
+@cuda.jit
+def log_add_exp_kernel(a, b, out):
+    start, step = cuda.grid(1), cuda.gridsize(1)
+    for i in range(start, a.size, step):
+        out[i] = cuda_logspace.log_add_exp(a[i], b[i])
+
+
+@cuda.jit
+def row_log_sum_exp_kernel(x, out):
+    """One row per block (grid-stride over rows): each of 4 threads folds a strided part with
+    lse_push, then thread 0 merges the partial sums with lse_merge."""
+    m_part = cuda.shared.array(4, np.float64)
+    s_part = cuda.shared.array(4, np.float64)
+    for row in range(cuda.blockIdx.x, x.shape[0], cuda.gridDim.x):
+        m, s = -math.inf, 0.0
+        for j in range(cuda.threadIdx.x, x.shape[1], cuda.blockDim.x):
+            m, s = cuda_logspace.lse_push(m, s, x[row, j])
+        m_part[cuda.threadIdx.x] = m
+        s_part[cuda.threadIdx.x] = s
+        cuda.syncthreads()
+        if cuda.threadIdx.x == 0:
+            m, s = m_part[0], s_part[0]
+            for t in range(1, cuda.blockDim.x):
+                m, s = cuda_logspace.lse_merge(m, s, m_part[t], s_part[t])
+            out[row] = cuda_logspace.lse_value(m, s)
+        cuda.syncthreads()
+
+
+@pytest.mark.cuda_kernel
+def test_cuda_log_add_exp_matches_reference(small_launch):
+    a = np.array(SPECIAL * len(SPECIAL))
+    b = np.repeat(SPECIAL, len(SPECIAL))
+    out = np.empty_like(a)
+    log_add_exp_kernel[small_launch.blocks_for(a.size), small_launch.THREADS_PER_BLOCK](a, b, out)
+    assert_same(out, reference.log_add_exp(a, b))
+
+
+@pytest.mark.cuda_kernel
+def test_cuda_running_and_merged_log_sum_exp_match_reference(rng):
+    x = rng.normal(scale=50, size=(7, 9))
+    x[1] = -math.inf
+    x[2, 3] = math.nan
+    x[3, ::2] = -math.inf
+    x[4, 5] = math.inf
+    out = np.empty(7)
+    row_log_sum_exp_kernel[3, 4](x, out)
+    assert_same(out, reference.log_sum_exp(x, axis=1))

@@ -1,0 +1,102 @@
+"""The DLPack bridge between torch tensors and NumPy/CuPy arrays (spchain/torch/_bridge.py)."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from spchain.torch import _bridge  # noqa: E402
+
+
+def test_tensor_to_array_shares_memory():
+    t = torch.zeros(4, 3)
+    a = _bridge.to_array(t)
+    a[1, 2] = 5.0
+    assert t[1, 2] == 5.0
+    t[0, 0] = -1.0
+    assert a[0, 0] == -1.0
+
+
+def test_array_to_tensor_shares_memory():
+    a = np.zeros((2, 5), np.float32)
+    t = _bridge.to_tensor(a)
+    t[1, 4] = 7.0
+    assert a[1, 4] == 7.0 and t.dtype == torch.float32
+
+
+def test_requires_grad_tensor_is_detached():
+    t = torch.ones(3, requires_grad=True)
+    assert _bridge.to_array(t).tolist() == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.arange(12.0).reshape(3, 4).t(),
+        lambda: torch.arange(20.0)[::3],
+        lambda: torch.arange(3.0).expand(4, 3),
+        lambda: torch.zeros(0, 3),
+    ],
+    ids=["transposed", "sliced", "zero-stride", "empty"],
+)
+def test_non_contiguous_tensors_become_contiguous_arrays(make):
+    t = make()
+    a = _bridge.to_array(t)
+    assert a.flags.c_contiguous
+    np.testing.assert_array_equal(a, t.numpy())
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: np.arange(6.0)[::-1],
+        lambda: np.arange(12.0).reshape(3, 4).T,
+        lambda: np.broadcast_to(np.arange(3.0), (2, 3)),
+    ],
+    ids=["negative-stride", "fortran-order", "read-only-broadcast"],
+)
+def test_odd_layouts_are_copied_not_handed_to_dlpack(make):
+    a = make()
+    t = _bridge.to_tensor(a)
+    np.testing.assert_array_equal(t.numpy(), a)
+
+
+def test_read_only_array_is_never_written_through_the_tensor():
+    a = np.arange(4.0)
+    a.flags.writeable = False
+    t = _bridge.to_tensor(a)
+    t += 1
+    np.testing.assert_array_equal(a, np.arange(4.0))
+
+
+def test_bfloat16_is_a_type_error_before_dlpack():
+    with pytest.raises(TypeError, match="bfloat16"):
+        _bridge.to_array(torch.ones(2, dtype=torch.bfloat16))
+
+
+def test_tensors_on_different_devices_are_a_value_error():
+    with pytest.raises(ValueError, match=r"x is on cpu but w is on meta"):
+        _bridge.check_same_device("f", x=torch.ones(2), bias=None, w=torch.ones(2, device="meta"))
+    assert _bridge.check_same_device("f", x=torch.ones(2), bias=None) == torch.device("cpu")
+
+
+def test_non_tensor_is_a_type_error():
+    with pytest.raises(TypeError, match="x must be a torch.Tensor, not ndarray"):
+        _bridge.check_same_device("f", x=np.ones(2))
+
+
+@pytest.mark.gpu
+def test_cuda_tensor_round_trip_shares_memory_on_the_current_stream():
+    from spchain import _backend
+
+    cp = _backend.cupy()
+    t = torch.zeros(3, device="cuda")
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream), _bridge.on_device(t.device):
+        assert cp.cuda.get_current_stream().ptr == stream.cuda_stream
+        a = _bridge.to_array(t)
+        a += 2
+        back = _bridge.to_tensor(a)
+    torch.cuda.synchronize()
+    assert isinstance(a, cp.ndarray)
+    assert t.tolist() == [2.0, 2.0, 2.0] and back.data_ptr() == t.data_ptr()
