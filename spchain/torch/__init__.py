@@ -1,0 +1,6 @@
+"""spchain for torch tensors (CPU and CUDA), with autograd.
+
+The functions have the names and signatures of the array API; tensors cross to NumPy/CuPy and
+back through a zero-copy DLPack bridge, on torch's current CUDA stream. Import this subpackage
+explicitly (``import spchain.torch``); ``import spchain`` never imports torch.
+"""
