@@ -18,7 +18,7 @@ import sys
 from .core import Case, measure
 from .report import plot, table
 
-WORKLOADS = {}
+WORKLOADS = {"sparse-linear": "sparse"}
 """Workload name → module (relative to this package) with ``CASES`` and ``make_case``."""
 
 

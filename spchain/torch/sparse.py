@@ -274,7 +274,7 @@ class _SparseLinear(torch.autograd.Function):
             y, x_saved = _sparse.linear(backend, csr, va, xa, ba, dtype)
         need_x, need_values = ctx.needs_input_grad[:2]
         ctx.save_for_backward(_as_tensor(x_saved) if need_values else None, values if need_x else None, indptr, indices)
-        ctx.shape, ctx.x_shape, ctx.dtype = shape, x.shape, dtype
+        ctx.shape, ctx.x_shape, ctx.x_row_major, ctx.dtype = shape, x.shape, x2.is_contiguous(), dtype
         ctx.dtypes = (x.dtype, values.dtype, None if bias is None else bias.dtype)
         return _as_tensor(y).reshape(*x.shape[:-1], shape[0])
 
@@ -293,6 +293,8 @@ class _SparseLinear(torch.autograd.Function):
             csr, transpose = _STRUCTURES.get(backend, indptr, indices, (ia, ja), ctx.shape, caller)
             grad_x, grad_values = _sparse.linear_backward(backend, csr, transpose, va, ga, xa, ctx.dtype,
                                                           need_x, need_values)
+            if grad_x is not None and ctx.x_row_major:  # x's layout, as autograd prefers for a leaf
+                grad_x = _sparse.contiguous(backend, grad_x)
         x_dtype, values_dtype, bias_dtype = ctx.dtypes
         if grad_x is not None:
             grad_x = _as_tensor(grad_x).reshape(ctx.x_shape).to(x_dtype)
