@@ -32,17 +32,6 @@ def test_spmm_matches_scipy_with_bias(rng, index_dtype, dtype):
     np.testing.assert_allclose(out, want, rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_sddmm_matches_dense_product_sampled_at_the_pattern(rng, dtype):
-    indptr, indices, _ = random_csr(rng, 31, 19, 0.3)
-    a = rng.standard_normal((31, 13)).astype(dtype)
-    b = rng.standard_normal((19, 13)).astype(dtype)
-    out = np.full(indices.size, np.nan, dtype)
-    cpu_sparse.sddmm(indptr, indices, a, b, out)
-    rows, cols = reference.entries(indptr, indices)
-    np.testing.assert_allclose(out, reference.sampled_product(rows, cols, a, b), rtol=1e-5, atol=1e-5)
-
-
 def test_group_by_is_a_stable_counting_sort(rng):
     keys = rng.integers(0, 7, 50).astype(np.int32)
     keys[keys == 3] = 4  # an empty group
@@ -60,32 +49,39 @@ def test_transpose(rng, shape):
     np.testing.assert_array_equal(out, a.T)
 
 
-# --- CUDA, under the simulator (NUMBA_ENABLE_CUDASIM=1) or on a GPU --------------------------
+# --- SDDMM on both targets: CUDA under the simulator (NUMBA_ENABLE_CUDASIM=1) or on a GPU ----
+
+TARGETS = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda_kernel)]
 
 
-@pytest.mark.cuda_kernel
+def sddmm(target, indptr, indices, a, b, out):
+    if target == "cpu":
+        cpu_sparse.sddmm(indptr, indices, a, b, out)
+    else:
+        from spchain.kernels.cuda import sparse as cuda_sparse
+
+        cuda_sparse.launch_sddmm(indptr, indices, a, b, out)
+
+
+@pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_cuda_sddmm_matches_dense_product_multi_block(rng, small_launch, dtype):
-    from spchain.kernels.cuda import sparse as cuda_sparse
-
+def test_sddmm_matches_dense_product_sampled_at_the_pattern(rng, small_launch, target, dtype):
     indptr, indices, _ = random_csr(rng, 9, 7, 0.4)  # more entries than 3 blocks x 4 threads
     assert indices.size > small_launch.MAX_BLOCKS * small_launch.THREADS_PER_BLOCK
     a = rng.standard_normal((9, 5)).astype(dtype)
     b = rng.standard_normal((7, 5)).astype(dtype)
     out = np.full(indices.size, np.nan, dtype)
-    cuda_sparse.launch_sddmm(indptr, indices, a, b, out)
+    sddmm(target, indptr, indices, a, b, out)
     rows, cols = reference.entries(indptr, indices)
     np.testing.assert_allclose(out, reference.sampled_product(rows, cols, a, b), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.cuda_kernel
-def test_cuda_sddmm_finds_rows_past_empty_ones(small_launch):
-    from spchain.kernels.cuda import sparse as cuda_sparse
-
+@pytest.mark.parametrize("target", TARGETS)
+def test_sddmm_finds_rows_past_empty_ones(small_launch, target):
     indptr = np.array([0, 0, 2, 2, 2, 3, 3], np.int64)  # rows 0, 2, 3 and 5 are empty
     indices = np.array([1, 0, 1], np.int64)
     a = np.arange(12.0).reshape(6, 2)
     b = np.array([[1.0, 0.0], [0.0, 1.0]])
     out = np.empty(3)
-    cuda_sparse.launch_sddmm(indptr, indices, a, b, out)
+    sddmm(target, indptr, indices, a, b, out)
     np.testing.assert_array_equal(out, [a[1, 1], a[1, 0], a[4, 1]])
