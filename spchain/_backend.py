@@ -54,6 +54,17 @@ class Backend:
         """The Numba handle of CuPy's current stream, for launching kernels on it."""
         return numba_cuda().external_stream(self.xp.cuda.get_current_stream().ptr)
 
+    def kernel(self, module: str, op: str):
+        """Kernel ``op`` of ``kernels/cpu/<module>.py``, or on the GPU the launcher
+        ``launch_<op>`` of ``kernels/cuda/<module>.py``, bound to CuPy's current stream.
+
+        Importing the kernel module here, on first use, keeps ``import spchain`` light.
+        """
+        if self.device is None:
+            return getattr(importlib.import_module(f".kernels.cpu.{module}", __package__), op)
+        launcher = getattr(importlib.import_module(f".kernels.cuda.{module}", __package__), f"launch_{op}")
+        return functools.partial(launcher, stream=self.numba_stream())
+
     def to_host(self, a):
         """``a`` as a NumPy array (a copy from the device on the GPU)."""
         return a if self.device is None else a.get()
@@ -97,6 +108,14 @@ def numba_cuda() -> ModuleType:
     if not cuda.is_available():
         raise CudaUnavailableError(f"numba.cuda finds no usable GPU; {_CUDA_INSTALL}")
     return cuda
+
+
+def scatter_add(xp, out, indices, values) -> None:
+    """``out[indices] += values`` with repeated indices summed (``np.add.at``; cupyx on the GPU)."""
+    if xp is np:
+        np.add.at(out, indices, values)
+    else:
+        importlib.import_module("cupyx").scatter_add(out, indices, values)
 
 
 def torch_or_none() -> ModuleType | None:

@@ -17,3 +17,79 @@ def log_sum_exp(values, axis=None):
         return np.full(np.sum(values, axis=axis).shape, -np.inf) if axis is not None else -np.inf
     with np.errstate(divide="ignore", invalid="ignore"):
         return logsumexp(values, axis=axis)
+
+
+def _chain_inputs(x, log_trans, log_init, lengths):
+    """Float64 copies broadcast to one batch shape: x (..., v, c), trans (..., S, c, c), init, lengths."""
+    x = np.asarray(x, np.float64)
+    log_trans = np.asarray(log_trans, np.float64)
+    v, c = x.shape[-2:]
+    if log_trans.ndim != x.ndim + 1:  # shared by all steps
+        log_trans = log_trans[..., None, :, :]
+    log_init = np.zeros(c) if log_init is None else np.asarray(log_init, np.float64)
+    lengths = np.full((), v) if lengths is None else np.asarray(lengths)
+    batch = np.broadcast_shapes(x.shape[:-2], log_trans.shape[:-3], log_init.shape[:-1], lengths.shape)
+    return (np.broadcast_to(x, batch + (v, c)), np.broadcast_to(log_trans, batch + log_trans.shape[-3:]),
+            np.broadcast_to(log_init, batch + (c,)), np.broadcast_to(lengths, batch))
+
+
+def chain_logsumexp(x, log_trans, log_init=None, lengths=None):
+    """The forward algorithm in float64, one chain and one step at a time."""
+    x, trans, init, lengths = _chain_inputs(x, log_trans, log_init, lengths)
+    out = np.empty(x.shape[:-2])
+    for index in np.ndindex(out.shape):
+        alpha = init[index] + x[index][0]
+        for t in range(1, int(lengths[index])):
+            step = trans[index][min(t - 1, trans.shape[-3] - 1)]
+            alpha = log_sum_exp(alpha[:, None] + step, axis=0) + x[index][t]
+        out[index] = log_sum_exp(alpha)
+    return out
+
+
+def chain_paths(x, log_trans, log_init=None, length=None):
+    """Brute force for one chain: ``(scores, paths)`` of every state sequence, in float64."""
+    x, trans, init, length = _chain_inputs(x, log_trans, log_init, length)
+    assert x.ndim == 2, "one chain at a time"
+    v, c = x.shape
+    paths = np.array(list(np.ndindex(*(c,) * int(length))), dtype=np.int64).reshape(-1, int(length))
+    scores = init[paths[:, 0]] + x[0, paths[:, 0]]
+    for t in range(1, int(length)):
+        step = trans[min(t - 1, trans.shape[0] - 1)]
+        scores = scores + step[paths[:, t - 1], paths[:, t]] + x[t, paths[:, t]]
+    return scores, paths
+
+
+def chain_marginals_by_paths(x, log_trans, log_init=None, length=None):
+    """Posterior marginals of one chain by enumerating its paths (zero past ``length``)."""
+    scores, paths = chain_paths(x, log_trans, log_init, length)
+    v, c = np.shape(x)
+    out = np.zeros((v, c))
+    total = log_sum_exp(scores)
+    if total == -np.inf:
+        return out
+    weights = np.exp(scores - total)
+    for t in range(paths.shape[1]):
+        np.add.at(out[t], paths[:, t], weights)
+    return out
+
+
+def chain_logsumexp_torch(x, log_trans, log_init=None, lengths=None):
+    """The forward algorithm as a differentiable torch recursion (float64 autograd reference)."""
+    import torch
+
+    v, c = x.shape[-2:]
+    if log_trans.ndim != x.ndim + 1:
+        log_trans = log_trans[..., None, :, :]
+    if log_init is None:
+        log_init = torch.zeros(c, dtype=x.dtype)
+    alpha = log_init + x[..., 0, :]
+    outs = [torch.logsumexp(alpha, -1)]
+    for t in range(1, v):
+        step = log_trans[..., min(t - 1, log_trans.shape[-3] - 1), :, :]
+        alpha = torch.logsumexp(alpha[..., :, None] + step, dim=-2) + x[..., t, :]
+        outs.append(torch.logsumexp(alpha, -1))
+    outs = torch.stack(torch.broadcast_tensors(*outs), -1)
+    if lengths is None:
+        return outs[..., -1]
+    index = torch.as_tensor(lengths).expand(outs.shape[:-1])[..., None] - 1
+    return outs.gather(-1, index)[..., 0]

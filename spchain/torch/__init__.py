@@ -4,3 +4,7 @@ The functions have the names and signatures of the array API; tensors cross to N
 back through a zero-copy DLPack bridge, on torch's current CUDA stream. Import this subpackage
 explicitly (``import spchain.torch``); ``import spchain`` never imports torch.
 """
+
+from .chain import chain_logsumexp, chain_marginals
+
+__all__ = ["chain_logsumexp", "chain_marginals"]

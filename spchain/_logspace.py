@@ -1,0 +1,98 @@
+"""Array-level log-space building blocks, written once against ``xp`` (NumPy or CuPy).
+
+``log_matmul`` is the fast and exact log-semiring product that the chain sweep, ``logmatmul``
+and ``log_chain_product`` share: one GEMM in scaled (exp) space with max shifts on both sides,
+then the entries where that product lost its answer to underflow are found and recomputed
+exactly in log space.
+"""
+
+import numpy as np
+
+FIXUP_CHUNK = 1 << 22
+"""Elements gathered at a time when recomputing lost entries (bounds their extra memory)."""
+
+
+def finite_or_zero(xp, shift):
+    """``shift`` with non-finite entries replaced by 0, so ``exp(v - shift)`` never makes NaN
+    from ``-inf - -inf``; a NaN shift also becomes 0, and the NaN then flows through ``v``."""
+    return xp.where(xp.isfinite(shift), shift, 0)
+
+
+def logsumexp(xp, v, axis: int, keepdims: bool = False):
+    """``log(sum(exp(v)))`` along ``axis``, max-shifted; ``-inf`` for all ``-inf`` (or empty)."""
+    if v.shape[axis] == 0:
+        shape = list(v.shape)
+        shape[axis] = 1
+        out = xp.full(shape, -np.inf, dtype=v.dtype)
+        return out if keepdims else out.squeeze(axis)
+    shift = finite_or_zero(xp, v.max(axis=axis, keepdims=True))
+    total = xp.exp(v - shift).sum(axis=axis, keepdims=True)
+    with np.errstate(divide="ignore"):
+        out = xp.log(total) + shift
+    return out if keepdims else out.squeeze(axis)
+
+
+def underflow_threshold(dtype, k: int) -> float:
+    """Below this, a sum of ``k`` scaled products may have lost more than one ulp to underflow.
+
+    Every term that underflowed is below ``tiny``, so together they are below ``k * tiny``;
+    a sum of at least ``k * tiny / eps`` has lost less than ``eps`` of itself to them.
+    """
+    info = np.finfo(dtype)
+    return float(max(k, 1) * info.tiny / info.eps)
+
+
+def log_matmul(xp, a, b):
+    """``log(exp(a) @ exp(b))`` over the last two axes, leading axes broadcast.
+
+    ``a`` (..., m, k) and ``b`` (..., k, n) of one float dtype. Never builds an (m, k, n)
+    tensor: the product is one GEMM on ``exp(a - rowmax(a))`` and ``exp(b - colmax(b))``.
+    An entry whose scaled sum fell below :func:`underflow_threshold` (the row's and the
+    column's maxima sit at different ``k``, far apart) is recomputed exactly in log space;
+    rows or columns that are all ``-inf`` are exactly ``-inf`` and need no recompute.
+    """
+    k = a.shape[-1]
+    shape = np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1])
+    if k == 0 or 0 in shape:
+        return xp.full(shape, -np.inf, dtype=a.dtype)
+    row_max = a.max(axis=-1, keepdims=True)
+    col_max = b.max(axis=-2, keepdims=True)
+    row_shift = finite_or_zero(xp, row_max)
+    col_shift = finite_or_zero(xp, col_max)
+    scaled = xp.matmul(xp.exp(a - row_shift), xp.exp(b - col_shift))
+    with np.errstate(divide="ignore"):
+        out = xp.log(scaled)
+    out += row_shift
+    out += col_shift
+    lost = scaled < underflow_threshold(a.dtype, k)
+    lost &= row_max > -np.inf
+    lost &= col_max > -np.inf
+    if lost.any():
+        _recompute_lost(xp, a, b, out, lost)
+    return out
+
+
+def _recompute_lost(xp, a, b, out, lost):
+    """Overwrite ``out`` where ``lost`` with the exact log-space sums.
+
+    Where many entries are lost (structural zeros: a left-to-right chain, say), one 0/1 GEMM
+    first rules out the entries with no finite term at all, which are exactly ``-inf``.
+    """
+    m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+    count = int(lost.sum())
+    if count * k > FIXUP_CHUNK:
+        dtype = a.dtype
+        support = xp.matmul((a > -np.inf).astype(dtype), (b > -np.inf).astype(dtype)) > 0
+        lost &= support
+    batch_shape = out.shape[:-2]
+    a3 = a.reshape((-1, m, k))
+    b3 = b.reshape((-1, k, n))
+    a_index = xp.broadcast_to(xp.arange(a3.shape[0]).reshape(a.shape[:-2] or (1,)), batch_shape).reshape(-1)
+    b_index = xp.broadcast_to(xp.arange(b3.shape[0]).reshape(b.shape[:-2] or (1,)), batch_shape).reshape(-1)
+    flat_out = out.reshape((-1, m, n))
+    batch, rows, cols = xp.nonzero(lost.reshape((-1, m, n)))
+    step = max(1, FIXUP_CHUNK // k)
+    for start in range(0, batch.shape[0], step):
+        p_batch, p_rows, p_cols = batch[start:start + step], rows[start:start + step], cols[start:start + step]
+        terms = a3[a_index[p_batch], p_rows, :] + b3[b_index[p_batch], :, p_cols]
+        flat_out[p_batch, p_rows, p_cols] = logsumexp(xp, terms, axis=-1)
