@@ -173,3 +173,18 @@ def test_repeated_forward_backward_does_not_leak():
         step()
     gc.collect()
     assert _rss() - before < 16 * 2**20
+
+
+@pytest.mark.gpu
+def test_cuda_tensors_match_cpu(algorithm):
+    x, trans, init = inputs((5,), 6, 4)
+    cpu = [t.clone().requires_grad_() for t in (x, trans, init)]
+    gpu = [t.cuda().requires_grad_() for t in (x, trans, init)]
+    lengths = torch.tensor([6, 3, 1, 6, 2])
+    out_cpu = st.chain_logsumexp(*cpu, lengths=lengths)
+    out_gpu = st.chain_logsumexp(*gpu, lengths=lengths.cuda())
+    out_cpu.sum().backward()
+    out_gpu.sum().backward()
+    torch.testing.assert_close(out_gpu.cpu(), out_cpu)
+    for a, b in zip(gpu, cpu):
+        torch.testing.assert_close(a.grad.cpu(), b.grad)

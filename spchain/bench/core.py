@@ -6,6 +6,8 @@ the methods in alternating rounds, measures each one's peak memory in a run of i
 compares each result with a float64 reference.
 """
 
+import ctypes
+import functools
 import gc
 import math
 import time
@@ -96,12 +98,30 @@ def _rss_and_hwm() -> tuple[int, int]:
     return rss, hwm
 
 
+@functools.cache
+def _return_freed_memory() -> None:
+    """Make glibc give large freed blocks back to the system at once.
+
+    By default glibc raises its mmap threshold after the first large free, and later large
+    blocks are then reused from a heap that stays resident: a run's new allocations would not
+    show in the resident set. A fixed threshold keeps every large block in its own mapping.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    libc.mallopt(m_mmap_threshold, 1 << 16)
+    libc.mallopt(m_trim_threshold, 1 << 17)
+
+
 def peak_host_bytes(fn: Callable[[], Any]) -> float:
     """Resident memory that ``fn()`` added at its peak (Linux high-water mark, reset first).
 
     torch's CPU allocations are invisible to ``tracemalloc``, so resident memory is the
     honest measure. Returns NaN where the high-water mark cannot be reset.
     """
+    _return_freed_memory()
     gc.collect()
     try:
         with open("/proc/self/clear_refs", "w") as f:

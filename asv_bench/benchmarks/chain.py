@@ -1,0 +1,10 @@
+"""asv: the chain workload (spchain.bench.chain) beside the PyTorch baselines."""
+
+from spchain.bench import chain
+
+from . import common
+
+
+class Chain(common.WorkloadBenchmark):
+    workload = "chain"
+    params = [chain.CASES, ["spchain", "torch sequential logsumexp", "torch pairwise tree (seed code)"]]
