@@ -8,6 +8,8 @@ exactly in log space.
 
 import numpy as np
 
+from . import _backend
+
 FIXUP_CHUNK = 1 << 22
 """Elements gathered at a time when recomputing lost entries (bounds their extra memory)."""
 
@@ -72,6 +74,67 @@ def log_matmul(xp, a, b):
     return out
 
 
+def log_matmul_grads(xp, a, b, out, grad, need_a: bool = True, need_b: bool = True):
+    """Gradients of ``sum(grad * log_matmul(a, b))``: ``(d a, d b)``, of the broadcast batch shape.
+
+    ``out`` is the forward result. Never builds an (m, k, n) tensor: with the forward's
+    scaled product ``r`` recomputed, ``d a = u * ((grad / r) @ e^T)`` and
+    ``d b = e * (u^T @ (grad / r))``, where ``u = exp(a - rowmax)`` and ``e = exp(b - colmax)``
+    (the softmax weights, rebuilt from the max shifts); the weights ``grad / r`` are exact
+    whatever the magnitude of the logs. Entries whose ``r`` underflowed contribute exactly, in
+    log space, instead. Entries where ``out`` is ``-inf`` have no weight and contribute 0.
+    Returns ``None`` for a gradient that is not needed.
+    """
+    batch_shape = out.shape[:-2]
+    m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+    grad_a = xp.zeros(batch_shape + (m, k), a.dtype) if need_a else None
+    grad_b = xp.zeros(batch_shape + (k, n), a.dtype) if need_b else None
+    if 0 in out.shape or k == 0:
+        return grad_a, grad_b
+    u = xp.exp(a - finite_or_zero(xp, a.max(axis=-1, keepdims=True)))
+    e = xp.exp(b - finite_or_zero(xp, b.max(axis=-2, keepdims=True)))
+    scaled = xp.matmul(u, e)
+    lost = scaled < underflow_threshold(a.dtype, k)
+    # weights scaled to at most 1 so that grad / r cannot overflow; NaN flows through
+    scale = float(xp.where(xp.isfinite(grad), xp.abs(grad), 0).max()) or 1.0
+    w = xp.where(lost | (grad == 0), 0, (grad / scale) / xp.where(lost, 1, scaled))
+    if need_a:
+        grad_a += scale * u * xp.matmul(w, e.swapaxes(-1, -2))
+    if need_b:
+        grad_b += scale * e * xp.matmul(u.swapaxes(-1, -2), w)
+    exact = lost & (grad != 0) & (out > -np.inf)
+    if exact.any():
+        a3, b3, a_index, b_index = _batched(xp, a, b, batch_shape)
+        batch, rows, cols = xp.nonzero(exact.reshape((-1, m, n)))
+        flat_grad, flat_out = grad.reshape((-1, m, n)), out.reshape((-1, m, n))
+        ks = xp.arange(k)[None, :]
+        for p in _chunks(batch.shape[0], k):
+            pb, pr, pc = batch[p], rows[p], cols[p]
+            terms = flat_grad[pb, pr, pc][:, None] * xp.exp(
+                a3[a_index[pb], pr, :] + b3[b_index[pb], :, pc] - flat_out[pb, pr, pc][:, None])
+            if need_a:
+                _backend.scatter_add(xp, grad_a.reshape((-1, m, k)), (pb[:, None], pr[:, None], ks), terms)
+            if need_b:
+                _backend.scatter_add(xp, grad_b.reshape((-1, k, n)), (pb[:, None], ks, pc[:, None]), terms)
+    return grad_a, grad_b
+
+
+def _batched(xp, a, b, batch_shape):
+    """``a`` (Ba, m, k), ``b`` (Bb, k, n) and, per flat index of ``batch_shape``, theirs."""
+    full = batch_shape or (1,)
+    a3 = a.reshape((-1,) + a.shape[-2:])
+    b3 = b.reshape((-1,) + b.shape[-2:])
+    a_index = xp.broadcast_to(xp.arange(a3.shape[0]).reshape(a.shape[:-2] or (1,)), full).reshape(-1)
+    b_index = xp.broadcast_to(xp.arange(b3.shape[0]).reshape(b.shape[:-2] or (1,)), full).reshape(-1)
+    return a3, b3, a_index, b_index
+
+
+def _chunks(count: int, width: int):
+    """Slices of ``range(count)`` whose gathered ``(len, width)`` blocks stay under FIXUP_CHUNK."""
+    step = max(1, FIXUP_CHUNK // max(width, 1))
+    return [slice(start, start + step) for start in range(0, count, step)]
+
+
 def _recompute_lost(xp, a, b, out, lost):
     """Overwrite ``out`` where ``lost`` with the exact log-space sums.
 
@@ -84,15 +147,9 @@ def _recompute_lost(xp, a, b, out, lost):
         dtype = a.dtype
         support = xp.matmul((a > -np.inf).astype(dtype), (b > -np.inf).astype(dtype)) > 0
         lost &= support
-    batch_shape = out.shape[:-2]
-    a3 = a.reshape((-1, m, k))
-    b3 = b.reshape((-1, k, n))
-    a_index = xp.broadcast_to(xp.arange(a3.shape[0]).reshape(a.shape[:-2] or (1,)), batch_shape).reshape(-1)
-    b_index = xp.broadcast_to(xp.arange(b3.shape[0]).reshape(b.shape[:-2] or (1,)), batch_shape).reshape(-1)
+    a3, b3, a_index, b_index = _batched(xp, a, b, out.shape[:-2])
     flat_out = out.reshape((-1, m, n))
     batch, rows, cols = xp.nonzero(lost.reshape((-1, m, n)))
-    step = max(1, FIXUP_CHUNK // k)
-    for start in range(0, batch.shape[0], step):
-        p_batch, p_rows, p_cols = batch[start:start + step], rows[start:start + step], cols[start:start + step]
-        terms = a3[a_index[p_batch], p_rows, :] + b3[b_index[p_batch], :, p_cols]
-        flat_out[p_batch, p_rows, p_cols] = logsumexp(xp, terms, axis=-1)
+    for p in _chunks(batch.shape[0], k):
+        pb, pr, pc = batch[p], rows[p], cols[p]
+        flat_out[pb, pr, pc] = logsumexp(xp, a3[a_index[pb], pr, :] + b3[b_index[pb], :, pc], axis=-1)

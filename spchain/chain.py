@@ -241,39 +241,12 @@ def _backward_gemm(chain: _Chain, pre, norm, weight, grad_trans):
         if grad_trans is not None:
             before = xp.where(active, _normalised(xp, pre4[:, :, t - 1], x[:, :, t - 1], norm3[:, :, t - 1]), -np.inf)
             step = t - 1 if chain.per_step else 0
-            _add_transition_grad(xp, before, trans, pre4[:, :, t], grad_x[:, :, t], grad_trans[:, step])
+            _, counts = _logspace.log_matmul_grads(xp, before, trans, pre4[:, :, t], grad_x[:, :, t], need_a=False)
+            grad_trans[:, step] += counts
         y = xp.where(active, x[:, :, t] + beta, -np.inf)
         d = norm3[:, :, t, None]
         beta = xp.where(d == -np.inf, -np.inf, _logspace.log_matmul(xp, y, trans.swapaxes(-1, -2)) - d)
     return grad_x.reshape(rows, v, c)
-
-
-def _add_transition_grad(xp, before, trans, pre_next, weighted, out):
-    """``out[g, i, j] += sum_b weighted[g, b, j] * exp(before[g, b, i] + trans[g, i, j] - pre_next[g, b, j])``.
-
-    One GEMM in scaled space: the forward step's scaled product ``r`` is recomputed (so the
-    weights ``weighted / r`` are exact whatever the magnitude of the logs), and entries whose
-    ``r`` underflowed are added exactly in log space instead.
-    """
-    # the weights are scaled to at most 1 so that weights / r cannot overflow; NaN weights
-    # flow through the GEMM into the entries they reach
-    scale = float(xp.where(xp.isfinite(weighted), xp.abs(weighted), 0).max()) or 1.0
-    row_shift = _logspace.finite_or_zero(xp, before.max(axis=-1, keepdims=True))
-    col_shift = _logspace.finite_or_zero(xp, trans.max(axis=-2, keepdims=True))
-    u = xp.exp(before - row_shift)
-    e = xp.exp(trans - col_shift)
-    scaled = xp.matmul(u, e)
-    lost = (scaled < _logspace.underflow_threshold(scaled.dtype, trans.shape[-2])) & (weighted != 0)
-    w = xp.where(lost | (weighted == 0), 0, (weighted / scale) / xp.where(lost, 1, scaled))
-    out += scale * e * xp.matmul(u.swapaxes(-1, -2), w)
-    if lost.any():
-        g, b, j = xp.nonzero(lost)
-        step = max(1, _logspace.FIXUP_CHUNK // max(trans.shape[-2], 1))
-        for start in range(0, g.shape[0], step):
-            pg, pb, pj = g[start:start + step], b[start:start + step], j[start:start + step]
-            terms = weighted[pg, pb, pj][:, None] * xp.exp(
-                before[pg, pb, :] + trans[pg, :, pj] - pre_next[pg, pb, pj][:, None])
-            _backend.scatter_add(xp, out, (pg[:, None], xp.arange(trans.shape[-2])[None, :], pj[:, None]), terms)
 
 
 def chain_logsumexp(x, log_trans, log_init=None, *, lengths=None):
