@@ -104,26 +104,31 @@ def log_matmul_grads(xp, a, b, out, grad, need_a: bool = True, need_b: bool = Tr
         grad_b += scale * e * xp.matmul(u.swapaxes(-1, -2), w)
     exact = lost & (grad != 0) & (out > -np.inf)
     if exact.any():
-        a3, b3, a_index, b_index = _batched(xp, a, b, batch_shape)
-        batch, rows, cols = xp.nonzero(exact.reshape((-1, m, n)))
-        flat_grad, flat_out = grad.reshape((-1, m, n)), out.reshape((-1, m, n))
+        a3, b3, a_index, b_index = batched_operands(xp, a, b, batch_shape)
+        batch, rows, cols = xp.nonzero(flat_batch(exact))
+        flat_grad, flat_out = flat_batch(grad), flat_batch(out)
         ks = xp.arange(k)[None, :]
         for p in _chunks(batch.shape[0], k):
             pb, pr, pc = batch[p], rows[p], cols[p]
             terms = flat_grad[pb, pr, pc][:, None] * xp.exp(
                 a3[a_index[pb], pr, :] + b3[b_index[pb], :, pc] - flat_out[pb, pr, pc][:, None])
             if need_a:
-                _backend.scatter_add(xp, grad_a.reshape((-1, m, k)), (pb[:, None], pr[:, None], ks), terms)
+                _backend.scatter_add(xp, flat_batch(grad_a), (pb[:, None], pr[:, None], ks), terms)
             if need_b:
-                _backend.scatter_add(xp, grad_b.reshape((-1, k, n)), (pb[:, None], ks, pc[:, None]), terms)
+                _backend.scatter_add(xp, flat_batch(grad_b), (pb[:, None], ks, pc[:, None]), terms)
     return grad_a, grad_b
 
 
-def _batched(xp, a, b, batch_shape):
-    """``a`` (Ba, m, k), ``b`` (Bb, k, n) and, per flat index of ``batch_shape``, theirs."""
+def flat_batch(a, tail: int = 2):
+    """``a`` with its leading axes (all but the last ``tail``) flattened into one."""
+    return a.reshape((int(np.prod(a.shape[:a.ndim - tail], dtype=np.int64)),) + a.shape[a.ndim - tail:])
+
+
+def batched_operands(xp, a, b, batch_shape):
+    """``a`` as (Ba, m, k), ``b`` as (Bb, k, n), and for each flat index of the broadcast
+    ``batch_shape`` the index of its ``a`` and its ``b``."""
     full = batch_shape or (1,)
-    a3 = a.reshape((-1,) + a.shape[-2:])
-    b3 = b.reshape((-1,) + b.shape[-2:])
+    a3, b3 = flat_batch(a), flat_batch(b)
     a_index = xp.broadcast_to(xp.arange(a3.shape[0]).reshape(a.shape[:-2] or (1,)), full).reshape(-1)
     b_index = xp.broadcast_to(xp.arange(b3.shape[0]).reshape(b.shape[:-2] or (1,)), full).reshape(-1)
     return a3, b3, a_index, b_index
@@ -147,9 +152,9 @@ def _recompute_lost(xp, a, b, out, lost):
         dtype = a.dtype
         support = xp.matmul((a > -np.inf).astype(dtype), (b > -np.inf).astype(dtype)) > 0
         lost &= support
-    a3, b3, a_index, b_index = _batched(xp, a, b, out.shape[:-2])
-    flat_out = out.reshape((-1, m, n))
-    batch, rows, cols = xp.nonzero(lost.reshape((-1, m, n)))
+    a3, b3, a_index, b_index = batched_operands(xp, a, b, out.shape[:-2])
+    flat_out = flat_batch(out)
+    batch, rows, cols = xp.nonzero(flat_batch(lost))
     for p in _chunks(batch.shape[0], k):
         pb, pr, pc = batch[p], rows[p], cols[p]
         flat_out[pb, pr, pc] = logsumexp(xp, a3[a_index[pb], pr, :] + b3[b_index[pb], :, pc], axis=-1)

@@ -68,11 +68,13 @@ class _Chain:
         return self.xp.ascontiguousarray(a).reshape((int(np.prod(self.batch_shape)),) + tail)
 
     def unrows(self, a):
-        """The inverse of :meth:`rows`: (B, *tail) back to ``batch_shape + tail``."""
+        """The inverse of :meth:`rows`: (B, *tail) back to ``batch_shape + tail`` (contiguous)."""
         nd = len(self.batch_shape)
         tail = a.shape[1:]
         a = a.reshape(tuple(self.batch_shape[k] for k in self.order) + tail)
-        return a.transpose(tuple(np.argsort(self.order)) + tuple(range(nd, nd + len(tail))))
+        if self.order == tuple(range(nd)):
+            return a
+        return a.transpose(tuple(np.argsort(self.order)) + tuple(range(nd, nd + len(tail)))).copy()
 
     def reduce_to(self, a, shape: tuple):
         """Sum a ``batch_shape + tail`` array over the axes that ``shape`` broadcast along."""
@@ -249,6 +251,42 @@ def _backward_gemm(chain: _Chain, pre, norm, weight, grad_trans):
     return grad_x.reshape(rows, v, c)
 
 
+def _viterbi(chain: _Chain):
+    """Best paths: ``(score (B,), path (B, v) int64, -1 past each length)``."""
+    xp = chain.xp
+    rows, v, c = chain.x.shape
+    score = xp.empty(rows, chain.x.dtype)
+    path = xp.empty((rows, v), np.int64)
+    if rows:
+        work = xp.empty((rows, 2, c), chain.x.dtype)
+        backptr = xp.empty((rows, v, c), np.int32)
+        kernel = chain.backend.kernel("chain", "viterbi")
+        kernel(chain.x, chain.trans, chain.group, chain.init, chain.lengths, work, backptr, score, path)
+    return score, path
+
+
+def _viterbi_grads(chain: _Chain, path, weight, trans_grad: bool = True):
+    """Sub-gradients of ``sum(weight * score)``: ``weight`` on every step of the best path.
+
+    Returns ``(d x (B, v, c), d trans (G, S, c, c) or None)``; ``d init`` is ``d x[:, 0]``.
+    """
+    xp = chain.xp
+    rows, v, c = chain.x.shape
+    grad_x = xp.zeros((rows, v, c), chain.x.dtype)
+    grad_trans = xp.zeros(chain.trans.shape, chain.x.dtype) if trans_grad else None
+    if not rows or not c:
+        return grad_x, grad_trans
+    inside = path >= 0
+    state = xp.where(inside, path, 0)
+    w = xp.where(inside, weight[:, None], 0).astype(chain.x.dtype)
+    _backend.scatter_add(xp, grad_x, (xp.arange(rows)[:, None], xp.arange(v)[None, :], state), w)
+    if trans_grad and v > 1:
+        groups = (xp.arange(rows) // chain.group)[:, None]
+        steps = xp.arange(v - 1)[None, :] if chain.per_step else xp.zeros((1, v - 1), np.int64)
+        _backend.scatter_add(xp, grad_trans, (groups, steps, state[:, :-1], state[:, 1:]), w[:, 1:])
+    return grad_x, grad_trans
+
+
 def chain_logsumexp(x, log_trans, log_init=None, *, lengths=None):
     """Log-partition of batched chains: ``log(init^T D(e^x0) T_1 D(e^x1) ... T_{v-1} e^x{v-1})``.
 
@@ -309,3 +347,32 @@ def chain_marginals(x, log_trans, log_init=None, *, lengths=None):
         _, pre, norm = _forward(chain)
         grad_x, _ = _backward(chain, pre, norm, xp.ones(chain.x.shape[0], chain.x.dtype), trans_grad=False)
         return chain.reduce_to(chain.unrows(grad_x), chain.x_shape)
+
+
+def viterbi(x, log_trans, log_init=None, *, lengths=None):
+    """The best state sequence of each chain and its score (the max-product forward algorithm).
+
+    Takes the arguments of :func:`chain_logsumexp`.
+
+    Returns
+    -------
+    score : array
+        ``max over paths of init[s0] + x[0, s0] + sum_t (log_trans[s_{t-1}, s_t] + x[t, s_t])``,
+        of the broadcast batch shape (``-inf`` where no path has weight).
+    path : int64 array (..., v)
+        The best path; -1 past each chain's length. Ties go to the lowest state index, from
+        the last position backwards: the last state is the lowest best one, each earlier state
+        the lowest best predecessor of the next.
+
+    Examples
+    --------
+    >>> import numpy as np, spchain as sc
+    >>> x = np.log(np.array([[0.9, 0.1], [0.2, 0.8], [0.6, 0.4]]))
+    >>> score, path = sc.viterbi(x, np.log(np.array([[0.7, 0.3], [0.3, 0.7]])))
+    >>> path
+    array([0, 1, 1])
+    """
+    chain = _prepare(x, log_trans, log_init, lengths, "spchain.viterbi")
+    with chain.backend.use():
+        score, path = _viterbi(chain)
+        return chain.unrows(score), chain.unrows(path)

@@ -93,3 +93,42 @@ def chain_logsumexp_torch(x, log_trans, log_init=None, lengths=None):
         return outs[..., -1]
     index = torch.as_tensor(lengths).expand(outs.shape[:-1])[..., None] - 1
     return outs.gather(-1, index)[..., 0]
+
+
+def log_matmul(a, b):
+    """``log(exp(a) @ exp(b))`` by broadcasting, in float64 (builds the (..., m, k, n) tensor)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return log_sum_exp(a[..., :, :, None] + b[..., None, :, :], axis=-2)
+
+
+def max_matmul(a, b):
+    """Max-plus product by broadcasting: ``(values, argmax)`` (first maximum, NaN wins)."""
+    terms = np.asarray(a, np.float64)[..., :, :, None] + np.asarray(b, np.float64)[..., None, :, :]
+    if terms.shape[-2] == 0:
+        shape = terms.shape[:-2] + terms.shape[-1:]
+        return np.full(shape, -np.inf), np.zeros(shape, np.int64)
+    argmax = np.argmax(terms, axis=-2)
+    return np.take_along_axis(terms, argmax[..., None, :], axis=-2)[..., 0, :], argmax
+
+
+def log_chain_product(m):
+    """``log(exp(m_1) @ ... @ exp(m_L))`` left to right, in float64."""
+    m = np.asarray(m, np.float64)
+    out = m[..., 0, :, :]
+    for step in range(1, m.shape[-3]):
+        out = log_matmul(out, m[..., step, :, :])
+    return out
+
+
+def viterbi_by_paths(x, log_trans, log_init=None, length=None):
+    """Brute force for one chain: ``(score, path)``, the path padded with -1 past ``length``.
+
+    Among paths of equal best score, the one that is smallest read from the last position
+    backwards (spchain's documented tie rule).
+    """
+    scores, paths = chain_paths(x, log_trans, log_init, length)
+    best = np.max(scores)
+    candidates = [tuple(p) for p, s in zip(paths, scores) if s == best or (np.isnan(best) and np.isnan(s))]
+    path = min(candidates, key=lambda p: p[::-1])
+    v = np.shape(x)[0]
+    return best, np.array(list(path) + [-1] * (v - len(path)), dtype=np.int64)

@@ -297,3 +297,65 @@ def test_random_shapes_and_minus_inf_match_reference(data, batch, v, c, per_step
         one_trans = trans[0] if per_step else trans
         np.testing.assert_allclose(marg[b], reference.chain_marginals_by_paths(x[b], one_trans, init),
                                    rtol=1e-7, atol=1e-9)
+
+
+@pytest.mark.parametrize("v", range(1, 7))
+def test_viterbi_matches_brute_force(rng, v):
+    x, trans, init = random_chain(rng, (3,), v, 3, scale=2.0)
+    score, path = sc.viterbi(x, trans, init)
+    assert path.dtype == np.int64 and path.shape == (3, v)
+    for b in range(3):
+        want_score, want_path = reference.viterbi_by_paths(x[b], trans[0], init)
+        np.testing.assert_allclose(score[b], want_score, rtol=1e-12)
+        np.testing.assert_array_equal(path[b], want_path)
+
+
+def test_viterbi_ties_go_to_the_lowest_state_from_the_end():
+    # integer scores: many exactly tied paths
+    x = np.array([[0.0, 0.0, 1.0], [1.0, 1.0, 0.0], [0.0, 0.0, 0.0], [2.0, 2.0, 2.0]])
+    trans = np.array([[0.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 1.0]])
+    score, path = sc.viterbi(x, trans)
+    want_score, want_path = reference.viterbi_by_paths(x, trans)
+    assert score == want_score
+    np.testing.assert_array_equal(path, want_path)
+
+
+def test_viterbi_left_to_right_chain_and_lengths(rng):
+    c, v = 4, 7
+    trans = np.full((c, c), -np.inf)
+    for i in range(c):
+        trans[i, i] = -0.1
+        if i + 1 < c:
+            trans[i, i + 1] = -1.0
+    init = np.array([0.0, -np.inf, -np.inf, -np.inf])
+    x = rng.normal(size=(4, v, c))
+    lengths = np.array([7, 3, 1, 5])
+    score, path = sc.viterbi(x, trans, init, lengths=lengths)
+    for b, length in enumerate(lengths):
+        want_score, want_path = reference.viterbi_by_paths(x[b], trans, init, length)
+        np.testing.assert_allclose(score[b], want_score, rtol=1e-12)
+        np.testing.assert_array_equal(path[b], want_path)
+        assert (np.diff(path[b][:length]) >= 0).all() and (path[b][length:] == -1).all()
+
+
+def test_viterbi_impossible_chain_and_nan(rng):
+    x = rng.normal(size=(3, 4, 3))
+    x[0, 2] = -np.inf
+    x[1, 1, 2] = np.nan
+    score, path = sc.viterbi(x, np.zeros((3, 3)))
+    assert score[0] == -np.inf and np.isnan(score[1]) and np.isfinite(score[2])
+    assert ((path >= 0) & (path < 3)).all()
+
+
+def test_viterbi_user_shapes_and_empty_batch(rng):
+    n, t, v, c = 2, 3, 4, 3
+    x = rng.normal(size=(n, t, v, c))
+    trans = rng.normal(size=(1, t, v - 1, c, c))
+    init = rng.normal(size=(1, t, c))
+    score, path = sc.viterbi(x, trans, init)
+    assert score.shape == (n, t) and path.shape == (n, t, v)
+    want_score, want_path = reference.viterbi_by_paths(x[1, 2], trans[0, 2], init[0, 2])
+    np.testing.assert_allclose(score[1, 2], want_score, rtol=1e-12)
+    np.testing.assert_array_equal(path[1, 2], want_path)
+    score, path = sc.viterbi(np.zeros((0, 4, 3)), np.zeros((3, 3)))
+    assert score.shape == (0,) and path.shape == (0, 4)

@@ -77,3 +77,35 @@ def test_cuda_kernels_skip_empty_launches(small_launch):
     cuda_chain.launch_chain_forward(x, trans, 1, np.zeros((0, 2)), np.zeros(0, np.int64), x.copy(), np.zeros((0, 3)))
     cuda_chain.launch_chain_transition_grad(x, trans, 1, np.zeros(0, np.int64), x, np.zeros((0, 3)), x, np.zeros(0),
                                             trans.copy())
+
+
+def run_viterbi(module, prefix, x, trans, group, init, lengths):
+    rows, v, c = x.shape
+    score, path = np.empty(rows, x.dtype), np.empty((rows, v), np.int64)
+    getattr(module, prefix + "viterbi")(x, trans, group, init, lengths, np.empty((rows, 2, c), x.dtype),
+                                        np.empty((rows, v, c), np.int32), score, path)
+    return score, path
+
+
+def test_cpu_viterbi_matches_brute_force(rng):
+    x, trans, group, init, lengths = normalised_problem(rng)
+    score, path = run_viterbi(cpu_chain, "", x, trans, group, init, lengths)
+    for b in range(x.shape[0]):
+        want_score, want_path = reference.viterbi_by_paths(x[b], trans[0], init[b], lengths[b])
+        np.testing.assert_allclose(score[b], want_score, rtol=1e-12)
+        if np.isfinite(want_score):
+            np.testing.assert_array_equal(path[b], want_path)
+
+
+@pytest.mark.cuda_kernel
+@pytest.mark.parametrize("per_step, group", [(True, 7), (False, 1)])
+def test_cuda_viterbi_matches_cpu_twin(small_launch, rng, per_step, group):
+    from spchain.kernels.cuda import chain as cuda_chain
+
+    problem = normalised_problem(rng, per_step=per_step, group=group)
+    x = problem[0]
+    x[4, 3, 1] = x[4, 3, 2] = x[4, 3].max() + 1  # a tie, resolved to the lowest state by both
+    want = run_viterbi(cpu_chain, "", *problem)
+    got = run_viterbi(cuda_chain, "launch_", *problem)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-12)
+    np.testing.assert_array_equal(got[1], want[1])

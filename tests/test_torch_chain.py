@@ -188,3 +188,32 @@ def test_cuda_tensors_match_cpu(algorithm):
     torch.testing.assert_close(out_gpu.cpu(), out_cpu)
     for a, b in zip(gpu, cpu):
         torch.testing.assert_close(a.grad.cpu(), b.grad)
+
+
+def test_viterbi_score_gradient_is_the_one_hot_best_path():
+    x, trans, init = inputs((3,), 5, 4)
+    lengths = torch.tensor([5, 2, 4])
+    args = [t.clone().requires_grad_() for t in (x, trans, init)]
+    score, path = st.viterbi(*args, lengths=lengths)
+    assert not path.requires_grad
+    (score * torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)).sum().backward()
+    want_x = torch.zeros_like(x)
+    want_trans = torch.zeros_like(trans)
+    want_init = torch.zeros_like(init)
+    for b, w in enumerate((1.0, 2.0, 3.0)):
+        _, best = reference.viterbi_by_paths(x[b].numpy(), trans[0].numpy(), init.numpy(), int(lengths[b]))
+        length = int(lengths[b])
+        want_init[best[0]] += w
+        for t in range(length):
+            want_x[b, t, best[t]] = w
+            if t:
+                want_trans[0, t - 1, best[t - 1], best[t]] += w
+    torch.testing.assert_close(args[0].grad, want_x)
+    torch.testing.assert_close(args[1].grad, want_trans)
+    torch.testing.assert_close(args[2].grad, want_init)
+
+
+def test_viterbi_gradcheck_with_shared_transitions():
+    x, trans, init = inputs((2,), 4, 3, per_step=False)
+    args = [t.requires_grad_() for t in (x, trans, init)]
+    assert torch.autograd.gradcheck(lambda *a: st.viterbi(*a)[0], args, eps=1e-6, atol=1e-8)

@@ -1,6 +1,6 @@
 """asv: the chain workload (spchain.bench.chain) beside the PyTorch baselines."""
 
-from spchain.bench import chain
+from spchain.bench import chain, viterbi
 
 from . import common
 
@@ -8,3 +8,8 @@ from . import common
 class Chain(common.WorkloadBenchmark):
     workload = "chain"
     params = [chain.CASES, ["spchain", "torch sequential logsumexp", "torch pairwise tree (seed code)"]]
+
+
+class Viterbi(common.WorkloadBenchmark):
+    workload = "viterbi"
+    params = [viterbi.CASES, ["spchain", "torch broadcasting max"]]

@@ -196,3 +196,51 @@ def chain_transition_grad(x, trans, group, lengths, pre, norm, marg, weight, gra
                     gm = marg[b, t + 1, j]
                     if gm != 0.0:
                         out[j] += w * gm * math.exp(a + trans[g, s, i, j] - pre[b, t + 1, j])
+
+
+@njit(parallel=True, cache=True)
+def viterbi(x, trans, group, init, lengths, work, backptr, score, path):
+    """Max-product sweep with backpointers, then backtracking: the best path of each row.
+
+    Inputs as for :func:`chain_forward`. ``work`` (B, 2, c) and ``backptr`` (B, v, c, int32)
+    are scratch; overwrites ``score`` (B,) and ``path`` (B, v, int64; -1 past the length).
+    Ties go to the lowest state index, from the last position backwards (the last state is the
+    lowest best one, each earlier state the lowest best predecessor); NaN wins over numbers.
+    O(B * v * c²) time; rows run in parallel.
+    """
+    rows, v, c = x.shape
+    per_step = trans.shape[1] > 1
+    for b in prange(rows):
+        g = b // group
+        length = lengths[b]
+        cur = 0
+        for j in range(c):
+            work[b, 0, j] = init[b, j] + x[b, 0, j]
+        for t in range(length - 1):
+            mat = trans[g, t if per_step else 0]
+            new = work[b, 1 - cur]
+            old = work[b, cur]
+            arg = backptr[b, t + 1]
+            new[:] = -np.inf
+            arg[:] = 0
+            for i in range(c):
+                di = old[i]
+                for j in range(c):
+                    val = di + mat[i, j]
+                    if val > new[j] or (val != val and new[j] == new[j]):
+                        new[j] = val
+                        arg[j] = i
+            for j in range(c):
+                new[j] += x[b, t + 1, j]
+            cur = 1 - cur
+        best = 0
+        last = work[b, cur]
+        for j in range(1, c):
+            if last[j] > last[best] or (last[j] != last[j] and last[best] == last[best]):
+                best = j
+        score[b] = last[best] if c > 0 else -np.inf
+        path[b, :] = -1
+        if c > 0:
+            path[b, length - 1] = best
+            for t in range(length - 1, 0, -1):
+                path[b, t - 1] = backptr[b, t, path[b, t]]

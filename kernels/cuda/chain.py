@@ -166,6 +166,64 @@ def chain_transition_grad_kernel(x, trans, group, lengths, pre, norm, marg, weig
             grad[g, s, i, j] = acc
 
 
+@functools.cache
+def _viterbi_kernel(dtype):
+    dtype = numba.from_dtype(dtype)
+
+    @cuda.jit
+    def viterbi_kernel(x, trans, group, chunk, init, lengths, work, backptr, score, path):
+        rows, v, c = x.shape
+        per_step = trans.shape[1] > 1
+        tid = cuda.threadIdx.x
+        threads = cuda.blockDim.x
+        msg = cuda.shared.array(0, dtype)[:chunk]
+        for b in range(cuda.blockIdx.x, rows, cuda.gridDim.x):
+            g = b // group
+            length = lengths[b]
+            cur = 0
+            for j in range(tid, c, threads):
+                work[b, 0, j] = init[b, j] + x[b, 0, j]
+            for t in range(length - 1):
+                step = t if per_step else 0
+                for j0 in range(0, c, threads):
+                    j = j0 + tid
+                    best = -math.inf
+                    arg = 0
+                    for i0 in range(0, c, chunk):
+                        width = min(chunk, c - i0)
+                        cuda.syncthreads()
+                        for k in range(tid, width, threads):
+                            msg[k] = work[b, cur, i0 + k]
+                        cuda.syncthreads()
+                        if j < c:
+                            for k in range(width):
+                                val = msg[k] + trans[g, step, i0 + k, j]
+                                if val > best or (val != val and best == best):
+                                    best = val
+                                    arg = i0 + k
+                    if j < c:
+                        work[b, 1 - cur, j] = best + x[b, t + 1, j]
+                        backptr[b, t + 1, j] = arg
+                cur = 1 - cur
+                cuda.syncthreads()
+            if tid == 0:
+                best = 0
+                for j in range(1, c):
+                    if work[b, cur, j] > work[b, cur, best] or (
+                            work[b, cur, j] != work[b, cur, j] and work[b, cur, best] == work[b, cur, best]):
+                        best = j
+                score[b] = work[b, cur, best] if c > 0 else -math.inf
+                for t in range(v):
+                    path[b, t] = -1
+                if c > 0:
+                    path[b, length - 1] = best
+                    for t in range(length - 1, 0, -1):
+                        path[b, t - 1] = backptr[b, t, path[b, t]]
+            cuda.syncthreads()
+
+    return viterbi_kernel
+
+
 def _shared_bytes(dtype, chunk: int, threads: int) -> int:
     return (chunk + 2 * threads) * np.dtype(dtype).itemsize
 
@@ -198,3 +256,14 @@ def launch_chain_transition_grad(x, trans, group, lengths, pre, norm, marg, weig
     kernel = chain_transition_grad_kernel
     kernel[config.blocks_for(rows_of_grad, 1), config.THREADS_PER_BLOCK, stream](
         x, trans, group, lengths, pre, norm, marg, weight, grad)
+
+
+def launch_viterbi(x, trans, group, init, lengths, work, backptr, score, path, stream=0):
+    """Best paths; overwrites ``score`` and ``path`` (see ``kernels.cpu.chain.viterbi``)."""
+    if x.shape[0] == 0:
+        return
+    threads, chunk = config.THREADS_PER_BLOCK, config.STATE_CHUNK
+    kernel = _viterbi_kernel(np.dtype(x.dtype))
+    shared = _shared_bytes(x.dtype, chunk, 0)
+    kernel[config.blocks_for(x.shape[0], 1), threads, stream, shared](
+        x, trans, group, chunk, init, lengths, work, backptr, score, path)

@@ -20,6 +20,8 @@ from .report import plot, table
 
 WORKLOADS = {
     "chain": "chain",
+    "logmatmul": "logmatmul",
+    "viterbi": "viterbi",
 }
 """Workload name → module (relative to this package) with ``CASES`` and ``make_case``."""
 

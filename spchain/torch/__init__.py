@@ -5,6 +5,7 @@ back through a zero-copy DLPack bridge, on torch's current CUDA stream. Import t
 explicitly (``import spchain.torch``); ``import spchain`` never imports torch.
 """
 
-from .chain import chain_logsumexp, chain_marginals
+from .chain import chain_logsumexp, chain_marginals, viterbi
+from .semiring import log_chain_product, logmatmul, maxmatmul
 
-__all__ = ["chain_logsumexp", "chain_marginals"]
+__all__ = ["chain_logsumexp", "chain_marginals", "log_chain_product", "logmatmul", "maxmatmul", "viterbi"]
