@@ -99,20 +99,27 @@ def _rss_and_hwm() -> tuple[int, int]:
 
 
 @functools.cache
-def _return_freed_memory() -> None:
-    """Make glibc give large freed blocks back to the system at once.
+def _libc():
+    """glibc, with large blocks kept in mappings of their own; ``None`` elsewhere.
 
     By default glibc raises its mmap threshold after the first large free, and later large
-    blocks are then reused from a heap that stays resident: a run's new allocations would not
-    show in the resident set. A fixed threshold keeps every large block in its own mapping.
+    blocks come from a heap that stays resident: a run's new allocations would not show in
+    the resident set. A fixed threshold gives each large block its own mapping.
     """
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
-        return
-    m_trim_threshold, m_mmap_threshold = -1, -3
+        return None
+    m_mmap_threshold = -3
     libc.mallopt(m_mmap_threshold, 1 << 16)
-    libc.mallopt(m_trim_threshold, 1 << 17)
+    return libc
+
+
+def _release_free_heap() -> None:
+    """Give the heap's free pages back to the system, so that reusing them counts again."""
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
 
 
 def peak_host_bytes(fn: Callable[[], Any]) -> float:
@@ -121,8 +128,8 @@ def peak_host_bytes(fn: Callable[[], Any]) -> float:
     torch's CPU allocations are invisible to ``tracemalloc``, so resident memory is the
     honest measure. Returns NaN where the high-water mark cannot be reset.
     """
-    _return_freed_memory()
     gc.collect()
+    _release_free_heap()
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -197,6 +204,7 @@ def measure(case: Case, repeat: int, budget_s: float, tick: Callable[[], None] =
     its memory measurement (it compiles nothing, so it needs no warm-up). ``tick`` is called
     after every run, for a progress bar.
     """
+    _release_free_heap()
     peak = peak_device_bytes if case.device == "cuda" else peak_host_bytes
     reference = case.reference() if case.reference is not None else None
     times = {name: [] for name in case.methods}
