@@ -47,7 +47,7 @@ def logmatmul(a, b):
     Examples
     --------
     >>> import numpy as np, spchain as sc
-    >>> a = np.log(np.array([[1.0, 2.0], [0.0, 1.0]]))
+    >>> a = np.array([[0.0, np.log(2.0)], [-np.inf, 0.0]])   # log of [[1, 2], [0, 1]]
     >>> np.exp(sc.logmatmul(a, a))
     array([[1., 4.],
            [0., 1.]])
@@ -129,7 +129,7 @@ def log_chain_product(m):
     Examples
     --------
     >>> import numpy as np, spchain as sc
-    >>> m = np.log(np.array([[[1.0, 1.0], [0.0, 1.0]]] * 3))   # three shears
+    >>> m = np.array([[[0.0, 0.0], [-np.inf, 0.0]]] * 3)   # log of three [[1, 1], [0, 1]]
     >>> np.exp(sc.log_chain_product(m))
     array([[1., 3.],
            [0., 1.]])
