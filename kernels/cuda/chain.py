@@ -74,7 +74,7 @@ def _forward_kernel(dtype):
                     j = j0 + tid
                     m, s = -math.inf, 0.0
                     for i0 in range(0, c, chunk):
-                        width = min(chunk, c - i0)
+                        width = chunk if chunk < c - i0 else c - i0
                         cuda.syncthreads()
                         for k in range(tid, width, threads):
                             msg[k] = pre[b, t, i0 + k] + x[b, t, i0 + k] - offset
@@ -125,7 +125,7 @@ def _backward_kernel(dtype):
                     i = i0 + tid
                     m, s = -math.inf, 0.0
                     for j0 in range(0, c, chunk):
-                        width = min(chunk, c - j0)
+                        width = chunk if chunk < c - j0 else c - j0
                         cuda.syncthreads()
                         for k in range(tid, width, threads):
                             msg[k] = x[b, t + 1, j0 + k] + beta[b, t + 1, j0 + k]
@@ -154,7 +154,9 @@ def chain_transition_grad_kernel(x, trans, group, lengths, pre, norm, marg, weig
             for b in range(g * group, (g + 1) * group):
                 w = weight[b]
                 first = s if per_step else 0
-                last = min(s + 1, lengths[b] - 1) if per_step else lengths[b] - 1
+                last = lengths[b] - 1
+                if per_step and s + 1 < last:
+                    last = s + 1
                 for t in range(first, last):
                     d = norm[b, t]
                     a = pre[b, t, i] + x[b, t, i]
@@ -190,7 +192,7 @@ def _viterbi_kernel(dtype):
                     best = -math.inf
                     arg = 0
                     for i0 in range(0, c, chunk):
-                        width = min(chunk, c - i0)
+                        width = chunk if chunk < c - i0 else c - i0
                         cuda.syncthreads()
                         for k in range(tid, width, threads):
                             msg[k] = work[b, cur, i0 + k]
