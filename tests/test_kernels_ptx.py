@@ -1,20 +1,16 @@
 """Every CUDA kernel compiles to PTX for sm_90: Numba's typing and code generation run here,
-without a GPU, wherever a CUDA toolkit's NVVM is installed (the simulator checks neither).
+without a GPU, wherever a CUDA toolkit's NVVM is installed (the simulator checks neither, and
+conftest.py leaves this module out under it).
 """
 
-import os
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from numba import cuda, types
 
-if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
-    pytest.skip("the simulator replaces Numba's CUDA compiler", allow_module_level=True)
-
-from numba import cuda, types  # noqa: E402
-
-from spchain.kernels.cuda import chain as cuda_chain  # noqa: E402
-from spchain.kernels.cuda import semiring as cuda_semiring  # noqa: E402
+from spchain.kernels.cuda import chain as cuda_chain
+from spchain.kernels.cuda import semiring as cuda_semiring
 
 
 def _nvvm_works() -> bool:
