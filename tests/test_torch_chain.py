@@ -217,3 +217,19 @@ def test_viterbi_gradcheck_with_shared_transitions():
     x, trans, init = inputs((2,), 4, 3, per_step=False)
     args = [t.requires_grad_() for t in (x, trans, init)]
     assert torch.autograd.gradcheck(lambda *a: st.viterbi(*a)[0], args, eps=1e-6, atol=1e-8)
+
+
+def test_impossible_sequence_has_zero_gradients_not_nan(algorithm):
+    x, trans, init = inputs((2,), 5, 3)
+    x = x.clone()
+    x[0, 3] = -math.inf  # no state is possible at position 3 of chain 0
+    args = [t.requires_grad_() for t in (x, trans, init)]
+    out = st.chain_logsumexp(*args)
+    assert out[0] == -math.inf and torch.isfinite(out[1])
+    out[1].backward()
+    assert torch.isfinite(args[0].grad).all() and (args[0].grad[0] == 0).all()
+    assert torch.isfinite(args[1].grad).all() and torch.isfinite(args[2].grad).all()
+    out = st.chain_logsumexp(*args)
+    args[0].grad = None
+    out.sum().backward()  # -inf in the sum: the impossible chain still adds no NaN
+    assert (args[0].grad[0] == 0).all() and torch.isfinite(args[0].grad).all()

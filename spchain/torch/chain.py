@@ -15,9 +15,9 @@ def _arrays(*tensors):
 
 
 def _as_lengths(lengths, device):
-    if lengths is None or isinstance(lengths, torch.Tensor):
-        return lengths
-    return torch.as_tensor(lengths, device=device)
+    """``lengths`` as a tensor on ``device``: a list, or CPU lengths (as ``pack_padded_sequence``
+    wants them) with CUDA inputs, are welcome."""
+    return None if lengths is None else torch.as_tensor(lengths, device=device)
 
 
 def _input_grads(chain, needs, x, log_trans, log_init, grad_x, grad_trans):
