@@ -23,6 +23,8 @@ import math
 import numpy as np
 from numba import njit, prange
 
+from .exp import exp_nonpositive
+
 CHUNK = 16
 """Rows of a transition matrix folded into the running log-sum-exp at a time (kept in L1)."""
 
@@ -51,7 +53,7 @@ def log_vecmat(u, m, out, run_max, run_sum):
                         out[j] = val
         for j in range(c_out):
             if out[j] > run_max[j]:
-                run_sum[j] *= math.exp(run_max[j] - out[j])
+                run_sum[j] *= exp_nonpositive(run_max[j] - out[j])
                 run_max[j] = out[j]
         for i in range(i0, i1):
             ui = u[i]
@@ -59,16 +61,18 @@ def log_vecmat(u, m, out, run_max, run_sum):
                 for j in range(c_out):
                     val = ui + m[i, j]
                     if val != -np.inf:
-                        run_sum[j] += math.exp(val - run_max[j])
+                        run_sum[j] += exp_nonpositive(val - run_max[j])
     for j in range(c_out):
         out[j] = run_max[j] + math.log(run_sum[j])  # -inf + log(0) is -inf; NaN stays NaN
 
 
 @njit(cache=True)
-def log_matvec(m, y, out):
+def log_matvec(m, y, out, scratch):
     """``out[i] = log sum_j exp(m[i, j] + y[j])``: a log-space matrix-vector product.
 
-    Two passes over each (contiguous) row of ``m``. Overwrites ``out``. O(c_out * c_in) time.
+    Two passes over each (contiguous) row of ``m``: its maximum, then its exponentials into
+    ``scratch`` (a vectorised loop) and their sum. Overwrites ``out`` and ``scratch``
+    (length ``m.shape[1]``). O(c_out * c_in) time.
     """
     rows, cols = m.shape
     for i in range(rows):
@@ -77,16 +81,22 @@ def log_matvec(m, y, out):
             val = m[i, j] + y[j]
             if val > top:
                 top = val
-        if top == -np.inf or top == np.inf:
-            shift = 0.0
-        else:
-            shift = top
-        total = 0.0
+        shift = top if math.isfinite(top) else 0.0
         for j in range(cols):
-            val = m[i, j] + y[j]
-            if val != -np.inf:
-                total += math.exp(val - shift)
-        out[i] = shift + math.log(total) if top != -np.inf else (-np.inf if total == 0.0 else total)
+            scratch[j] = exp_nonpositive(m[i, j] + y[j] - shift)
+        out[i] = _log_of_sum(scratch, shift, top)
+
+
+@njit(cache=True)
+def _log_of_sum(terms, shift, top):
+    """``shift + log(sum(terms))`` for exponentials shifted by ``shift`` from a maximum ``top``:
+    ``-inf`` for an empty or all-zero sum (``top`` is ``-inf``), NaN if a term is NaN."""
+    total = 0.0
+    for j in range(terms.shape[0]):
+        total += terms[j]
+    if top == -np.inf:
+        return -np.inf if total == 0.0 else total
+    return shift + math.log(total)
 
 
 @njit(cache=True)
@@ -97,11 +107,9 @@ def normalise(q, out):
         if q[j] > top:
             top = q[j]
     shift = top if math.isfinite(top) else 0.0
-    total = 0.0
     for j in range(q.shape[0]):
-        if q[j] != -np.inf:
-            total += math.exp(q[j] - shift)
-    lse = shift + math.log(total) if top != -np.inf else (-np.inf if total == 0.0 else total)
+        out[j] = exp_nonpositive(q[j] - shift)
+    lse = _log_of_sum(out, shift, top)
     offset = lse if math.isfinite(lse) else 0.0
     for j in range(q.shape[0]):
         out[j] = q[j] - offset
@@ -149,12 +157,13 @@ def chain_backward(x, trans, group, lengths, norm, beta):
         g = b // group
         length = lengths[b]
         y = np.empty(c, x.dtype)
+        scratch = np.empty(c, x.dtype)
         beta[b, length:, :] = -np.inf
         beta[b, length - 1, :] = 0.0
         for t in range(length - 2, -1, -1):
             for j in range(c):
                 y[j] = x[b, t + 1, j] + beta[b, t + 1, j]
-            log_matvec(trans[g, t if per_step else 0], y, beta[b, t])
+            log_matvec(trans[g, t if per_step else 0], y, beta[b, t], scratch)
             d = norm[b, t + 1]
             if d == -np.inf:  # the chain died at t + 1: nothing before it has a posterior
                 beta[b, t, :] = -np.inf
@@ -195,7 +204,7 @@ def chain_transition_grad(x, trans, group, lengths, pre, norm, marg, weight, gra
                 for j in range(c):
                     gm = marg[b, t + 1, j]
                     if gm != 0.0:
-                        out[j] += w * gm * math.exp(a + trans[g, s, i, j] - pre[b, t + 1, j])
+                        out[j] += w * gm * exp_nonpositive(a + trans[g, s, i, j] - pre[b, t + 1, j])
 
 
 @njit(parallel=True, cache=True)
