@@ -4,3 +4,7 @@ The functions have the names and signatures of the array API; tensors cross to N
 back through a zero-copy DLPack bridge, on torch's current CUDA stream. Import this subpackage
 explicitly (``import spchain.torch``); ``import spchain`` never imports torch.
 """
+
+from .blockdiag import BlockDiagonalLinear, GroupedLinear, block_diag_matmul, grouped_matmul
+
+__all__ = ["BlockDiagonalLinear", "GroupedLinear", "block_diag_matmul", "grouped_matmul"]
