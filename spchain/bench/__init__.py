@@ -18,7 +18,10 @@ import sys
 from .core import Case, measure
 from .report import plot, table
 
-WORKLOADS = {}
+WORKLOADS = {
+    "block-diag": "blockdiag",
+    "grouped": "grouped",
+}
 """Workload name → module (relative to this package) with ``CASES`` and ``make_case``."""
 
 
