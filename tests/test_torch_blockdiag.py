@@ -172,6 +172,15 @@ def test_partly_used_outputs_and_no_grad():
         assert not sct.grouped_matmul(x[:, 0], w, [2, 2]).requires_grad
 
 
+def test_inf_and_nan_propagate_without_numpy_warnings():
+    x, w = torch.ones(2, 2, 2), torch.ones(2, 2, 2)
+    x[0, 1, 0], x[1, 0, 1] = math.nan, math.inf
+    y = sct.block_diag_matmul(x, w)  # a RuntimeWarning would fail this test (setup.cfg)
+    assert y[0, 1].isnan().all() and y[1, 0].isinf().all() and y[0, 0].isfinite().all()
+    z = sct.grouped_matmul(x[:, 1], w, [1, 1])
+    assert z[0].isnan().all() and z[1].isfinite().all()
+
+
 def test_mixed_float32_float64_computes_in_float64_and_returns_gradients_in_each_dtype():
     x, w = make((4, 2, 3), torch.float32), make((2, 3, 2), torch.float64)
     y = sct.block_diag_matmul(x, w)
@@ -270,6 +279,7 @@ def test_grouped_linear_matches_a_per_group_loop():
     want = loop_grouped(x, layer.weight, GROUP_SIZES) + layer.bias.repeat_interleave(torch.tensor(GROUP_SIZES), 0)
     torch.testing.assert_close(layer(x, GROUP_SIZES), want)
     torch.testing.assert_close(layer(x, torch.tensor(GROUP_SIZES)), want)
+    torch.testing.assert_close(layer(x, np.array(GROUP_SIZES, np.uint8)), want)
     assert torch.autograd.gradcheck(lambda x, w, b: layer(x, GROUP_SIZES), (x, layer.weight, layer.bias),
                                     eps=1e-6, atol=1e-9, rtol=1e-7)
 

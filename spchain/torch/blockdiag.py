@@ -271,7 +271,7 @@ class GroupedLinear(_PerGroupLinear):
         y = grouped_matmul(x, self.weight, group_sizes)
         if self.bias is None:
             return y
-        sizes = torch.as_tensor(group_sizes, device=self.bias.device)
+        sizes = torch.as_tensor(group_sizes, dtype=torch.int64, device=self.bias.device)
         return y.add_(torch.repeat_interleave(self.bias, sizes, dim=0, output_size=y.shape[0]))
 
     def extra_repr(self) -> str:
