@@ -4,13 +4,17 @@ Every method computes ``y[b, g] = x[b, g] @ w[g]`` and the gradients in ``x`` an
 ``sum(y * grad)``: ``spchain.torch.block_diag_matmul`` beside ``torch.einsum`` (the baseline to
 beat), the seed code's ``torch.matmul`` of (B, G, 1, d) with (G, d, d) (which broadcasts ``w``
 to one copy per row and keeps it for backward), and a per-group Python loop.
+
+The second case puts the same product between two ``nn.Linear`` layers (with ReLUs), as in a
+model: on the CPU it measures, too, what the product costs the torch operations around it
+(spchain's products run in NumPy's BLAS threads, beside torch's own).
 """
 
-import numpy as np
+import copy
 
 from .core import Case
 
-CASES = ["8 groups of 64"]
+CASES = ["8 groups of 64", "8 groups of 64 between Linear layers"]
 METHODS = ("spchain", "torch.einsum", "torch.matmul broadcast", "torch per-group loop")
 SIZES = {False: (8192, 8, 64), True: (512, 8, 64)}
 """``quick`` → (rows, groups, features per group)."""
@@ -43,30 +47,40 @@ def make_case(name: str, quick: bool, device: str = "cpu") -> Case:
     if name not in CASES:
         raise ValueError(f"block-diag has no case {name!r}; cases: {CASES}")
     rows, groups, d = SIZES[quick]
+    in_model = name == CASES[1]
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(rows, groups * d, generator=gen).to(device).requires_grad_()
     w = (torch.randn(groups, d, d, generator=gen) / d**0.5).to(device).requires_grad_()
     grad = torch.randn(rows, groups, d, generator=gen).to(device)
-
-    def blocks():
-        return x.view(rows, groups, d)
+    layers = [torch.nn.Linear(groups * d, groups * d, device=device) for _ in range(2)] if in_model else []
 
     products = {
-        "spchain": lambda: sct.block_diag_matmul(blocks(), w),
-        "torch.einsum": lambda: torch.einsum("bgi,gio->bgo", blocks(), w),
-        "torch.matmul broadcast": lambda: torch.matmul(x.view(rows, groups, 1, d), w).view(rows, groups, d),
-        "torch per-group loop": lambda: torch.stack([blocks()[:, g] @ w[g] for g in range(groups)], dim=1),
+        "spchain": sct.block_diag_matmul,
+        "torch.einsum": lambda h, w: torch.einsum("bgi,gio->bgo", h, w),
+        "torch.matmul broadcast": lambda h, w: torch.matmul(h.unsqueeze(-2), w).squeeze(-2),
+        "torch per-group loop": lambda h, w: torch.stack([h[:, g] @ w[g] for g in range(groups)], dim=1),
     }
+    if in_model:
+        del products["torch.matmul broadcast"]
+
+    def run(product, x, w, layers):
+        """``product`` on x's blocks, or between the two layers in the model case."""
+        if not layers:
+            return lambda: product(x.view(rows, groups, d), w)
+        first, last = layers
+        relu = torch.nn.functional.relu
+        return lambda: last(relu(product(relu(first(x)).view(rows, groups, d), w).flatten(1))).view(rows, groups, d)
 
     def reference():
-        x64, w64, grad64 = as_numpy(x.view(rows, groups, d), w, grad)
-        return (np.einsum("bgi,gio->bgo", x64, w64),
-                np.einsum("bgo,gio->bgi", grad64, w64).reshape(rows, groups * d),
-                np.einsum("bgi,bgo->gio", x64, grad64))
+        x64, w64 = (t.detach().double().requires_grad_() for t in (x, w))
+        layers64 = [copy.deepcopy(layer).double() for layer in layers]
+        einsum = run(products["torch.einsum"], x64, w64, layers64)
+        return tuple(as_numpy(*forward_backward(einsum, (x64, w64), grad.double(), device)()))
 
     return Case(
         "block-diag", name,
-        methods={method: forward_backward(products[method], (x, w), grad, device) for method in METHODS},
+        methods={method: forward_backward(run(product, x, w, layers), (x, w), grad, device)
+                 for method, product in products.items()},
         reference=reference, device=device,
         slow=set() if quick else {"torch.matmul broadcast"},
     )
