@@ -5,8 +5,8 @@ import importlib
 
 import pytest
 
-MODULES = ["spchain", "spchain._backend", "spchain._checks", "spchain.chain", "spchain.semiring"]
-TORCH_MODULES = ["spchain.torch._bridge", "spchain.torch.chain", "spchain.torch.semiring"]
+MODULES = ["spchain", "spchain._backend", "spchain._checks", "spchain.blockdiag", "spchain.chain", "spchain.semiring"]
+TORCH_MODULES = ["spchain.torch._bridge", "spchain.torch.blockdiag", "spchain.torch.chain", "spchain.torch.semiring"]
 
 
 @pytest.mark.parametrize("name", MODULES + TORCH_MODULES)

@@ -19,9 +19,11 @@ from .core import Case, measure
 from .report import plot, table
 
 WORKLOADS = {
+    "block-diag": "blockdiag",
     "chain": "chain",
     "logmatmul": "logmatmul",
     "viterbi": "viterbi",
+    "grouped": "grouped",
 }
 """Workload name → module (relative to this package) with ``CASES`` and ``make_case``."""
 

@@ -126,7 +126,9 @@ def peak_host_bytes(fn: Callable[[], Any]) -> float:
     """Resident memory that ``fn()`` added at its peak (Linux high-water mark, reset first).
 
     torch's CPU allocations are invisible to ``tracemalloc``, so resident memory is the
-    honest measure. Returns NaN where the high-water mark cannot be reset.
+    honest measure. Freed heap memory that the C allocator keeps resident is handed back
+    first (``malloc_trim``): otherwise a method that reuses what an earlier run freed would
+    seem to allocate nothing. Returns NaN where the high-water mark cannot be reset.
     """
     gc.collect()
     _release_free_heap()
