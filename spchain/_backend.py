@@ -8,6 +8,7 @@ Every optional import (CuPy, torch, numba.cuda) is guarded here and nowhere else
 'numpy'
 """
 
+import contextvars
 import functools
 import importlib
 import sys
@@ -108,6 +109,23 @@ def numba_cuda() -> ModuleType:
     if not cuda.is_available():
         raise CudaUnavailableError(f"numba.cuda finds no usable GPU; {_CUDA_INSTALL}")
     return cuda
+
+
+CPU_MATMUL = contextvars.ContextVar("spchain_cpu_matmul", default=np.matmul)
+"""The matrix product used for NumPy arrays; ``spchain.torch`` sets torch's for its calls."""
+
+
+def matmul(xp, a, b, out=None):
+    """``xp.matmul(a, b, out=out)``; for NumPy arrays, the product in :data:`CPU_MATMUL`.
+
+    In a torch program NumPy's BLAS (OpenBLAS) would run a thread pool of its own beside
+    torch's, and OpenBLAS's idle threads spin for a while after each call: on a machine with
+    few cores the two pools slow each other down several times over. So ``spchain.torch``
+    lends torch's BLAS to the array level for the length of its calls, on zero-copy views.
+    """
+    if xp is np:
+        return CPU_MATMUL.get()(a, b, out=out)
+    return xp.matmul(a, b, out=out)
 
 
 def scatter_add(xp, out, indices, values) -> None:

@@ -61,7 +61,7 @@ def log_matmul(xp, a, b):
     col_max = b.max(axis=-2, keepdims=True)
     row_shift = finite_or_zero(xp, row_max)
     col_shift = finite_or_zero(xp, col_max)
-    scaled = xp.matmul(xp.exp(a - row_shift), xp.exp(b - col_shift))
+    scaled = _backend.matmul(xp, xp.exp(a - row_shift), xp.exp(b - col_shift))
     with np.errstate(divide="ignore"):
         out = xp.log(scaled)
     out += row_shift
@@ -93,15 +93,15 @@ def log_matmul_grads(xp, a, b, out, grad, need_a: bool = True, need_b: bool = Tr
         return grad_a, grad_b
     u = xp.exp(a - finite_or_zero(xp, a.max(axis=-1, keepdims=True)))
     e = xp.exp(b - finite_or_zero(xp, b.max(axis=-2, keepdims=True)))
-    scaled = xp.matmul(u, e)
+    scaled = _backend.matmul(xp, u, e)
     lost = scaled < underflow_threshold(a.dtype, k)
     # weights scaled to at most 1 so that grad / r cannot overflow; NaN flows through
     scale = float(xp.where(xp.isfinite(grad), xp.abs(grad), 0).max()) or 1.0
     w = xp.where(lost | (grad == 0), 0, (grad / scale) / xp.where(lost, 1, scaled))
     if need_a:
-        grad_a += scale * u * xp.matmul(w, e.swapaxes(-1, -2))
+        grad_a += scale * u * _backend.matmul(xp, w, e.swapaxes(-1, -2))
     if need_b:
-        grad_b += scale * e * xp.matmul(u.swapaxes(-1, -2), w)
+        grad_b += scale * e * _backend.matmul(xp, u.swapaxes(-1, -2), w)
     exact = lost & (grad != 0) & (out > -np.inf)
     if exact.any():
         a3, b3, a_index, b_index = batched_operands(xp, a, b, batch_shape)
@@ -150,7 +150,7 @@ def _recompute_lost(xp, a, b, out, lost):
     count = int(lost.sum())
     if count * k > FIXUP_CHUNK:
         dtype = a.dtype
-        support = xp.matmul((a > -np.inf).astype(dtype), (b > -np.inf).astype(dtype)) > 0
+        support = _backend.matmul(xp, (a > -np.inf).astype(dtype), (b > -np.inf).astype(dtype)) > 0
         lost &= support
     a3, b3, a_index, b_index = batched_operands(xp, a, b, out.shape[:-2])
     flat_out = flat_batch(out)

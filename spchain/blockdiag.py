@@ -18,6 +18,7 @@ import math
 
 import numpy as np
 
+from . import _backend
 from ._backend import backend_of
 from ._checks import float_dtype
 
@@ -91,7 +92,8 @@ def block_diag_matmul(x, w):
             rows = math.prod(x.shape[:-2])
             x = x.astype(dtype, copy=False).reshape(rows, groups, d_in)
             w = w.astype(dtype, copy=False)
-            xp.matmul(
+            _backend.matmul(
+                xp,
                 _blas_layout(xp, x.swapaxes(0, 1)),
                 _blas_layout(xp, w),
                 out=out.reshape(rows, groups, d_out).swapaxes(0, 1),
@@ -111,7 +113,7 @@ def _block_diag_weight_grad(x, grad):
     x = x.reshape(rows, groups, d_in).transpose(1, 2, 0)
     grad = grad.reshape(rows, groups, d_out).swapaxes(0, 1)
     with backend.use():
-        return xp.matmul(_blas_layout(xp, x), _blas_layout(xp, grad))
+        return _backend.matmul(xp, _blas_layout(xp, x), _blas_layout(xp, grad))
 
 
 def _check_group_sizes(caller: str, group_sizes, groups: int, rows: int) -> np.ndarray:
@@ -196,7 +198,7 @@ def grouped_matmul(x, w, group_sizes):
         w = _blas_layout(xp, w.astype(dtype, copy=False))
         out = xp.empty((x.shape[0], w.shape[2]), dtype)
         for g, rows in _row_slices(sizes):
-            xp.matmul(x[rows], w[g], out=out[rows])
+            _backend.matmul(xp, x[rows], w[g], out=out[rows])
     return out
 
 
@@ -213,5 +215,5 @@ def _grouped_weight_grad(x, grad, sizes):
         out = xp.zeros((sizes.size, x.shape[1], grad.shape[1]), np.promote_types(x.dtype, grad.dtype))
         x, grad = _blas_layout(xp, x), _blas_layout(xp, grad)
         for g, rows in _row_slices(sizes):
-            xp.matmul(x[rows].T, grad[rows], out=out[g])
+            _backend.matmul(xp, x[rows].T, grad[rows], out=out[g])
     return out
