@@ -71,9 +71,14 @@ def _torch_matmul(a, b, out=None):
     operands = [t for t in (a, b, out) if t is not None]
     if not all(t.flags.writeable and min(t.strides, default=0) >= 0 and t.dtype == a.dtype for t in operands):
         return np.matmul(a, b, out=out)
-    product = torch.matmul(torch.from_numpy(a), torch.from_numpy(b),
-                           out=None if out is None else torch.from_numpy(out))
-    return out if out is not None else product.numpy()
+    if out is not None and a.ndim == b.ndim == out.ndim:  # straight into out, strided or not
+        torch.matmul(torch.from_numpy(a), torch.from_numpy(b), out=torch.from_numpy(out))
+        return out
+    product = torch.matmul(torch.from_numpy(a), torch.from_numpy(b)).numpy()
+    if out is None:
+        return product
+    np.copyto(out, product)  # torch folds broadcast batches into rows, which a strided out resists
+    return out
 
 
 @contextlib.contextmanager
