@@ -7,7 +7,6 @@ compares each result with a float64 reference.
 """
 
 import ctypes
-import functools
 import gc
 import math
 import time
@@ -98,28 +97,13 @@ def _rss_and_hwm() -> tuple[int, int]:
     return rss, hwm
 
 
-@functools.cache
-def _libc():
-    """glibc, with large blocks kept in mappings of their own; ``None`` elsewhere.
-
-    By default glibc raises its mmap threshold after the first large free, and later large
-    blocks come from a heap that stays resident: a run's new allocations would not show in
-    the resident set. A fixed threshold gives each large block its own mapping.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return None
-    m_mmap_threshold = -3
-    libc.mallopt(m_mmap_threshold, 1 << 16)
-    return libc
-
-
 def _release_free_heap() -> None:
-    """Give the heap's free pages back to the system, so that reusing them counts again."""
-    libc = _libc()
-    if libc is not None:
-        libc.malloc_trim(0)
+    """Give the C heap's free pages back to the system (glibc's ``malloc_trim``), so that a
+    run reusing memory an earlier run freed is seen to use it; a no-op elsewhere."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def peak_host_bytes(fn: Callable[[], Any]) -> float:
@@ -206,7 +190,6 @@ def measure(case: Case, repeat: int, budget_s: float, tick: Callable[[], None] =
     its memory measurement (it compiles nothing, so it needs no warm-up). ``tick`` is called
     after every run, for a progress bar.
     """
-    _release_free_heap()
     peak = peak_device_bytes if case.device == "cuda" else peak_host_bytes
     reference = case.reference() if case.reference is not None else None
     times = {name: [] for name in case.methods}
