@@ -8,6 +8,7 @@ Every optional import (CuPy, torch, numba.cuda) is guarded here and nowhere else
 'numpy'
 """
 
+import contextvars
 import functools
 import importlib
 import sys
@@ -54,6 +55,17 @@ class Backend:
         """The Numba handle of CuPy's current stream, for launching kernels on it."""
         return numba_cuda().external_stream(self.xp.cuda.get_current_stream().ptr)
 
+    def kernel(self, module: str, op: str):
+        """Kernel ``op`` of ``kernels/cpu/<module>.py``, or on the GPU the launcher
+        ``launch_<op>`` of ``kernels/cuda/<module>.py``, bound to CuPy's current stream.
+
+        Importing the kernel module here, on first use, keeps ``import spchain`` light.
+        """
+        if self.device is None:
+            return getattr(importlib.import_module(f".kernels.cpu.{module}", __package__), op)
+        launcher = getattr(importlib.import_module(f".kernels.cuda.{module}", __package__), f"launch_{op}")
+        return functools.partial(launcher, stream=self.numba_stream())
+
     def to_host(self, a):
         """``a`` as a NumPy array (a copy from the device on the GPU)."""
         return a if self.device is None else a.get()
@@ -97,6 +109,31 @@ def numba_cuda() -> ModuleType:
     if not cuda.is_available():
         raise CudaUnavailableError(f"numba.cuda finds no usable GPU; {_CUDA_INSTALL}")
     return cuda
+
+
+CPU_MATMUL = contextvars.ContextVar("spchain_cpu_matmul", default=np.matmul)
+"""The matrix product used for NumPy arrays; ``spchain.torch`` sets torch's for its calls."""
+
+
+def matmul(xp, a, b, out=None):
+    """``xp.matmul(a, b, out=out)``; for NumPy arrays, the product in :data:`CPU_MATMUL`.
+
+    In a torch program NumPy's BLAS (OpenBLAS) would run a thread pool of its own beside
+    torch's, and OpenBLAS's idle threads spin for a while after each call: on a machine with
+    few cores the two pools slow each other down several times over. So ``spchain.torch``
+    lends torch's BLAS to the array level for the length of its calls, on zero-copy views.
+    """
+    if xp is np:
+        return CPU_MATMUL.get()(a, b, out=out)
+    return xp.matmul(a, b, out=out)
+
+
+def scatter_add(xp, out, indices, values) -> None:
+    """``out[indices] += values`` with repeated indices summed (``np.add.at``; cupyx on the GPU)."""
+    if xp is np:
+        np.add.at(out, indices, values)
+    else:
+        importlib.import_module("cupyx").scatter_add(out, indices, values)
 
 
 def torch_or_none() -> ModuleType | None:

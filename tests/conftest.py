@@ -18,6 +18,9 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 
+# the simulator replaces Numba's CUDA compiler, which test_kernels_ptx.py exercises
+collect_ignore = ["test_kernels_ptx.py"] if SIMULATOR else []
+
 
 def _gpu_available() -> bool:
     if SIMULATOR:

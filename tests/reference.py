@@ -1,6 +1,9 @@
 """Slow, obvious float64 references that spchain's results are checked against."""
 
+import math
+
 import numpy as np
+import scipy.linalg
 from scipy.special import logsumexp
 
 
@@ -17,6 +20,163 @@ def log_sum_exp(values, axis=None):
         return np.full(np.sum(values, axis=axis).shape, -np.inf) if axis is not None else -np.inf
     with np.errstate(divide="ignore", invalid="ignore"):
         return logsumexp(values, axis=axis)
+
+
+def _chain_inputs(x, log_trans, log_init, lengths):
+    """Float64 copies broadcast to one batch shape: x (..., v, c), trans (..., S, c, c), init, lengths."""
+    x = np.asarray(x, np.float64)
+    log_trans = np.asarray(log_trans, np.float64)
+    v, c = x.shape[-2:]
+    if log_trans.ndim != x.ndim + 1:  # shared by all steps
+        log_trans = log_trans[..., None, :, :]
+    log_init = np.zeros(c) if log_init is None else np.asarray(log_init, np.float64)
+    lengths = np.full((), v) if lengths is None else np.asarray(lengths)
+    batch = np.broadcast_shapes(x.shape[:-2], log_trans.shape[:-3], log_init.shape[:-1], lengths.shape)
+    return (np.broadcast_to(x, batch + (v, c)), np.broadcast_to(log_trans, batch + log_trans.shape[-3:]),
+            np.broadcast_to(log_init, batch + (c,)), np.broadcast_to(lengths, batch))
+
+
+def chain_logsumexp(x, log_trans, log_init=None, lengths=None):
+    """The forward algorithm in float64, one chain and one step at a time."""
+    x, trans, init, lengths = _chain_inputs(x, log_trans, log_init, lengths)
+    out = np.empty(x.shape[:-2])
+    for index in np.ndindex(out.shape):
+        alpha = init[index] + x[index][0]
+        for t in range(1, int(lengths[index])):
+            step = trans[index][min(t - 1, trans.shape[-3] - 1)]
+            alpha = log_sum_exp(alpha[:, None] + step, axis=0) + x[index][t]
+        out[index] = log_sum_exp(alpha)
+    return out
+
+
+def chain_paths(x, log_trans, log_init=None, length=None):
+    """Brute force for one chain: ``(scores, paths)`` of every state sequence, in float64."""
+    x, trans, init, length = _chain_inputs(x, log_trans, log_init, length)
+    assert x.ndim == 2, "one chain at a time"
+    v, c = x.shape
+    paths = np.array(list(np.ndindex(*(c,) * int(length))), dtype=np.int64).reshape(-1, int(length))
+    scores = init[paths[:, 0]] + x[0, paths[:, 0]]
+    for t in range(1, int(length)):
+        step = trans[min(t - 1, trans.shape[0] - 1)]
+        scores = scores + step[paths[:, t - 1], paths[:, t]] + x[t, paths[:, t]]
+    return scores, paths
+
+
+def chain_marginals_by_paths(x, log_trans, log_init=None, length=None):
+    """Posterior marginals of one chain by enumerating its paths (zero past ``length``)."""
+    scores, paths = chain_paths(x, log_trans, log_init, length)
+    v, c = np.shape(x)
+    out = np.zeros((v, c))
+    total = log_sum_exp(scores)
+    if total == -np.inf:
+        return out
+    weights = np.exp(scores - total)
+    for t in range(paths.shape[1]):
+        np.add.at(out[t], paths[:, t], weights)
+    return out
+
+
+def chain_logsumexp_torch(x, log_trans, log_init=None, lengths=None):
+    """The forward algorithm as a differentiable torch recursion (float64 autograd reference)."""
+    import torch
+
+    v, c = x.shape[-2:]
+    if log_trans.ndim != x.ndim + 1:
+        log_trans = log_trans[..., None, :, :]
+    if log_init is None:
+        log_init = torch.zeros(c, dtype=x.dtype)
+    alpha = log_init + x[..., 0, :]
+    outs = [torch.logsumexp(alpha, -1)]
+    for t in range(1, v):
+        step = log_trans[..., min(t - 1, log_trans.shape[-3] - 1), :, :]
+        alpha = torch.logsumexp(alpha[..., :, None] + step, dim=-2) + x[..., t, :]
+        outs.append(torch.logsumexp(alpha, -1))
+    outs = torch.stack(torch.broadcast_tensors(*outs), -1)
+    if lengths is None:
+        return outs[..., -1]
+    index = torch.as_tensor(lengths).expand(outs.shape[:-1])[..., None] - 1
+    return outs.gather(-1, index)[..., 0]
+
+
+def log_matmul(a, b):
+    """``log(exp(a) @ exp(b))`` by broadcasting, in float64 (builds the (..., m, k, n) tensor)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return log_sum_exp(a[..., :, :, None] + b[..., None, :, :], axis=-2)
+
+
+def max_matmul(a, b):
+    """Max-plus product by broadcasting: ``(values, argmax)`` (first maximum, NaN wins)."""
+    terms = np.asarray(a, np.float64)[..., :, :, None] + np.asarray(b, np.float64)[..., None, :, :]
+    if terms.shape[-2] == 0:
+        shape = terms.shape[:-2] + terms.shape[-1:]
+        return np.full(shape, -np.inf), np.zeros(shape, np.int64)
+    argmax = np.argmax(terms, axis=-2)
+    return np.take_along_axis(terms, argmax[..., None, :], axis=-2)[..., 0, :], argmax
+
+
+def log_chain_product(m):
+    """``log(exp(m_1) @ ... @ exp(m_L))`` left to right, in float64."""
+    m = np.asarray(m, np.float64)
+    out = m[..., 0, :, :]
+    for step in range(1, m.shape[-3]):
+        out = log_matmul(out, m[..., step, :, :])
+    return out
+
+
+def viterbi_by_paths(x, log_trans, log_init=None, length=None):
+    """Brute force for one chain: ``(score, path)``, the path padded with -1 past ``length``.
+
+    Among paths of equal best score, the one that is smallest read from the last position
+    backwards (spchain's documented tie rule).
+    """
+    scores, paths = chain_paths(x, log_trans, log_init, length)
+    best = np.max(scores)
+    candidates = [tuple(p) for p, s in zip(paths, scores) if s == best or (np.isnan(best) and np.isnan(s))]
+    path = min(candidates, key=lambda p: p[::-1])
+    v = np.shape(x)[0]
+    return best, np.array(list(path) + [-1] * (v - len(path)), dtype=np.int64)
+
+
+def block_diag_matmul(x, w):
+    """``x`` (..., G, d_in) times the block-diagonal matrix of ``w`` (G, d_in, d_out), in float64."""
+    x, w = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    groups, d_in, d_out = w.shape
+    dense = scipy.linalg.block_diag(*w) if groups else np.zeros((0, 0))
+    return (x.reshape(math.prod(x.shape[:-2]), groups * d_in) @ dense).reshape(x.shape[:-1] + (d_out,))
+
+
+def grouped_matmul(x, w, group_sizes):
+    """Rows of ``x`` (N, d_in) in contiguous groups, group g times ``w[g]``: a per-group loop in float64."""
+    x, w = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    out = np.zeros((x.shape[0], w.shape[2]))
+    start = 0
+    for g, size in enumerate(group_sizes):
+        out[start:start + size] = x[start:start + size] @ w[g]
+        start += size
+    return out
+
+
+def grouped_weight_grad(x, grad, group_sizes):
+    """The gradient of ``sum(grad * grouped_matmul(x, w, group_sizes))`` in ``w``: ``x_gᵀ grad_g`` per group."""
+    x, grad = np.asarray(x, np.float64), np.asarray(grad, np.float64)
+    out = np.zeros((len(group_sizes), x.shape[1], grad.shape[1]))
+    start = 0
+    for g, size in enumerate(group_sizes):
+        out[g] = x[start:start + size].T @ grad[start:start + size]
+        start += size
+    return out
+
+
+def block_diag_weight_grad(x, grad):
+    """The gradient of ``sum(grad * block_diag_matmul(x, w))`` in ``w``: the diagonal blocks of the dense one."""
+    x, grad = np.asarray(x, np.float64), np.asarray(grad, np.float64)
+    groups, d_in, d_out = x.shape[-2], x.shape[-1], grad.shape[-1]
+    rows = math.prod(x.shape[:-2])
+    dense = x.reshape(rows, groups * d_in).T @ grad.reshape(rows, groups * d_out)
+    out = np.zeros((groups, d_in, d_out))
+    for g in range(groups):
+        out[g] = dense[g * d_in:(g + 1) * d_in, g * d_out:(g + 1) * d_out]
+    return out
 
 
 def dense(matrix):

@@ -5,7 +5,8 @@
 - ``setup`` builds the case's inputs and runs the method once, so kernels are compiled (the
   JIT warm-up) before anything is timed.
 - A missing backend (torch, or a CUDA device) raises ``NotImplementedError`` in ``setup``,
-  which asv reports as skipped; so does a method that a case does not have.
+  which asv reports as skipped; so does a method that a case does not have, and one that
+  takes minutes a run (the seed code's pairwise tree at full size).
 - CUDA methods synchronise inside the timed body (the case's callables do).
 - ``time_`` for time, ``peakmem_`` for the whole process's resident peak.
 
@@ -47,6 +48,8 @@ class WorkloadBenchmark(abc.ABC):
         self.case = bench.make_case(self.workload, case, os.environ.get("SPCHAIN_BENCH_QUICK") == "1", self.device)
         if method not in self.case.methods:
             raise NotImplementedError(f"{case} has no method {method}")
+        if method in self.case.slow:
+            raise NotImplementedError(f"{method} takes minutes a run: `python -m spchain bench` times it once")
         self.run = self.case.methods[method]
         self.run()
 

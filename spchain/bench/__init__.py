@@ -18,7 +18,14 @@ import sys
 from .core import Case, measure
 from .report import plot, table
 
-WORKLOADS = {"sparse-linear": "sparse"}
+WORKLOADS = {
+    "sparse-linear": "sparse",
+    "block-diag": "blockdiag",
+    "chain": "chain",
+    "logmatmul": "logmatmul",
+    "viterbi": "viterbi",
+    "grouped": "grouped",
+}
 """Workload name → module (relative to this package) with ``CASES`` and ``make_case``."""
 
 
@@ -62,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     repeat = max(1, args.repeat or (3 if args.quick else 5))
     selected = [(w, c) for w in args.only or WORKLOADS for c in workload(w).CASES]
     results = []
-    with tqdm(total=len(selected), desc="benchmarks", unit="case", file=sys.stderr) as bar:
+    with tqdm(total=len(selected), desc="benchmarks", file=sys.stderr,
+              bar_format="{l_bar}{bar}| {elapsed}<{remaining} {postfix}") as bar:
         for name, case_name in selected:
             bar.set_postfix_str(f"{name}: {case_name}")
             case = make_case(name, case_name, args.quick, args.device)

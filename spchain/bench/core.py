@@ -6,6 +6,7 @@ the methods in alternating rounds, measures each one's peak memory in a run of i
 compares each result with a float64 reference.
 """
 
+import ctypes
 import gc
 import math
 import time
@@ -96,13 +97,25 @@ def _rss_and_hwm() -> tuple[int, int]:
     return rss, hwm
 
 
+def _release_free_heap() -> None:
+    """Give the C heap's free pages back to the system (glibc's ``malloc_trim``), so that a
+    run reusing memory an earlier run freed is seen to use it; a no-op elsewhere."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def peak_host_bytes(fn: Callable[[], Any]) -> float:
     """Resident memory that ``fn()`` added at its peak (Linux high-water mark, reset first).
 
     torch's CPU allocations are invisible to ``tracemalloc``, so resident memory is the
-    honest measure. Returns NaN where the high-water mark cannot be reset.
+    honest measure. Freed heap memory that the C allocator keeps resident is handed back
+    first (``malloc_trim``): otherwise a method that reuses what an earlier run freed would
+    seem to allocate nothing. Returns NaN where the high-water mark cannot be reset.
     """
     gc.collect()
+    _release_free_heap()
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")

@@ -65,11 +65,33 @@ def check_same_device(caller: str, **tensors) -> torch.device:
     return device if device is not None else torch.device("cpu")
 
 
+def _torch_matmul(a, b, out=None):
+    """``np.matmul`` computed by torch's BLAS on zero-copy views (NumPy's own for operands
+    torch cannot take as they are: read-only, negatively strided, or of mixed dtypes)."""
+    operands = [t for t in (a, b, out) if t is not None]
+    if not all(t.flags.writeable and min(t.strides, default=0) >= 0 and t.dtype == a.dtype for t in operands):
+        return np.matmul(a, b, out=out)
+    if out is not None and a.ndim == b.ndim == out.ndim:  # straight into out, strided or not
+        torch.matmul(torch.from_numpy(a), torch.from_numpy(b), out=torch.from_numpy(out))
+        return out
+    product = torch.matmul(torch.from_numpy(a), torch.from_numpy(b)).numpy()
+    if out is None:
+        return product
+    np.copyto(out, product)  # torch folds broadcast batches into rows, which a strided out resists
+    return out
+
+
 @contextlib.contextmanager
 def on_device(device: torch.device):
-    """Run CuPy and spchain's kernels on ``device`` and torch's current stream there."""
+    """Run spchain's array level for tensors on ``device``: on the CPU with torch's BLAS (one
+    thread pool for the whole program, see ``_backend.matmul``), on CUDA with CuPy and
+    spchain's kernels on ``device`` and torch's current stream there."""
     if device.type != "cuda":
-        yield
+        token = _backend.CPU_MATMUL.set(_torch_matmul)
+        try:
+            yield
+        finally:
+            _backend.CPU_MATMUL.reset(token)
         return
     cp = _backend.cupy()
     index = device.index if device.index is not None else torch.cuda.current_device()

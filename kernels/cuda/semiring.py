@@ -1,0 +1,35 @@
+"""The max-plus matrix product for CUDA: the twin of ``kernels/cpu/semiring.py``."""
+
+import math
+
+from numba import cuda
+
+from . import config
+
+
+@cuda.jit
+def max_matmul_kernel(a, b, a_index, b_index, values, argmax):
+    batches, m, n = values.shape
+    k = a.shape[2]
+    start, step = cuda.grid(1), cuda.gridsize(1)
+    for flat in range(start, batches * m * n, step):
+        p = flat // (m * n)
+        i = (flat // n) % m
+        j = flat % n
+        best = -math.inf
+        arg = 0
+        for kk in range(k):
+            val = a[a_index[p], i, kk] + b[b_index[p], kk, j]
+            if val > best or (val != val and best == best):
+                best = val
+                arg = kk
+        values[p, i, j] = best
+        argmax[p, i, j] = arg
+
+
+def launch_max_matmul(a, b, a_index, b_index, values, argmax, stream=0):
+    """Max-plus product; overwrites ``values`` and ``argmax`` (see ``kernels.cpu.semiring.max_matmul``)."""
+    if values.size == 0:
+        return
+    max_matmul_kernel[config.blocks_for(values.size), config.THREADS_PER_BLOCK, stream](
+        a, b, a_index, b_index, values, argmax)

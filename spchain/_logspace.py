@@ -1,0 +1,160 @@
+"""Array-level log-space building blocks, written once against ``xp`` (NumPy or CuPy).
+
+``log_matmul`` is the fast and exact log-semiring product that the chain sweep, ``logmatmul``
+and ``log_chain_product`` share: one GEMM in scaled (exp) space with max shifts on both sides,
+then the entries where that product lost its answer to underflow are found and recomputed
+exactly in log space.
+"""
+
+import numpy as np
+
+from . import _backend
+
+FIXUP_CHUNK = 1 << 22
+"""Elements gathered at a time when recomputing lost entries (bounds their extra memory)."""
+
+
+def finite_or_zero(xp, shift):
+    """``shift`` with non-finite entries replaced by 0, so ``exp(v - shift)`` never makes NaN
+    from ``-inf - -inf``; a NaN shift also becomes 0, and the NaN then flows through ``v``."""
+    return xp.where(xp.isfinite(shift), shift, 0)
+
+
+def logsumexp(xp, v, axis: int, keepdims: bool = False):
+    """``log(sum(exp(v)))`` along ``axis``, max-shifted; ``-inf`` for all ``-inf`` (or empty)."""
+    if v.shape[axis] == 0:
+        shape = list(v.shape)
+        shape[axis] = 1
+        out = xp.full(shape, -np.inf, dtype=v.dtype)
+        return out if keepdims else out.squeeze(axis)
+    shift = finite_or_zero(xp, v.max(axis=axis, keepdims=True))
+    total = xp.exp(v - shift).sum(axis=axis, keepdims=True)
+    with np.errstate(divide="ignore"):
+        out = xp.log(total) + shift
+    return out if keepdims else out.squeeze(axis)
+
+
+def underflow_threshold(dtype, k: int) -> float:
+    """Below this, a sum of ``k`` scaled products may have lost more than one ulp to underflow.
+
+    Every term that underflowed is below ``tiny``, so together they are below ``k * tiny``;
+    a sum of at least ``k * tiny / eps`` has lost less than ``eps`` of itself to them.
+    """
+    info = np.finfo(dtype)
+    return float(max(k, 1) * info.tiny / info.eps)
+
+
+def log_matmul(xp, a, b):
+    """``log(exp(a) @ exp(b))`` over the last two axes, leading axes broadcast.
+
+    ``a`` (..., m, k) and ``b`` (..., k, n) of one float dtype. Never builds an (m, k, n)
+    tensor: the product is one GEMM on ``exp(a - rowmax(a))`` and ``exp(b - colmax(b))``.
+    An entry whose scaled sum fell below :func:`underflow_threshold` (the row's and the
+    column's maxima sit at different ``k``, far apart) is recomputed exactly in log space;
+    rows or columns that are all ``-inf`` are exactly ``-inf`` and need no recompute.
+    """
+    k = a.shape[-1]
+    shape = np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1])
+    if k == 0 or 0 in shape:
+        return xp.full(shape, -np.inf, dtype=a.dtype)
+    row_max = a.max(axis=-1, keepdims=True)
+    col_max = b.max(axis=-2, keepdims=True)
+    row_shift = finite_or_zero(xp, row_max)
+    col_shift = finite_or_zero(xp, col_max)
+    scaled = _backend.matmul(xp, xp.exp(a - row_shift), xp.exp(b - col_shift))
+    with np.errstate(divide="ignore"):
+        out = xp.log(scaled)
+    out += row_shift
+    out += col_shift
+    lost = scaled < underflow_threshold(a.dtype, k)
+    lost &= row_max > -np.inf
+    lost &= col_max > -np.inf
+    if lost.any():
+        _recompute_lost(xp, a, b, out, lost)
+    return out
+
+
+def log_matmul_grads(xp, a, b, out, grad, need_a: bool = True, need_b: bool = True):
+    """Gradients of ``sum(grad * log_matmul(a, b))``: ``(d a, d b)``, of the broadcast batch shape.
+
+    ``out`` is the forward result. Never builds an (m, k, n) tensor: with the forward's
+    scaled product ``r`` recomputed, ``d a = u * ((grad / r) @ e^T)`` and
+    ``d b = e * (u^T @ (grad / r))``, where ``u = exp(a - rowmax)`` and ``e = exp(b - colmax)``
+    (the softmax weights, rebuilt from the max shifts); the weights ``grad / r`` are exact
+    whatever the magnitude of the logs. Entries whose ``r`` underflowed contribute exactly, in
+    log space, instead. Entries where ``out`` is ``-inf`` have no weight and contribute 0.
+    Returns ``None`` for a gradient that is not needed.
+    """
+    batch_shape = out.shape[:-2]
+    m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+    grad_a = xp.zeros(batch_shape + (m, k), a.dtype) if need_a else None
+    grad_b = xp.zeros(batch_shape + (k, n), a.dtype) if need_b else None
+    if 0 in out.shape or k == 0:
+        return grad_a, grad_b
+    u = xp.exp(a - finite_or_zero(xp, a.max(axis=-1, keepdims=True)))
+    e = xp.exp(b - finite_or_zero(xp, b.max(axis=-2, keepdims=True)))
+    scaled = _backend.matmul(xp, u, e)
+    lost = scaled < underflow_threshold(a.dtype, k)
+    # weights scaled to at most 1 so that grad / r cannot overflow; NaN flows through
+    scale = float(xp.where(xp.isfinite(grad), xp.abs(grad), 0).max()) or 1.0
+    w = xp.where(lost | (grad == 0), 0, (grad / scale) / xp.where(lost, 1, scaled))
+    if need_a:
+        grad_a += scale * u * _backend.matmul(xp, w, e.swapaxes(-1, -2))
+    if need_b:
+        grad_b += scale * e * _backend.matmul(xp, u.swapaxes(-1, -2), w)
+    exact = lost & (grad != 0) & (out > -np.inf)
+    if exact.any():
+        a3, b3, a_index, b_index = batched_operands(xp, a, b, batch_shape)
+        batch, rows, cols = xp.nonzero(flat_batch(exact))
+        flat_grad, flat_out = flat_batch(grad), flat_batch(out)
+        ks = xp.arange(k)[None, :]
+        for p in _chunks(batch.shape[0], k):
+            pb, pr, pc = batch[p], rows[p], cols[p]
+            terms = flat_grad[pb, pr, pc][:, None] * xp.exp(
+                a3[a_index[pb], pr, :] + b3[b_index[pb], :, pc] - flat_out[pb, pr, pc][:, None])
+            if need_a:
+                _backend.scatter_add(xp, flat_batch(grad_a), (pb[:, None], pr[:, None], ks), terms)
+            if need_b:
+                _backend.scatter_add(xp, flat_batch(grad_b), (pb[:, None], ks, pc[:, None]), terms)
+    return grad_a, grad_b
+
+
+def flat_batch(a, tail: int = 2):
+    """``a`` with its leading axes (all but the last ``tail``) flattened into one."""
+    return a.reshape((int(np.prod(a.shape[:a.ndim - tail], dtype=np.int64)),) + a.shape[a.ndim - tail:])
+
+
+def batched_operands(xp, a, b, batch_shape):
+    """``a`` as (Ba, m, k), ``b`` as (Bb, k, n), and for each flat index of the broadcast
+    ``batch_shape`` the index of its ``a`` and its ``b``."""
+    full = batch_shape or (1,)
+    a3, b3 = flat_batch(a), flat_batch(b)
+    a_index = xp.broadcast_to(xp.arange(a3.shape[0]).reshape(a.shape[:-2] or (1,)), full).reshape(-1)
+    b_index = xp.broadcast_to(xp.arange(b3.shape[0]).reshape(b.shape[:-2] or (1,)), full).reshape(-1)
+    return a3, b3, a_index, b_index
+
+
+def _chunks(count: int, width: int):
+    """Slices of ``range(count)`` whose gathered ``(len, width)`` blocks stay under FIXUP_CHUNK."""
+    step = max(1, FIXUP_CHUNK // max(width, 1))
+    return [slice(start, start + step) for start in range(0, count, step)]
+
+
+def _recompute_lost(xp, a, b, out, lost):
+    """Overwrite ``out`` where ``lost`` with the exact log-space sums.
+
+    Where many entries are lost (structural zeros: a left-to-right chain, say), one 0/1 GEMM
+    first rules out the entries with no finite term at all, which are exactly ``-inf``.
+    """
+    m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+    count = int(lost.sum())
+    if count * k > FIXUP_CHUNK:
+        dtype = a.dtype
+        support = _backend.matmul(xp, (a > -np.inf).astype(dtype), (b > -np.inf).astype(dtype)) > 0
+        lost &= support
+    a3, b3, a_index, b_index = batched_operands(xp, a, b, out.shape[:-2])
+    flat_out = flat_batch(out)
+    batch, rows, cols = xp.nonzero(flat_batch(lost))
+    for p in _chunks(batch.shape[0], k):
+        pb, pr, pc = batch[p], rows[p], cols[p]
+        flat_out[pb, pr, pc] = logsumexp(xp, a3[a_index[pb], pr, :] + b3[b_index[pb], :, pc], axis=-1)

@@ -1,0 +1,65 @@
+"""The logmatmul workload: (64, 256, 256) @ (64, 256, 256), float32 (issue 5).
+
+spchain's ``logmatmul`` beside the broadcasting PyTorch version,
+``(a[..., :, :, None] + b[..., None, :, :]).logsumexp(-2)``, which builds (and keeps for
+backward) a (64, 256, 256, 256) tensor.
+"""
+
+import torch
+
+from .. import torch as st
+from .core import Case
+
+CASES = ["forward", "forward + backward"]
+SIZES = {False: (64, 256), True: (8, 64)}  # (batch, n) for full and quick runs
+
+
+def broadcasting(a, b):
+    """The obvious PyTorch log-semiring product: an (..., m, k, n) tensor."""
+    return torch.logsumexp(a[..., :, :, None] + b[..., None, :, :], dim=-2)
+
+
+def _reference(a, b, grads: bool):
+    """Float64 broadcasting product, one matrix of the batch at a time (bounded memory)."""
+    outs, grads_a, grads_b = [], [], []
+    for i in range(a.shape[0]):
+        ai = a[i].detach().double().requires_grad_(grads)
+        bi = b[i].detach().double().requires_grad_(grads)
+        out = broadcasting(ai, bi)
+        if grads:
+            out.sum().backward()
+            grads_a.append(ai.grad)
+            grads_b.append(bi.grad)
+        outs.append(out.detach())
+    if not grads:
+        return torch.stack(outs)
+    return torch.stack(outs), torch.stack(grads_a), torch.stack(grads_b)
+
+
+def make_case(name: str, quick: bool, device: str = "cpu") -> Case:
+    batch, n = SIZES[quick]
+    g = torch.Generator().manual_seed(0)
+    a = (3 * torch.randn(batch, n, n, generator=g)).to(device)
+    b = (3 * torch.randn(batch, n, n, generator=g)).to(device)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    grads = name == "forward + backward"
+    if grads:
+        a.requires_grad_()
+        b.requires_grad_()
+
+    def timed(fn):
+        def run():
+            if not grads:
+                with torch.no_grad():
+                    out = fn(a, b)
+                sync()
+                return out
+            a.grad = b.grad = None
+            out = fn(a, b)
+            out.sum().backward()
+            sync()
+            return out.detach(), a.grad, b.grad
+        return run
+
+    methods = {"spchain": timed(st.logmatmul), "torch broadcasting logsumexp": timed(broadcasting)}
+    return Case("logmatmul", name, methods, lambda: _reference(a, b, grads), device)

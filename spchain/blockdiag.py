@@ -1,0 +1,219 @@
+"""Block-diagonal and grouped matrix products (NumPy or CuPy in, the same backend out).
+
+``block_diag_matmul`` multiplies each of G feature blocks of every row by its own matrix;
+``grouped_matmul`` multiplies each of G contiguous runs of rows by its own matrix (the
+routing of a mixture-of-experts layer). Neither ever copies a weight per row: each is one
+BLAS/cuBLAS product per group on strided views of the caller's arrays (in one batched
+``matmul`` call for the block-diagonal product), writing straight into the result. On
+NumPy the views go to BLAS as they are; CuPy copies a strided operand to a contiguous one
+first, which costs at most the size of that operand.
+
+The gradients of both products are products of the same kind: the input gradient is the
+product with the transposed weight, and the weight gradient of group g is
+``x_gᵀ @ grad_g`` (the private ``_block_diag_weight_grad`` and ``_grouped_weight_grad``,
+which ``spchain.torch`` uses in its backward).
+"""
+
+import math
+
+import numpy as np
+
+from . import _backend
+from ._backend import backend_of
+from ._checks import float_dtype
+
+
+def _blas_layout(xp, a):
+    """``a``, or a C-contiguous copy of it if its last two axes are not a BLAS matrix layout.
+
+    A matrix is a BLAS operand when one of its axes has unit stride and the other a positive
+    stride at least as long as a row (column); anything else (a 0-stride broadcast, a sliced
+    or reversed axis) would send NumPy to its slow non-BLAS loop, so it is copied once.
+    """
+    rows, cols = a.shape[-2:]
+    row_stride, col_stride = a.strides[-2:]
+    item = a.itemsize
+    if (col_stride == item and row_stride >= item * max(cols, 1)) or (
+        row_stride == item and col_stride >= item * max(rows, 1)
+    ):
+        return a
+    return xp.ascontiguousarray(a)
+
+
+def block_diag_matmul(x, w):
+    """Multiply each block of features by its own matrix: ``y[..., g, :] = x[..., g, :] @ w[g]``.
+
+    The same as ``x.reshape(-1, G * d_in) @ scipy.linalg.block_diag(*w)`` (reshaped back),
+    without building the block-diagonal matrix or any per-row copy of ``w``.
+
+    Parameters
+    ----------
+    x : ndarray, shape (..., G, d_in)
+        NumPy or CuPy array; float32 or float64. Any leading axes (none included).
+    w : ndarray, shape (G, d_in, d_out)
+        One matrix per block, on the same backend and device as ``x``.
+
+    Returns
+    -------
+    ndarray, shape (..., G, d_out)
+        C-contiguous, on ``x``'s backend; float64 if either input is float64.
+
+    Raises
+    ------
+    ValueError
+        If the shapes do not match, or the inputs are on different devices.
+    TypeError
+        For a dtype other than float32/float64, a torch tensor (use
+        ``spchain.torch.block_diag_matmul``) or another array type.
+
+    Examples
+    --------
+    >>> import numpy as np, spchain as sc
+    >>> x = np.arange(8.0).reshape(2, 2, 2)       # 2 rows, 2 blocks of 2 features
+    >>> w = np.stack([np.eye(2), 2 * np.eye(2)])  # block 1 is doubled
+    >>> sc.block_diag_matmul(x, w)
+    array([[[ 0.,  1.],
+            [ 4.,  6.]],
+    <BLANKLINE>
+           [[ 4.,  5.],
+            [12., 14.]]])
+    """
+    caller = "spchain.block_diag_matmul"
+    backend = backend_of(x, w, caller=caller)
+    dtype = float_dtype(caller, x=x, w=w)
+    if w.ndim != 3 or x.ndim < 2 or x.shape[-2:] != w.shape[:2]:
+        raise ValueError(f"{caller}: x (..., G, d_in) and w (G, d_in, d_out) do not match: "
+                         f"x has shape {x.shape}, w has shape {w.shape}")
+    groups, d_in, d_out = w.shape
+    xp = backend.xp
+    with backend.use():
+        out = xp.empty(x.shape[:-1] + (d_out,), dtype)
+        if out.size:
+            rows = math.prod(x.shape[:-2])
+            x = x.astype(dtype, copy=False).reshape(rows, groups, d_in)
+            w = w.astype(dtype, copy=False)
+            _backend.matmul(
+                xp,
+                _blas_layout(xp, x.swapaxes(0, 1)),
+                _blas_layout(xp, w),
+                out=out.reshape(rows, groups, d_out).swapaxes(0, 1),
+            )
+    return out
+
+
+def _block_diag_weight_grad(x, grad):
+    """The gradient of ``block_diag_matmul(x, w)`` with respect to ``w``: ``Σ_rows x_gᵀ grad_g``.
+
+    ``x`` is (..., G, d_in) and ``grad`` (..., G, d_out), on one backend, shapes checked by the
+    forward; returns (G, d_in, d_out) in their promoted dtype.
+    """
+    backend = backend_of(x, grad)
+    xp = backend.xp
+    rows, (groups, d_in), d_out = math.prod(x.shape[:-2]), x.shape[-2:], grad.shape[-1]
+    x = x.reshape(rows, groups, d_in).transpose(1, 2, 0)
+    grad = grad.reshape(rows, groups, d_out).swapaxes(0, 1)
+    with backend.use():
+        return _backend.matmul(xp, _blas_layout(xp, x), _blas_layout(xp, grad))
+
+
+def _check_group_sizes(caller: str, group_sizes, groups: int, rows: int) -> np.ndarray:
+    """``group_sizes`` as a host int64 array, checked to be G non-negative sizes summing to ``rows``."""
+    if not isinstance(group_sizes, (list, tuple, range)):
+        group_sizes = backend_of(group_sizes, caller=caller).to_host(group_sizes)
+    sizes = np.asarray(group_sizes)
+    if sizes.size == 0:
+        sizes = sizes.astype(np.int64)
+    if sizes.dtype.kind not in "iu":
+        raise TypeError(f"{caller}: group_sizes must hold integers, not {sizes.dtype}")
+    if sizes.shape != (groups,):
+        raise ValueError(f"{caller}: group_sizes has shape {sizes.shape} but w has {groups} groups")
+    if (sizes < 0).any():
+        raise ValueError(f"{caller}: group_sizes must be non-negative, got {sizes.tolist()}")
+    total = int(sizes.sum(dtype=np.int64))
+    if total != rows:
+        raise ValueError(f"{caller}: group_sizes sum to {total} but x has {rows} rows")
+    return sizes.astype(np.int64, copy=False)
+
+
+def _row_slices(sizes):
+    """``(g, rows of group g)`` for every non-empty group of checked ``sizes``."""
+    stop = 0
+    for g, size in enumerate(sizes.tolist()):
+        start, stop = stop, stop + size
+        if size:
+            yield g, slice(start, stop)
+
+
+def grouped_matmul(x, w, group_sizes):
+    """Multiply each contiguous group of rows by its own matrix.
+
+    Rows ``x[o_g : o_g + group_sizes[g]]`` are multiplied by ``w[g]``, where ``o_g`` is the sum
+    of the earlier sizes: one BLAS/cuBLAS product per group, on views of ``x`` and of the
+    result, so nothing of size G × N is ever allocated. Empty groups are allowed.
+
+    Parameters
+    ----------
+    x : ndarray, shape (N, d_in)
+        NumPy or CuPy array; float32 or float64; rows sorted by group.
+    w : ndarray, shape (G, d_in, d_out)
+        One matrix per group, on the same backend and device as ``x``.
+    group_sizes : sequence of int or integer ndarray, shape (G,)
+        Rows per group, non-negative, summing to N. A NumPy or CuPy array, a list or a tuple;
+        a CuPy array is read back to the host once.
+
+    Returns
+    -------
+    ndarray, shape (N, d_out)
+        On ``x``'s backend; float64 if either input is float64.
+
+    Raises
+    ------
+    ValueError
+        If the shapes do not match, ``group_sizes`` is not G non-negative sizes summing to N,
+        or the inputs are on different devices.
+    TypeError
+        For non-integer ``group_sizes``, a dtype other than float32/float64, a torch tensor
+        (use ``spchain.torch.grouped_matmul``) or another array type.
+
+    Examples
+    --------
+    >>> import numpy as np, spchain as sc
+    >>> x = np.ones((3, 2))
+    >>> w = np.stack([np.eye(2), 3 * np.eye(2)])
+    >>> sc.grouped_matmul(x, w, [1, 2])           # row 0 by w[0], rows 1-2 by w[1]
+    array([[1., 1.],
+           [3., 3.],
+           [3., 3.]])
+    """
+    caller = "spchain.grouped_matmul"
+    backend = backend_of(x, w, caller=caller)
+    dtype = float_dtype(caller, x=x, w=w)
+    if w.ndim != 3 or x.ndim != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"{caller}: x (N, d_in) and w (G, d_in, d_out) do not match: "
+                         f"x has shape {x.shape}, w has shape {w.shape}")
+    sizes = _check_group_sizes(caller, group_sizes, w.shape[0], x.shape[0])
+    xp = backend.xp
+    with backend.use():
+        x = _blas_layout(xp, x.astype(dtype, copy=False))
+        w = _blas_layout(xp, w.astype(dtype, copy=False))
+        out = xp.empty((x.shape[0], w.shape[2]), dtype)
+        for g, rows in _row_slices(sizes):
+            _backend.matmul(xp, x[rows], w[g], out=out[rows])
+    return out
+
+
+def _grouped_weight_grad(x, grad, sizes):
+    """The gradient of ``grouped_matmul(x, w, sizes)`` with respect to ``w``.
+
+    Group g gets ``x_gᵀ @ grad_g`` (zeros for an empty group). ``x`` is (N, d_in) and ``grad``
+    (N, d_out), on one backend, and ``sizes`` the int64 array of :func:`_check_group_sizes`
+    (all checked by the forward); returns (G, d_in, d_out) in their promoted dtype.
+    """
+    backend = backend_of(x, grad)
+    xp = backend.xp
+    with backend.use():
+        out = xp.zeros((sizes.size, x.shape[1], grad.shape[1]), np.promote_types(x.dtype, grad.dtype))
+        x, grad = _blas_layout(xp, x), _blas_layout(xp, grad)
+        for g, rows in _row_slices(sizes):
+            _backend.matmul(xp, x[rows].T, grad[rows], out=out[g])
+    return out

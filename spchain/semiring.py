@@ -1,0 +1,179 @@
+"""Log-semiring and max-plus matrix products: logmatmul, maxmatmul, log_chain_product.
+
+``logmatmul`` is a scaled GEMM made exact (``_logspace.log_matmul``); ``maxmatmul`` a Numba
+kernel; ``log_chain_product`` a pairwise reduction done in place in one buffer per chunk of
+the batch, which carries the last matrix of an odd level up unchanged (padding with a zero
+log-matrix would multiply by the all-ones matrix, not the identity).
+"""
+
+import numpy as np
+
+from . import _backend, _checks, _logspace
+
+CHAIN_CHUNK_BYTES = 1 << 28
+"""Bytes of input that ``log_chain_product`` reduces at a time (bounds its working memory)."""
+
+
+def _operands(a, b, caller: str):
+    """Validated ``(backend, a, b, batch_shape)`` of a product over the last two axes."""
+    backend = _backend.backend_of(a, b, caller=caller)
+    dtype = _checks.float_dtype(caller, a=a, b=b)
+    if a.ndim < 2 or b.ndim < 2:
+        raise ValueError(f"{caller}: a and b must have at least two axes, got shapes {a.shape} and {b.shape}")
+    if a.shape[-1] != b.shape[-2]:
+        raise ValueError(f"{caller}: shapes {a.shape} and {b.shape} do not match: "
+                         f"a has {a.shape[-1]} columns but b has {b.shape[-2]} rows")
+    try:
+        batch_shape = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    except ValueError:
+        raise ValueError(f"{caller}: batch shapes of {a.shape} and {b.shape} do not broadcast") from None
+    return backend, a.astype(dtype, copy=False), b.astype(dtype, copy=False), batch_shape
+
+
+def reduce_to(xp, grad, shape):
+    """Sum ``grad`` over the leading and size-1 axes along which an operand of ``shape`` broadcast."""
+    lead = grad.ndim - len(shape)
+    axes = tuple(range(lead)) + tuple(lead + k for k, size in enumerate(shape) if size == 1 and grad.shape[lead + k] != 1)
+    return grad.sum(axis=axes).reshape(shape) if axes else grad
+
+
+def logmatmul(a, b):
+    """Log-semiring product ``log(exp(a) @ exp(b))`` over the last two axes.
+
+    Leading axes broadcast. Never builds the (..., m, k, n) intermediate: one GEMM in scaled
+    space, with the entries that underflowed found and recomputed exactly in log space. An
+    all ``-inf`` row or column gives ``-inf``; NaN propagates.
+
+    Examples
+    --------
+    >>> import numpy as np, spchain as sc
+    >>> a = np.array([[0.0, np.log(2.0)], [-np.inf, 0.0]])   # log of [[1, 2], [0, 1]]
+    >>> np.exp(sc.logmatmul(a, a))
+    array([[1., 4.],
+           [0., 1.]])
+    """
+    backend, a, b, _ = _operands(a, b, "spchain.logmatmul")
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"), backend.use():
+        return _logspace.log_matmul(backend.xp, a, b)
+
+
+def maxmatmul(a, b):
+    """Max-plus product: ``values[..., i, j] = max_k a[..., i, k] + b[..., k, j]`` and its argmax.
+
+    Leading axes broadcast. Ties go to the lowest ``k``; NaN wins over numbers (NaN out).
+    With ``k = 0`` the values are ``-inf`` and the argmax 0.
+
+    Returns
+    -------
+    values : array (..., m, n)
+    argmax : int64 array (..., m, n)
+
+    Examples
+    --------
+    >>> import numpy as np, spchain as sc
+    >>> values, argmax = sc.maxmatmul(np.array([[0.0, 1.0]]), np.array([[2.0], [2.0]]))
+    >>> values, argmax
+    (array([[3.]]), array([[1]]))
+    """
+    backend, a, b, batch_shape = _operands(a, b, "spchain.maxmatmul")
+    xp = backend.xp
+    m, n = a.shape[-2], b.shape[-1]
+    with backend.use():
+        a3, b3, a_index, b_index = _logspace.batched_operands(xp, a, b, batch_shape)
+        values = xp.empty(a_index.shape + (m, n), a.dtype)
+        argmax = xp.empty(values.shape, np.int64)
+        if values.size:
+            backend.kernel("semiring", "max_matmul")(a3, b3, a_index, b_index, values, argmax)
+        return values.reshape(batch_shape + (m, n)), argmax.reshape(batch_shape + (m, n))
+
+
+def maxmatmul_grads(xp, a_shape, b_shape, argmax, grad):
+    """Sub-gradients of ``sum(grad * maxmatmul(a, b)[0])``: ``grad`` goes to the argmax terms."""
+    batch_shape, (m, n), k = grad.shape[:-2], grad.shape[-2:], a_shape[-1]
+    grad_a = xp.zeros(batch_shape + (m, k), grad.dtype)
+    grad_b = xp.zeros(batch_shape + (k, n), grad.dtype)
+    arg, flat_grad = _logspace.flat_batch(argmax), _logspace.flat_batch(grad)
+    batch = xp.arange(arg.shape[0])[:, None, None]
+    rows, cols = xp.arange(m)[None, :, None], xp.arange(n)[None, None, :]
+    _backend.scatter_add(xp, _logspace.flat_batch(grad_a), (batch, rows, arg), flat_grad)
+    _backend.scatter_add(xp, _logspace.flat_batch(grad_b), (batch, arg, cols), flat_grad)
+    return reduce_to(xp, grad_a, a_shape), reduce_to(xp, grad_b, b_shape)
+
+
+def _chain_operand(m, caller: str):
+    backend = _backend.backend_of(m, caller=caller)
+    dtype = _checks.float_dtype(caller, m=m)
+    if m.ndim < 3 or m.shape[-1] != m.shape[-2]:
+        raise ValueError(f"{caller}: m must have shape (..., L, c, c), got {m.shape}")
+    if m.shape[-3] < 1:
+        raise ValueError(f"{caller}: m has shape {m.shape}: a chain needs at least one matrix (L >= 1)")
+    return backend, m.astype(dtype, copy=False)
+
+
+def _row_chunks(m):
+    """Slices of the flattened batch whose (rows, L, c, c) inputs stay under CHAIN_CHUNK_BYTES."""
+    rows = int(np.prod(m.shape[:-3], dtype=np.int64))
+    per_row = max(1, m.dtype.itemsize * int(np.prod(m.shape[-3:], dtype=np.int64)))
+    step = max(1, CHAIN_CHUNK_BYTES // per_row)
+    return rows, [slice(start, start + step) for start in range(0, rows, step)]
+
+
+def log_chain_product(m):
+    """Log-space product of a chain of matrices: ``log(exp(m_1) @ ... @ exp(m_L))``.
+
+    ``m`` is (..., L, c, c), any ``L >= 1``; returns (..., c, c). The chain is reduced
+    pairwise, in place in one buffer (a copy of a chunk of the batch, so the caller's array
+    is never written), each level's products by :func:`logmatmul`'s exact scaled GEMM; an odd
+    level carries its last matrix up unchanged.
+
+    Examples
+    --------
+    >>> import numpy as np, spchain as sc
+    >>> m = np.array([[[0.0, 0.0], [-np.inf, 0.0]]] * 3)   # log of three [[1, 1], [0, 1]]
+    >>> np.exp(sc.log_chain_product(m))
+    array([[1., 3.],
+           [0., 1.]])
+    """
+    backend, m = _chain_operand(m, "spchain.log_chain_product")
+    xp = backend.xp
+    length, c = m.shape[-3], m.shape[-1]
+    flat = _logspace.flat_batch(m, 3)
+    rows, chunks = _row_chunks(m)
+    out = xp.empty((rows, c, c), m.dtype)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"), backend.use():
+        for rows_slice in chunks:
+            buf = flat[rows_slice].copy()
+            level = length
+            while level > 1:
+                half = level // 2
+                buf[:, :half] = _logspace.log_matmul(xp, buf[:, 0:2 * half:2], buf[:, 1:2 * half:2])
+                if level % 2:
+                    buf[:, half] = buf[:, level - 1]
+                level = half + level % 2
+            out[rows_slice] = buf[:, 0]
+    return out.reshape(m.shape[:-3] + (c, c))
+
+
+def log_chain_product_grad(xp, m, grad):
+    """Gradient of ``sum(grad * log_chain_product(m))`` with respect to ``m``.
+
+    The chain is folded left to right (``P_l = P_{l-1} ⊗ m_l``), a chunk of the batch at a time,
+    keeping the prefix products (the size of the chunk's input), then unwound with
+    :func:`_logspace.log_matmul_grads`: O(input) memory, no (c, c, c) tensor.
+    """
+    length = m.shape[-3]
+    flat = _logspace.flat_batch(m, 3)
+    flat_grad = _logspace.flat_batch(grad)
+    out = xp.empty(flat.shape, m.dtype)
+    _, chunks = _row_chunks(m)
+    for rows in chunks:
+        mats = flat[rows]
+        prefix = xp.empty(mats.shape, m.dtype)
+        prefix[:, 0] = mats[:, 0]
+        for step in range(1, length):
+            prefix[:, step] = _logspace.log_matmul(xp, prefix[:, step - 1], mats[:, step])
+        g = flat_grad[rows]
+        for step in range(length - 1, 0, -1):
+            g, out[rows, step] = _logspace.log_matmul_grads(xp, prefix[:, step - 1], mats[:, step], prefix[:, step], g)
+        out[rows, 0] = g
+    return out.reshape(m.shape)

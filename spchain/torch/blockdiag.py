@@ -1,0 +1,279 @@
+"""Block-diagonal and grouped matmul for torch tensors, with autograd, and their modules.
+
+Forward and backward run the array-level products of ``spchain.blockdiag`` on zero-copy
+NumPy/CuPy views of the tensors. Backward saves only ``x`` and ``w``: the input gradient
+is the same product with ``w`` transposed (a view, never a copy) and the weight gradient
+``x_gᵀ @ grad_g`` per group.
+"""
+
+import contextlib
+import math
+import numbers
+
+import numpy as np
+import torch
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+from .. import blockdiag
+from ._bridge import check_same_device, on_device, to_array, to_tensor
+
+
+@contextlib.contextmanager
+def _on(device: torch.device):
+    """``on_device(device)``, with NumPy's floating-point warnings off (torch never warns on inf or NaN)."""
+    with on_device(device), np.errstate(all="ignore"):
+        yield
+
+
+class _PerGroupMatmul(torch.autograd.Function):
+    """``product(x, w, *extra)``, differentiable in ``x`` and ``w``.
+
+    ``product`` is an array-level per-group product and ``weight_grad`` its gradient in
+    ``w``; the gradient in ``x`` is ``product`` again, with ``w`` transposed (a view).
+    """
+
+    @staticmethod
+    def forward(ctx, x, w, product, weight_grad, *extra):
+        ctx.save_for_backward(x, w)
+        ctx.product, ctx.weight_grad, ctx.extra = product, weight_grad, extra
+        with _on(x.device):
+            return to_tensor(product(to_array(x), to_array(w), *extra))
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        grad_x = grad_w = None
+        with _on(grad.device):
+            grad = to_array(grad)
+            if ctx.needs_input_grad[0]:
+                grad_x = to_tensor(ctx.product(grad, to_array(w).swapaxes(1, 2), *ctx.extra)).to(x.dtype)
+            if ctx.needs_input_grad[1]:
+                grad_w = to_tensor(ctx.weight_grad(to_array(x), grad, *ctx.extra)).to(w.dtype)
+        return grad_x, grad_w, None, None, *(None for _ in ctx.extra)
+
+
+def block_diag_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Multiply each block of features by its own matrix: ``y[..., g, :] = x[..., g, :] @ w[g]``.
+
+    The tensor version of :func:`spchain.block_diag_matmul`, differentiable in ``x`` and ``w``.
+    Unlike ``torch.matmul(x.unsqueeze(-2), w)``, it never broadcasts ``w`` to one copy per
+    row, in forward or backward; backward keeps only ``x`` and ``w``.
+
+    Parameters
+    ----------
+    x : Tensor, shape (..., G, d_in)
+        float32 or float64, CPU or CUDA.
+    w : Tensor, shape (G, d_in, d_out)
+        On ``x``'s device.
+
+    Returns
+    -------
+    Tensor, shape (..., G, d_out)
+
+    Raises
+    ------
+    ValueError
+        If the shapes do not match or the tensors are on different devices.
+    TypeError
+        For a non-tensor or an unsupported dtype (bfloat16, float16, integers).
+
+    Examples
+    --------
+    >>> import torch, spchain.torch as sct
+    >>> x = torch.ones(5, 4, 8, requires_grad=True)   # 5 rows, 4 blocks of 8 features
+    >>> w = torch.ones(4, 8, 2, requires_grad=True)
+    >>> y = sct.block_diag_matmul(x, w)
+    >>> y.shape, y[0, 0].tolist()
+    (torch.Size([5, 4, 2]), [8.0, 8.0])
+    >>> y.sum().backward()
+    >>> w.grad.shape
+    torch.Size([4, 8, 2])
+    """
+    check_same_device("spchain.torch.block_diag_matmul", x=x, w=w)
+    return _PerGroupMatmul.apply(x, w, blockdiag.block_diag_matmul, blockdiag._block_diag_weight_grad)
+
+
+def grouped_matmul(x: torch.Tensor, w: torch.Tensor, group_sizes) -> torch.Tensor:
+    """Multiply each contiguous group of rows of ``x`` by its own matrix ``w[g]``.
+
+    The tensor version of :func:`spchain.grouped_matmul`, differentiable in ``x`` and ``w``:
+    one BLAS/cuBLAS product per group on views, nothing of size G × N allocated, empty
+    groups allowed.
+
+    Parameters
+    ----------
+    x : Tensor, shape (N, d_in)
+        float32 or float64, CPU or CUDA; rows sorted by group.
+    w : Tensor, shape (G, d_in, d_out)
+        On ``x``'s device.
+    group_sizes : sequence of int or integer Tensor, shape (G,)
+        Rows per group, non-negative, summing to N; a tensor may be on any device (a CUDA
+        one is read back to the host once).
+
+    Returns
+    -------
+    Tensor, shape (N, d_out)
+
+    Raises
+    ------
+    ValueError
+        If the shapes do not match, ``group_sizes`` is not G non-negative sizes summing to N,
+        or the tensors are on different devices.
+    TypeError
+        For a non-tensor ``x`` or ``w``, non-integer ``group_sizes``, or an unsupported dtype.
+
+    Examples
+    --------
+    >>> import torch, spchain.torch as sct
+    >>> x = torch.ones(3, 2, requires_grad=True)
+    >>> w = torch.stack([torch.eye(2), 3 * torch.eye(2)]).requires_grad_()
+    >>> sct.grouped_matmul(x, w, [1, 2]).tolist()    # row 0 by w[0], rows 1-2 by w[1]
+    [[1.0, 1.0], [3.0, 3.0], [3.0, 3.0]]
+    """
+    check_same_device("spchain.torch.grouped_matmul", x=x, w=w)
+    if isinstance(group_sizes, torch.Tensor):
+        group_sizes = group_sizes.detach().cpu().numpy()
+    sizes = np.array(group_sizes)  # a copy: the caller changing its sizes later cannot reach backward
+    return _PerGroupMatmul.apply(x, w, blockdiag.grouped_matmul, blockdiag._grouped_weight_grad, sizes)
+
+
+class _PerGroupLinear(nn.Module):
+    """A (G, d_in, d_out) weight and an optional bias, initialised like ``nn.Linear`` per group.
+
+    Every entry is drawn from U(-1/√d_in, 1/√d_in), d_in being one group's fan-in: what
+    ``nn.Linear(d_in, d_out)`` does for each group's weight and bias.
+    """
+
+    def __init__(self, groups, d_in, d_out, bias_shape, bias, device, dtype):
+        super().__init__()
+        factory = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(groups, d_in, d_out, **factory))
+        if bias:
+            self.bias = nn.Parameter(torch.empty(bias_shape, **factory))
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        fan_in = self.weight.shape[1]
+        bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0.0
+        nn.init.uniform_(self.weight, -bound, bound)
+        if self.bias is not None:
+            nn.init.uniform_(self.bias, -bound, bound)
+
+
+def _check_sizes(name: str, **sizes) -> None:
+    """``TypeError`` unless every size is an int; ``ValueError`` unless ``groups`` ≥ 1 and the others ≥ 0."""
+    for key, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name}: {key} must be an int, got {value!r}")
+        if value < (1 if key == "groups" else 0):
+            raise ValueError(f"{name}: {key} must be {'positive' if key == 'groups' else 'non-negative'}, got {value}")
+
+
+class BlockDiagonalLinear(_PerGroupLinear):
+    """A linear layer whose weight is block-diagonal: G independent ``nn.Linear`` maps.
+
+    The input's last axis (``in_features``) is cut into ``groups`` blocks of
+    ``in_features // groups`` features; block g is mapped by ``weight[g]`` to
+    ``out_features // groups`` outputs, and the blocks are concatenated (grouped
+    convolution's 1×1 case). Runs :func:`block_diag_matmul`; memory stays O(input + output).
+
+    Parameters
+    ----------
+    in_features, out_features : int
+        Both divisible by ``groups`` (else ``ValueError``).
+    groups : int
+        Number of diagonal blocks.
+    bias : bool
+        Learn an additive bias of shape (out_features,).
+    device, dtype : optional
+        Where and how to create the parameters, as for ``nn.Linear``.
+
+    Attributes
+    ----------
+    weight : Parameter, shape (groups, in_features // groups, out_features // groups)
+    bias : Parameter, shape (out_features,), or None
+
+    Examples
+    --------
+    >>> import torch, spchain.torch as sct
+    >>> layer = sct.BlockDiagonalLinear(512, 256, groups=8)
+    >>> layer
+    BlockDiagonalLinear(in_features=512, out_features=256, groups=8, bias=True)
+    >>> layer(torch.randn(32, 10, 512)).shape
+    torch.Size([32, 10, 256])
+    """
+
+    def __init__(self, in_features: int, out_features: int, groups: int, bias: bool = True, *,
+                 device=None, dtype=None):
+        _check_sizes("BlockDiagonalLinear", in_features=in_features, out_features=out_features, groups=groups)
+        if in_features % groups or out_features % groups:
+            raise ValueError(f"BlockDiagonalLinear: in_features ({in_features}) and out_features "
+                             f"({out_features}) must be divisible by groups ({groups})")
+        super().__init__(groups, in_features // groups, out_features // groups, (out_features,), bias, device, dtype)
+        self.in_features, self.out_features, self.groups = in_features, out_features, groups
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.ndim < 1 or x.shape[-1] != self.in_features:
+            raise ValueError(f"BlockDiagonalLinear: input must be (..., {self.in_features}), got {tuple(x.shape)}")
+        y = block_diag_matmul(x.unflatten(-1, self.weight.shape[:2]), self.weight).flatten(-2)
+        return y if self.bias is None else y.add_(self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"groups={self.groups}, bias={self.bias is not None}")
+
+
+class GroupedLinear(_PerGroupLinear):
+    """G linear layers, one per contiguous group of rows (the experts of a mixture of experts).
+
+    ``forward(x, group_sizes)`` maps the rows of group g by ``x_g @ weight[g] + bias[g]``,
+    through :func:`grouped_matmul`: one BLAS/cuBLAS product per group, nothing of size G × N.
+
+    Parameters
+    ----------
+    groups : int
+        Number of groups (experts).
+    in_features, out_features : int
+        Sizes of each row's input and output.
+    bias : bool
+        Learn one bias per group, shape (groups, out_features).
+    device, dtype : optional
+        Where and how to create the parameters, as for ``nn.Linear``.
+
+    Attributes
+    ----------
+    weight : Parameter, shape (groups, in_features, out_features)
+    bias : Parameter, shape (groups, out_features), or None
+
+    Examples
+    --------
+    >>> import torch, spchain.torch as sct
+    >>> layer = sct.GroupedLinear(4, 16, 32)
+    >>> layer
+    GroupedLinear(groups=4, in_features=16, out_features=32, bias=True)
+    >>> layer(torch.randn(10, 16), [3, 0, 5, 2]).shape
+    torch.Size([10, 32])
+    """
+
+    def __init__(self, groups: int, in_features: int, out_features: int, bias: bool = True, *,
+                 device=None, dtype=None):
+        _check_sizes("GroupedLinear", groups=groups, in_features=in_features, out_features=out_features)
+        super().__init__(groups, in_features, out_features, (groups, out_features), bias, device, dtype)
+        self.groups, self.in_features, self.out_features = groups, in_features, out_features
+
+    def forward(self, x: torch.Tensor, group_sizes) -> torch.Tensor:
+        if x.ndim != 2 or x.shape[1] != self.in_features:
+            raise ValueError(f"GroupedLinear: input must be (N, {self.in_features}), got {tuple(x.shape)}")
+        y = grouped_matmul(x, self.weight, group_sizes)
+        if self.bias is None:
+            return y
+        sizes = torch.as_tensor(group_sizes, dtype=torch.int64, device=self.bias.device)
+        return y.add_(torch.repeat_interleave(self.bias, sizes, dim=0, output_size=y.shape[0]))
+
+    def extra_repr(self) -> str:
+        return (f"groups={self.groups}, in_features={self.in_features}, "
+                f"out_features={self.out_features}, bias={self.bias is not None}")

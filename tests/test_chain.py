@@ -1,0 +1,361 @@
+"""chain_logsumexp and chain_marginals (spchain/chain.py) against float64 references."""
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+import reference
+import spchain as sc
+from spchain import chain
+
+
+@pytest.fixture(params=["gemm", "kernel"])
+def algorithm(request, monkeypatch):
+    """Every test runs both exact sweeps: the scaled GEMM one and the Numba log-space one."""
+    monkeypatch.setattr(chain, "ALGORITHM", request.param)
+    return request.param
+
+
+def random_chain(rng, batch, v, c, *, per_step=True, trans_batch=None, dtype=np.float64, scale=1.0):
+    """Random inputs; per-step transitions shared by the batch unless ``trans_batch`` says otherwise."""
+    x = rng.normal(scale=scale, size=batch + (v, c)).astype(dtype)
+    if trans_batch is None:
+        trans_batch = (1,) * len(batch) if per_step else ()
+    shape = trans_batch + ((v - 1,) if per_step else ()) + (c, c)
+    trans = np.log(rng.dirichlet(np.ones(c), size=shape[:-1])).astype(dtype)
+    init = np.log(rng.dirichlet(np.ones(c))).astype(dtype)
+    return x, trans, init
+
+
+def assert_close(got, want, rtol=1e-10, atol=1e-10):
+    got = np.asarray(got, np.float64)
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize(
+    "x_batch, trans_batch, per_step",
+    [
+        ((5,), (), False),
+        ((5,), (1,), True),
+        ((5,), (5,), True),
+        ((5,), (5,), False),
+        ((3, 4), (1, 4), True),
+        ((), (), True),
+        ((2, 1), (3,), False),
+    ],
+    ids=["shared", "per-step", "per-row-per-step", "per-row-shared", "n-t-broadcast", "unbatched", "broadcast-x"],
+)
+def test_matches_reference_recursion(algorithm, rng, xp, x_batch, trans_batch, per_step):
+    v, c = 6, 5
+    x, trans, init = random_chain(rng, x_batch, v, c, per_step=per_step, trans_batch=trans_batch)
+    got = sc.chain_logsumexp(xp.asarray(x), xp.asarray(trans), xp.asarray(init))
+    want = reference.chain_logsumexp(x, trans, init)
+    assert got.shape == want.shape
+    assert_close(got.get() if hasattr(got, "get") else got, want)
+
+
+def test_user_shapes_n_t_v_c_work_unchanged(algorithm, rng):
+    n, t, v, c = 3, 2, 5, 4
+    x = rng.normal(size=(n, t, v, c))
+    trans = np.log(rng.dirichlet(np.ones(c), size=(1, t, v - 1, c)))
+    init = np.log(rng.dirichlet(np.ones(c), size=(1, t)))
+    got = sc.chain_logsumexp(x, trans, init)
+    assert got.shape == (n, t)
+    assert_close(got, reference.chain_logsumexp(x, trans, init))
+
+
+@pytest.mark.parametrize("v", range(1, 10))
+def test_every_length_matches_brute_force(algorithm, rng, v):
+    c = 3
+    x, trans, init = random_chain(rng, (), v, c, scale=2.0)
+    scores, _ = reference.chain_paths(x, trans, init)
+    assert_close(sc.chain_logsumexp(x, trans, init), reference.log_sum_exp(scores))
+    assert_close(sc.chain_marginals(x, trans, init), reference.chain_marginals_by_paths(x, trans, init))
+
+
+def test_v1_is_logsumexp_of_init_plus_x0(algorithm):
+    x = np.array([[0.5, -1.0, 2.0]])
+    init = np.array([0.1, 0.2, -0.3])
+    got = sc.chain_logsumexp(x, np.zeros((0, 3, 3)), init)
+    assert_close(got, reference.log_sum_exp(init + x[0]))
+
+
+def test_lengths_end_chains_early(algorithm, rng):
+    x, trans, init = random_chain(rng, (6,), 7, 4)
+    lengths = np.array([1, 7, 3, 4, 2, 7])
+    got = sc.chain_logsumexp(x, trans, init, lengths=lengths)
+    assert_close(got, reference.chain_logsumexp(x, trans, init, lengths))
+    marg = sc.chain_marginals(x, trans, init, lengths=lengths)
+    for b, length in enumerate(lengths):
+        assert_close(marg[b], reference.chain_marginals_by_paths(x[b], trans[0], init, length))
+
+
+def test_positions_past_lengths_are_ignored_even_if_nan(algorithm, rng):
+    x, trans, init = random_chain(rng, (3,), 5, 3)
+    lengths = np.array([2, 5, 3])
+    padded = x.copy()
+    for b, length in enumerate(lengths):
+        padded[b, length:] = np.nan
+    assert_close(sc.chain_logsumexp(padded, trans, init, lengths=lengths),
+                 reference.chain_logsumexp(x, trans, init, lengths))
+    marg = sc.chain_marginals(padded, trans, init, lengths=lengths)
+    assert np.isfinite(marg).all()
+    assert_close(marg, sc.chain_marginals(x, trans, init, lengths=lengths))
+
+
+def test_marginals_sum_to_one_per_position(algorithm, rng):
+    x, trans, init = random_chain(rng, (4,), 8, 6, scale=3.0)
+    marg = sc.chain_marginals(x, trans, init)
+    assert_close(marg.sum(axis=-1), np.ones((4, 8)))
+
+
+def test_marginals_of_broadcast_x_are_the_gradient(algorithm, rng):
+    # x shared by 3 transition batches: its gradient sums the three chains' marginals
+    x = rng.normal(size=(1, 4, 3))
+    trans = np.log(rng.dirichlet(np.ones(3), size=(3, 3)))  # (3, 3, 3): three shared matrices
+    marg = sc.chain_marginals(x, trans)
+    want = sum(reference.chain_marginals_by_paths(x[0], trans[k][None]) for k in range(3))[None]
+    assert marg.shape == x.shape
+    assert_close(marg, want)
+
+
+def test_left_to_right_chain_with_minus_inf_transitions(algorithm, rng):
+    c, v = 4, 6
+    trans = np.full((c, c), -np.inf)
+    for i in range(c):
+        trans[i, i] = math.log(0.5)
+        if i + 1 < c:
+            trans[i, i + 1] = math.log(0.5)
+    init = np.array([0.0, -np.inf, -np.inf, -np.inf])
+    x = rng.normal(size=(3, v, c))
+    got = sc.chain_logsumexp(x, trans, init)
+    assert_close(got, reference.chain_logsumexp(x, trans, init))
+    marg = sc.chain_marginals(x, trans, init)
+    assert np.isfinite(marg).all()
+    assert_close(marg[0], reference.chain_marginals_by_paths(x[0], trans, init))
+    assert (marg[:, 0, 1:] == 0).all()  # the chain starts in state 0
+
+
+def test_impossible_sequence_is_minus_inf_with_zero_marginals(algorithm, rng):
+    x = rng.normal(size=(2, 5, 3))
+    x[0, 2, :] = -np.inf  # no state possible at position 2
+    trans = np.log(rng.dirichlet(np.ones(3), size=3))
+    got = sc.chain_logsumexp(x, trans)
+    assert got[0] == -np.inf and np.isfinite(got[1])
+    marg = sc.chain_marginals(x, trans)
+    assert (marg[0] == 0).all() and not np.isnan(marg).any()
+    assert_close(marg[1].sum(-1), np.ones(5))
+
+
+def test_all_minus_inf_transitions_give_minus_inf(algorithm):
+    x = np.zeros((2, 3, 2))
+    got = sc.chain_logsumexp(x, np.full((2, 2), -np.inf))
+    assert (got == -np.inf).all()
+    assert (sc.chain_marginals(x, np.full((2, 2), -np.inf)) == 0).all()
+
+
+def test_nan_reaches_only_the_affected_chains(algorithm, rng):
+    x, trans, init = random_chain(rng, (3,), 4, 3)
+    x[1, 2, 0] = np.nan
+    got = sc.chain_logsumexp(x, trans, init)
+    assert np.isnan(got[1]) and np.isfinite(got[[0, 2]]).all()
+    marg = sc.chain_marginals(x, trans, init)
+    assert np.isnan(marg[1]).any() and np.isfinite(marg[[0, 2]]).all()
+
+
+@pytest.mark.parametrize("dtype, offset", [(np.float32, -1e4), (np.float64, -1e300)])
+def test_very_negative_logs_stay_finite_and_accurate(algorithm, rng, dtype, offset):
+    x, trans, init = random_chain(rng, (3,), 5, 4)
+    x = (x + offset).astype(dtype)
+    got = sc.chain_logsumexp(x, trans.astype(dtype), init.astype(dtype))
+    want = reference.chain_logsumexp(x, trans.astype(dtype), init.astype(dtype))
+    assert np.isfinite(got).all()
+    assert_close(got, want, rtol=1e-6, atol=0)
+
+
+def test_long_float32_chain_is_accurate(algorithm, rng):
+    v, c = 10_000, 3
+    x, trans, init = random_chain(rng, (2,), v, c, per_step=False)
+    got = sc.chain_logsumexp(x.astype(np.float32), trans.astype(np.float32), init.astype(np.float32))
+    want = reference.chain_logsumexp(x.astype(np.float32), trans.astype(np.float32), init.astype(np.float32))
+    assert got.dtype == np.float32
+    assert_close(got, want, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("dtype, gap", [(np.float32, -200.0), (np.float64, -1000.0)])
+def test_scaled_gemm_underflow_is_recomputed_exactly(monkeypatch, dtype, gap):
+    # state 1 starts `gap` nats below state 0, the states never change, and only state 1 is
+    # allowed at the end: the scaled product for state 1 underflows to 0 (the row's maximum
+    # sits at state 0) while the answer, `gap`, is finite; the GEMM sweep must recompute it
+    monkeypatch.setattr(chain, "ALGORITHM", "gemm")
+    trans = np.array([[0.0, -np.inf], [-np.inf, 0.0]], dtype)
+    x = np.array([[[0.0, gap], [-np.inf, 0.0]]] * 4, dtype)
+    assert_close(sc.chain_logsumexp(x, trans), np.full(4, gap), rtol=1e-7, atol=0)
+    assert_close(sc.chain_marginals(x, trans), np.array([[[0.0, 1.0], [0.0, 1.0]]] * 4))
+
+
+def test_mixed_float32_and_float64_compute_in_float64(algorithm, rng):
+    x, trans, init = random_chain(rng, (2,), 4, 3)
+    got = sc.chain_logsumexp(x.astype(np.float32), trans, init)
+    assert got.dtype == np.float64
+    assert_close(got, reference.chain_logsumexp(x.astype(np.float32), trans, init))
+
+
+def test_odd_layouts_and_read_only_inputs(algorithm, rng):
+    x, trans, init = random_chain(rng, (4,), 5, 3)
+    x_f = np.asfortranarray(x)
+    trans_t = np.ascontiguousarray(trans.swapaxes(-1, -2)).swapaxes(-1, -2)
+    init_rev = init[::-1].copy()[::-1]
+    for a in (x_f, trans_t, init_rev):
+        a.flags.writeable = False
+    before = x_f.copy()
+    assert_close(sc.chain_logsumexp(x_f, trans_t, init_rev), reference.chain_logsumexp(x, trans, init))
+    assert_close(sc.chain_marginals(x_f[:, ::-1][:, ::-1], trans_t, init_rev),
+                 sc.chain_marginals(x, trans, init))
+    np.testing.assert_array_equal(x_f, before)
+
+
+def test_empty_batch_and_single_state(algorithm, rng):
+    got = sc.chain_logsumexp(np.zeros((0, 4, 3)), np.zeros((3, 3)))
+    assert got.shape == (0,)
+    assert sc.chain_marginals(np.zeros((0, 4, 3)), np.zeros((3, 3))).shape == (0, 4, 3)
+    x = rng.normal(size=(2, 5, 1))
+    assert_close(sc.chain_logsumexp(x, np.zeros((1, 1))), x.sum(axis=(1, 2)))
+    assert_close(sc.chain_marginals(x, np.zeros((1, 1))), np.ones((2, 5, 1)))
+
+
+def test_zero_states_is_minus_inf(algorithm):
+    got = sc.chain_logsumexp(np.zeros((2, 3, 0)), np.zeros((0, 0)))
+    assert (got == -np.inf).all()
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"lengths": np.array([0, 3])}, ValueError, r"lengths must lie in 1\.\.v = 1\.\.4, got values from 0"),
+        ({"lengths": np.array([2, 5])}, ValueError, r"lengths must lie in 1\.\.v = 1\.\.4, got values from 2 to 5"),
+        ({"lengths": np.array([1, 2, 3])}, ValueError, r"batch shapes do not broadcast.*lengths \(3,\)"),
+        ({"lengths": np.array([1.0, 2.0])}, TypeError, "lengths must hold integers, got dtype float64"),
+    ],
+)
+def test_bad_lengths(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        sc.chain_logsumexp(np.zeros((2, 4, 3)), np.zeros((3, 3)), **kwargs)
+
+
+@pytest.mark.parametrize(
+    "x, trans, init, error, match",
+    [
+        (np.zeros(3), np.zeros((3, 3)), None, ValueError, r"x must have shape \(\.\.\., v, c\), got \(3,\)"),
+        (np.zeros((2, 0, 3)), np.zeros((3, 3)), None, ValueError, "at least one position"),
+        (np.zeros((2, 4, 3)), np.zeros((3, 2)), None, ValueError, r"log_trans must end in \(c, c\) = \(3, 3\)"),
+        (np.zeros((2, 4, 3)), np.zeros((2, 2, 3, 3)), None, ValueError, r"axis -3 must be v - 1 = 3"),
+        (np.zeros((500, 4, 3)), np.zeros((3, 3, 3)), None, ValueError,
+         r"batch shapes do not broadcast: x \(500,\), log_trans \(3,\).*shared by all steps"),
+        (np.zeros((2, 4, 3)), np.zeros((3, 3)), np.zeros(2), ValueError, r"log_init must have shape \(\.\.\., c\)"),
+        (np.zeros((2, 4, 3), np.int64), np.zeros((3, 3)), None, TypeError, "x has dtype int64"),
+        (np.zeros((2, 4, 3)), np.zeros((3, 3), np.float16), None, TypeError, "log_trans has dtype float16"),
+        (np.zeros((2, 4, 3)), [[0.0]], None, TypeError, "not list"),
+    ],
+)
+def test_bad_inputs(x, trans, init, error, match):
+    with pytest.raises(error, match=match):
+        sc.chain_logsumexp(x, trans, init)
+
+
+log_values = st.one_of(st.just(-np.inf), st.floats(-30, 30))
+
+
+@given(
+    data=st.data(),
+    batch=st.integers(0, 3),
+    v=st.integers(1, 6),
+    c=st.integers(1, 4),
+    per_step=st.booleans(),
+    algorithm=st.sampled_from(["gemm", "kernel"]),
+)
+def test_random_shapes_and_minus_inf_match_reference(data, batch, v, c, per_step, algorithm):
+    x = data.draw(hnp.arrays(np.float64, (batch, v, c), elements=log_values))
+    trans = data.draw(hnp.arrays(np.float64, ((v - 1,) if per_step else ()) + (c, c), elements=log_values))
+    if per_step:
+        trans = trans[None]
+    init = data.draw(hnp.arrays(np.float64, (c,), elements=log_values))
+    chain.ALGORITHM = algorithm
+    try:
+        got = sc.chain_logsumexp(x, trans, init)
+        marg = sc.chain_marginals(x, trans, init)
+    finally:
+        chain.ALGORITHM = "auto"
+    want = reference.chain_logsumexp(x, trans, init)
+    np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-9)
+    assert not np.isnan(marg).any()
+    for b in range(batch):
+        one_trans = trans[0] if per_step else trans
+        np.testing.assert_allclose(marg[b], reference.chain_marginals_by_paths(x[b], one_trans, init),
+                                   rtol=1e-7, atol=1e-9)
+
+
+@pytest.mark.parametrize("v", range(1, 7))
+def test_viterbi_matches_brute_force(rng, v):
+    x, trans, init = random_chain(rng, (3,), v, 3, scale=2.0)
+    score, path = sc.viterbi(x, trans, init)
+    assert path.dtype == np.int64 and path.shape == (3, v)
+    for b in range(3):
+        want_score, want_path = reference.viterbi_by_paths(x[b], trans[0], init)
+        np.testing.assert_allclose(score[b], want_score, rtol=1e-12)
+        np.testing.assert_array_equal(path[b], want_path)
+
+
+def test_viterbi_ties_go_to_the_lowest_state_from_the_end():
+    # integer scores: many exactly tied paths
+    x = np.array([[0.0, 0.0, 1.0], [1.0, 1.0, 0.0], [0.0, 0.0, 0.0], [2.0, 2.0, 2.0]])
+    trans = np.array([[0.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 1.0]])
+    score, path = sc.viterbi(x, trans)
+    want_score, want_path = reference.viterbi_by_paths(x, trans)
+    assert score == want_score
+    np.testing.assert_array_equal(path, want_path)
+
+
+def test_viterbi_left_to_right_chain_and_lengths(rng):
+    c, v = 4, 7
+    trans = np.full((c, c), -np.inf)
+    for i in range(c):
+        trans[i, i] = -0.1
+        if i + 1 < c:
+            trans[i, i + 1] = -1.0
+    init = np.array([0.0, -np.inf, -np.inf, -np.inf])
+    x = rng.normal(size=(4, v, c))
+    lengths = np.array([7, 3, 1, 5])
+    score, path = sc.viterbi(x, trans, init, lengths=lengths)
+    for b, length in enumerate(lengths):
+        want_score, want_path = reference.viterbi_by_paths(x[b], trans, init, length)
+        np.testing.assert_allclose(score[b], want_score, rtol=1e-12)
+        np.testing.assert_array_equal(path[b], want_path)
+        assert (np.diff(path[b][:length]) >= 0).all() and (path[b][length:] == -1).all()
+
+
+def test_viterbi_impossible_chain_and_nan(rng):
+    x = rng.normal(size=(3, 4, 3))
+    x[0, 2] = -np.inf
+    x[1, 1, 2] = np.nan
+    score, path = sc.viterbi(x, np.zeros((3, 3)))
+    assert score[0] == -np.inf and np.isnan(score[1]) and np.isfinite(score[2])
+    assert ((path >= 0) & (path < 3)).all()
+
+
+def test_viterbi_user_shapes_and_empty_batch(rng):
+    n, t, v, c = 2, 3, 4, 3
+    x = rng.normal(size=(n, t, v, c))
+    trans = rng.normal(size=(1, t, v - 1, c, c))
+    init = rng.normal(size=(1, t, c))
+    score, path = sc.viterbi(x, trans, init)
+    assert score.shape == (n, t) and path.shape == (n, t, v)
+    want_score, want_path = reference.viterbi_by_paths(x[1, 2], trans[0, 2], init[0, 2])
+    np.testing.assert_allclose(score[1, 2], want_score, rtol=1e-12)
+    np.testing.assert_array_equal(path[1, 2], want_path)
+    score, path = sc.viterbi(np.zeros((0, 4, 3)), np.zeros((3, 3)))
+    assert score.shape == (0,) and path.shape == (0, 4)

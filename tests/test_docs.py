@@ -1,0 +1,19 @@
+"""The examples in the public docstrings run and print what they say."""
+
+import doctest
+import importlib
+
+import pytest
+
+MODULES = ["spchain", "spchain._backend", "spchain._checks", "spchain.blockdiag", "spchain.chain", "spchain.semiring"]
+TORCH_MODULES = ["spchain.torch._bridge", "spchain.torch.blockdiag", "spchain.torch.chain", "spchain.torch.semiring"]
+
+
+@pytest.mark.parametrize("name", MODULES + TORCH_MODULES)
+def test_docstring_examples(name):
+    if name in TORCH_MODULES:
+        pytest.importorskip("torch")
+    module = importlib.import_module(name)
+    result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.failed == 0, f"{result.failed} of {result.attempted} examples failed in {name}"
+    assert result.attempted > 0 or name in ("spchain._checks",)

@@ -1,0 +1,71 @@
+"""Every CUDA kernel compiles to PTX for sm_90: Numba's typing and code generation run here,
+without a GPU, wherever a CUDA toolkit's NVVM is installed (the simulator checks neither, and
+conftest.py leaves this module out under it).
+"""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from numba import cuda, types
+
+from spchain.kernels.cuda import chain as cuda_chain
+from spchain.kernels.cuda import semiring as cuda_semiring
+
+
+def _nvvm_works() -> bool:
+    def probe(a):
+        a[0] = 1.0
+
+    try:
+        cuda.compile_ptx(probe, (types.float32[::1],), cc=(9, 0))
+    except Exception:
+        return False
+    return True
+
+
+pytestmark = pytest.mark.skipif(not _nvvm_works(), reason="needs a CUDA toolkit's NVVM to compile PTX")
+
+
+def arr(dtype, ndim):
+    return types.Array(dtype, ndim, "C")
+
+
+i64 = types.int64
+
+
+def kernels(dtype):
+    """(name, python function, signature) of every CUDA kernel for one float dtype."""
+    f = types.float32 if dtype == np.float32 else types.float64
+    x, trans, init, lengths = arr(f, 3), arr(f, 4), arr(f, 2), arr(i64, 1)
+    return [
+        ("chain_forward", cuda_chain._forward_kernel(np.dtype(dtype)),
+         (x, trans, i64, i64, init, lengths, arr(f, 3), arr(f, 2))),
+        ("chain_backward", cuda_chain._backward_kernel(np.dtype(dtype)),
+         (x, trans, i64, i64, lengths, arr(f, 2), arr(f, 3))),
+        ("chain_transition_grad", cuda_chain.chain_transition_grad_kernel,
+         (x, trans, i64, lengths, arr(f, 3), arr(f, 2), arr(f, 3), arr(f, 1), arr(f, 4))),
+        ("viterbi", cuda_chain._viterbi_kernel(np.dtype(dtype)),
+         (x, trans, i64, i64, init, lengths, arr(f, 3), arr(types.int32, 3), arr(f, 1), arr(i64, 2))),
+        ("max_matmul", cuda_semiring.max_matmul_kernel,
+         (arr(f, 3), arr(f, 3), arr(i64, 1), arr(i64, 1), arr(f, 3), arr(i64, 3))),
+    ]
+
+
+@pytest.fixture
+def sm90(monkeypatch):
+    """Device functions are compiled for the current device's compute capability: without a
+    GPU, say it is 9.0."""
+    if cuda.is_available():
+        return
+    dispatcher = pytest.importorskip("numba.cuda.dispatcher")
+    if not hasattr(dispatcher, "get_current_device"):
+        pytest.skip("this numba-cuda compiles device functions differently")
+    monkeypatch.setattr(dispatcher, "get_current_device", lambda: SimpleNamespace(compute_capability=(9, 0)))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_every_kernel_compiles(sm90, dtype):
+    for name, kernel, signature in kernels(dtype):
+        ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=(9, 0))
+        assert ".entry" in ptx, name

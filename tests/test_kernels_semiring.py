@@ -1,0 +1,43 @@
+"""The max-plus kernel (kernels/cpu/semiring.py) and its CUDA twin, under the simulator."""
+
+import numpy as np
+import pytest
+
+import reference
+from spchain.kernels.cpu import semiring as cpu_semiring
+
+
+def problem(rng):
+    a = rng.normal(size=(2, 5, 6))
+    b = rng.normal(size=(3, 6, 7))
+    a[0, 1, :] = -np.inf
+    a[1, 2, 3] = np.nan
+    b[2, 4, :] = a[1, 0].max() + 10  # a row that wins every column
+    a_index, b_index = np.array([0, 1, 1, 0]), np.array([2, 0, 2, 1])
+    return a, b, a_index, b_index
+
+
+def run(fn, a, b, a_index, b_index):
+    values = np.empty((len(a_index), a.shape[1], b.shape[2]))
+    argmax = np.empty(values.shape, np.int64)
+    fn(a, b, a_index, b_index, values, argmax)
+    return values, argmax
+
+
+def test_cpu_kernel_matches_reference(rng):
+    a, b, a_index, b_index = problem(rng)
+    values, argmax = run(cpu_semiring.max_matmul, a, b, a_index, b_index)
+    want_values, want_argmax = reference.max_matmul(a[a_index], b[b_index])
+    np.testing.assert_array_equal(values, want_values)
+    np.testing.assert_array_equal(argmax, want_argmax)
+
+
+@pytest.mark.cuda_kernel
+def test_cuda_kernel_matches_cpu_twin(small_launch, rng):
+    from spchain.kernels.cuda import semiring as cuda_semiring
+
+    operands = problem(rng)
+    want = run(cpu_semiring.max_matmul, *operands)
+    got = run(cuda_semiring.launch_max_matmul, *operands)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])

@@ -1,0 +1,235 @@
+"""spchain.torch.chain_logsumexp / chain_marginals: autograd, gradcheck, devices, leaks."""
+
+import gc
+import math
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import reference  # noqa: E402
+import spchain as sc  # noqa: E402
+import spchain.torch as st  # noqa: E402
+from spchain import chain  # noqa: E402
+
+
+@pytest.fixture(params=["gemm", "kernel"])
+def algorithm(request, monkeypatch):
+    monkeypatch.setattr(chain, "ALGORITHM", request.param)
+    return request.param
+
+
+def inputs(batch, v, c, *, per_step=True, trans_batch=None, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch + (v, c), generator=g, dtype=dtype)
+    if trans_batch is None:
+        trans_batch = (1,) * len(batch) if per_step else ()
+    shape = trans_batch + ((v - 1,) if per_step else ()) + (c, c)
+    trans = torch.log_softmax(torch.randn(shape, generator=g, dtype=dtype), -1)
+    init = torch.log_softmax(torch.randn(c, generator=g, dtype=dtype), -1)
+    return x, trans, init
+
+
+@pytest.mark.parametrize(
+    "batch, trans_batch, per_step",
+    [((3,), None, True), ((3,), None, False), ((3,), (3,), True), ((2, 2), (1, 2), True), ((), None, True)],
+    ids=["per-step", "shared", "per-row", "n-t-broadcast", "unbatched"],
+)
+def test_gradcheck_x_trans_init(algorithm, batch, trans_batch, per_step):
+    x, trans, init = inputs(batch, 4, 3, per_step=per_step, trans_batch=trans_batch)
+    args = [t.requires_grad_() for t in (x, trans, init)]
+    assert torch.autograd.gradcheck(lambda *a: st.chain_logsumexp(*a), args, eps=1e-6, atol=1e-8, rtol=1e-6)
+
+
+def test_gradcheck_with_minus_inf_entries_and_lengths(algorithm):
+    x, trans, init = inputs((3,), 5, 3)
+    trans = trans.clone()
+    trans[..., 0, 2] = -math.inf  # structural zeros
+    trans[..., 2, 1] = -math.inf
+    x = x.clone()
+    x[1, 2, 0] = -math.inf
+    lengths = torch.tensor([5, 2, 4])
+    args = [t.requires_grad_() for t in (x, trans, init)]
+    fn = lambda *a: st.chain_logsumexp(*a, lengths=lengths)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, args, eps=1e-6, atol=1e-8, rtol=1e-6)
+    fn(*args).sum().backward()
+    assert (trans.grad[..., 0, 2] == 0).all() and (trans.grad[..., 2, 1] == 0).all()
+    assert x.grad[1, 2, 0] == 0 and (x.grad[1, 2:] == 0).all()
+
+
+def test_matches_autograd_through_a_torch_recursion(algorithm):
+    x, trans, init = inputs((4,), 6, 5, per_step=True)
+    ours = [t.clone().requires_grad_() for t in (x, trans, init)]
+    theirs = [t.clone().requires_grad_() for t in (x, trans, init)]
+    weights = torch.arange(1.0, 5.0, dtype=torch.float64)
+    (st.chain_logsumexp(*ours) * weights).sum().backward()
+    (reference.chain_logsumexp_torch(*theirs) * weights).sum().backward()
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-9, atol=1e-10)
+
+
+def test_float32_gradients_are_close_to_float64(algorithm):
+    x, trans, init = inputs((8,), 12, 6)
+    grads = {}
+    for dtype in (torch.float32, torch.float64):
+        args = [t.to(dtype).requires_grad_() for t in (x, trans, init)]
+        st.chain_logsumexp(*args).sum().backward()
+        grads[dtype] = [a.grad.double() for a in args]
+    for a, b in zip(grads[torch.float32], grads[torch.float64]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_underflowed_gemm_entries_get_exact_transition_gradients(monkeypatch):
+    # see test_chain.py::test_scaled_gemm_underflow_is_recomputed_exactly: the one path runs
+    # through trans[1, 1] from a state 200 nats below the row's maximum
+    monkeypatch.setattr(chain, "ALGORITHM", "gemm")
+    trans = torch.tensor([[0.0, -math.inf], [-math.inf, 0.0]], requires_grad=True)
+    x = torch.tensor([[[0.0, -200.0], [-math.inf, 0.0]]] * 4, requires_grad=True)
+    st.chain_logsumexp(x, trans).sum().backward()
+    torch.testing.assert_close(trans.grad, torch.tensor([[0.0, 0.0], [0.0, 4.0]]))
+
+
+def test_marginals_equal_the_gradient_and_carry_no_graph(algorithm):
+    x, trans, init = inputs((3,), 5, 4)
+    x.requires_grad_()
+    st.chain_logsumexp(x, trans, init).sum().backward()
+    marg = st.chain_marginals(x, trans, init)
+    assert not marg.requires_grad
+    torch.testing.assert_close(marg, x.grad)
+
+
+def test_backward_twice_with_retain_graph_and_no_grad():
+    x, trans, init = inputs((3,), 5, 4)
+    x.requires_grad_()
+    out = st.chain_logsumexp(x, trans, init).sum()
+    out.backward(retain_graph=True)
+    first = x.grad.clone()
+    out.backward()
+    torch.testing.assert_close(x.grad, 2 * first)
+    with torch.no_grad():
+        value = st.chain_logsumexp(x, trans, init)
+    assert not value.requires_grad
+    torch.testing.assert_close(value.sum(), out.detach())
+
+
+def test_only_the_needed_gradients_are_computed():
+    x, trans, init = inputs((3,), 5, 4)
+    trans.requires_grad_()
+    st.chain_logsumexp(x, trans, init).sum().backward()
+    assert trans.grad is not None and x.grad is None and init.grad is None
+
+
+def test_non_contiguous_tensors(algorithm):
+    x, trans, init = inputs((4,), 5, 3)
+    x_t = x.transpose(0, 1).contiguous().transpose(0, 1)
+    assert not x_t.is_contiguous()
+    torch.testing.assert_close(st.chain_logsumexp(x_t, trans, init), st.chain_logsumexp(x, trans, init))
+
+
+def test_array_api_rejects_tensors_that_require_grad():
+    x, trans, _ = inputs((2,), 3, 2)
+    with pytest.raises(TypeError, match=r"spchain\.torch\.chain_logsumexp.*detach"):
+        sc.chain_logsumexp(x.requires_grad_(), trans)
+
+
+def test_devices_must_match():
+    x, trans, _ = inputs((2,), 3, 2)
+    with pytest.raises(ValueError, match="x is on cpu but log_trans is on meta"):
+        st.chain_logsumexp(x, trans.to("meta"))
+
+
+def test_bfloat16_is_a_type_error():
+    x, trans, _ = inputs((2,), 3, 2)
+    with pytest.raises(TypeError, match="bfloat16"):
+        st.chain_logsumexp(x.bfloat16(), trans)
+
+
+def test_lengths_as_a_list():
+    x, trans, init = inputs((2,), 4, 3)
+    got = st.chain_logsumexp(x, trans, init, lengths=[2, 4])
+    torch.testing.assert_close(got, reference.chain_logsumexp_torch(x, trans, init, torch.tensor([2, 4])))
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) * 1024
+
+
+def test_repeated_forward_backward_does_not_leak():
+    x, trans, init = inputs((64,), 20, 16, dtype=torch.float32)
+    args = [t.requires_grad_() for t in (x, trans, init)]
+
+    def step():
+        for a in args:
+            a.grad = None
+        st.chain_logsumexp(*args).sum().backward()
+
+    for _ in range(20):
+        step()
+    gc.collect()
+    before = _rss()
+    for _ in range(200):
+        step()
+    gc.collect()
+    assert _rss() - before < 16 * 2**20
+
+
+@pytest.mark.gpu
+def test_cuda_tensors_match_cpu(algorithm):
+    x, trans, init = inputs((5,), 6, 4)
+    cpu = [t.clone().requires_grad_() for t in (x, trans, init)]
+    gpu = [t.cuda().requires_grad_() for t in (x, trans, init)]
+    lengths = torch.tensor([6, 3, 1, 6, 2])
+    out_cpu = st.chain_logsumexp(*cpu, lengths=lengths)
+    out_gpu = st.chain_logsumexp(*gpu, lengths=lengths.cuda())
+    out_cpu.sum().backward()
+    out_gpu.sum().backward()
+    torch.testing.assert_close(out_gpu.cpu(), out_cpu)
+    for a, b in zip(gpu, cpu):
+        torch.testing.assert_close(a.grad.cpu(), b.grad)
+
+
+def test_viterbi_score_gradient_is_the_one_hot_best_path():
+    x, trans, init = inputs((3,), 5, 4)
+    lengths = torch.tensor([5, 2, 4])
+    args = [t.clone().requires_grad_() for t in (x, trans, init)]
+    score, path = st.viterbi(*args, lengths=lengths)
+    assert not path.requires_grad
+    (score * torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)).sum().backward()
+    want_x = torch.zeros_like(x)
+    want_trans = torch.zeros_like(trans)
+    want_init = torch.zeros_like(init)
+    for b, w in enumerate((1.0, 2.0, 3.0)):
+        _, best = reference.viterbi_by_paths(x[b].numpy(), trans[0].numpy(), init.numpy(), int(lengths[b]))
+        length = int(lengths[b])
+        want_init[best[0]] += w
+        for t in range(length):
+            want_x[b, t, best[t]] = w
+            if t:
+                want_trans[0, t - 1, best[t - 1], best[t]] += w
+    torch.testing.assert_close(args[0].grad, want_x)
+    torch.testing.assert_close(args[1].grad, want_trans)
+    torch.testing.assert_close(args[2].grad, want_init)
+
+
+def test_viterbi_gradcheck_with_shared_transitions():
+    x, trans, init = inputs((2,), 4, 3, per_step=False)
+    args = [t.requires_grad_() for t in (x, trans, init)]
+    assert torch.autograd.gradcheck(lambda *a: st.viterbi(*a)[0], args, eps=1e-6, atol=1e-8)
+
+
+def test_impossible_sequence_has_zero_gradients_not_nan(algorithm):
+    x, trans, init = inputs((2,), 5, 3)
+    x = x.clone()
+    x[0, 3] = -math.inf  # no state is possible at position 3 of chain 0
+    args = [t.requires_grad_() for t in (x, trans, init)]
+    out = st.chain_logsumexp(*args)
+    assert out[0] == -math.inf and torch.isfinite(out[1])
+    out[1].backward()
+    assert torch.isfinite(args[0].grad).all() and (args[0].grad[0] == 0).all()
+    assert torch.isfinite(args[1].grad).all() and torch.isfinite(args[2].grad).all()
+    out = st.chain_logsumexp(*args)
+    args[0].grad = None
+    out.sum().backward()  # -inf in the sum: the impossible chain still adds no NaN
+    assert (args[0].grad[0] == 0).all() and torch.isfinite(args[0].grad).all()

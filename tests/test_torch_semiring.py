@@ -1,0 +1,107 @@
+"""spchain.torch logmatmul / maxmatmul / log_chain_product: autograd and gradcheck."""
+
+import math
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import reference  # noqa: E402
+import spchain.torch as st  # noqa: E402
+from spchain import semiring  # noqa: E402
+
+
+def randn(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+@pytest.mark.parametrize("a_shape, b_shape", [((3, 4), (4, 5)), ((2, 3, 4), (4, 2)), ((2, 1, 3, 2), (3, 2, 4))])
+def test_logmatmul_gradcheck(a_shape, b_shape):
+    a, b = randn(*a_shape).requires_grad_(), randn(*b_shape, seed=1).requires_grad_()
+    assert torch.autograd.gradcheck(st.logmatmul, (a, b), eps=1e-6, atol=1e-8, rtol=1e-6)
+
+
+def test_logmatmul_gradients_match_broadcasting_autograd():
+    a, b = randn(4, 6, 5) * 3, randn(5, 7, seed=1) * 3
+    a[1, :, 2] = -math.inf  # structural zeros: zero gradient there
+    ours = [a.clone().requires_grad_(), b.clone().requires_grad_()]
+    theirs = [a.clone().requires_grad_(), b.clone().requires_grad_()]
+    g = randn(4, 6, 7, seed=2)
+    (st.logmatmul(*ours) * g).sum().backward()
+    (torch.logsumexp(theirs[0][..., :, :, None] + theirs[1][..., None, :, :], dim=-2) * g).sum().backward()
+    for x, y in zip(ours, theirs):
+        torch.testing.assert_close(x.grad, y.grad, rtol=1e-10, atol=1e-12)
+    assert (ours[0].grad[1, :, 2] == 0).all()
+
+
+def test_logmatmul_all_minus_inf_row_gives_minus_inf_and_zero_gradient():
+    a = randn(3, 4)
+    a[1] = -math.inf
+    a.requires_grad_()
+    out = st.logmatmul(a, randn(4, 2, seed=1))
+    assert torch.isneginf(out[1]).all()
+    out.sum().backward()
+    assert (a.grad[1] == 0).all() and torch.isfinite(a.grad).all()
+
+
+def test_logmatmul_gradient_of_underflowed_entries_is_exact():
+    a = torch.tensor([[0.0, -300.0]], requires_grad=True)
+    b = torch.tensor([[-math.inf], [0.0]], requires_grad=True)
+    st.logmatmul(a, b).sum().backward()
+    torch.testing.assert_close(a.grad, torch.tensor([[0.0, 1.0]]))
+    torch.testing.assert_close(b.grad, torch.tensor([[0.0], [1.0]]))
+
+
+def test_logmatmul_backward_twice_and_float32():
+    a, b = randn(3, 4).float().requires_grad_(), randn(4, 2, seed=1).float().requires_grad_()
+    out = st.logmatmul(a, b).sum()
+    out.backward(retain_graph=True)
+    first = a.grad.clone()
+    out.backward()
+    torch.testing.assert_close(a.grad, 2 * first)
+
+
+def test_maxmatmul_values_gradcheck_and_argmax_is_not_differentiable():
+    a, b = randn(2, 3, 4).requires_grad_(), randn(4, 5, seed=1).requires_grad_()
+    assert torch.autograd.gradcheck(lambda a, b: st.maxmatmul(a, b)[0], (a, b), eps=1e-6, atol=1e-8)
+    values, argmax = st.maxmatmul(a, b)
+    assert values.requires_grad and not argmax.requires_grad and argmax.dtype == torch.int64
+
+
+@pytest.mark.parametrize("length", [1, 2, 3, 5])
+def test_log_chain_product_gradcheck(length):
+    m = randn(2, length, 3, 3).requires_grad_()
+    assert torch.autograd.gradcheck(st.log_chain_product, (m,), eps=1e-6, atol=1e-8, rtol=1e-6)
+
+
+def test_log_chain_product_gradient_in_chunks_with_minus_inf(monkeypatch):
+    monkeypatch.setattr(semiring, "CHAIN_CHUNK_BYTES", 1)
+    m = randn(3, 4, 3, 3)
+    m[:, :, 0, 2] = -math.inf
+    m = m.requires_grad_()
+    assert torch.autograd.gradcheck(st.log_chain_product, (m,), eps=1e-6, atol=1e-8, rtol=1e-6)
+
+
+def test_log_chain_product_value_matches_reference():
+    m = randn(2, 7, 4, 4)
+    np.testing.assert_allclose(st.log_chain_product(m).numpy(), reference.log_chain_product(m.numpy()), rtol=1e-12)
+
+
+def test_devices_must_match():
+    with pytest.raises(ValueError, match="a is on cpu but b is on meta"):
+        st.logmatmul(randn(2, 2), randn(2, 2).to("meta"))
+
+
+@pytest.mark.gpu
+def test_cuda_tensors_match_cpu():
+    a, b = randn(3, 5, 4), randn(4, 6, seed=1)
+    for fn in (st.logmatmul, lambda a, b: st.maxmatmul(a, b)[0]):
+        cpu = [a.clone().requires_grad_(), b.clone().requires_grad_()]
+        gpu = [a.cuda().requires_grad_(), b.cuda().requires_grad_()]
+        fn(*cpu).sum().backward()
+        fn(*gpu).sum().backward()
+        for x, y in zip(gpu, cpu):
+            torch.testing.assert_close(x.grad.cpu(), y.grad)
+    m = randn(2, 5, 3, 3)
+    torch.testing.assert_close(st.log_chain_product(m.cuda()).cpu(), st.log_chain_product(m))
