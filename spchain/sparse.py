@@ -52,12 +52,6 @@ class Csr:
         return int(self.indices.shape[0])
 
 
-def _kernels():
-    from .kernels.cpu import sparse
-
-    return sparse
-
-
 # --- validation and conversion -------------------------------------------------------------
 
 
@@ -169,7 +163,7 @@ def _group(backend, keys, n_groups: int):
         return indptr, xp.argsort(keys, kind="stable").astype(keys.dtype)
     indptr = np.empty(n_groups + 1, keys.dtype)
     order = np.empty(keys.shape[0], keys.dtype)
-    _kernels().group_by(keys, indptr, order)
+    backend.kernel("sparse", "group_by")(keys, indptr, order)
     return indptr, order
 
 
@@ -219,7 +213,7 @@ def contiguous(backend, a):
         return a
     if not backend.on_gpu and a.ndim == 2 and a.flags.f_contiguous:
         out = np.empty(a.shape, a.dtype)
-        _kernels().transpose(a.T, out)
+        backend.kernel("sparse", "transpose")(a.T, out)
         return out
     return backend.xp.ascontiguousarray(a)
 
@@ -260,8 +254,8 @@ def matmul(backend, csr: Csr, b, dtype, bias=None):
         return out if bias is None else out + bias[:, None]
     out = np.empty((m, n), dtype)
     if out.size:
-        _kernels().spmm(csr.indptr, csr.indices, data, contiguous(backend, b),
-                        np.zeros(m, dtype) if bias is None else bias, out)
+        backend.kernel("sparse", "spmm")(csr.indptr, csr.indices, data, contiguous(backend, b),
+                                         np.zeros(m, dtype) if bias is None else bias, out)
     return out
 
 
@@ -273,14 +267,8 @@ def sampled(backend, csr: Csr, a, b, dtype):
     a = contiguous(backend, a.astype(dtype, copy=False))
     b = contiguous(backend, b.astype(dtype, copy=False))
     out = xp.empty(csr.nnz, dtype)
-    if backend.on_gpu:
-        _backend.numba_cuda()
-        from .kernels.cuda.sparse import launch_sddmm
-
-        with backend.use():
-            launch_sddmm(csr.indptr, csr.indices, a, b, out, backend.numba_stream())
-    else:
-        _kernels().sddmm(csr.indptr, csr.indices, a, b, out)
+    with backend.use():
+        backend.kernel("sparse", "sddmm")(csr.indptr, csr.indices, a, b, out)
     return out
 
 
@@ -596,7 +584,7 @@ def _largest_gradients(backend, grad_y, x, count: int, taken):
     rows = max(1, _SCORE_BLOCK // max(n, 1))
     for r0 in range(0, m, rows):
         r1 = min(m, r0 + rows)
-        scores = xp.abs(grad_y[:, r0:r1].T @ x).ravel()
+        scores = xp.abs(_backend.matmul(xp, grad_y[:, r0:r1].T, x)).ravel()
         free = xp.ones(scores.shape[0], bool)
         lo, hi = (int(i) for i in xp.searchsorted(taken, xp.asarray([r0 * n, r1 * n])))
         free[taken[lo:hi] - r0 * n] = False
