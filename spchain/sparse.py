@@ -17,7 +17,6 @@ The functions without a leading underscore that are not in ``__all__`` (:func:`t
 array([3., 8.])
 """
 
-import math
 from dataclasses import dataclass
 
 import numpy as np

@@ -260,8 +260,22 @@ def test_unsupported_operands_are_type_errors():
 
 def test_torch_tensors_point_to_spchain_torch():
     torch = pytest.importorskip("torch")
-    with pytest.raises(TypeError, match=r"spchain\.torch\.spmm"):
-        sc.spmm(csr_with(), torch.ones(4, 2))
+    with pytest.raises(TypeError, match=r"requires grad.*spchain\.torch\.spmm.*detach\(\)"):
+        sc.spmm(csr_with(), torch.ones(4, 2, requires_grad=True))
+    with pytest.raises(TypeError, match=r"spchain\.torch\.sddmm"):
+        sc.sddmm(csr_with(), torch.ones(3, 2), np.ones((4, 2)))
+
+
+def test_empty_products_launch_no_kernel(monkeypatch):
+    def no_kernel(self, module, op):
+        raise AssertionError(f"kernel {op} launched for an empty product")
+
+    monkeypatch.setattr(_backend.Backend, "kernel", no_kernel)
+    empty = scipy.sparse.csr_array((3, 4))
+    np.testing.assert_array_equal(sc.sddmm(empty, np.ones((3, 2)), np.ones((4, 2))).toarray(), np.zeros((3, 4)))
+    np.testing.assert_array_equal(sc.sddmm(csr_with(), np.ones((3, 0)), np.ones((4, 0))).data, np.zeros(3))
+    assert sc.spmm(csr_with(), np.ones((4, 0))).shape == (3, 0)
+    assert sc.spmm(scipy.sparse.csr_array((0, 4)), np.ones(4)).shape == (0,)
 
 
 # --- sddmm --------------------------------------------------------------------------------------
