@@ -397,6 +397,22 @@ def test_state_dict_round_trip_and_dtype_moves():
     torch.testing.assert_close(layer64(x.double()), layer(x).double(), rtol=1e-6, atol=1e-6)
 
 
+def test_pickling_and_deepcopy_drop_the_recorded_batch():
+    import copy
+    import io
+
+    layer = st.SparseLinear(8, 4, sparsity=0.5)
+    layer(torch.randn(3, 8)).sum().backward()
+    assert layer._last_batch is not None
+    buffer = io.BytesIO()
+    torch.save(layer, buffer)
+    buffer.seek(0)
+    for other in (torch.load(buffer, weights_only=False), copy.deepcopy(layer)):
+        assert other._last_batch is None
+        x = torch.randn(2, 8)
+        torch.testing.assert_close(other(x), layer(x))
+
+
 @pytest.mark.parametrize("bad, error, message", [
     ({"sparsity": 1.2}, ValueError, r"sparsity must be in \[0, 1\]"),
     ({"sparsity": None}, TypeError, r"sparsity must be a number"),

@@ -497,6 +497,11 @@ class SparseLinear(torch.nn.Module):
                       csr.values().clone(), bias)
         return module
 
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_last_batch"] = None  # activations, not part of the layer: never pickled or deep-copied
+        return state
+
     @property
     def nnz(self) -> int:
         """The number of stored weights."""
