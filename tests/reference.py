@@ -177,3 +177,32 @@ def block_diag_weight_grad(x, grad):
     for g in range(groups):
         out[g] = dense[g * d_in:(g + 1) * d_in, g * d_out:(g + 1) * d_out]
     return out
+
+
+def dense(matrix):
+    """A SciPy sparse matrix (or cupyx, or torch sparse tensor) as a float64 NumPy array;
+    duplicate entries add up."""
+    if hasattr(matrix, "get"):
+        matrix = matrix.get()
+    if hasattr(matrix, "to_dense"):
+        return matrix.detach().cpu().to_dense().double().numpy()
+    return np.asarray(matrix.toarray(), np.float64)
+
+
+def entries(indptr, indices):
+    """``(rows, cols)`` of every stored entry of a CSR structure, in storage order."""
+    indptr, indices = np.asarray(indptr), np.asarray(indices)
+    return np.repeat(np.arange(indptr.shape[0] - 1), np.diff(indptr)), indices.astype(np.int64)
+
+
+def sampled_product(rows, cols, a, b):
+    """The dense product ``a @ b.T`` in float64, read at ``(rows[p], cols[p])`` for every entry."""
+    return (np.asarray(a, np.float64) @ np.asarray(b, np.float64).T)[rows, cols]
+
+
+def largest_positions(w, keep):
+    """Sorted flat positions of the ``keep`` largest ``|w|``: NaN first, then by magnitude, ties to
+    the earlier position (a plain Python sort)."""
+    flat = np.abs(np.asarray(w, np.float64)).ravel()
+    order = sorted(range(flat.size), key=lambda p: (0 if np.isnan(flat[p]) else 1, -flat[p], p))
+    return np.sort(np.array(order[:keep], dtype=np.int64))

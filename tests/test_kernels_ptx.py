@@ -11,6 +11,7 @@ from numba import cuda, types
 
 from spchain.kernels.cuda import chain as cuda_chain
 from spchain.kernels.cuda import semiring as cuda_semiring
+from spchain.kernels.cuda import sparse as cuda_sparse
 
 
 def _nvvm_works() -> bool:
@@ -49,6 +50,8 @@ def kernels(dtype):
          (x, trans, i64, i64, init, lengths, arr(f, 3), arr(types.int32, 3), arr(f, 1), arr(i64, 2))),
         ("max_matmul", cuda_semiring.max_matmul_kernel,
          (arr(f, 3), arr(f, 3), arr(i64, 1), arr(i64, 1), arr(f, 3), arr(i64, 3))),
+        *((f"sddmm {index}", cuda_sparse.sddmm_kernel, (arr(index, 1), arr(index, 1), arr(f, 2), arr(f, 2), arr(f, 1)))
+          for index in (types.int32, i64)),
     ]
 
 

@@ -19,6 +19,7 @@ from .core import Case, measure
 from .report import plot, table
 
 WORKLOADS = {
+    "sparse-linear": "sparse",
     "block-diag": "blockdiag",
     "chain": "chain",
     "logmatmul": "logmatmul",

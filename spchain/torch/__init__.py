@@ -8,10 +8,12 @@ explicitly (``import spchain.torch``); ``import spchain`` never imports torch.
 from .blockdiag import BlockDiagonalLinear, GroupedLinear, block_diag_matmul, grouped_matmul
 from .chain import chain_logsumexp, chain_marginals, viterbi
 from .semiring import log_chain_product, logmatmul, maxmatmul
+from .sparse import SparseLinear, prune, sddmm, sparse_linear, spmm
 
 __all__ = [
     "BlockDiagonalLinear",
     "GroupedLinear",
+    "SparseLinear",
     "block_diag_matmul",
     "chain_logsumexp",
     "chain_marginals",
@@ -19,5 +21,9 @@ __all__ = [
     "log_chain_product",
     "logmatmul",
     "maxmatmul",
+    "prune",
+    "sddmm",
+    "sparse_linear",
+    "spmm",
     "viterbi",
 ]

@@ -1,0 +1,593 @@
+"""Sparse linear layers for torch tensors: ``spmm``, ``sddmm``, ``prune``, ``sparse_linear`` and
+``SparseLinear`` (with dynamic sparsity).
+
+Tensors cross to NumPy/CuPy through the zero-copy bridge and the array-level dispatchers of
+``spchain.sparse`` do the work. A row- or column-major 2-D tensor crosses without a copy in
+either direction: on the CPU the layer computes feature-major (``W @ x.T``), so its output is a
+transposed view, which the next sparse layer (and elementwise ops between) consume without
+copying.
+
+>>> import torch, spchain.torch as st
+>>> layer = st.SparseLinear(8, 4, sparsity=0.5)
+>>> layer(torch.ones(3, 8)).shape, layer.nnz
+(torch.Size([3, 4]), 16)
+"""
+
+import math
+import warnings
+import weakref
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from .. import _backend, _checks
+from .. import sparse as _sparse
+from ._bridge import check_same_device, on_device, to_array, to_tensor
+
+__all__ = ["spmm", "sddmm", "prune", "sparse_linear", "SparseLinear"]
+
+_FORMATS = {torch.sparse_coo: "coo", torch.sparse_csr: "csr", torch.sparse_csc: "csc"}
+
+
+def _as_array(t: torch.Tensor):
+    """A NumPy/CuPy array of ``t``; a column-major (transposed) 2-D tensor crosses without a copy."""
+    if t.dim() == 2 and not t.is_contiguous() and t.t().is_contiguous():
+        return to_array(t.t()).T
+    return to_array(t)
+
+
+def _as_tensor(a) -> torch.Tensor:
+    """A tensor sharing ``a``'s memory; a column-major 2-D array crosses without a copy."""
+    if a.ndim == 2 and not a.flags.c_contiguous and a.flags.f_contiguous:
+        return to_tensor(a.T).t()
+    return to_tensor(a)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (..., features) as a matrix (batch, features), zero-size axes included."""
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
+
+
+def _sparse_tensor(t, caller: str):
+    """``(format, shape, data, first, second)`` tensors of a 2-D COO, CSR or CSC tensor."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{caller} takes a torch sparse tensor (COO, CSR or CSC), not {type(t).__name__}")
+    fmt = _FORMATS.get(t.layout)
+    if fmt is None:
+        raise TypeError(f"{caller} takes a sparse COO, CSR or CSC tensor, not one of layout {t.layout}")
+    if t.dim() != 2:
+        raise ValueError(f"{caller} takes 2-D sparse tensors (no batch or dense dimensions), got shape {tuple(t.shape)}")
+    if fmt == "coo":
+        index = t._indices()  # uncoalesced entries are fine: duplicates add up
+        return fmt, tuple(t.shape), t._values(), index[0], index[1]
+    if fmt == "csr":
+        return fmt, tuple(t.shape), t.values(), t.crow_indices(), t.col_indices()
+    return fmt, tuple(t.shape), t.values(), t.ccol_indices(), t.row_indices()
+
+
+def _csr_tensor(crow, col, values, shape) -> torch.Tensor:
+    """A torch sparse CSR tensor of validated parts, without torch's (once a process) beta warning."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Sparse CSR tensor support is in beta")
+        return torch.sparse_csr_tensor(crow, col, values, size=shape, check_invariants=False)
+
+
+def _csr_of(csr: _sparse.Csr, data, copy: bool) -> torch.Tensor:
+    """``csr``'s structure (copied if it may be the caller's) with ``data``, as a CSR tensor."""
+    indptr, indices = (csr.indptr.copy(), csr.indices.copy()) if copy else (csr.indptr, csr.indices)
+    return _csr_tensor(to_tensor(indptr), to_tensor(indices), to_tensor(data), csr.shape)
+
+
+class _Spmm(torch.autograd.Function):
+    """``a @ b`` for a sparse ``a``, differentiable with respect to the dense ``b``."""
+
+    @staticmethod
+    def forward(ctx, b, fmt, shape, data, first, second):
+        caller = "spchain.torch.spmm"
+        with on_device(b.device):
+            arrays = [to_array(t) for t in (data, first, second)]
+            b_array = _as_array(b)
+            backend = _backend.backend_of(*arrays, b_array, caller=caller)
+            csr, out = _sparse.spmm_parts(backend, fmt, shape, arrays[0], arrays[1:], b_array, caller)
+        if ctx.needs_input_grad[0]:
+            ctx.save_for_backward(*(to_tensor(a) for a in (csr.indptr, csr.indices, csr.data)))
+            ctx.shape, ctx.b_dtype = csr.shape, b.dtype
+        return _as_tensor(out)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        indptr, indices, data = ctx.saved_tensors
+        with on_device(grad_out.device):
+            csr = _sparse.Csr(to_array(indptr), to_array(indices), to_array(data), ctx.shape)
+            grad = _as_array(grad_out) if grad_out.dim() == 2 else to_array(grad_out)[:, None]
+            backend = _backend.backend_of(grad, csr.indices)
+            t_csr = _sparse.transposed(backend, csr)[0]
+            grad_b = _sparse.matmul(backend, t_csr, grad, grad.dtype)
+        grad_b = _as_tensor(grad_b if grad_out.dim() == 2 else grad_b[:, 0]).to(ctx.b_dtype)
+        return grad_b, None, None, None, None, None
+
+
+def spmm(a, b):
+    """Sparse times dense for tensors: ``a @ b``, differentiable with respect to ``b``.
+
+    Parameters
+    ----------
+    a : torch sparse tensor, COO (coalesced or not), CSR or CSC, shape (m, k)
+        Duplicates add up, as in :func:`spchain.spmm`. It must not require grad (for a
+        trainable sparse weight use :func:`sparse_linear` or :class:`SparseLinear`).
+    b : torch.Tensor, shape (k,) or (k, n), on ``a``'s device
+
+    Returns
+    -------
+    torch.Tensor, shape (m,) or (m, n)
+        float32 if both are float32, else float64.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`spchain.spmm`; ``ValueError`` for tensors on different devices.
+
+    Examples
+    --------
+    >>> import torch, spchain.torch as st
+    >>> a = torch.tensor([[0.0, 2.0], [1.0, 0.0]]).to_sparse_csr()
+    >>> b = torch.ones(2, 3, requires_grad=True)
+    >>> st.spmm(a, b).sum().backward()
+    >>> b.grad[:, 0]
+    tensor([1., 2.])
+    """
+    caller = "spchain.torch.spmm"
+    fmt, shape, data, first, second = _sparse_tensor(a, caller)
+    check_same_device(caller, a=data, b=b)
+    if a.requires_grad and torch.is_grad_enabled():
+        raise TypeError(f"{caller} differentiates with respect to the dense operand only, and a requires grad; "
+                        "for a trainable sparse weight use spchain.torch.sparse_linear or SparseLinear")
+    if b.layout != torch.strided:
+        raise TypeError(f"{caller}: b must be a dense tensor, not one of layout {b.layout}")
+    return _Spmm.apply(b, fmt, shape, data, first, second)
+
+
+def sddmm(pattern, a, b):
+    """Sampled dense-dense product for tensors: ``a @ b.T`` at ``pattern``'s stored entries.
+
+    Parameters
+    ----------
+    pattern : torch sparse tensor, COO, CSR or CSC, shape (m, n)
+        Only its structure is used.
+    a : torch.Tensor, shape (m, k)
+    b : torch.Tensor, shape (n, k)
+
+    Returns
+    -------
+    torch sparse CSR tensor
+        ``pattern``'s entries in CSR order (duplicates kept), each ``a[row] . b[col]``. It
+        carries no autograd history (inside a layer, :func:`sparse_linear` uses this product
+        for the weight gradient).
+
+    Examples
+    --------
+    >>> import torch, spchain.torch as st
+    >>> pattern = torch.eye(2).to_sparse_csr()
+    >>> st.sddmm(pattern, torch.tensor([[1.0, 2.0], [3.0, 4.0]]), torch.ones(2, 2)).values()
+    tensor([3., 7.])
+    """
+    caller = "spchain.torch.sddmm"
+    fmt, shape, _, first, second = _sparse_tensor(pattern, caller)
+    device = check_same_device(caller, pattern=first, a=a, b=b)
+    with on_device(device):
+        index = [to_array(t) for t in (first, second)]
+        dense = [_as_array(t) for t in (a, b)]
+        backend = _backend.backend_of(*index, *dense, caller=caller)
+        csr, data = _sparse.sddmm_parts(backend, fmt, shape, index, *dense, caller)
+        return _csr_of(csr, data, copy=True)
+
+
+def prune(w, sparsity, *, method="magnitude", seed=None):
+    """Keep ``w.numel() - round(sparsity * w.numel())`` entries of a dense matrix tensor.
+
+    Parameters and selection as :func:`spchain.prune`: ``"magnitude"`` keeps the largest
+    ``|w|`` (ties to the earlier position), ``"random"`` uniformly chosen positions (``seed``).
+
+    Returns
+    -------
+    torch sparse CSR tensor
+        On ``w``'s device, ``w``'s dtype, sorted indices, without autograd history.
+
+    Examples
+    --------
+    >>> import torch, spchain.torch as st
+    >>> st.prune(torch.tensor([[0.5, -3.0], [2.0, 0.1]]), 0.5).to_dense()
+    tensor([[ 0., -3.],
+            [ 2.,  0.]])
+    """
+    caller = "spchain.torch.prune"
+    if not isinstance(w, torch.Tensor) or w.layout != torch.strided:
+        raise TypeError(f"{caller} takes a dense tensor, not {type(w).__name__} of layout {getattr(w, 'layout', None)}")
+    with on_device(w.device):
+        array = _as_array(w) if w.dim() == 2 else to_array(w)
+        backend = _backend.backend_of(array, caller=caller)
+        indptr, indices, data = _sparse.prune_parts(backend, array, sparsity, method, seed, caller)
+        return _csr_of(_sparse.Csr(indptr, indices, None, tuple(w.shape)), data, copy=False)
+
+
+# --- sparse_linear ---------------------------------------------------------------------------
+
+
+class _StructureCache:
+    """Validated CSR structures of :func:`sparse_linear` and, on the CPU, their transposes.
+
+    One entry per live ``(indptr, indices)`` tensor pair, keyed by identity and held through
+    weak references, so it goes when the tensors go; it is reused while both tensors' version
+    counters are unchanged (every in-place op bumps them) and rebuilt otherwise. An entry holds
+    only arrays it built itself (the transpose), never views of the tensors.
+    """
+
+    def __init__(self):
+        self._entries = {}
+
+    def get(self, backend, indptr, indices, arrays, shape, caller):
+        """``(csr, transpose)`` for the structure of the tensors ``indptr, indices`` (``arrays``)."""
+        key = (id(indptr), id(indices))
+        versions = (_version(indptr), _version(indices))
+        stamp = (versions, shape, backend.device)
+        entry = self._entries.get(key)
+        if entry is not None and entry[0]() is indptr and entry[1]() is indices and entry[2] == stamp:
+            return _sparse.to_csr(backend, "csr", shape, None, *arrays, caller, trusted=True), entry[3]
+        csr = _sparse.to_csr(backend, "csr", shape, None, *arrays, caller)
+        transpose = None if backend.on_gpu else _sparse.transposed(backend, csr)
+        if None not in versions:
+            def forget(_, entries=self._entries):
+                entries.pop(key, None)
+
+            self._entries[key] = (weakref.ref(indptr, forget), weakref.ref(indices, forget), stamp, transpose)
+        return csr, transpose
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def _version(t: torch.Tensor):
+    """``t``'s version counter, or ``None`` for a tensor without one (an inference tensor)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
+_STRUCTURES = _StructureCache()
+
+
+class _SparseLinear(torch.autograd.Function):
+    """``x @ W.T + bias`` for a CSR weight; gradients for ``x``, ``values`` and ``bias``."""
+
+    @staticmethod
+    def forward(ctx, x, values, bias, indptr, indices, shape):
+        caller = "spchain.torch.sparse_linear"
+        x2 = _rows(x)
+        with on_device(x.device):
+            xa, va, ia, ja = _as_array(x2), to_array(values), to_array(indptr), to_array(indices)
+            ba = None if bias is None else to_array(bias)
+            backend = _backend.backend_of(xa, va, ba, ia, ja, caller=caller)
+            dtype = _checks.float_dtype(caller, x=xa, values=va, bias=ba)
+            csr, _ = _STRUCTURES.get(backend, indptr, indices, (ia, ja), shape, caller)
+            y, x_saved = _sparse.linear(backend, csr, va, xa, ba, dtype)
+        need_x, need_values = ctx.needs_input_grad[:2]
+        ctx.save_for_backward(_as_tensor(x_saved) if need_values else None, values if need_x else None, indptr, indices)
+        ctx.shape, ctx.x_shape, ctx.x_row_major, ctx.dtype = shape, x.shape, x2.is_contiguous(), dtype
+        ctx.dtypes = (x.dtype, values.dtype, None if bias is None else bias.dtype)
+        return _as_tensor(y).reshape(*x.shape[:-1], shape[0])
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_y):
+        caller = "spchain.torch.sparse_linear"
+        x_saved, values, indptr, indices = ctx.saved_tensors
+        need_x, need_values, need_bias = ctx.needs_input_grad[:3]
+        grad_y2 = _rows(grad_y)
+        with on_device(grad_y.device):
+            ga, ia, ja = _as_array(grad_y2), to_array(indptr), to_array(indices)
+            va = None if values is None else to_array(values)
+            xa = None if x_saved is None else _as_array(x_saved)
+            backend = _backend.backend_of(ga, ia, ja, caller=caller)
+            csr, transpose = _STRUCTURES.get(backend, indptr, indices, (ia, ja), ctx.shape, caller)
+            grad_x, grad_values = _sparse.linear_backward(backend, csr, transpose, va, ga, xa, ctx.dtype,
+                                                          need_x, need_values)
+            if grad_x is not None and ctx.x_row_major:  # x's layout, as autograd prefers for a leaf
+                grad_x = _sparse.contiguous(backend, grad_x)
+        x_dtype, values_dtype, bias_dtype = ctx.dtypes
+        if grad_x is not None:
+            grad_x = _as_tensor(grad_x).reshape(ctx.x_shape).to(x_dtype)
+        if grad_values is not None:
+            grad_values = to_tensor(grad_values).to(values_dtype)
+        grad_bias = grad_y2.sum(0).to(bias_dtype) if need_bias else None
+        return grad_x, grad_values, grad_bias, None, None, None
+
+
+def sparse_linear(x, values, indptr, indices, shape, bias=None):
+    """``x @ W.T + bias`` for a sparse weight ``W`` given as CSR arrays; differentiable.
+
+    Parameters
+    ----------
+    x : torch.Tensor, shape (..., in_features)
+        Any leading dimensions; any layout (a transposed view crosses without a copy).
+    values : torch.Tensor, shape (nnz,)
+        The stored weights; gradient by SDDMM at the stored entries only (O(nnz)).
+    indptr : torch.Tensor, shape (out_features + 1,), int32 or int64
+    indices : torch.Tensor, shape (nnz,), int32 or int64
+        Column of each stored weight. Duplicates add up; explicit zeros are trainable.
+    shape : (out_features, in_features)
+    bias : torch.Tensor, shape (out_features,), optional
+
+    Returns
+    -------
+    torch.Tensor, shape (..., out_features)
+        float32 if every float input is float32, else float64. On the CPU it is a transposed
+        view of the kernel's feature-major output (call ``.contiguous()`` if you need rows).
+
+    Raises
+    ------
+    TypeError
+        Non-float values or inputs (bfloat16, float16, ints), non-integer indices.
+    ValueError
+        A malformed structure (see :func:`spchain.spmm`), shapes that do not match, tensors
+        on different devices.
+
+    Notes
+    -----
+    The structure is validated once and cached with its transpose (the csr2csc order the input
+    gradient needs), per live ``(indptr, indices)`` pair, until either tensor is modified in
+    place; repeated calls on one structure pay neither again. The backward computes the input
+    gradient by the transposed product and the value gradient by SDDMM; no dense weight or
+    dense weight gradient is ever formed.
+
+    Examples
+    --------
+    >>> import torch, spchain.torch as st
+    >>> indptr, indices = torch.tensor([0, 1, 3]), torch.tensor([2, 0, 1])
+    >>> values = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
+    >>> y = st.sparse_linear(torch.ones(4, 3), values, indptr, indices, (2, 3))
+    >>> y[0]
+    tensor([1., 5.], grad_fn=<SelectBackward0>)
+    >>> y.sum().backward()
+    >>> values.grad
+    tensor([4., 4., 4.])
+    """
+    caller = "spchain.torch.sparse_linear"
+    check_same_device(caller, x=x, values=values, indptr=indptr, indices=indices, bias=bias)
+    shape = _sparse.check_shape(caller, shape)
+    if x.dim() == 0 or x.shape[-1] != shape[1]:
+        raise ValueError(f"{caller}: x has shape {tuple(x.shape)} but the weight has shape {shape} "
+                         f"(x's last axis must be {shape[1]})")
+    if values.dim() != 1 or indices.dim() != 1 or values.shape[0] != indices.shape[0]:
+        raise ValueError(f"{caller}: values {tuple(values.shape)} and indices {tuple(indices.shape)} "
+                         "must be 1-D and of one length (nnz)")
+    if bias is not None and tuple(bias.shape) != (shape[0],):
+        raise ValueError(f"{caller}: bias has shape {tuple(bias.shape)}; expected ({shape[0]},)")
+    return _SparseLinear.apply(x, values, bias, indptr, indices, shape)
+
+
+# --- SparseLinear ----------------------------------------------------------------------------
+
+
+class _Batch:
+    """The input and output gradient of one training batch, held by reference (for RigL)."""
+
+    __slots__ = ("x", "grad_y")
+
+    def __init__(self, x):
+        self.x, self.grad_y = x, None
+
+    def record(self, grad_y):
+        self.grad_y = grad_y
+
+
+def _torch_seed() -> int:
+    """A seed drawn from torch's default generator, so ``torch.manual_seed`` fixes our draws."""
+    return int(torch.randint(0, 2**62, ()).item())
+
+
+def _moved(t: torch.Tensor, old_slots, new_slots) -> torch.Tensor:
+    out = torch.zeros_like(t)
+    out[new_slots] = t[old_slots]
+    return out
+
+
+class SparseLinear(torch.nn.Module):
+    """A linear layer with a CSR weight: ``y = x @ W.T + b`` with ``W`` sparse.
+
+    Parameters
+    ----------
+    in_features, out_features : int
+    bias : bool
+        Whether to learn an additive bias (initialised as in ``nn.Linear``).
+    sparsity : float in [0, 1]
+        The weight stores ``nnz = in * out - round(sparsity * in * out)`` entries, at uniformly
+        random positions (drawn from torch's generator, so ``torch.manual_seed`` fixes them),
+        initialised ``U(-1/sqrt(f), 1/sqrt(f))`` with ``f = nnz / out_features`` the mean kept
+        fan-in: the output variance of the dense ``nn.Linear`` it replaces.
+    device, dtype
+        As for ``nn.Linear``.
+
+    Attributes
+    ----------
+    values : Parameter, shape (nnz,)
+        The only weight parameter; its gradient and any optimizer state are O(nnz).
+    indptr, indices : buffers (int32, or int64 past 2**31)
+        The CSR structure (sorted, no duplicates): ``state_dict``, ``.to()`` and optimizers
+        work unchanged. Load a state dict only into a layer of the same nnz.
+
+    Notes
+    -----
+    In training mode, when autograd records, ``forward`` keeps the last batch's input and (by
+    a hook) output gradient by reference, for ``prune_and_regrow(regrow="gradient")``; they
+    are the ones of that batch's step, so the layer holds one batch of activations between
+    steps.
+
+    Examples
+    --------
+    >>> import torch, spchain.torch as st
+    >>> _ = torch.manual_seed(0)
+    >>> layer = st.SparseLinear(64, 32, sparsity=0.9)
+    >>> layer
+    SparseLinear(in_features=64, out_features=32, bias=True, nnz=205, sparsity=0.8999)
+    >>> y = layer(torch.randn(5, 64))
+    >>> optimizer = torch.optim.Adam(layer.parameters())
+    >>> y.square().mean().backward()
+    >>> layer.prune_and_regrow(0.2, regrow="gradient", optimizer=optimizer)
+    >>> layer.nnz
+    205
+    """
+
+    def __init__(self, in_features, out_features, bias=True, *, sparsity=0.9, device=None, dtype=None):
+        super().__init__()
+        caller = "SparseLinear"
+        in_features, out_features = (int(n) for n in (in_features, out_features))
+        if in_features < 0 or out_features < 0:
+            raise ValueError(f"{caller}: in_features and out_features must be >= 0, got {in_features}, {out_features}")
+        total = in_features * out_features
+        nnz = total - round(_sparse.check_fraction(caller, "sparsity", sparsity) * total)
+        backend = _backend.NUMPY
+        positions = _sparse.random_positions(backend, total, nnz, seed=_torch_seed())
+        indptr, indices = _sparse.positions_to_csr(backend, positions, (out_features, in_features))
+        self._setup(in_features, out_features, torch.from_numpy(indptr), torch.from_numpy(indices),
+                    torch.empty(nnz, device=device, dtype=dtype),
+                    torch.empty(out_features, device=device, dtype=dtype) if bias else None)
+        self.reset_parameters()
+
+    def _setup(self, in_features, out_features, indptr, indices, values, bias):
+        self.in_features, self.out_features = in_features, out_features
+        self.values = torch.nn.Parameter(values)
+        self.register_buffer("indptr", indptr.to(values.device))
+        self.register_buffer("indices", indices.to(values.device))
+        if bias is None:
+            self.register_parameter("bias", None)
+        else:
+            self.bias = torch.nn.Parameter(bias)
+        self._last_batch = None
+
+    def reset_parameters(self) -> None:
+        """Re-initialise ``values`` (mean kept fan-in, see the class) and ``bias`` (as ``nn.Linear``)."""
+        kept_fan_in = self.nnz / self.out_features if self.out_features else 0.0
+        with torch.no_grad():
+            bound = 1.0 / math.sqrt(kept_fan_in) if kept_fan_in > 0 else 0.0
+            self.values.uniform_(-bound, bound)
+            if self.bias is not None:
+                bound = 1.0 / math.sqrt(self.in_features) if self.in_features > 0 else 0.0
+                self.bias.uniform_(-bound, bound)
+
+    @classmethod
+    def from_dense(cls, linear: torch.nn.Linear, sparsity, method="magnitude"):
+        """A ``SparseLinear`` keeping ``linear``'s weights chosen by :func:`prune`, and its bias.
+
+        Examples
+        --------
+        >>> import torch, spchain.torch as st
+        >>> dense = torch.nn.Linear(16, 8)
+        >>> sparse = st.SparseLinear.from_dense(dense, 0.75)
+        >>> sparse.nnz, bool((sparse.to_dense().weight != 0).sum() <= 32)
+        (32, True)
+        """
+        weight = linear.weight.detach()
+        csr = prune(weight, sparsity, method=method, seed=_torch_seed() if method == "random" else None)
+        module = cls.__new__(cls)
+        torch.nn.Module.__init__(module)
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        module._setup(linear.in_features, linear.out_features, csr.crow_indices(), csr.col_indices(),
+                      csr.values().clone(), bias)
+        return module
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_last_batch"] = None  # activations, not part of the layer: never pickled or deep-copied
+        return state
+
+    @property
+    def nnz(self) -> int:
+        """The number of stored weights."""
+        return self.values.shape[0]
+
+    @property
+    def sparsity(self) -> float:
+        """The fraction of the weight's entries that are not stored."""
+        total = self.in_features * self.out_features
+        return 1.0 - self.nnz / total if total else 0.0
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"nnz={self.nnz}, sparsity={self.sparsity:.4g}")
+
+    def forward(self, x):
+        y = sparse_linear(x, self.values, self.indptr, self.indices, (self.out_features, self.in_features), self.bias)
+        if self.training and y.requires_grad:
+            self._last_batch = _Batch(x.detach())
+            y.register_hook(self._last_batch.record)
+        return y
+
+    def weight_csr(self) -> torch.Tensor:
+        """The weight as a torch sparse CSR tensor sharing ``indptr``, ``indices`` and ``values``."""
+        return _csr_tensor(self.indptr, self.indices, self.values, (self.out_features, self.in_features))
+
+    def to_dense(self) -> torch.nn.Linear:
+        """An equivalent ``nn.Linear`` (dense copies of the weight and bias)."""
+        linear = torch.nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
+                                 device=self.values.device, dtype=self.values.dtype)
+        rows = torch.repeat_interleave(torch.arange(self.out_features, device=self.indptr.device),
+                                       self.indptr.diff().long())
+        with torch.no_grad():
+            linear.weight.zero_().view(-1).index_add_(0, rows * self.in_features + self.indices.long(), self.values)
+            if self.bias is not None:
+                linear.bias.copy_(self.bias)
+        return linear
+
+    def prune_and_regrow(self, fraction, *, regrow="random", optimizer=None) -> None:
+        """Move ``round(fraction * nnz)`` connections: drop the smallest ``|values|``, grow as many new.
+
+        Parameters
+        ----------
+        fraction : float in [0, 1]
+        regrow : {"random", "gradient"}
+            Where the new connections go, among positions not stored after the drop (a
+            just-dropped one may return): uniformly at random (SET; torch's generator), or
+            where the dense weight gradient ``|grad_y.T @ x|`` of the last training batch is
+            largest (RigL; computed now, in row blocks, from the batch this layer recorded).
+        optimizer : torch.optim.Optimizer, optional
+            Its per-weight state (every state tensor shaped like ``values``, e.g. Adam's
+            moments) follows each surviving weight to its new slot and is zero for new ones;
+            scalar state (``step``) stays.
+
+        New connections start at zero; ``values.grad``, if any, moves like optimizer state. The
+        structure stays canonical CSR with the same nnz; ``indptr`` and ``indices`` are
+        updated in place.
+        """
+        caller = "SparseLinear.prune_and_regrow"
+        n_move = round(_sparse.check_fraction(caller, "fraction", fraction) * self.nnz)
+        if regrow not in ("random", "gradient"):
+            raise ValueError(f"{caller}: regrow must be 'random' or 'gradient', not {regrow!r}")
+        if optimizer is not None and not any(p is self.values for g in optimizer.param_groups for p in g["params"]):
+            raise ValueError(f"{caller}: the optimizer does not hold this layer's values")
+        gradient = None
+        if regrow == "gradient":
+            batch = self._last_batch
+            if batch is None or batch.grad_y is None:
+                raise RuntimeError(f"{caller}: regrow='gradient' needs a training batch's gradient: "
+                                   "run forward and backward in training mode first")
+            gradient = (_rows(batch.grad_y), _rows(batch.x))
+        seed = _torch_seed()
+        shape = (self.out_features, self.in_features)
+        with torch.no_grad(), on_device(self.values.device):
+            ia, ja, va = to_array(self.indptr), to_array(self.indices), to_array(self.values)
+            backend = _backend.backend_of(ia, ja, va, caller=caller)
+            csr = _sparse.to_csr(backend, "csr", shape, None, ia, ja, caller)
+            grad_y, x = (None, None) if gradient is None else (_as_array(t) for t in gradient)
+            indptr, indices, old_slots, new_slots = _sparse.drop_and_grow(
+                backend, csr, va, n_move, grad_y=grad_y, x=x, seed=seed, caller=caller)
+            indptr, indices, old_slots, new_slots = (to_tensor(a) for a in (indptr, indices, old_slots, new_slots))
+            moving = [self.values] + ([self.values.grad] if self.values.grad is not None else [])
+            if optimizer is not None:
+                state = optimizer.state.get(self.values, {})
+                moving += [v for v in state.values() if torch.is_tensor(v) and v.shape == self.values.shape]
+            for t in moving:
+                t.copy_(_moved(t, old_slots, new_slots))
+            self.indptr.copy_(indptr)
+            self.indices.copy_(indices)

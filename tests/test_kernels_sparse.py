@@ -1,0 +1,87 @@
+"""The sparse kernels on raw arrays: CPU (``@njit``) directly, CUDA under the simulator."""
+
+import numpy as np
+import pytest
+import scipy.sparse
+
+import reference
+from spchain.kernels.cpu import sparse as cpu_sparse
+
+
+def random_csr(rng, m, n, density, index_dtype=np.int32):
+    """A CSR structure with empty rows, duplicates and unsorted indices."""
+    matrix = scipy.sparse.random(m, n, density=density, format="csr", random_state=rng)
+    rows, cols = reference.entries(matrix.indptr, matrix.indices)
+    rows, cols = np.concatenate([rows, rows[:3]]), np.concatenate([cols, cols[:3]])  # duplicates
+    order = np.lexsort((rng.random(rows.size), rows))  # rows sorted, columns shuffled within
+    rows, cols = rows[order], cols[order]
+    indptr = np.searchsorted(rows, np.arange(m + 1)).astype(index_dtype)
+    return indptr, cols.astype(index_dtype), rng.standard_normal(cols.size)
+
+
+@pytest.mark.parametrize("index_dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_spmm_matches_scipy_with_bias(rng, index_dtype, dtype):
+    indptr, indices, data = random_csr(rng, 37, 23, 0.2, index_dtype)
+    data = data.astype(dtype)
+    b = rng.standard_normal((23, 9)).astype(dtype)
+    bias = rng.standard_normal(37).astype(dtype)
+    out = np.full((37, 9), np.nan, dtype)
+    cpu_sparse.spmm(indptr, indices, data, b, bias, out)
+    want = scipy.sparse.csr_matrix((data.astype(np.float64), indices, indptr), shape=(37, 23)) @ b + bias[:, None]
+    np.testing.assert_allclose(out, want, rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-5)
+
+
+def test_group_by_is_a_stable_counting_sort(rng):
+    keys = rng.integers(0, 7, 50).astype(np.int32)
+    keys[keys == 3] = 4  # an empty group
+    indptr, order = np.empty(8, np.int32), np.empty(50, np.int32)
+    cpu_sparse.group_by(keys, indptr, order)
+    np.testing.assert_array_equal(order, np.argsort(keys, kind="stable"))
+    np.testing.assert_array_equal(indptr, np.concatenate([[0], np.cumsum(np.bincount(keys, minlength=7))]))
+
+
+@pytest.mark.parametrize("shape", [(5, 3), (40, 37), (1, 70), (33, 16), (0, 4), (4, 0)])
+def test_transpose(rng, shape):
+    a = rng.standard_normal(shape).astype(np.float32)
+    out = np.empty(shape[::-1], np.float32)
+    cpu_sparse.transpose(a, out)
+    np.testing.assert_array_equal(out, a.T)
+
+
+# --- SDDMM on both targets: CUDA under the simulator (NUMBA_ENABLE_CUDASIM=1) or on a GPU ----
+
+TARGETS = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda_kernel)]
+
+
+def sddmm(target, indptr, indices, a, b, out):
+    if target == "cpu":
+        cpu_sparse.sddmm(indptr, indices, a, b, out)
+    else:
+        from spchain.kernels.cuda import sparse as cuda_sparse
+
+        cuda_sparse.launch_sddmm(indptr, indices, a, b, out)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_sddmm_matches_dense_product_sampled_at_the_pattern(rng, small_launch, target, dtype):
+    indptr, indices, _ = random_csr(rng, 9, 7, 0.4)  # more entries than 3 blocks x 4 threads
+    assert indices.size > small_launch.MAX_BLOCKS * small_launch.THREADS_PER_BLOCK
+    a = rng.standard_normal((9, 5)).astype(dtype)
+    b = rng.standard_normal((7, 5)).astype(dtype)
+    out = np.full(indices.size, np.nan, dtype)
+    sddmm(target, indptr, indices, a, b, out)
+    rows, cols = reference.entries(indptr, indices)
+    np.testing.assert_allclose(out, reference.sampled_product(rows, cols, a, b), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_sddmm_finds_rows_past_empty_ones(small_launch, target):
+    indptr = np.array([0, 0, 2, 2, 2, 3, 3], np.int64)  # rows 0, 2, 3 and 5 are empty
+    indices = np.array([1, 0, 1], np.int64)
+    a = np.arange(12.0).reshape(6, 2)
+    b = np.array([[1.0, 0.0], [0.0, 1.0]])
+    out = np.empty(3)
+    sddmm(target, indptr, indices, a, b, out)
+    np.testing.assert_array_equal(out, [a[1, 1], a[1, 0], a[4, 1]])

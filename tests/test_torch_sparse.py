@@ -1,0 +1,527 @@
+"""spchain.torch's sparse layer (spchain/torch/sparse.py): results against dense masked float64
+references, gradcheck, the transpose cache, SparseLinear and dynamic sparsity."""
+
+import gc
+
+import numpy as np
+import pytest
+import scipy.sparse
+
+torch = pytest.importorskip("torch")
+
+import reference  # noqa: E402
+import spchain.torch as st  # noqa: E402
+from spchain.torch import sparse as torch_sparse  # noqa: E402
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def random_structure(rng, m, n, density, index_dtype=torch.int64, messy=False):
+    """``(indptr, indices)`` tensors of an m x n CSR structure; ``messy`` adds duplicates and shuffles rows."""
+    matrix = scipy.sparse.random(m, n, density=density, format="csr", random_state=rng)
+    rows, cols = reference.entries(matrix.indptr, matrix.indices)
+    if messy and cols.size:
+        rows, cols = np.concatenate([rows, rows[:2]]), np.concatenate([cols, cols[:2]])
+        order = np.lexsort((rng.random(rows.size), rows))
+        rows, cols = rows[order], cols[order]
+    indptr = np.searchsorted(rows, np.arange(m + 1))
+    return torch.tensor(indptr, dtype=index_dtype), torch.tensor(cols, dtype=index_dtype)
+
+
+def dense_weight(values, indptr, indices, shape):
+    """The float64 dense weight of a CSR structure (duplicates add up)."""
+    rows, cols = reference.entries(indptr.cpu().numpy(), indices.cpu().numpy())
+    w = np.zeros(shape)
+    np.add.at(w, (rows, cols), values.detach().cpu().double().numpy())
+    return w
+
+
+def linear_reference(x, values, indptr, indices, shape, bias=None):
+    w = dense_weight(values, indptr, indices, shape)
+    y = x.detach().cpu().double().numpy() @ w.T
+    return y if bias is None else y + bias.detach().cpu().double().numpy()
+
+
+# --- sparse_linear: results and gradients --------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("messy", [False, True], ids=["canonical", "duplicates-unsorted"])
+@pytest.mark.parametrize("leading", [(7,), (2, 3), ()], ids=["2d", "3d", "1d"])
+def test_sparse_linear_matches_the_dense_masked_reference(rng, device, index_dtype, messy, leading):
+    shape = (13, 11)
+    indptr, indices = random_structure(rng, *shape, 0.3, index_dtype, messy)
+    values = torch.tensor(rng.standard_normal(indices.numel()), dtype=torch.float32)
+    bias = torch.randn(13)
+    x = torch.tensor(rng.standard_normal((*leading, 11)), dtype=torch.float32)
+    args = [t.to(device) for t in (x, values, indptr, indices)]
+    y = st.sparse_linear(*args, shape, bias.to(device))
+    assert y.shape == (*leading, 13) and y.dtype == torch.float32
+    np.testing.assert_allclose(y.cpu().numpy(), linear_reference(x, values, indptr, indices, shape, bias),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_sparse_linear_gradients_match_the_dense_masked_product(rng):
+    shape = (9, 14)
+    indptr, indices = random_structure(rng, *shape, 0.4, messy=True)
+    values = torch.tensor(rng.standard_normal(indices.numel()), requires_grad=True)
+    values.data[0] = 0.0  # an explicit zero is trainable
+    bias = torch.randn(9, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(4, 3, 14, dtype=torch.float64, requires_grad=True)
+    y = st.sparse_linear(x, values, indptr, indices, shape, bias)
+    grad_y = torch.randn_like(y)
+    y.backward(grad_y)
+    w = torch.tensor(dense_weight(values, indptr, indices, shape), requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    (x2 @ w.T + bias.detach()).backward(grad_y)
+    torch.testing.assert_close(x.grad, x2.grad)
+    rows, cols = reference.entries(indptr.numpy(), indices.numpy())
+    torch.testing.assert_close(values.grad, w.grad[rows, cols])  # each duplicate gets the entry's gradient
+    torch.testing.assert_close(bias.grad, grad_y.sum((0, 1)))
+    assert values.grad[0] != 0
+
+
+@pytest.mark.parametrize("messy", [False, True], ids=["canonical", "duplicates-unsorted"])
+def test_gradcheck_float64_for_x_values_and_bias(rng, messy):
+    shape = (6, 5)
+    indptr, indices = random_structure(rng, *shape, 0.5, messy=messy)
+    values = torch.tensor(rng.standard_normal(indices.numel()), requires_grad=True)
+    bias = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(2, 3, 5, dtype=torch.float64, requires_grad=True)
+
+    def f(x, values, bias):
+        return st.sparse_linear(x, values, indptr, indices, shape, bias)
+
+    assert torch.autograd.gradcheck(f, (x, values, bias), eps=1e-6, atol=1e-9, rtol=1e-7)
+    assert torch.autograd.gradcheck(lambda x, v: st.sparse_linear(x.t(), v, indptr, indices, shape),
+                                    (torch.randn(5, 4, dtype=torch.float64, requires_grad=True), values))
+
+
+@pytest.mark.parametrize(
+    "batch, out_features, in_features, density",
+    [(0, 4, 3, 0.5), (3, 0, 4, 0.5), (3, 4, 0, 0.5), (3, 4, 5, 0.0), (2, 5, 3, 0.2)],
+    ids=["batch-0", "out-0", "in-0", "nnz-0", "empty-rows"],
+)
+def test_empty_shapes_give_zero_results_and_zero_gradients(rng, batch, out_features, in_features, density):
+    shape = (out_features, in_features)
+    indptr, indices = random_structure(rng, *shape, density)
+    values = torch.randn(indices.numel(), requires_grad=True)
+    bias = torch.randn(out_features, requires_grad=True)
+    x = torch.randn(batch, in_features, requires_grad=True)
+    y = st.sparse_linear(x, values, indptr, indices, shape, bias)
+    np.testing.assert_allclose(y.detach().numpy(), linear_reference(x, values, indptr, indices, shape, bias),
+                               rtol=1e-6, atol=1e-6)
+    y.sum().backward()
+    assert x.grad.shape == x.shape and values.grad.shape == values.shape
+    torch.testing.assert_close(bias.grad, torch.full_like(bias, float(batch)))
+
+
+def test_mixed_float32_and_float64_computes_in_float64_and_returns_gradients_in_input_dtypes(rng):
+    indptr, indices = random_structure(rng, 4, 3, 0.6)
+    values = torch.randn(indices.numel(), dtype=torch.float64, requires_grad=True)
+    x = torch.randn(2, 3, requires_grad=True)
+    bias = torch.randn(4, requires_grad=True)
+    y = st.sparse_linear(x, values, indptr, indices, (4, 3), bias)
+    assert y.dtype == torch.float64
+    y.sum().backward()
+    assert x.grad.dtype == torch.float32 and values.grad.dtype == torch.float64 and bias.grad.dtype == torch.float32
+
+
+def test_nan_and_inf_propagate(rng):
+    indptr, indices = torch.tensor([0, 1, 2]), torch.tensor([0, 1])
+    x = torch.tensor([[np.nan, 1.0], [np.inf, 1.0]])
+    y = st.sparse_linear(x, torch.tensor([1.0, 2.0]), indptr, indices, (2, 2))
+    assert torch.isnan(y[0, 0]) and torch.isinf(y[1, 0]) and y[0, 1] == 2.0
+
+
+def test_backward_twice_with_retain_graph_no_grad_and_unused_outputs(rng):
+    indptr, indices = random_structure(rng, 5, 4, 0.5)
+    values = torch.randn(indices.numel(), requires_grad=True)
+    x = torch.randn(3, 4, requires_grad=True)
+    y = st.sparse_linear(x, values, indptr, indices, (5, 4))
+    y.sum().backward(retain_graph=True)
+    first = values.grad.clone()
+    y.sum().backward()
+    torch.testing.assert_close(values.grad, 2 * first)
+    with torch.no_grad():
+        assert st.sparse_linear(x, values, indptr, indices, (5, 4)).grad_fn is None
+    x.grad = values.grad = None
+    y = st.sparse_linear(x, values, indptr, indices, (5, 4))
+    y[:, :2].sum().backward()  # the other outputs get zero gradients
+    w = torch.tensor(dense_weight(values, indptr, indices, (5, 4)), dtype=torch.float32)
+    torch.testing.assert_close(x.grad, torch.ones(3, 2) @ w[:2])
+
+
+def test_only_the_needed_gradients_are_computed(rng, monkeypatch):
+    indptr, indices = random_structure(rng, 5, 4, 0.5)
+    values = torch.randn(indices.numel(), requires_grad=True)
+    calls = []
+    real = torch_sparse._sparse.linear_backward
+    monkeypatch.setattr(torch_sparse._sparse, "linear_backward",
+                        lambda *a: calls.append(a[-2:]) or real(*a))
+    st.sparse_linear(torch.randn(3, 4), values, indptr, indices, (5, 4)).sum().backward()
+    assert calls == [(False, True)]
+
+
+# --- the structure cache ----------------------------------------------------------------------------
+
+
+def test_the_transpose_is_built_once_per_structure_and_rebuilt_after_in_place_changes(rng, monkeypatch):
+    indptr, indices = random_structure(rng, 6, 5, 0.5)
+    values = torch.randn(indices.numel(), requires_grad=True)
+    built = []
+    real = torch_sparse._sparse.transposed
+    monkeypatch.setattr(torch_sparse._sparse, "transposed", lambda *a: built.append(1) or real(*a))
+    x = torch.randn(2, 5, requires_grad=True)
+    for _ in range(3):
+        st.sparse_linear(x, values, indptr, indices, (6, 5)).sum().backward()
+    assert len(built) == 1
+    with torch.no_grad():
+        indices[0] = (indices[0] + 1) % 5  # an in-place change bumps the version counter
+    x.grad = values.grad = None
+    y = st.sparse_linear(x, values, indptr, indices, (6, 5))
+    y.sum().backward()
+    assert len(built) == 2
+    w = torch.tensor(dense_weight(values, indptr, indices, (6, 5)), dtype=torch.float32)
+    torch.testing.assert_close(x.grad, torch.ones(2, 6) @ w)
+
+
+def test_changing_the_structure_between_forward_and_backward_is_caught_by_autograd(rng):
+    indptr, indices = random_structure(rng, 4, 4, 0.5)
+    values = torch.randn(indices.numel(), requires_grad=True)
+    y = st.sparse_linear(torch.randn(2, 4), values, indptr, indices, (4, 4))
+    indices.add_(0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_cache_entries_go_with_their_tensors(rng):
+    gc.collect()
+    before = len(torch_sparse._STRUCTURES)
+    indptr, indices = random_structure(rng, 4, 4, 0.5)
+    st.sparse_linear(torch.randn(2, 4), torch.randn(indices.numel()), indptr, indices, (4, 4))
+    assert len(torch_sparse._STRUCTURES) == before + 1
+    del indptr, indices
+    gc.collect()
+    assert len(torch_sparse._STRUCTURES) == before
+
+
+def test_many_forward_backward_calls_keep_memory_bounded(rng):
+    layer = st.SparseLinear(256, 256, sparsity=0.9)
+    x = torch.randn(64, 256, requires_grad=True)
+
+    def step():
+        x.grad = layer.values.grad = layer.bias.grad = None
+        layer(x).square().mean().backward()
+
+    for _ in range(20):
+        step()
+    gc.collect()
+    start = _rss()
+    for _ in range(300):
+        step()
+    gc.collect()
+    assert _rss() - start < 16 * 2**20  # 300 steps would leak far more than this if anything stayed
+    assert len(torch_sparse._STRUCTURES) < 10
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+# --- bad input (RELIABILITY.md) ---------------------------------------------------------------------
+
+
+def valid_args(rng):
+    indptr, indices = torch.tensor([0, 2, 3]), torch.tensor([0, 2, 1])
+    return torch.randn(4, 3), torch.randn(3), indptr, indices, (2, 3)
+
+
+@pytest.mark.parametrize(
+    "change, error, message",
+    [
+        (lambda a: a.update(indptr=torch.tensor([0, 2, 1])), ValueError, r"indptr decreases at position 2"),
+        (lambda a: a.update(indptr=torch.tensor([0, 3])), ValueError, r"indptr has length 2; expected 3"),
+        (lambda a: a.update(indptr=torch.tensor([1, 2, 3])), ValueError, r"indptr starts at 1, not 0"),
+        (lambda a: a.update(indptr=torch.tensor([0, 2, 2])), ValueError, r"indptr ends at 2 but there are 3"),
+        (lambda a: a.update(indices=torch.tensor([0, 3, 1])), ValueError, r"indices holds 3, out of range"),
+        (lambda a: a.update(indices=torch.tensor([0, -1, 1])), ValueError, r"indices holds -1, out of range"),
+        (lambda a: a.update(indices=torch.tensor([0.0, 2.0, 1.0])), TypeError, r"indices has dtype float32"),
+        (lambda a: a.update(indices=torch.tensor([True, False, True])), TypeError, r"indices has dtype bool"),
+        (lambda a: a.update(values=torch.randn(2)), ValueError, r"values \(2,\) and indices \(3,\) must be 1-D"),
+        (lambda a: a.update(x=torch.randn(4, 5)), ValueError, r"x has shape \(4, 5\) but the weight has shape \(2, 3\)"),
+        (lambda a: a.update(shape=(2, -3)), ValueError, r"shape must be non-negative"),
+        (lambda a: a.update(bias=torch.randn(3)), ValueError, r"bias has shape \(3,\); expected \(2,\)"),
+        (lambda a: a.update(x=torch.randn(4, 3, dtype=torch.bfloat16)), TypeError, "bfloat16"),
+        (lambda a: a.update(values=torch.randn(3).half()), TypeError, "float16"),
+        (lambda a: a.update(x=torch.ones(4, 3, dtype=torch.int64)), TypeError, "int64"),
+        (lambda a: a.update(values=torch.randn(3, device="meta")), ValueError, r"x is on cpu but values is on meta"),
+    ],
+    ids=["indptr-decreasing", "indptr-length", "indptr-start", "indptr-end", "index-too-large", "index-negative",
+         "float-indices", "bool-indices", "values-length", "x-shape", "bad-shape", "bias-shape", "bfloat16",
+         "float16", "int-x", "devices"],
+)
+def test_sparse_linear_bad_input(rng, change, error, message):
+    x, values, indptr, indices, shape = valid_args(rng)
+    args = {"x": x, "values": values, "indptr": indptr, "indices": indices, "shape": shape, "bias": None}
+    change(args)
+    with pytest.raises(error, match=message):
+        st.sparse_linear(**args)
+
+
+def test_sparse_linear_never_writes_to_its_inputs(rng):
+    x, values, indptr, indices, shape = valid_args(rng)
+    x = x.t().contiguous().t()  # column-major: crosses to NumPy without a copy
+    saved = [t.clone() for t in (x, values, indptr, indices)]
+    st.sparse_linear(x, values.requires_grad_(), indptr, indices, shape).sum().backward()
+    for t, s in zip((x, values.detach(), indptr, indices), saved):
+        torch.testing.assert_close(t, s)
+
+
+# --- spmm, sddmm and prune for tensors ----------------------------------------------------------------
+
+
+def messy_coo(rng, m, n):
+    i = torch.tensor(rng.integers(0, [[m], [n]], (2, 12)))
+    return torch.sparse_coo_tensor(i, torch.tensor(rng.standard_normal(12)), (m, n), check_invariants=True)  # uncoalesced
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+@pytest.mark.parametrize("layout", ["coo", "csr", "csc"])
+def test_torch_spmm_matches_the_dense_product_and_differentiates_b(rng, layout):
+    a = messy_coo(rng, 6, 5)
+    a = {"coo": a, "csr": a.coalesce().to_sparse_csr(), "csc": a.coalesce().to_sparse_csc()}[layout]
+    b = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    out = st.spmm(a, b)
+    torch.testing.assert_close(out, a.to_dense() @ b)
+    assert torch.autograd.gradcheck(lambda b: st.spmm(a, b), (b,))
+    v = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    torch.testing.assert_close(st.spmm(a, v), a.to_dense() @ v)
+    assert torch.autograd.gradcheck(lambda v: st.spmm(a, v), (v,))
+
+
+def test_torch_spmm_bad_input(rng):
+    a = messy_coo(rng, 3, 3).coalesce()
+    with pytest.raises(TypeError, match="differentiates with respect to the dense operand only"):
+        st.spmm(a.clone().requires_grad_(), torch.randn(3, 2))
+    with pytest.raises(TypeError, match="not one of layout torch.strided"):
+        st.spmm(torch.randn(3, 3), torch.randn(3, 2))
+    with pytest.raises(ValueError, match=r"shapes \(3, 3\) and \(4, 2\) do not match"):
+        st.spmm(a, torch.randn(4, 2))
+    with pytest.raises(TypeError, match="b must be a dense tensor"):
+        st.spmm(a, a)
+
+
+def test_torch_sddmm_matches_the_dense_product_sampled_at_the_pattern(rng):
+    pattern = messy_coo(rng, 7, 6)
+    a, b = torch.randn(7, 4), torch.randn(6, 4)
+    out = st.sddmm(pattern, a, b)
+    assert out.layout == torch.sparse_csr and out.values().numel() == pattern._nnz()
+    rows, cols = reference.entries(out.crow_indices().numpy(), out.col_indices().numpy())
+    np.testing.assert_allclose(out.values().numpy(), reference.sampled_product(rows, cols, a, b), rtol=1e-5, atol=1e-6)
+    csr = pattern.coalesce().to_sparse_csr()
+    out = st.sddmm(csr, a, b)
+    assert out.crow_indices().data_ptr() != csr.crow_indices().data_ptr()  # never aliases the pattern
+    torch.testing.assert_close(out.to_dense(), (a @ b.T) * (csr.to_dense() != 0))
+
+
+def test_torch_prune_matches_the_array_level_and_keeps_the_largest(rng):
+    w = torch.randn(8, 9)
+    out = st.prune(w, 0.75)
+    assert out.layout == torch.sparse_csr and out.values().numel() == 72 - 54
+    rows, cols = reference.entries(out.crow_indices().numpy(), out.col_indices().numpy())
+    np.testing.assert_array_equal(rows * 9 + cols, reference.largest_positions(w.numpy(), 18))
+    torch.testing.assert_close(out.values(), w[rows, cols])
+    assert st.prune(w.t(), 0.5, method="random", seed=1).values().numel() == 36
+    with pytest.raises(TypeError, match="takes a dense tensor"):
+        st.prune(w.to_sparse(), 0.5)
+
+
+# --- SparseLinear ----------------------------------------------------------------------------------
+
+
+def test_sparse_linear_module_layout_and_parameters():
+    torch.manual_seed(0)
+    layer = st.SparseLinear(50, 40, sparsity=0.9)
+    assert layer.nnz == 2000 - 1800 and [n for n, _ in layer.named_parameters()] == ["values", "bias"]
+    assert set(layer.state_dict()) == {"values", "indptr", "indices", "bias"}
+    assert layer.indices.dtype == torch.int32 and layer.values.shape == (200,)
+    assert abs(layer.sparsity - 0.9) < 1e-12
+    assert repr(layer) == "SparseLinear(in_features=50, out_features=40, bias=True, nnz=200, sparsity=0.9)"
+    rows, cols = reference.entries(layer.indptr.numpy(), layer.indices.numpy())
+    assert np.all(np.diff(rows * 50 + cols) > 0)  # canonical: sorted, no duplicates
+    torch.manual_seed(0)
+    again = st.SparseLinear(50, 40, sparsity=0.9)
+    torch.testing.assert_close(again.indices, layer.indices)  # torch.manual_seed fixes the structure
+    assert st.SparseLinear(3, 2, bias=False, sparsity=0.0).bias is None
+
+
+def test_initialisation_keeps_the_output_variance_of_a_dense_layer():
+    torch.manual_seed(1)
+    x = torch.randn(4096, 400)
+    for sparsity in (0.5, 0.95):
+        sparse = st.SparseLinear(400, 300, sparsity=sparsity)
+        dense = torch.nn.Linear(400, 300)
+        with torch.no_grad():
+            ratio = (sparse(x) - sparse.bias).var() / (dense(x) - dense.bias).var()
+        assert 0.85 < float(ratio) < 1.15
+
+
+def test_from_dense_to_dense_and_weight_csr(rng):
+    dense = torch.nn.Linear(12, 7)
+    layer = st.SparseLinear.from_dense(dense, 0.75)
+    assert layer.nnz == 84 - 63
+    w = dense.weight.detach()
+    rows, cols = reference.entries(layer.indptr.numpy(), layer.indices.numpy())
+    np.testing.assert_array_equal(rows * 12 + cols, reference.largest_positions(w.numpy(), 21))
+    back = layer.to_dense()
+    torch.testing.assert_close(back.weight, w * (back.weight != 0))
+    x = torch.randn(5, 12)
+    torch.testing.assert_close(layer(x), back(x))
+    csr = layer.weight_csr()
+    assert csr.values().data_ptr() == layer.values.data_ptr() and csr.col_indices().data_ptr() == layer.indices.data_ptr()
+    torch.testing.assert_close(csr.to_dense(), back.weight)
+    assert st.SparseLinear.from_dense(torch.nn.Linear(4, 4, bias=False), 0.5, method="random").bias is None
+
+
+def test_state_dict_round_trip_and_dtype_moves():
+    layer = st.SparseLinear(10, 6, sparsity=0.5)
+    other = st.SparseLinear(10, 6, sparsity=0.5)
+    other.load_state_dict(layer.state_dict())
+    x = torch.randn(3, 10)
+    torch.testing.assert_close(other(x), layer(x))
+    layer64 = layer.to(torch.float64)
+    assert layer64.values.dtype == torch.float64 and layer64.indices.dtype == torch.int32
+    torch.testing.assert_close(layer64(x.double()), layer(x).double(), rtol=1e-6, atol=1e-6)
+
+
+def test_pickling_and_deepcopy_drop_the_recorded_batch():
+    import copy
+    import io
+
+    layer = st.SparseLinear(8, 4, sparsity=0.5)
+    layer(torch.randn(3, 8)).sum().backward()
+    assert layer._last_batch is not None
+    buffer = io.BytesIO()
+    torch.save(layer, buffer)
+    buffer.seek(0)
+    for other in (torch.load(buffer, weights_only=False), copy.deepcopy(layer)):
+        assert other._last_batch is None
+        x = torch.randn(2, 8)
+        torch.testing.assert_close(other(x), layer(x))
+
+
+@pytest.mark.parametrize("bad, error, message", [
+    ({"sparsity": 1.2}, ValueError, r"sparsity must be in \[0, 1\]"),
+    ({"sparsity": None}, TypeError, r"sparsity must be a number"),
+    ({"in_features": -1}, ValueError, r"must be >= 0"),
+])
+def test_sparse_linear_module_bad_arguments(bad, error, message):
+    kwargs = {"in_features": 4, "out_features": 3, "sparsity": 0.5} | bad
+    with pytest.raises(error, match=message):
+        st.SparseLinear(kwargs.pop("in_features"), kwargs.pop("out_features"), **kwargs)
+
+
+def positions(layer):
+    rows, cols = reference.entries(layer.indptr.numpy(), layer.indices.numpy())
+    return rows * layer.in_features + cols
+
+
+def train_step(layer, optimizer, x):
+    optimizer.zero_grad()
+    layer(x).square().mean().backward()
+
+
+@pytest.mark.parametrize("regrow", ["random", "gradient"])
+def test_prune_and_regrow_moves_weights_and_adam_state_with_them(regrow):
+    torch.manual_seed(2)
+    layer = st.SparseLinear(20, 16, sparsity=0.8)
+    optimizer = torch.optim.Adam(layer.parameters(), lr=1e-2)
+    x = torch.randn(32, 20)
+    for _ in range(3):
+        train_step(layer, optimizer, x)
+        optimizer.step()
+    train_step(layer, optimizer, x)
+    before_pos, before_values = positions(layer), layer.values.detach().clone()
+    state = optimizer.state[layer.values]
+    before_state = {k: v.clone() for k, v in state.items()}
+    before_grad = layer.values.grad.clone()
+    n_move = round(0.25 * layer.nnz)
+    layer.prune_and_regrow(0.25, regrow=regrow, optimizer=optimizer)
+    after_pos = positions(layer)
+    assert layer.nnz == before_values.numel() and np.all(np.diff(after_pos) > 0)
+    survivors = reference.largest_positions(before_values.numpy(), layer.nnz - n_move)  # the smallest |values| go
+    slot = {p: s for s, p in enumerate(after_pos)}
+    new_slots = np.array([slot[p] for p in before_pos[survivors]])
+    for after, before in [(layer.values.detach(), before_values), (layer.values.grad, before_grad),
+                          (state["exp_avg"], before_state["exp_avg"]), (state["exp_avg_sq"], before_state["exp_avg_sq"])]:
+        torch.testing.assert_close(after[new_slots], before[survivors])
+        fresh = np.setdiff1d(np.arange(layer.nnz), new_slots)
+        assert fresh.size == n_move and bool((after[fresh] == 0).all())
+    assert state["step"] == before_state["step"]
+    optimizer.step()  # the optimizer works unchanged afterwards
+    train_step(layer, optimizer, x)
+
+
+def test_regrow_by_gradient_picks_the_largest_dense_gradient():
+    torch.manual_seed(3)
+    layer = st.SparseLinear(10, 8, sparsity=0.7)
+    x = torch.randn(16, 10)
+    layer(x).pow(3).mean().backward()
+    dense = layer.to_dense()
+    dense(x).pow(3).mean().backward()
+    before = positions(layer)
+    n_move = round(0.5 * layer.nnz)
+    survivors = reference.largest_positions(np.abs(layer.values.detach().numpy()), layer.nnz - n_move)
+    kept = before[survivors]
+    scores = dense.weight.grad.numpy().ravel()
+    free = np.setdiff1d(np.arange(scores.size), kept)
+    want = np.sort(np.concatenate([kept, free[reference.largest_positions(scores[free], n_move)]]))
+    layer.prune_and_regrow(0.5, regrow="gradient")
+    np.testing.assert_array_equal(positions(layer), want)
+
+
+def test_prune_and_regrow_bad_input():
+    layer = st.SparseLinear(6, 5, sparsity=0.5)
+    with pytest.raises(RuntimeError, match="needs a training batch's gradient"):
+        layer.prune_and_regrow(0.2, regrow="gradient")
+    with pytest.raises(ValueError, match="'random' or 'gradient'"):
+        layer.prune_and_regrow(0.2, regrow="magnitude")
+    with pytest.raises(ValueError, match=r"fraction must be in \[0, 1\]"):
+        layer.prune_and_regrow(-0.1)
+    with pytest.raises(ValueError, match="does not hold this layer's values"):
+        layer.prune_and_regrow(0.2, optimizer=torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1.0))
+    layer.prune_and_regrow(0.0)
+    layer.prune_and_regrow(1.0)
+    assert layer.nnz == 15
+
+
+def test_weight_memory_is_o_nnz_with_adam():
+    layer = st.SparseLinear(2000, 1500, sparsity=0.99)
+    optimizer = torch.optim.Adam(layer.parameters())
+    x = torch.randn(8, 2000)
+    train_step(layer, optimizer, x)
+    optimizer.step()
+    layer.prune_and_regrow(0.3, regrow="gradient", optimizer=optimizer)
+    tensors = [*layer.parameters(), *layer.buffers(), *(p.grad for p in layer.parameters())]
+    tensors += [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    weight_bytes = sum(t.numel() * t.element_size() for t in tensors)
+    assert weight_bytes < 8 * (layer.nnz + layer.out_features) * 4  # a dense weight alone is 12 MB
+    assert max(t.numel() for t in tensors) <= max(layer.nnz, layer.out_features + 1)
+
+
+@pytest.mark.gpu
+def test_sparse_linear_module_on_cuda_matches_cpu():
+    layer = st.SparseLinear(30, 20, sparsity=0.8)
+    x = torch.randn(5, 30, requires_grad=True)
+    cuda = st.SparseLinear(30, 20, sparsity=0.8).cuda()
+    cuda.load_state_dict(layer.state_dict())
+    xc = x.detach().cuda().requires_grad_()
+    layer(x).square().sum().backward()
+    cuda(xc).square().sum().backward()
+    torch.testing.assert_close(xc.grad.cpu(), x.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cuda.values.grad.cpu(), layer.values.grad, rtol=1e-5, atol=1e-5)
+    cuda.prune_and_regrow(0.3, regrow="gradient")
+    assert cuda.nnz == layer.nnz
