@@ -44,33 +44,52 @@ def underflow_threshold(dtype, k: int) -> float:
     return float(max(k, 1) * info.tiny / info.eps)
 
 
-def log_matmul(xp, a, b):
+def scaled(xp, a, axis: int):
+    """``(exp(a - shift), shift, top)``: ``a`` scaled by its maximum ``top`` along ``axis``
+    (``shift`` is ``top`` made finite), an operand of a log-space product in scaled space."""
+    top = a.max(axis=axis, keepdims=True)
+    shift = finite_or_zero(xp, top)
+    return xp.exp(a - shift), shift, top
+
+
+def log_matmul(xp, a, b, out=None):
     """``log(exp(a) @ exp(b))`` over the last two axes, leading axes broadcast.
 
     ``a`` (..., m, k) and ``b`` (..., k, n) of one float dtype. Never builds an (m, k, n)
-    tensor: the product is one GEMM on ``exp(a - rowmax(a))`` and ``exp(b - colmax(b))``.
-    An entry whose scaled sum fell below :func:`underflow_threshold` (the row's and the
-    column's maxima sit at different ``k``, far apart) is recomputed exactly in log space;
-    rows or columns that are all ``-inf`` are exactly ``-inf`` and need no recompute.
+    tensor: the product is one GEMM on ``exp(a - rowmax(a))`` and ``exp(b - colmax(b))``
+    (:func:`log_product`). Writes into ``out`` if given.
     """
     k = a.shape[-1]
     shape = np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1])
     if k == 0 or 0 in shape:
-        return xp.full(shape, -np.inf, dtype=a.dtype)
-    row_max = a.max(axis=-1, keepdims=True)
-    col_max = b.max(axis=-2, keepdims=True)
-    row_shift = finite_or_zero(xp, row_max)
-    col_shift = finite_or_zero(xp, col_max)
-    scaled = _backend.matmul(xp, xp.exp(a - row_shift), xp.exp(b - col_shift))
+        if out is None:
+            return xp.full(shape, -np.inf, dtype=a.dtype)
+        out[...] = -np.inf
+        return out
+    return log_product(xp, scaled(xp, a, -1), scaled(xp, b, -2), lambda: a, b, out)
+
+
+def log_product(xp, a_scaled, b_scaled, a, b, out=None):
+    """``log(exp(a) @ exp(b))`` from the operands scaled by :func:`scaled`: one GEMM.
+
+    An entry whose scaled sum fell below :func:`underflow_threshold` (the row's and the
+    column's maxima sit at different ``k``, far apart) is recomputed exactly in log space
+    from ``a()`` (a callable: the log operand is rebuilt only if something underflowed) and
+    ``b``; rows or columns that are all ``-inf`` are exactly ``-inf`` and need no recompute.
+    Writes into ``out`` if given (a view will do).
+    """
+    (ua, a_shift, a_top), (ub, b_shift, b_top) = a_scaled, b_scaled
+    product = _backend.matmul(xp, ua, ub)
     with np.errstate(divide="ignore"):
-        out = xp.log(scaled)
-    out += row_shift
-    out += col_shift
-    lost = scaled < underflow_threshold(a.dtype, k)
-    lost &= row_max > -np.inf
-    lost &= col_max > -np.inf
+        out = xp.log(product, out=out)
+    out += a_shift
+    out += b_shift
+    lost = product < underflow_threshold(product.dtype, ua.shape[-1])
     if lost.any():
-        _recompute_lost(xp, a, b, out, lost)
+        lost &= a_top > -np.inf
+        lost &= b_top > -np.inf
+        if lost.any():
+            _recompute_lost(xp, a(), b, out, lost)
     return out
 
 

@@ -151,9 +151,11 @@ def _use_gemm(chain: _Chain) -> bool:
     are seconds measured on a 2-core CPU; on the GPU the GEMM sweep pays a kernel launch per
     array call, so it is kept for products that fill cuBLAS.
     """
+    rows, _, c = chain.x.shape
+    if c == 0:  # nothing to multiply: the kernels' empty sums give -inf
+        return False
     if ALGORITHM != "auto":
         return ALGORITHM == "gemm"
-    rows, _, c = chain.x.shape
     groups = chain.trans.shape[0]
     if chain.backend.on_gpu:
         return chain.group >= 32 and c >= 64
@@ -163,9 +165,15 @@ def _use_gemm(chain: _Chain) -> bool:
 
 
 def _normalise(xp, q):
-    """``(q - lse(q), lse(q))`` over the last axis (``q`` itself where the lse is not finite)."""
-    lse = _logspace.logsumexp(xp, q, axis=-1)
-    return q - _logspace.finite_or_zero(xp, lse)[..., None], lse
+    """The normalised message ``â = q - lse(q)`` (``q`` itself where the lse is not finite),
+    as the scaled operand of the next step's product (:func:`_logspace.scaled` of ``â``,
+    taken from the exponentials of the lse itself), and ``lse(q)`` over the last axis."""
+    e, shift, top = _logspace.scaled(xp, q, -1)
+    total = e.sum(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        lse = xp.where(top == -np.inf, -np.inf, xp.log(total) + shift)
+    offset = _logspace.finite_or_zero(xp, lse)
+    return (e, shift - offset, top - offset), lse[..., 0]
 
 
 def _normalised(xp, pre, x, norm):
@@ -199,7 +207,12 @@ def _forward_gemm(chain: _Chain, pre, norm):
     pre4[:, :, 0] = chain.init.reshape(groups, chain.group, c)
     u, norm3[:, :, 0] = _normalise(xp, pre4[:, :, 0] + x[:, :, 0])
     for t in range(chain.max_length - 1):
-        pre4[:, :, t + 1] = _logspace.log_matmul(xp, u, chain.step_matrices(t))
+        trans = chain.step_matrices(t)
+
+        def before(t=t):
+            return _normalised(xp, pre4[:, :, t], x[:, :, t], norm3[:, :, t])
+
+        _logspace.log_product(xp, u, _logspace.scaled(xp, trans, -2), before, trans, out=pre4[:, :, t + 1])
         u, norm3[:, :, t + 1] = _normalise(xp, pre4[:, :, t + 1] + x[:, :, t + 1])
     pre4[:, :, chain.max_length:] = -np.inf
     norm3[:, :, chain.max_length:] = 0
@@ -243,16 +256,22 @@ def _backward_gemm(chain: _Chain, pre, norm, weight, grad_trans):
     w = weight.reshape(shape)[..., None]
     grad_x = xp.zeros(shape + (v, c), chain.x.dtype)
     beta = xp.full(shape + (c,), -np.inf, chain.x.dtype)
+
+    def message(t):
+        return _normalised(xp, pre4[:, :, t], x[:, :, t], norm3[:, :, t])
+
+    forward = message(chain.max_length - 1)
     for t in range(chain.max_length - 1, -1, -1):
         active = t <= last
         beta = xp.where(last == t, 0, beta)
-        marginals = xp.where(active, xp.exp(_normalised(xp, pre4[:, :, t], x[:, :, t], norm3[:, :, t]) + beta), 0)
+        marginals = xp.where(active, xp.exp(forward + beta), 0)
         grad_x[:, :, t] = marginals * w
         if t == 0:
             break
         trans = chain.step_matrices(t - 1)
+        forward = message(t - 1)
         if grad_trans is not None:
-            before = xp.where(active, _normalised(xp, pre4[:, :, t - 1], x[:, :, t - 1], norm3[:, :, t - 1]), -np.inf)
+            before = xp.where(active, forward, -np.inf)
             step = t - 1 if chain.per_step else 0
             _, counts = _logspace.log_matmul_grads(xp, before, trans, pre4[:, :, t], grad_x[:, :, t], need_a=False)
             grad_trans[:, step] += counts
