@@ -4,8 +4,8 @@ Every kernel trusts its caller (``spchain.sparse``) to have validated the struct
 starts at 0, never decreases and ends at ``len(indices)``, and every index is in range. Stored
 entries may come in any order within a row, repeat (duplicates add up) or hold zeros.
 
-The products loop over a row's stored entries four at a time, so that each pass over a dense
-row loads and stores the accumulator once for four entries (an unroll-and-jam of the entry loop).
+The products loop over a row's stored entries several at a time, so that each pass over a dense
+row loads and stores the accumulator once for several entries (an unroll-and-jam of the entry loop).
 """
 
 from numba import njit, prange
@@ -18,7 +18,8 @@ def spmm(indptr, indices, data, b, bias, out):
     """CSR times dense: ``out[i, :] = bias[i] + sum(data[p] * b[indices[p], :])`` over row ``i``.
 
     Inputs: ``indptr`` (m + 1), ``indices`` and ``data`` (nnz), ``b`` (k, n) C-contiguous,
-    ``bias`` (m). Overwrites ``out`` (m, n), C-contiguous. Rows run in parallel.
+    ``bias`` (m). Overwrites ``out`` (m, n), C-contiguous. Rows run in parallel; a row's
+    entries are taken eight at a time, then four, then one.
     Complexity: O(nnz * n) multiply-adds, O(m * n) writes.
     """
     n = b.shape[1]
@@ -27,7 +28,16 @@ def spmm(indptr, indices, data, b, bias, out):
         o[:] = bias[i]
         p = indptr[i]
         end = indptr[i + 1]
-        while p + 4 <= end:
+        while p + 8 <= end:
+            v0, v1, v2, v3 = data[p], data[p + 1], data[p + 2], data[p + 3]
+            v4, v5, v6, v7 = data[p + 4], data[p + 5], data[p + 6], data[p + 7]
+            b0, b1, b2, b3 = b[indices[p]], b[indices[p + 1]], b[indices[p + 2]], b[indices[p + 3]]
+            b4, b5, b6, b7 = b[indices[p + 4]], b[indices[p + 5]], b[indices[p + 6]], b[indices[p + 7]]
+            for c in range(n):
+                o[c] += (v0 * b0[c] + v1 * b1[c] + v2 * b2[c] + v3 * b3[c]) + (
+                    v4 * b4[c] + v5 * b5[c] + v6 * b6[c] + v7 * b7[c])
+            p += 8
+        if p + 4 <= end:
             v0, v1, v2, v3 = data[p], data[p + 1], data[p + 2], data[p + 3]
             b0, b1, b2, b3 = b[indices[p]], b[indices[p + 1]], b[indices[p + 2]], b[indices[p + 3]]
             for c in range(n):
