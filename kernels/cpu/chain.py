@@ -24,6 +24,7 @@ import numpy as np
 from numba import njit, prange
 
 from .exp import exp_nonpositive
+from .semiring import max_vecmat
 
 CHUNK = 16
 """Rows of a transition matrix folded into the running log-sum-exp at a time (kept in L1)."""
@@ -226,19 +227,8 @@ def viterbi(x, trans, group, init, lengths, work, backptr, score, path):
         for j in range(c):
             work[b, 0, j] = init[b, j] + x[b, 0, j]
         for t in range(length - 1):
-            mat = trans[g, t if per_step else 0]
             new = work[b, 1 - cur]
-            old = work[b, cur]
-            arg = backptr[b, t + 1]
-            new[:] = -np.inf
-            arg[:] = 0
-            for i in range(c):
-                di = old[i]
-                for j in range(c):
-                    val = di + mat[i, j]
-                    if val > new[j] or (val != val and new[j] == new[j]):
-                        new[j] = val
-                        arg[j] = i
+            max_vecmat(work[b, cur], trans[g, t if per_step else 0], new, backptr[b, t + 1])
             for j in range(c):
                 new[j] += x[b, t + 1, j]
             cur = 1 - cur

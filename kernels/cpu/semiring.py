@@ -8,6 +8,21 @@ import numpy as np
 from numba import njit, prange
 
 
+@njit(cache=True)
+def max_vecmat(u, m, best, arg):
+    """``best[j] = max_i u[i] + m[i, j]`` and ``arg[j]`` the first such ``i`` (NaN wins):
+    a max-plus vector-matrix product. Overwrites ``best`` and ``arg``; O(c_in * c_out)."""
+    best[:] = -np.inf
+    arg[:] = 0
+    for i in range(m.shape[0]):
+        ui = u[i]
+        for j in range(m.shape[1]):
+            val = ui + m[i, j]
+            if val > best[j] or (val != val and best[j] == best[j]):
+                best[j] = val
+                arg[j] = i
+
+
 @njit(parallel=True, cache=True)
 def max_matmul(a, b, a_index, b_index, values, argmax):
     """``values[p, i, j] = max_k a[a_index[p], i, k] + b[b_index[p], k, j]`` and its ``argmax``.
@@ -17,20 +32,7 @@ def max_matmul(a, b, a_index, b_index, values, argmax):
     the P * m output rows; O(P * m * k * n) time.
     """
     batches, m, n = values.shape
-    k = a.shape[2]
     for row in prange(batches * m):
         p = row // m
         i = row % m
-        a_row = a[a_index[p], i]
-        mat = b[b_index[p]]
-        best = values[p, i]
-        arg = argmax[p, i]
-        best[:] = -np.inf
-        arg[:] = 0
-        for kk in range(k):
-            aik = a_row[kk]
-            for j in range(n):
-                val = aik + mat[kk, j]
-                if val > best[j] or (val != val and best[j] == best[j]):
-                    best[j] = val
-                    arg[j] = kk
+        max_vecmat(a[a_index[p], i], b[b_index[p]], values[p, i], argmax[p, i])

@@ -65,13 +65,18 @@ def _reference_with_grads(inputs, chunk: int = 25):
     return torch.cat(outs), torch.cat(grads_x), log_trans.grad, log_init.grad
 
 
-def make_case(name: str, quick: bool, device: str = "cpu") -> Case:
+def make_inputs(quick: bool, device: str, seed: int = 0):
+    """``(x, log_trans, log_init)`` of the chain workload: random emissions, per-step transitions."""
     batch, v, c = SIZES[quick]
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     x = torch.randn(batch, v, c, generator=g).to(device)
     log_trans = torch.log_softmax(torch.randn(1, v - 1, c, c, generator=g), -1).to(device)
     log_init = torch.log_softmax(torch.randn(c, generator=g), -1).to(device)
-    inputs = (x, log_trans, log_init)
+    return x, log_trans, log_init
+
+
+def make_case(name: str, quick: bool, device: str = "cpu") -> Case:
+    inputs = make_inputs(quick, device)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     methods = {
         "spchain": st.chain_logsumexp,

@@ -6,7 +6,7 @@ max-product recursion with stored argmaxes and a gather-based backtrack.
 import torch
 
 from .. import torch as st
-from .chain import SIZES
+from .chain import make_inputs
 from .core import Case
 
 CASES = ["decode"]
@@ -29,11 +29,7 @@ def broadcasting(x, log_trans, log_init):
 
 
 def make_case(name: str, quick: bool, device: str = "cpu") -> Case:
-    batch, v, c = SIZES[quick]
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(batch, v, c, generator=g).to(device)
-    log_trans = torch.log_softmax(torch.randn(1, v - 1, c, c, generator=g), -1).to(device)
-    log_init = torch.log_softmax(torch.randn(c, generator=g), -1).to(device)
+    x, log_trans, log_init = make_inputs(quick, device, seed=1)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
     def timed(fn):
