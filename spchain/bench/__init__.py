@@ -36,7 +36,10 @@ def workload(name: str):
 
 def make_case(name: str, case: str, quick: bool, device: str = "cpu") -> Case:
     """One case of a workload, its inputs built (a case's inputs are built only when it runs)."""
-    return workload(name).make_case(case, quick, device)
+    module = workload(name)
+    if case not in module.CASES:
+        raise ValueError(f"workload {name!r} has no case {case!r}; its cases: {module.CASES}")
+    return module.make_case(case, quick, device)
 
 
 def _parser() -> argparse.ArgumentParser:

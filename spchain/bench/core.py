@@ -80,7 +80,8 @@ def max_rel_error(result, reference) -> float:
             return math.inf
         finite_ref = ref[np.isfinite(ref)]
         scale = float(np.max(np.abs(finite_ref))) if finite_ref.size else 0.0
-        diff = np.where(same, 0.0, np.abs(r - ref))
+        with np.errstate(invalid="ignore"):
+            diff = np.where(same, 0.0, np.abs(r - ref))
         if diff.size and diff.max() > 0:
             worst = max(worst, float(diff.max()) / (scale if scale > 0 else 1.0))
     return worst

@@ -1,0 +1,70 @@
+"""The benchmark workloads and the ``python -m spchain bench`` command (spchain/bench/), at quick sizes."""
+
+import math
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+
+from spchain import bench  # noqa: E402
+from spchain.bench import core, grouped, report  # noqa: E402
+
+SEED_CODE = {("chain", "torch pairwise tree (seed code)")}
+"""Baselines that are wrong on purpose: the seed code the chain workload replaces."""
+
+CASES = [(w, c) for w in bench.WORKLOADS for c in bench.workload(w).CASES]
+
+
+@pytest.mark.parametrize("workload, case", CASES)
+def test_every_method_matches_the_float64_reference(workload, case):
+    built = bench.make_case(workload, case, quick=True)
+    assert list(built.methods)[0] == "spchain"
+    reference = built.reference()
+    for method, run in built.methods.items():
+        error = core.max_rel_error(run(), reference)
+        if (workload, method) in SEED_CODE:
+            assert error > 0.1, "the seed code's pairwise tree pads with the all-ones matrix"
+        else:
+            assert error < 1e-5, method
+
+
+def test_unknown_case_is_a_value_error():
+    with pytest.raises(ValueError, match="workload 'chain' has no case 'nope'"):
+        bench.make_case("chain", "nope", quick=True)
+
+
+def test_group_sizes_are_uneven_and_sum_to_the_rows():
+    sizes = grouped.group_sizes(16384, 16)
+    assert len(sizes) == 16 and sum(sizes) == 16384 and max(sizes) > 2 * min(sizes)
+
+
+def test_max_rel_error_counts_matching_infinities_and_flags_new_ones():
+    ref = np.array([1.0, -np.inf, 4.0])
+    assert core.max_rel_error(np.array([1.0, -np.inf, 4.0]), ref) == 0.0
+    assert core.max_rel_error(np.array([1.0, -np.inf, 3.0]), ref) == pytest.approx(0.25)
+    assert core.max_rel_error(np.array([1.0, 0.0, 4.0]), ref) == math.inf
+    assert core.max_rel_error((np.ones(2), np.array([np.nan])), (np.ones(2), np.array([np.nan]))) == 0.0
+
+
+def test_measure_times_alternating_methods_and_measures_memory():
+    calls = []
+    case = core.Case("w", "c", {"fast": lambda: calls.append("fast") or np.ones(3),
+                                "big": lambda: calls.append("big") or np.ones(4_000_000)},
+                     reference=lambda: np.ones(3), slow={"big"})
+    fast, big = core.measure(case, repeat=2, budget_s=10.0)
+    assert calls.count("big") == 1  # a slow method's one run is its timing and its memory measurement
+    assert calls.count("fast") == 4  # warm-up, two timed rounds, memory
+    assert len(fast.times) == 2 and len(big.times) == 1
+    assert fast.max_rel_error == 0 and big.max_rel_error == math.inf  # a shape mismatch
+    assert big.peak_bytes > 16e6 or math.isnan(big.peak_bytes)
+
+
+def test_command_prints_a_table_and_writes_a_png(tmp_path, capsys):
+    png = tmp_path / "bench.png"
+    assert bench.main(["bench", "--quick", "--only", "viterbi", "--repeat", "1", "--png", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "viterbi" in out and "torch broadcasting max" in out and "time / spchain" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = report.rows(core.measure(bench.make_case("viterbi", "decode", quick=True), 1, 1.0))
+    assert rows[0][2] == "spchain" and rows[0][7] == "1.0x"
