@@ -165,9 +165,8 @@ def _recompute_lost(xp, a, b, out, lost):
     Where many entries are lost (structural zeros: a left-to-right chain, say), one 0/1 GEMM
     first rules out the entries with no finite term at all, which are exactly ``-inf``.
     """
-    m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
-    count = int(lost.sum())
-    if count * k > FIXUP_CHUNK:
+    k = a.shape[-1]
+    if int(lost.sum()) * k > FIXUP_CHUNK:
         dtype = a.dtype
         support = _backend.matmul(xp, (a > -np.inf).astype(dtype), (b > -np.inf).astype(dtype)) > 0
         lost &= support

@@ -5,6 +5,7 @@
   ``NUMBA_ENABLE_CUDASIM=1 pytest -m cuda_kernel`` (set before Numba is imported).
 """
 
+import gc
 import os
 import zlib
 
@@ -72,3 +73,26 @@ def small_launch(monkeypatch):
 def rng(request):
     """A generator seeded from the test's name: fresh inputs per test, reproducible per run."""
     return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+@pytest.fixture
+def rss_growth():
+    """``growth(step, repeats)``: resident memory added by ``repeats`` calls of ``step`` after
+    a warm-up (torch's CPU allocations are invisible to tracemalloc): a leak check."""
+
+    def growth(step, repeats: int = 200) -> int:
+        for _ in range(20):
+            step()
+        gc.collect()
+        start = _rss()
+        for _ in range(repeats):
+            step()
+        gc.collect()
+        return _rss() - start
+
+    return growth

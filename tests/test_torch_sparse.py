@@ -207,7 +207,7 @@ def test_cache_entries_go_with_their_tensors(rng):
     assert len(torch_sparse._STRUCTURES) == before
 
 
-def test_many_forward_backward_calls_keep_memory_bounded(rng):
+def test_many_forward_backward_calls_keep_memory_bounded(rss_growth):
     layer = st.SparseLinear(256, 256, sparsity=0.9)
     x = torch.randn(64, 256, requires_grad=True)
 
@@ -215,20 +215,8 @@ def test_many_forward_backward_calls_keep_memory_bounded(rng):
         x.grad = layer.values.grad = layer.bias.grad = None
         layer(x).square().mean().backward()
 
-    for _ in range(20):
-        step()
-    gc.collect()
-    start = _rss()
-    for _ in range(300):
-        step()
-    gc.collect()
-    assert _rss() - start < 16 * 2**20  # 300 steps would leak far more than this if anything stayed
+    assert rss_growth(step, 300) < 16 * 2**20  # 300 steps would leak far more than this if anything stayed
     assert len(torch_sparse._STRUCTURES) < 10
-
-
-def _rss() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
 # --- bad input (RELIABILITY.md) ---------------------------------------------------------------------
