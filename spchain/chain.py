@@ -5,9 +5,11 @@ batches of chains, exactly, in O(batch · v · c) memory. Two sweeps compute it,
 
 - where many rows share one transition matrix, each step is one GEMM in scaled (exp) space
   (BLAS / cuBLAS) whose underflowed entries are recomputed in log space
-  (:func:`spchain._logspace.log_matmul`);
+  (:func:`spchain._logspace.log_product`);
 - otherwise the Numba kernels of ``kernels/*/chain.py`` run the whole log-space sweep, an
   online log-sum-exp over chunks of states, one row of the batch per thread (CPU) or block (GPU).
+
+``_use_gemm`` chooses between them by a cost model.
 
 The gradient is the forward-backward algorithm: the backward sweep reuses the saved forward
 messages (O(batch · v · c)), never a (batch, v, c, c) tensor.
@@ -41,8 +43,6 @@ class _Chain:
     batch_shape: tuple
     order: tuple
     x_shape: tuple
-    trans_shape: tuple
-    init_shape: tuple | None
 
     @property
     def xp(self):
@@ -101,11 +101,8 @@ def _prepare(x, log_trans, log_init, lengths, caller: str) -> _Chain:
     trans_batch = log_trans.shape[:-3] if per_step else log_trans.shape[:-2]
     if log_init is None:
         log_init = xp.zeros((c,), dtype)
-        init_shape = None
-    else:
-        if log_init.ndim < 1 or log_init.shape[-1] != c:
-            raise ValueError(f"{caller}: log_init must have shape (..., c) with c = {c}, got {log_init.shape}")
-        init_shape = log_init.shape
+    elif log_init.ndim < 1 or log_init.shape[-1] != c:
+        raise ValueError(f"{caller}: log_init must have shape (..., c) with c = {c}, got {log_init.shape}")
     if lengths is not None:
         lengths = xp.asarray(lengths)
         if not np.issubdtype(np.dtype(lengths.dtype), np.integer):
@@ -127,7 +124,7 @@ def _prepare(x, log_trans, log_init, lengths, caller: str) -> _Chain:
     group = rows // groups if groups else 0
     steps = v - 1 if per_step else 1
     chain = _Chain(backend, None, xp.ascontiguousarray(log_trans, dtype=dtype).reshape(groups, steps, c, c),
-                   None, None, group, v, batch_shape, order, x.shape, log_trans.shape, init_shape)
+                   None, None, group, v, batch_shape, order, x.shape)
     chain.x = chain.rows(x.astype(dtype, copy=False), (v, c))
     chain.init = chain.rows(log_init.astype(dtype, copy=False), (c,))
     if lengths is None:
@@ -145,11 +142,13 @@ def _prepare(x, log_trans, log_init, lengths, caller: str) -> _Chain:
 def _use_gemm(chain: _Chain) -> bool:
     """Whether the scaled-GEMM sweep is expected to beat the log-space kernel sweep.
 
-    Per step, the kernel sweep costs about ``rows * c²`` exponentials; the GEMM sweep costs
-    a fixed overhead of array calls, ``G * c²`` exponentials (one per transition entry) and
-    O(rows * c) elementwise work, the ``rows * c²`` multiply-adds going to BLAS. The constants
-    are seconds measured on a 2-core CPU; on the GPU the GEMM sweep pays a kernel launch per
-    array call, so it is kept for products that fill cuBLAS.
+    Per step, the kernel sweep costs about ``rows * c²`` (vectorised) exponentials plus a
+    little per row; the GEMM sweep a fixed overhead of array calls, ``G * c²`` exponentials and
+    a call per transition matrix, and O(rows * c) elementwise work, the ``rows * c²``
+    multiply-adds going to BLAS. The constants are seconds fitted to measurements on a 2-core
+    CPU (both sweeps, float32, c from 4 to 200, 4 to 500 rows, shared and per-row transitions).
+    On the GPU the GEMM sweep pays a kernel launch per array call, so it is kept for products
+    that fill cuBLAS.
     """
     rows, _, c = chain.x.shape
     if c == 0:  # nothing to multiply: the kernels' empty sums give -inf
@@ -159,8 +158,8 @@ def _use_gemm(chain: _Chain) -> bool:
     groups = chain.trans.shape[0]
     if chain.backend.on_gpu:
         return chain.group >= 32 and c >= 64
-    kernel = rows * (3e-9 * c * c + 5e-7)
-    gemm = 4e-5 + 1.5e-9 * groups * c * c + 1.5e-8 * rows * c
+    kernel = rows * (1.0e-9 * c * c + 5e-7)
+    gemm = 3e-5 + groups * (1.5e-9 * c * c + 1.5e-6) + 1.5e-8 * rows * c
     return gemm < kernel
 
 
