@@ -51,6 +51,7 @@ def plot(results: list[Result], path: str, title: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib import ticker
 
     cases = [list(g) for _, g in groupby(results, key=lambda r: (r.workload, r.case))]
     fig, axes = plt.subplots(len(cases), 2, figsize=(11, 1.2 + 1.1 * sum(len(c) for c in cases) ** 0.9),
@@ -59,8 +60,11 @@ def plot(results: list[Result], path: str, title: str) -> None:
         names = [r.method for r in group]
         colors = ["tab:green" if i == 0 else "tab:gray" for i in range(len(group))]
         label = f"{group[0].workload}: {group[0].case}"
-        ax_time.barh(names, [r.median for r in group], color=colors)
+        medians = [r.median for r in group]
+        ax_time.barh(names, medians, color=colors)
         ax_time.set_xscale("log")
+        ax_time.set_xlim(min(medians) / 3, max(medians) * 1.5)
+        ax_time.xaxis.set_minor_formatter(ticker.NullFormatter())
         ax_time.set_title(f"{label} — median time (s)", fontsize=9, loc="left")
         ax_mem.barh(names, [0 if math.isnan(r.peak_bytes) else r.peak_bytes / MiB for r in group], color=colors)
         ax_mem.set_title("peak memory above inputs (MiB)", fontsize=9, loc="left")
