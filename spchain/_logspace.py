@@ -143,6 +143,13 @@ def flat_batch(a, tail: int = 2):
     return a.reshape((int(np.prod(a.shape[:a.ndim - tail], dtype=np.int64)),) + a.shape[a.ndim - tail:])
 
 
+def reduce_to(grad, shape: tuple):
+    """Sum ``grad`` over the leading and size-1 axes along which an operand of ``shape`` broadcast."""
+    lead = grad.ndim - len(shape)
+    axes = tuple(range(lead)) + tuple(lead + k for k, size in enumerate(shape) if size == 1 and grad.shape[lead + k] != 1)
+    return grad.sum(axis=axes).reshape(shape) if axes else grad
+
+
 def batched_operands(xp, a, b, batch_shape):
     """``a`` as (Ba, m, k), ``b`` as (Bb, k, n), and for each flat index of the broadcast
     ``batch_shape`` the index of its ``a`` and its ``b``."""

@@ -73,12 +73,6 @@ class _Chain:
             return a
         return a.transpose(tuple(np.argsort(self.order)) + tuple(range(nd, nd + len(tail)))).copy()
 
-    def reduce_to(self, a, shape: tuple):
-        """Sum a ``batch_shape + tail`` array over the axes that ``shape`` broadcast along."""
-        lead = a.ndim - len(shape)
-        axes = tuple(range(lead)) + tuple(k + lead for k, size in enumerate(shape) if size == 1 and a.shape[k + lead] != 1)
-        return self.xp.ascontiguousarray(a.sum(axis=axes).reshape(shape) if axes else a)
-
 
 def _prepare(x, log_trans, log_init, lengths, caller: str) -> _Chain:
     """Validate the inputs of a chain function and bring them to the sweeps' layout."""
@@ -376,7 +370,7 @@ def chain_marginals(x, log_trans, log_init=None, *, lengths=None):
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"), chain.backend.use():
         _, pre, norm = _forward(chain)
         grad_x, _ = _backward(chain, pre, norm, xp.ones(chain.x.shape[0], chain.x.dtype), trans_grad=False)
-        return chain.reduce_to(chain.unrows(grad_x), chain.x_shape)
+        return _logspace.reduce_to(chain.unrows(grad_x), chain.x_shape)
 
 
 def viterbi(x, log_trans, log_init=None, *, lengths=None):

@@ -30,13 +30,6 @@ def _operands(a, b, caller: str):
     return backend, a.astype(dtype, copy=False), b.astype(dtype, copy=False), batch_shape
 
 
-def reduce_to(xp, grad, shape):
-    """Sum ``grad`` over the leading and size-1 axes along which an operand of ``shape`` broadcast."""
-    lead = grad.ndim - len(shape)
-    axes = tuple(range(lead)) + tuple(lead + k for k, size in enumerate(shape) if size == 1 and grad.shape[lead + k] != 1)
-    return grad.sum(axis=axes).reshape(shape) if axes else grad
-
-
 def logmatmul(a, b):
     """Log-semiring product ``log(exp(a) @ exp(b))`` over the last two axes.
 
@@ -97,7 +90,7 @@ def maxmatmul_grads(xp, a_shape, b_shape, argmax, grad):
     rows, cols = xp.arange(m)[None, :, None], xp.arange(n)[None, None, :]
     _backend.scatter_add(xp, _logspace.flat_batch(grad_a), (batch, rows, arg), flat_grad)
     _backend.scatter_add(xp, _logspace.flat_batch(grad_b), (batch, arg, cols), flat_grad)
-    return reduce_to(xp, grad_a, a_shape), reduce_to(xp, grad_b, b_shape)
+    return _logspace.reduce_to(grad_a, a_shape), _logspace.reduce_to(grad_b, b_shape)
 
 
 def _chain_operand(m, caller: str):

@@ -4,6 +4,7 @@ import numpy as np
 import torch
 from torch.autograd.function import once_differentiable
 
+from .. import _logspace
 from .. import chain as _chain
 from ._bridge import check_same_device, on_device, to_array, to_tensor
 
@@ -25,11 +26,11 @@ def _input_grads(chain, needs, x, log_trans, log_init, grad_x, grad_trans):
     need_x, need_trans, need_init = needs[:3]
     grads = [None, None, None, None]
     if need_x:
-        grads[0] = to_tensor(chain.reduce_to(chain.unrows(grad_x), x.shape)).to(x.dtype)
+        grads[0] = to_tensor(_logspace.reduce_to(chain.unrows(grad_x), x.shape)).to(x.dtype)
     if need_trans:
         grads[1] = to_tensor(grad_trans.reshape(log_trans.shape)).to(log_trans.dtype)
     if need_init:
-        grads[2] = to_tensor(chain.reduce_to(chain.unrows(grad_x[:, 0]), log_init.shape)).to(log_init.dtype)
+        grads[2] = to_tensor(_logspace.reduce_to(chain.unrows(grad_x[:, 0]), log_init.shape)).to(log_init.dtype)
     return tuple(grads)
 
 

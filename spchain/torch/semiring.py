@@ -33,8 +33,8 @@ class _LogMatmul(torch.autograd.Function):
             xp = backend.xp
             grad_a, grad_b = _logspace.log_matmul_grads(
                 xp, a_, b_, to_array(out), to_array(grad).astype(a_.dtype, copy=False), need_a, need_b)
-            return (to_tensor(_semiring.reduce_to(xp, grad_a, a.shape)).to(a.dtype) if need_a else None,
-                    to_tensor(_semiring.reduce_to(xp, grad_b, b.shape)).to(b.dtype) if need_b else None)
+            return (to_tensor(_logspace.reduce_to(grad_a, a.shape)).to(a.dtype) if need_a else None,
+                    to_tensor(_logspace.reduce_to(grad_b, b.shape)).to(b.dtype) if need_b else None)
 
 
 class _MaxMatmul(torch.autograd.Function):
