@@ -175,7 +175,9 @@ def backend_of(*arrays, caller: str = "spchain") -> Backend:
             current = NUMPY
         elif _is_cupy_object(a):
             cp = cupy()
-            current = Backend(cp, importlib.import_module("cupyx.scipy.sparse"), a.device.id)
+            sparse = importlib.import_module("cupyx.scipy.sparse")
+            device = (a.data if sparse.issparse(a) else a).device  # cupyx matrices have no .device
+            current = Backend(cp, sparse, device.id)
         else:
             raise TypeError(f"{caller} takes NumPy/SciPy or CuPy/cupyx arrays, not {type(a).__name__}")
         if found is None:
