@@ -151,6 +151,7 @@ def chain_transition_grad_kernel(x, trans, group, lengths, pre, norm, marg, weig
         i = gsi % c
         for j in range(cuda.threadIdx.x, c, threads):
             acc = 0.0
+            tr = trans[g, s, i, j]
             for b in range(g * group, (g + 1) * group):
                 w = weight[b]
                 first = s if per_step else 0
@@ -164,7 +165,7 @@ def chain_transition_grad_kernel(x, trans, group, lengths, pre, norm, marg, weig
                         a -= d
                     gm = marg[b, t + 1, j]
                     if a != -math.inf and gm != 0.0:
-                        acc += w * gm * math.exp(a + trans[g, s, i, j] - pre[b, t + 1, j])
+                        acc += w * gm * math.exp(a + tr - pre[b, t + 1, j])
             grad[g, s, i, j] = acc
 
 

@@ -5,13 +5,13 @@ them at launch time; a kernel reads ``STATE_CHUNK`` when it is compiled (on a re
 every call (under the simulator).
 """
 
-THREADS_PER_BLOCK = 128
+THREADS_PER_BLOCK = 256
 """Threads per block of one-dimensional launches."""
 
 MAX_BLOCKS = 4096
 """Upper bound on the blocks of one launch; grid-stride loops cover the rest."""
 
-STATE_CHUNK = 128
+STATE_CHUNK = 256
 """States per shared-memory chunk in the log-space chain and semiring kernels."""
 
 
