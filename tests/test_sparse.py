@@ -454,8 +454,14 @@ def test_drop_and_grow_needs_a_canonical_structure():
         sparse_module.drop_and_grow(_backend.NUMPY, csr, np.ones(2), 1, caller="t")
 
 
-def test_contiguous_copies_fortran_order_through_the_transpose_kernel(rng):
-    a = np.asfortranarray(rng.standard_normal((7, 19)).astype(np.float32))
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape", [(7, 19), (16, 16), (48, 32), (33, 50), (256, 17), (1, 40), (0, 5), (5, 0)])
+def test_contiguous_copies_fortran_order_through_the_transpose_kernel(rng, shape, dtype):
+    """Whole 16 x 16 blocks go through vector shuffles, the edges element by element: every
+    bit must arrive where it belongs, NaN, infinities and -0.0 included."""
+    a = rng.standard_normal(shape).astype(dtype)
+    a.flat[::7] = np.resize([np.nan, -np.inf, -0.0, np.inf], a.flat[::7].size)
+    a = np.asfortranarray(a)
     out = sparse_module.contiguous(_backend.NUMPY, a)
     assert out.flags.c_contiguous
-    np.testing.assert_array_equal(out, a)
+    np.testing.assert_array_equal(out.view(f"u{out.itemsize}"), np.ascontiguousarray(a).view(f"u{out.itemsize}"))

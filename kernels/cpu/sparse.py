@@ -8,7 +8,10 @@ The products loop over a row's stored entries several at a time, so that each pa
 row loads and stores the accumulator once for several entries (an unroll-and-jam of the entry loop).
 """
 
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 _FAST = {"reassoc", "contract"}  # lets the dot products vectorise; never assumes no inf/NaN
 
@@ -106,21 +109,84 @@ def group_by(keys, indptr, order):
         fill[g] += 1
 
 
-_TILE = 16
+_BLOCK = 16
+
+
+def _shuffle_masks():
+    """Lane masks of a 16 x 16 transpose in four stages: stage ``b`` swaps bit ``b`` of the row
+    with bit ``b`` of the lane, pairing rows ``r`` and ``r | 1 << b`` (lanes 16-31 pick from the
+    second row of a pair)."""
+    stages = []
+    for b in range(4):
+        bit = 1 << b
+        low = [(_BLOCK if c & bit else 0) + (c & ~bit) for c in range(_BLOCK)]
+        high = [(_BLOCK if c & bit else 0) + (c | bit) for c in range(_BLOCK)]
+        stages.append((bit, low, high))
+    return stages
+
+
+_STAGES = _shuffle_masks()
+
+
+@intrinsic
+def _transpose_block(typingctx, a, out, i0, j0):
+    """``out[j0 + c, i0 + r] = a[i0 + r, j0 + c]`` for ``r, c < 16``: 16 vector loads, 64 lane
+    shuffles, 16 vector stores (LLVM emits the target's permutes). Both arrays C-contiguous."""
+    if a.layout != "C" or out.layout != "C":
+        return None
+
+    def codegen(context, builder, signature, args):
+        a_type, out_type, i0_type, j0_type = signature.args
+        a_array = context.make_array(a_type)(context, builder, args[0])
+        out_array = context.make_array(out_type)(context, builder, args[1])
+        element = context.get_value_type(a_type.dtype)
+        vector = ir.VectorType(element, _BLOCK)
+        size = context.get_abi_sizeof(element)
+        intp = lambda v: context.get_constant(types.intp, v)  # noqa: E731
+        i0 = context.cast(builder, args[2], i0_type, types.intp)
+        j0 = context.cast(builder, args[3], j0_type, types.intp)
+
+        def row_pointer(array, row, column):  # &array[row, column]
+            stride = cgutils.unpack_tuple(builder, array.strides)[0]
+            offset = builder.add(builder.mul(row, stride), builder.mul(column, intp(size)))
+            return cgutils.pointer_add(builder, array.data, offset, return_type=vector.as_pointer())
+
+        rows = []
+        for r in range(_BLOCK):
+            load = builder.load(row_pointer(a_array, builder.add(i0, intp(r)), j0))
+            load.align = size
+            rows.append(load)
+        lanes = ir.VectorType(ir.IntType(32), _BLOCK)
+        for bit, low, high in _STAGES:
+            pairs = [(r, r | bit) for r in range(_BLOCK) if not r & bit]
+            new = list(rows)
+            for r, r1 in pairs:
+                new[r] = builder.shuffle_vector(rows[r], rows[r1], ir.Constant(lanes, low))
+                new[r1] = builder.shuffle_vector(rows[r], rows[r1], ir.Constant(lanes, high))
+            rows = new
+        for c in range(_BLOCK):
+            store = builder.store(rows[c], row_pointer(out_array, builder.add(j0, intp(c)), i0))
+            store.align = size
+        return context.get_dummy_value()
+
+    return types.void(a, out, i0, j0), codegen
 
 
 @njit(parallel=True, cache=True)
 def transpose(a, out):
     """``out[j, i] = a[i, j]``: ``a`` (m, n) C-contiguous into ``out`` (n, m) C-contiguous.
 
-    Column strips of ``a`` run in parallel; within a strip each row of ``a`` is read once,
-    contiguously. Complexity: O(m * n).
+    Strips of 16 columns of ``a`` run in parallel; each goes down ``a`` one 16 x 16 block at a
+    time, transposed in vector registers (the edges element by element). Complexity: O(m * n).
     """
     m, n = a.shape
-    for strip in prange((n + _TILE - 1) // _TILE):
-        j0 = strip * _TILE
-        width = min(_TILE, n - j0)
-        for i in range(m):
-            row = a[i, j0:j0 + width]
-            for j in range(width):
-                out[j0 + j, i] = row[j]
+    for strip in prange((n + _BLOCK - 1) // _BLOCK):
+        j0 = strip * _BLOCK
+        i0 = 0
+        if j0 + _BLOCK <= n:
+            while i0 + _BLOCK <= m:
+                _transpose_block(a, out, i0, j0)
+                i0 += _BLOCK
+        for i in range(i0, m):
+            for j in range(j0, min(j0 + _BLOCK, n)):
+                out[j, i] = a[i, j]
