@@ -62,13 +62,18 @@ class Backend:
         Importing the kernel module here, on first use, keeps ``import spchain`` light.
         """
         if self.device is None:
-            return getattr(importlib.import_module(f".kernels.cpu.{module}", __package__), op)
+            return _cpu_kernel(module, op)
         launcher = getattr(importlib.import_module(f".kernels.cuda.{module}", __package__), f"launch_{op}")
         return functools.partial(launcher, stream=self.numba_stream())
 
     def to_host(self, a):
         """``a`` as a NumPy array (a copy from the device on the GPU)."""
         return a if self.device is None else a.get()
+
+
+@functools.cache
+def _cpu_kernel(module: str, op: str):
+    return getattr(importlib.import_module(f".kernels.cpu.{module}", __package__), op)
 
 
 class _NullContext:

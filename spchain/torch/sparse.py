@@ -258,25 +258,32 @@ def _version(t: torch.Tensor):
 _STRUCTURES = _StructureCache()
 
 
+def _linear(x, values, bias, indptr, indices, shape):
+    """``(y, x_saved, dtype)``: the forward of :func:`sparse_linear` on validated tensors, with
+    ``x_saved`` the array :func:`spchain.sparse.linear_backward` reads x from."""
+    caller = "spchain.torch.sparse_linear"
+    x2 = _rows(x)
+    with on_device(x.device):
+        xa, va, ia, ja = _as_array(x2), to_array(values), to_array(indptr), to_array(indices)
+        ba = None if bias is None else to_array(bias)
+        backend = _backend.backend_of(xa, va, ba, ia, ja, caller=caller)
+        dtype = _checks.float_dtype(caller, x=xa, values=va, bias=ba)
+        csr, _ = _STRUCTURES.get(backend, indptr, indices, (ia, ja), shape, caller)
+        y, x_saved = _sparse.linear(backend, csr, va, xa, ba, dtype)
+    return _as_tensor(y).reshape(*x.shape[:-1], shape[0]), x_saved, dtype
+
+
 class _SparseLinear(torch.autograd.Function):
     """``x @ W.T + bias`` for a CSR weight; gradients for ``x``, ``values`` and ``bias``."""
 
     @staticmethod
     def forward(ctx, x, values, bias, indptr, indices, shape):
-        caller = "spchain.torch.sparse_linear"
-        x2 = _rows(x)
-        with on_device(x.device):
-            xa, va, ia, ja = _as_array(x2), to_array(values), to_array(indptr), to_array(indices)
-            ba = None if bias is None else to_array(bias)
-            backend = _backend.backend_of(xa, va, ba, ia, ja, caller=caller)
-            dtype = _checks.float_dtype(caller, x=xa, values=va, bias=ba)
-            csr, _ = _STRUCTURES.get(backend, indptr, indices, (ia, ja), shape, caller)
-            y, x_saved = _sparse.linear(backend, csr, va, xa, ba, dtype)
+        y, x_saved, dtype = _linear(x, values, bias, indptr, indices, shape)
         need_x, need_values = ctx.needs_input_grad[:2]
         ctx.save_for_backward(_as_tensor(x_saved) if need_values else None, values if need_x else None, indptr, indices)
-        ctx.shape, ctx.x_shape, ctx.x_row_major, ctx.dtype = shape, x.shape, x2.is_contiguous(), dtype
+        ctx.shape, ctx.x_shape, ctx.x_row_major, ctx.dtype = shape, x.shape, _rows(x).is_contiguous(), dtype
         ctx.dtypes = (x.dtype, values.dtype, None if bias is None else bias.dtype)
-        return _as_tensor(y).reshape(*x.shape[:-1], shape[0])
+        return y
 
     @staticmethod
     @once_differentiable
@@ -364,7 +371,9 @@ def sparse_linear(x, values, indptr, indices, shape, bias=None):
                          "must be 1-D and of one length (nnz)")
     if bias is not None and tuple(bias.shape) != (shape[0],):
         raise ValueError(f"{caller}: bias has shape {tuple(bias.shape)}; expected ({shape[0]},)")
-    return _SparseLinear.apply(x, values, bias, indptr, indices, shape)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, values, bias)):
+        return _SparseLinear.apply(x, values, bias, indptr, indices, shape)
+    return _linear(x, values, bias, indptr, indices, shape)[0]  # inference: no autograd node
 
 
 # --- SparseLinear ----------------------------------------------------------------------------
