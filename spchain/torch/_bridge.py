@@ -81,18 +81,25 @@ def _torch_matmul(a, b, out=None):
     return out
 
 
-@contextlib.contextmanager
 def on_device(device: torch.device):
-    """Run spchain's array level for tensors on ``device``: on the CPU with torch's BLAS (one
-    thread pool for the whole program, see ``_backend.matmul``), on CUDA with CuPy and
-    spchain's kernels on ``device`` and torch's current stream there."""
-    if device.type != "cuda":
-        token = _backend.CPU_MATMUL.set(_torch_matmul)
-        try:
-            yield
-        finally:
-            _backend.CPU_MATMUL.reset(token)
-        return
+    """A context manager that runs spchain's array level for tensors on ``device``: on the CPU
+    with torch's BLAS (one thread pool for the whole program, see ``_backend.matmul``), on
+    CUDA with CuPy and spchain's kernels on ``device`` and torch's current stream there."""
+    return _TorchBlas() if device.type != "cuda" else _on_cuda(device)
+
+
+class _TorchBlas:
+    """Lends torch's BLAS to ``_backend.matmul`` while active (a class: entered on every call)."""
+
+    def __enter__(self):
+        self._token = _backend.CPU_MATMUL.set(_torch_matmul)
+
+    def __exit__(self, *exc):
+        _backend.CPU_MATMUL.reset(self._token)
+
+
+@contextlib.contextmanager
+def _on_cuda(device: torch.device):
     cp = _backend.cupy()
     index = device.index if device.index is not None else torch.cuda.current_device()
     stream = torch.cuda.current_stream(index)

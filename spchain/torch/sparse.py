@@ -45,6 +45,8 @@ def _as_tensor(a) -> torch.Tensor:
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """``t`` (..., features) as a matrix (batch, features), zero-size axes included."""
+    if t.dim() == 2:
+        return t
     return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
 
 
@@ -270,7 +272,8 @@ def _linear(x, values, bias, indptr, indices, shape):
         dtype = _checks.float_dtype(caller, x=xa, values=va, bias=ba)
         csr, _ = _STRUCTURES.get(backend, indptr, indices, (ia, ja), shape, caller)
         y, x_saved = _sparse.linear(backend, csr, va, xa, ba, dtype)
-    return _as_tensor(y).reshape(*x.shape[:-1], shape[0]), x_saved, dtype
+    y = _as_tensor(y)
+    return (y if x.dim() == 2 else y.reshape(*x.shape[:-1], shape[0])), x_saved, dtype
 
 
 class _SparseLinear(torch.autograd.Function):
