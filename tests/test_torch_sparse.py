@@ -62,6 +62,17 @@ def test_sparse_linear_matches_the_dense_masked_reference(rng, device, index_dty
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("leading", [(7,), (2, 3), ()], ids=["2d", "3d", "1d"])
+def test_inference_without_an_autograd_node_matches_the_differentiable_path(rng, leading):
+    indptr, indices = random_structure(rng, 13, 11, 0.3, torch.int32, True)
+    values = torch.randn(indices.numel())
+    x = torch.randn(*leading, 11)
+    plain = st.sparse_linear(x, values, indptr, indices, (13, 11))
+    tracked = st.sparse_linear(x, values.requires_grad_(), indptr, indices, (13, 11))
+    assert plain.grad_fn is None and tracked.grad_fn is not None
+    torch.testing.assert_close(plain, tracked.detach(), rtol=0, atol=0)
+
+
 def test_sparse_linear_gradients_match_the_dense_masked_product(rng):
     shape = (9, 14)
     indptr, indices = random_structure(rng, *shape, 0.4, messy=True)
