@@ -41,10 +41,12 @@ def test_group_by_is_a_stable_counting_sort(rng):
     np.testing.assert_array_equal(indptr, np.concatenate([[0], np.cumsum(np.bincount(keys, minlength=7))]))
 
 
-@pytest.mark.parametrize("shape", [(5, 3), (40, 37), (1, 70), (33, 16), (0, 4), (4, 0)])
-def test_transpose(rng, shape):
-    a = rng.standard_normal(shape).astype(np.float32)
-    out = np.empty(shape[::-1], np.float32)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int8, np.bool_])
+@pytest.mark.parametrize("shape", [(5, 3), (40, 37), (1, 70), (33, 16), (32, 48), (0, 4), (4, 0)])
+def test_transpose(rng, shape, dtype):
+    """16 x 16 blocks go through vector shuffles of the stored bytes (a bool is a byte)."""
+    a = (rng.standard_normal(shape) * 50).astype(dtype)
+    out = np.empty(shape[::-1], dtype)
     cpu_sparse.transpose(a, out)
     np.testing.assert_array_equal(out, a.T)
 

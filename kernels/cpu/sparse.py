@@ -131,15 +131,17 @@ _STAGES = _shuffle_masks()
 @intrinsic
 def _transpose_block(typingctx, a, out, i0, j0):
     """``out[j0 + c, i0 + r] = a[i0 + r, j0 + c]`` for ``r, c < 16``: 16 vector loads, 64 lane
-    shuffles, 16 vector stores (LLVM emits the target's permutes). Both arrays C-contiguous."""
-    if a.layout != "C" or out.layout != "C":
+    shuffles, 16 vector stores (LLVM emits the target's permutes). Both arrays C-contiguous, of
+    bool, integer or float elements."""
+    plain = isinstance(a.dtype, (types.Boolean, types.Integer, types.Float))
+    if a.layout != "C" or out.layout != "C" or not plain:
         return None
 
     def codegen(context, builder, signature, args):
         a_type, out_type, i0_type, j0_type = signature.args
         a_array = context.make_array(a_type)(context, builder, args[0])
         out_array = context.make_array(out_type)(context, builder, args[1])
-        element = context.get_value_type(a_type.dtype)
+        element = context.get_data_type(a_type.dtype)  # as stored: a bool is a byte
         vector = ir.VectorType(element, _BLOCK)
         size = context.get_abi_sizeof(element)
         intp = lambda v: context.get_constant(types.intp, v)  # noqa: E731
