@@ -4,6 +4,7 @@ import math
 
 import numpy as np
 import scipy.linalg
+import scipy.sparse
 from scipy.special import logsumexp
 
 
@@ -187,6 +188,16 @@ def dense(matrix):
     if hasattr(matrix, "to_dense"):
         return matrix.detach().cpu().to_dense().double().numpy()
     return np.asarray(matrix.toarray(), np.float64)
+
+
+def messy_csr(rng, m, n, density, duplicates):
+    """``(indptr, indices)`` (int64) of a random m x n CSR structure whose first ``duplicates``
+    entries are stored twice and whose columns are shuffled within each row."""
+    matrix = scipy.sparse.random(m, n, density=density, format="csr", random_state=rng)
+    rows, cols = entries(matrix.indptr, matrix.indices)
+    rows, cols = np.concatenate([rows, rows[:duplicates]]), np.concatenate([cols, cols[:duplicates]])
+    order = np.lexsort((rng.random(rows.size), rows))  # rows sorted, columns shuffled within
+    return np.searchsorted(rows[order], np.arange(m + 1)), cols[order]
 
 
 def entries(indptr, indices):

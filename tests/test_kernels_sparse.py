@@ -9,14 +9,9 @@ from spchain.kernels.cpu import sparse as cpu_sparse
 
 
 def random_csr(rng, m, n, density, index_dtype=np.int32):
-    """A CSR structure with empty rows, duplicates and unsorted indices."""
-    matrix = scipy.sparse.random(m, n, density=density, format="csr", random_state=rng)
-    rows, cols = reference.entries(matrix.indptr, matrix.indices)
-    rows, cols = np.concatenate([rows, rows[:3]]), np.concatenate([cols, cols[:3]])  # duplicates
-    order = np.lexsort((rng.random(rows.size), rows))  # rows sorted, columns shuffled within
-    rows, cols = rows[order], cols[order]
-    indptr = np.searchsorted(rows, np.arange(m + 1)).astype(index_dtype)
-    return indptr, cols.astype(index_dtype), rng.standard_normal(cols.size)
+    """A CSR structure with empty rows, duplicates and unsorted indices, and its values."""
+    indptr, cols = reference.messy_csr(rng, m, n, density, duplicates=3)
+    return indptr.astype(index_dtype), cols.astype(index_dtype), rng.standard_normal(cols.size)
 
 
 @pytest.mark.parametrize("index_dtype", [np.int32, np.int64])

@@ -18,13 +18,11 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 def random_structure(rng, m, n, density, index_dtype=torch.int64, messy=False):
     """``(indptr, indices)`` tensors of an m x n CSR structure; ``messy`` adds duplicates and shuffles rows."""
-    matrix = scipy.sparse.random(m, n, density=density, format="csr", random_state=rng)
-    rows, cols = reference.entries(matrix.indptr, matrix.indices)
-    if messy and cols.size:
-        rows, cols = np.concatenate([rows, rows[:2]]), np.concatenate([cols, cols[:2]])
-        order = np.lexsort((rng.random(rows.size), rows))
-        rows, cols = rows[order], cols[order]
-    indptr = np.searchsorted(rows, np.arange(m + 1))
+    if messy:
+        indptr, cols = reference.messy_csr(rng, m, n, density, duplicates=2)
+    else:
+        matrix = scipy.sparse.random(m, n, density=density, format="csr", random_state=rng)
+        indptr, cols = matrix.indptr, matrix.indices
     return torch.tensor(indptr, dtype=index_dtype), torch.tensor(cols, dtype=index_dtype)
 
 
