@@ -261,8 +261,9 @@ _STRUCTURES = _StructureCache()
 
 
 def _linear(x, values, bias, indptr, indices, shape):
-    """``(y, x_saved, dtype)``: the forward of :func:`sparse_linear` on validated tensors, with
-    ``x_saved`` the array :func:`spchain.sparse.linear_backward` reads x from."""
+    """``(y, x_saved, dtype, x_row_major)``: the forward of :func:`sparse_linear` on validated
+    tensors, with ``x_saved`` the array :func:`spchain.sparse.linear_backward` reads x from and
+    ``x_row_major`` whether x (as a matrix) came row-major."""
     caller = "spchain.torch.sparse_linear"
     x2 = _rows(x)
     with on_device(x.device):
@@ -273,7 +274,7 @@ def _linear(x, values, bias, indptr, indices, shape):
         csr, _ = _STRUCTURES.get(backend, indptr, indices, (ia, ja), shape, caller)
         y, x_saved = _sparse.linear(backend, csr, va, xa, ba, dtype)
     y = _as_tensor(y)
-    return (y if x.dim() == 2 else y.reshape(*x.shape[:-1], shape[0])), x_saved, dtype
+    return (y if x.dim() == 2 else y.reshape(*x.shape[:-1], shape[0])), x_saved, dtype, x2.is_contiguous()
 
 
 class _SparseLinear(torch.autograd.Function):
@@ -281,10 +282,10 @@ class _SparseLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, values, bias, indptr, indices, shape):
-        y, x_saved, dtype = _linear(x, values, bias, indptr, indices, shape)
+        y, x_saved, dtype, x_row_major = _linear(x, values, bias, indptr, indices, shape)
         need_x, need_values = ctx.needs_input_grad[:2]
         ctx.save_for_backward(_as_tensor(x_saved) if need_values else None, values if need_x else None, indptr, indices)
-        ctx.shape, ctx.x_shape, ctx.x_row_major, ctx.dtype = shape, x.shape, _rows(x).is_contiguous(), dtype
+        ctx.shape, ctx.x_shape, ctx.x_row_major, ctx.dtype = shape, x.shape, x_row_major, dtype
         ctx.dtypes = (x.dtype, values.dtype, None if bias is None else bias.dtype)
         return y
 
