@@ -13,9 +13,11 @@ current CUDA stream, so no synchronisation is needed on either side.
 """
 
 import contextlib
+import functools
 
 import numpy as np
 import torch
+from torch.autograd.function import once_differentiable
 
 from .. import _backend
 
@@ -105,3 +107,43 @@ def _on_cuda(device: torch.device):
     stream = torch.cuda.current_stream(index)
     with cp.cuda.Device(index), cp.cuda.ExternalStream(stream.cuda_stream, index):
         yield
+
+
+def first_order(op: str):
+    """``@once_differentiable`` for the backward of ``op``, which also refuses to run where
+    autograd records a graph (``create_graph=True``: Hessians, gradient penalties): a clear
+    ``RuntimeError`` instead of a gradient that silently carries no graph.
+
+    >>> class Square(torch.autograd.Function):
+    ...     @staticmethod
+    ...     def forward(ctx, x):
+    ...         ctx.save_for_backward(x)
+    ...         return x * x
+    ...     @staticmethod
+    ...     @first_order("square")
+    ...     def backward(ctx, grad):
+    ...         (x,) = ctx.saved_tensors
+    ...         return 2 * x * grad
+    >>> x = torch.ones(2, requires_grad=True)
+    >>> torch.autograd.grad(Square.apply(x).sum(), x, create_graph=True)
+    Traceback (most recent call last):
+    ...
+    RuntimeError: square: double backward (create_graph=True) is not implemented; its gradient would carry no graph, so higher derivatives (Hessians, gradient penalties) would be silently wrong
+    """
+
+    def decorate(backward):
+        backward = once_differentiable(backward)
+
+        @functools.wraps(backward)
+        def checked(ctx, *grads):
+            if torch.is_grad_enabled():
+                raise RuntimeError(
+                    f"{op}: double backward (create_graph=True) is not implemented; its gradient "
+                    "would carry no graph, so higher derivatives (Hessians, gradient penalties) "
+                    "would be silently wrong"
+                )
+            return backward(ctx, *grads)
+
+        return checked
+
+    return decorate
