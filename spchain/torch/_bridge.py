@@ -83,6 +83,27 @@ def _torch_matmul(a, b, out=None):
     return out
 
 
+def bridge(device: torch.device):
+    """The one context in which ``spchain.torch`` runs the array level for tensors on ``device``:
+    :func:`on_device`, with NumPy's floating-point warnings off (log space meets ``-inf``,
+    ``inf - inf`` and ``0 * inf`` by design; the array level gives them their documented values)."""
+    return _Bridge(device)
+
+
+class _Bridge:
+    def __init__(self, device):
+        self._device = on_device(device)
+        self._errstate = np.errstate(divide="ignore", invalid="ignore", over="ignore")
+
+    def __enter__(self):
+        self._device.__enter__()
+        self._errstate.__enter__()
+
+    def __exit__(self, *exc):
+        self._errstate.__exit__(*exc)
+        return self._device.__exit__(*exc)
+
+
 def on_device(device: torch.device):
     """A context manager that runs spchain's array level for tensors on ``device``: on the CPU
     with torch's BLAS (one thread pool for the whole program, see ``_backend.matmul``), on

@@ -1,0 +1,314 @@
+"""One way to make a torch operator of an array-level forward/backward pair.
+
+:class:`Operator` registers ``spchain::<name>`` (``torch.library.custom_op``) with a fake
+implementation, a batching rule and autograd, and ``spchain::<name>_backward`` for its
+gradient; calling it runs the public function. Each call takes one of two routes:
+
+- plain eager tensors (no compile, export, ``torch.func`` transform, tracer or fake tensor):
+  the array-level functions run directly, inside an ``autograd.Function`` only when a gradient
+  is needed (an operator's dispatch would cost more than a small product itself);
+- anything else: the registered operators, inside an ``autograd.Function`` with
+  ``setup_context`` (as ``torch.func`` needs); ``torch.compile`` and ``torch.export`` see
+  opaque operators with fake implementations.
+
+Both routes run the same array-level code, so they give the same results. float16 and
+bfloat16 inputs are cast to float32 by torch before the operator and its results back after,
+so the operators see float32 and float64 only and what autograd saves stays in float32.
+
+Double backward is not implemented: differentiating a gradient (``create_graph=True``,
+Hessians, gradient penalties, nested ``torch.func.grad``) raises a ``RuntimeError``, and
+forward-mode AD (``jvp``, ``jacfwd``) torch's ``NotImplementedError``: never a silently
+first-order answer.
+"""
+
+import torch
+from torch.utils import _python_dispatch
+
+from ._bridge import bridge, to_array, to_tensor
+
+_LOW = (torch.float16, torch.bfloat16)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def plain_eager(tensors) -> bool:
+    """Whether ``tensors`` are ordinary CPU/CUDA tensors outside every tracer and transform."""
+    if (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active() or torch.jit.is_tracing()
+            or _python_dispatch._get_current_dispatch_mode() is not None):
+        return False
+    return all(type(t) in _PLAIN and t.device.type in ("cpu", "cuda") for t in tensors)
+
+
+class Operator:
+    """An array-level forward/backward pair as the torch operator ``spchain::<name>``.
+
+    Parameters
+    ----------
+    name, schema
+        The operator's name and schema, e.g. ``"logmatmul"``, ``"(Tensor a, Tensor b) -> Tensor"``.
+    forward
+        The array-level forward on the operator's arguments (tensors as NumPy/CuPy arrays):
+        an array or a tuple of arrays, the ``outputs`` public results first, then residuals
+        that only the backward uses.
+    fake
+        The same on fake tensors: results of the right shapes, dtypes and devices.
+    outputs
+        How many of the results the public function returns.
+    backward
+        ``backward(args, results, grads, needs)`` on arrays: for each argument at
+        ``differentiable`` whose ``needs`` is true, its gradient (of the argument's shape)
+        from the incoming gradients of the public results (``None`` where unused).
+    differentiable
+        Positions of the differentiable arguments.
+    leading_batch
+        Positions of the tensor arguments whose leading axes are batch axes that the function
+        maps over independently: ``vmap`` over those makes one call; over others, a call a slice.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> double = Operator("doc_double", "(Tensor x) -> Tensor", lambda x: 2 * x, torch.empty_like,
+    ...                   backward=lambda args, results, grads, needs: [2 * grads[0]],
+    ...                   differentiable=(0,), leading_batch=(0,))
+    >>> x = torch.ones(2, requires_grad=True)
+    >>> torch.func.grad(lambda x: double(x).sum())(x)
+    tensor([2., 2.])
+    """
+
+    def __init__(self, name, schema, forward, fake, *, outputs=1, backward=None, differentiable=(),
+                 leading_batch=()):
+        self.name = f"spchain.torch.{name}"
+        self.forward, self.backward = forward, backward
+        self.outputs, self.differentiable = outputs, tuple(differentiable)
+        op = torch.library.custom_op(f"spchain::{name}", self._forward_op, mutates_args=(), schema=schema)
+        op.register_fake(fake)
+        op.register_vmap(_batch_rule(op._opoverload, leading_batch))
+        self.op = op._opoverload
+        if backward is None:
+            return
+        arguments = schema.split("->")[0].strip()[1:-1]
+        backward_op = torch.library.custom_op(
+            f"spchain::{name}_backward", self._backward_op, mutates_args=(),
+            schema=f"({arguments}, Tensor[] results, Tensor?[] grads, bool[] needs) -> Tensor[]")
+        backward_op.register_fake(self._backward_fake)
+        backward_op.register_vmap(_batch_rule(backward_op._opoverload, tuple(leading_batch) + (-3, -2)))
+        self._eager = _eager_function(self)
+        self._transform = _transform_function(self.name, self.op, backward_op._opoverload, outputs,
+                                              self.differentiable)
+        op.register_autograd(self._transform.backward, setup_context=self._transform.setup_context)
+
+    def __call__(self, *args):
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        low = next((t.dtype for t in tensors if t.dtype in _LOW), None)
+        if low is not None:
+            args = [a.float() if isinstance(a, torch.Tensor) and a.dtype in _LOW else a for a in args]
+        if plain_eager(tensors):
+            grad = self.backward is not None and torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+            results = self._eager.apply(*args) if grad else self._run(args)
+        else:
+            results = (self._transform.apply if self.backward is not None else self.op)(*args)
+        results = results if isinstance(results, tuple) else (results,)
+        public = tuple(r.to(low) if low is not None and r.is_floating_point() else r for r in results[:self.outputs])
+        return public if self.outputs > 1 else public[0]
+
+    def _run(self, args):
+        with bridge(_device(args)):
+            results = self.forward(*_arrays(args))
+        return tuple(to_tensor(r) for r in (results if isinstance(results, tuple) else (results,)))
+
+    def _forward_op(self, *args):
+        results = _own(self._run(args), args)
+        return results if len(results) > 1 else results[0]
+
+    def _gradients(self, args, results, grads, needs):
+        with bridge(_device(args)):
+            arrays = self.backward(_arrays(args), _arrays(results), _arrays(grads), needs)
+        return [to_tensor(g).to(args[k].dtype) if need else None
+                for k, need, g in zip(self.differentiable, needs, arrays)]
+
+    def _backward_op(self, *args):
+        *args, results, grads, needs = args
+        grads = self._gradients(args, results, grads, needs)
+        empty = args[self.differentiable[0]].new_empty(0)
+        return list(_own([empty if g is None else g for g in grads], args + list(results)))
+
+    def _backward_fake(self, *args):
+        *args, results, grads, needs = args
+        return [torch.empty_like(args[k]) if need else args[k].new_empty(0)
+                for k, need in zip(self.differentiable, needs)]
+
+
+def _device(args) -> torch.device:
+    return next(t.device for t in _flat_tensors(args))
+
+
+def _flat_tensors(args):
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            yield from (t for t in a if isinstance(t, torch.Tensor))
+
+
+def _arrays(args):
+    """Tensors, also inside lists, as arrays; everything else as it is."""
+    def convert(a):
+        if isinstance(a, torch.Tensor):
+            return to_array(a)
+        if isinstance(a, (list, tuple)) and any(isinstance(t, torch.Tensor) for t in a):
+            return [None if t is None else to_array(t) for t in a]
+        return a
+    return [convert(a) for a in args]
+
+
+def _own(results, args):
+    """``results`` as contiguous tensors sharing no memory with ``args`` (an operator's
+    outputs may not alias its inputs)."""
+    inputs = {t.untyped_storage().data_ptr() for t in _flat_tensors(args) if t.numel()}
+    return tuple(r.clone() if r.numel() and r.untyped_storage().data_ptr() in inputs else r.contiguous()
+                 for r in results)
+
+
+def _save(ctx, inputs, results, outputs):
+    """Save the tensor arguments and the results; keep the other arguments on ``ctx``."""
+    results = results if isinstance(results, tuple) else (results,)
+    slots = tuple(k for k, a in enumerate(inputs) if isinstance(a, torch.Tensor))
+    ctx.arguments = (slots, tuple(None if k in slots else a for k, a in enumerate(inputs)))
+    ctx.save_for_backward(*(inputs[k] for k in slots), *results)
+    fixed = [r for k, r in enumerate(results) if k >= outputs or not r.is_floating_point()]
+    if fixed:
+        ctx.mark_non_differentiable(*fixed)
+
+
+def _restore(ctx):
+    """``(args, results)`` saved by :func:`_save` (autograd checks their versions here)."""
+    slots, args = ctx.arguments
+    saved = ctx.saved_tensors
+    args = list(args)
+    for k, t in zip(slots, saved):
+        args[k] = t
+    return args, list(saved[len(slots):])
+
+
+def _place(count, differentiable, needs, grads):
+    """Gradients for all ``count`` arguments: ``grads`` at ``differentiable`` where needed."""
+    out = [None] * count
+    for k, need, g in zip(differentiable, needs, grads):
+        if need:
+            out[k] = g
+    return tuple(out)
+
+
+def _double_backward_error(name):
+    return RuntimeError(f"{name}: double backward (create_graph=True, Hessians, gradient penalties, nested "
+                        "torch.func.grad) is not implemented")
+
+
+def _eager_function(op: Operator):
+    class Eager(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *args):
+            results = op._run(args)
+            _save(ctx, args, results, op.outputs)
+            return results
+
+        @staticmethod
+        def backward(ctx, *grads):
+            if torch.is_grad_enabled():
+                raise _double_backward_error(op.name)
+            args, results = _restore(ctx)
+            needs = [bool(ctx.needs_input_grad[k]) for k in op.differentiable]
+            gradients = op._gradients(args, results, list(grads[:op.outputs]), needs)
+            return _place(len(args), op.differentiable, needs, gradients)
+
+    return Eager
+
+
+def _transform_function(name, forward_op, backward_op, outputs, differentiable):
+    """The ``autograd.Function`` over the operators; its methods close over operators, numbers
+    and module functions only, which ``torch.compile`` can trace."""
+
+    class Backward(torch.autograd.Function):
+        """The backward operator, differentiable once: a second derivative raises."""
+
+        generate_vmap_rule = True
+
+        @staticmethod
+        def forward(counts, needs, *flat):
+            args, results, grads = _unflatten(counts, flat)
+            return tuple(backward_op(*args, results, grads, needs))
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            pass
+
+        @staticmethod
+        def backward(ctx, *grads):
+            raise _double_backward_error(name)
+
+    class Transform(torch.autograd.Function):
+        generate_vmap_rule = True
+
+        @staticmethod
+        def forward(*args):
+            return forward_op(*args)
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            _save(ctx, inputs, output, outputs)
+
+        @staticmethod
+        def backward(ctx, *grads):
+            args, results = _restore(ctx)
+            needs = [bool(ctx.needs_input_grad[k]) for k in differentiable]
+            grads = list(grads[:outputs])
+            if torch.compiler.is_compiling():  # compiled graphs have no double backward anyway
+                gradients = backward_op(*args, results, grads, needs)
+            else:
+                counts = (len(args), len(results), len(grads))
+                gradients = Backward.apply(counts, needs, *args, *results, *grads)
+            return _place(len(args), differentiable, needs, gradients)
+
+    return Transform
+
+
+def _unflatten(counts, flat):
+    n_args, n_results, _ = counts
+    return list(flat[:n_args]), list(flat[n_args:n_args + n_results]), list(flat[n_args + n_results:])
+
+
+def _batch_rule(op, leading):
+    """vmap of ``op``: one call with the batch as leading axis where every batched argument
+    allows it (unbatched ones expanded, so that each slice gets its own gradient), else one
+    call a slice."""
+
+    def rule(info, in_dims, *args):
+        positions = {k % len(args) for k in leading}
+        batched = [k for k, d in enumerate(in_dims) if _batched(d)]
+        if all(k in positions for k in batched):
+            out = op(*(_lead(a, d, info.batch_size) if k in positions else a
+                       for k, (a, d) in enumerate(zip(args, in_dims))))
+        else:
+            slices = [op(*(_select(a, d, i) for a, d in zip(args, in_dims))) for i in range(info.batch_size)]
+            out = torch.stack(slices) if isinstance(slices[0], torch.Tensor) else \
+                type(slices[0])(torch.stack(parts) for parts in zip(*slices))
+        return out, (0 if isinstance(out, torch.Tensor) else type(out)(0 for _ in out))
+
+    return rule
+
+
+def _batched(d):
+    return any(x is not None for x in d) if isinstance(d, (list, tuple)) else d is not None
+
+
+def _lead(a, d, size):
+    if isinstance(a, (list, tuple)):
+        return [None if t is None else _lead(t, dd, size) for t, dd in zip(a, d)]
+    if not isinstance(a, torch.Tensor):
+        return a
+    return a.movedim(d, 0) if d is not None else a.expand(size, *a.shape)
+
+
+def _select(a, d, i):
+    if isinstance(a, (list, tuple)):
+        return [None if t is None else _select(t, dd, i) for t, dd in zip(a, d)]
+    return a.select(d, i) if isinstance(a, torch.Tensor) and d is not None else a
