@@ -101,11 +101,11 @@ class Operator:
         low = next((t.dtype for t in tensors if t.dtype in _LOW), None)
         if low is not None:
             args = [a.float() if isinstance(a, torch.Tensor) and a.dtype in _LOW else a for a in args]
+        grad = self.backward is not None and torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
         if plain_eager(tensors):
-            grad = self.backward is not None and torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
             results = self._eager.apply(*args) if grad else self._run(args)
         else:
-            results = (self._transform.apply if self.backward is not None else self.op)(*args)
+            results = self._transform.apply(*args) if grad else self.op(*args)
         results = results if isinstance(results, tuple) else (results,)
         public = tuple(r.to(low) if low is not None and r.is_floating_point() else r for r in results[:self.outputs])
         return public if self.outputs > 1 else public[0]
