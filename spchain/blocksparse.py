@@ -124,7 +124,9 @@ def matmul(backend, bsr: Bsr, b, dtype, bias=None, *, transpose=None):
     else:
         (indptr, indices), slots = transpose
         m = bsr.shape[1]
-        data = data.transpose(0, 2, 1)
+        data = data.transpose(0, 2, 1)  # a view the CPU kernel reads as it is; CUDA takes a copy
+        if backend.on_gpu:
+            data = xp.ascontiguousarray(data)
     out = xp.empty((m, b.shape[1]), dtype)
     if out.size:
         bias = xp.zeros(m, dtype) if bias is None else bias.astype(dtype, copy=False)
