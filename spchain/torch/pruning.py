@@ -53,19 +53,28 @@ def erk_densities(shapes, density: float) -> list[float]:
     return [1.0 if k in dense else eps * raw[k] for k in range(len(sizes))]
 
 
-def _skipped(skip) -> Callable[[str, torch.nn.Module], bool]:
+def _skipped(skip, linears) -> Callable[[str, torch.nn.Module], bool]:
+    """``skip`` (None, a name, names, or a predicate) as a predicate; ``ValueError`` for a name
+    that is no linear layer (a typo would otherwise leave the layer silently pruned)."""
     if skip is None:
         return lambda name, module: False
     if callable(skip):
         return skip
-    if isinstance(skip, str) or not isinstance(skip, Iterable):
+    names = {skip} if isinstance(skip, str) else skip
+    if not isinstance(names, Iterable):
         raise TypeError(f"sparsify: skip must be layer names or a predicate (name, module) -> bool, not {skip!r}")
-    names = set(skip)
+    names = set(names)
+    unknown = sorted(names - set(linears))
+    if unknown:
+        raise ValueError(f"sparsify: skip names {unknown}, which are not nn.Linear layers of the model")
     return lambda name, module: name in names
 
 
 def sparsify(model: torch.nn.Module, sparsity, *, method="magnitude", distribution="uniform", skip=None) -> list[str]:
     """Replace ``model``'s ``nn.Linear`` layers, in place, by :class:`SparseLinear` layers.
+
+    Only modules of type ``nn.Linear`` itself are replaced: subclasses (such as the output
+    projection of ``nn.MultiheadAttention``, whose owner reads ``.weight`` directly) stay.
 
     Parameters
     ----------
@@ -78,7 +87,7 @@ def sparsify(model: torch.nn.Module, sparsity, *, method="magnitude", distributi
     distribution : {"uniform", "erk"}
         Every layer at ``sparsity``, or per-layer densities by :func:`erk_densities` (small
         layers denser, large ones sparser).
-    skip : iterable of str, or callable (name, module) -> bool, optional
+    skip : str, iterable of str, or callable (name, module) -> bool, optional
         Layers to leave dense (e.g. the classifier), by their names in ``named_modules()``.
 
     Returns
@@ -108,11 +117,7 @@ def sparsify(model: torch.nn.Module, sparsity, *, method="magnitude", distributi
     if type(model) is torch.nn.Linear:
         raise ValueError(f"{caller} replaces layers inside a model; for one layer use SparseLinear.from_dense")
     linears = {name: m for name, m in model.named_modules() if type(m) is torch.nn.Linear}
-    if skip is not None and not callable(skip):
-        unknown = sorted(set(skip) - set(linears)) if not isinstance(skip, str) else [skip]
-        if unknown:
-            raise ValueError(f"{caller}: skip names {unknown}, which are not nn.Linear layers of the model")
-    skipped = _skipped(skip)
+    skipped = _skipped(skip, linears)
     chosen = [(name, m) for name, m in linears.items() if not skipped(name, m)]
     if distribution == "erk":
         densities = erk_densities([(m.out_features, m.in_features) for _, m in chosen], 1.0 - sparsity)
