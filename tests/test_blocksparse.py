@@ -232,3 +232,23 @@ def test_transposed_structure_reads_the_same_blocks(rng):
     out = blocksparse.matmul(sc._backend.NUMPY, structure, b, np.float64,
                              transpose=blocksparse.transposed(sc._backend.NUMPY, structure))
     np.testing.assert_allclose(out, dense(a).T @ b, rtol=1e-12, atol=1e-12)
+
+
+def host(a):
+    return a.get() if hasattr(a, "get") else a
+
+
+def test_both_backends_take_bsr_tuples_and_give_their_arrays(xp, rng):
+    (data, indices, indptr), shape = random_bsr(rng, (5, 4), (3, 2), 0.5, duplicates=1)
+    a = ((xp.asarray(data), xp.asarray(indices), xp.asarray(indptr)), shape)
+    b = rng.standard_normal((shape[1], 6))
+    out = sc.spmm(a, xp.asarray(b))
+    assert isinstance(out, xp.ndarray)
+    np.testing.assert_allclose(host(out), dense(((data, indices, indptr), shape)) @ b, rtol=1e-12, atol=1e-12)
+    left, right = rng.standard_normal((15, 3)), rng.standard_normal((8, 3))
+    (values, _, _), _ = sc.sddmm(a, xp.asarray(left), xp.asarray(right))
+    assert isinstance(values, xp.ndarray)
+    np.testing.assert_allclose(host(values), sc.sddmm(((data, indices, indptr), shape), left, right)[0][0], rtol=1e-12)
+    pruned = sc.prune(xp.asarray(b.T.copy()), 0.5, block=(2, 2))
+    blocks = pruned[0][0] if xp is not np else pruned.data
+    assert isinstance(blocks, xp.ndarray) and blocks.shape == (6, 2, 2)
