@@ -75,33 +75,50 @@ def sddmm(indptr, indices, a, b, out):
 
     Inputs: ``indptr`` (M / R + 1), ``indices`` (nnzb), ``a`` (M, k) and ``b`` (N, k), both
     C-contiguous. Overwrites ``out`` (nnzb, R, C). Block rows run in parallel; each output
-    value is a dot product over ``k``, two rows by four columns at a time.
+    value is a dot product over ``k``, two block rows by four block columns at a time (eight
+    running sums that share each loaded vector, nothing stored inside the loop).
     Complexity: O(nnzb * R * C * k) multiply-adds.
     """
     rows, cols = out.shape[1], out.shape[2]
-    k = a.shape[1]
-    zero = out.dtype.type(0)
     for i in prange(indptr.shape[0] - 1):
         for p in range(indptr[i], indptr[i + 1]):
-            j = indices[p]
-            for r in range(rows):
-                ar = a[i * rows + r]
-                c = 0
-                while c + 4 <= cols:
-                    b0, b1, b2, b3 = b[j * cols + c], b[j * cols + c + 1], b[j * cols + c + 2], b[j * cols + c + 3]
-                    s0 = s1 = s2 = s3 = zero
-                    for t in range(k):
-                        x = ar[t]
-                        s0 += x * b0[t]
-                        s1 += x * b1[t]
-                        s2 += x * b2[t]
-                        s3 += x * b3[t]
-                    out[p, r, c], out[p, r, c + 1], out[p, r, c + 2], out[p, r, c + 3] = s0, s1, s2, s3
-                    c += 4
-                while c < cols:
-                    b0 = b[j * cols + c]
-                    s0 = zero
-                    for t in range(k):
-                        s0 += ar[t] * b0[t]
-                    out[p, r, c] = s0
-                    c += 1
+            j = indices[p] * cols
+            r = 0
+            while r + 2 <= rows:
+                _dots(a[i * rows + r], a[i * rows + r + 1], b, j, out[p, r], out[p, r + 1])
+                r += 2
+            if r < rows:
+                _dots(a[i * rows + r], a[i * rows + r], b, j, out[p, r], out[p, r])
+
+
+@njit(cache=True, fastmath=_FAST, inline="always")
+def _dots(a0, a1, b, j, out0, out1):
+    """``out0[c] = a0 . b[j + c]`` and ``out1[c] = a1 . b[j + c]`` for every ``c`` of ``out0``."""
+    zero = out0.dtype.type(0)
+    k, cols = a0.shape[0], out0.shape[0]
+    c = 0
+    while c + 4 <= cols:
+        b0, b1, b2, b3 = b[j + c], b[j + c + 1], b[j + c + 2], b[j + c + 3]
+        s00 = s01 = s02 = s03 = s10 = s11 = s12 = s13 = zero
+        for t in range(k):
+            x0, x1 = a0[t], a1[t]
+            y0, y1, y2, y3 = b0[t], b1[t], b2[t], b3[t]
+            s00 += x0 * y0
+            s01 += x0 * y1
+            s02 += x0 * y2
+            s03 += x0 * y3
+            s10 += x1 * y0
+            s11 += x1 * y1
+            s12 += x1 * y2
+            s13 += x1 * y3
+        out0[c], out0[c + 1], out0[c + 2], out0[c + 3] = s00, s01, s02, s03
+        out1[c], out1[c + 1], out1[c + 2], out1[c + 3] = s10, s11, s12, s13
+        c += 4
+    while c < cols:
+        b0 = b[j + c]
+        s00 = s10 = zero
+        for t in range(k):
+            s00 += a0[t] * b0[t]
+            s10 += a1[t] * b0[t]
+        out0[c], out1[c] = s00, s10
+        c += 1
