@@ -306,24 +306,25 @@ def block_parts(backend, w, sparsity, method, seed, block, caller: str):
 
 
 def linear(backend, bsr: Bsr, values, x, bias, dtype):
-    """``y = x @ W.T + bias`` for the BSR weight ``W`` (``bsr``'s structure, ``values``).
+    """``y.T`` for ``y = x @ W.T + bias``, the BSR weight ``W`` being ``bsr``'s structure with ``values``.
 
-    ``x`` is (batch, in) in any layout. Returns ``(y, xt)``: ``y`` (batch, out), the transpose
-    of the kernel's feature-major output (no copy), and ``xt`` = ``x.T`` C-contiguous, which
-    :func:`linear_backward` reads.
+    ``x`` is (batch, in) in any layout. Returns ``(yt, xt)``: ``yt`` (out, batch), the kernel's
+    feature-major output, and ``xt`` = ``x.T``, both C-contiguous; :func:`linear_backward`
+    reads ``xt``.
     """
     xt = _sparse.contiguous(backend, x.T.astype(dtype, copy=False))
     weight = Bsr(bsr.indptr, bsr.indices, values, bsr.shape, bsr.blocksize)
-    return matmul(backend, weight, xt, dtype, bias).T, xt
+    return matmul(backend, weight, xt, dtype, bias), xt
 
 
-def linear_backward(backend, bsr: Bsr, transpose, values, grad_y, xt, dtype, need_x: bool, need_values: bool):
-    """Gradients of :func:`linear` for ``x`` (batch, in) and ``values`` (nnzb, R, C), when needed.
+def linear_backward(backend, bsr: Bsr, transpose, values, grad_yt, xt, dtype, need_x: bool, need_values: bool):
+    """Gradients of :func:`linear` for ``x`` (batch, in) and ``values`` (nnzb, R, C), when needed,
+    from the gradient ``grad_yt`` (out, batch) of its output.
 
     ``transpose`` is :func:`transposed` of ``bsr`` (the input gradient multiplies by ``W.T``,
-    reading the same blocks); the value gradient is the block SDDMM of ``grad_y.T`` and ``xt``.
+    reading the same blocks); the value gradient is the block SDDMM of ``grad_yt`` and ``xt``.
     """
-    grad_yt = _sparse.contiguous(backend, grad_y.T.astype(dtype, copy=False))
+    grad_yt = _sparse.contiguous(backend, grad_yt.astype(dtype, copy=False))
     grad_x = grad_values = None
     if need_x:
         weight = Bsr(bsr.indptr, bsr.indices, values, bsr.shape, bsr.blocksize)

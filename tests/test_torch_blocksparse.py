@@ -106,3 +106,21 @@ def test_trains_the_blocks_of_a_pruned_weight():
     loss.backward()
     optimizer.step()
     assert values.shape == (3, 4, 4) and not torch.equal(values.detach(), torch.tensor(a.data))
+
+
+def test_torch_func_grad_vmap_and_compile(rng):
+    """Two missing gradients (x and bias) at once: the backward operator's returns must not alias."""
+    values, indptr, indices, shape, dense = random_weight(rng, (2, 3), (4, 4), 0.5)
+    x = torch.randn(3, shape[1], dtype=torch.float64)
+
+    def loss(v):
+        return st.block_sparse_linear(x, v, indptr, indices, shape).square().sum()
+
+    leaf = values.clone().requires_grad_()
+    loss(leaf).backward()
+    torch.testing.assert_close(torch.func.grad(loss)(values), leaf.grad, rtol=1e-12, atol=1e-12)
+    xs = torch.randn(5, 3, shape[1], dtype=torch.float64)
+    ys = torch.func.vmap(lambda x: st.block_sparse_linear(x, values, indptr, indices, shape))(xs)
+    torch.testing.assert_close(ys, xs @ dense.T, rtol=1e-12, atol=1e-12)
+    compiled = torch.compile(lambda x: st.block_sparse_linear(x, values, indptr, indices, shape), fullgraph=True)
+    torch.testing.assert_close(compiled(x), x @ dense.T, rtol=1e-12, atol=1e-12)

@@ -37,34 +37,35 @@ def _forward(x, values, indptr, indices, shape, bias):
     backend = _backend.backend_of(x, values, indptr, indices, bias, caller=_CALLER)
     dtype = _checks.float_dtype(_CALLER, x=x, values=values, bias=bias)
     bsr = _structure(backend, values, indptr, indices, tuple(shape))
-    y, xt = _blocksparse.linear(backend, bsr, values, x, bias, dtype)
-    return y, xt
+    return _blocksparse.linear(backend, bsr, values, x, bias, dtype)
 
 
 def _fake(x, values, indptr, indices, shape, bias):
     dtype = torch.promote_types(x.dtype, values.dtype) if bias is None else \
         torch.promote_types(torch.promote_types(x.dtype, values.dtype), bias.dtype)
-    return x.new_empty((x.shape[0], shape[0]), dtype=dtype), x.new_empty((x.shape[1], x.shape[0]), dtype=dtype)
+    return x.new_empty((shape[0], x.shape[0]), dtype=dtype), x.new_empty((x.shape[1], x.shape[0]), dtype=dtype)
 
 
 def _backward(args, results, grads, needs):
     x, values, indptr, indices, shape, bias = args
     _, xt = results
-    grad_y = grads[0]
+    grad_yt = grads[0]
     need_x, need_values, need_bias = needs
-    backend = _backend.backend_of(grad_y, values, indptr, indices, caller=_CALLER)
+    backend = _backend.backend_of(grad_yt, values, indptr, indices, caller=_CALLER)
     bsr = _structure(backend, values, indptr, indices, tuple(shape))
     transpose = _blocksparse.transposed(backend, bsr) if need_x else None
-    grad_x, grad_values = _blocksparse.linear_backward(backend, bsr, transpose, values, grad_y, xt, xt.dtype,
+    grad_x, grad_values = _blocksparse.linear_backward(backend, bsr, transpose, values, grad_yt, xt, xt.dtype,
                                                        need_x, need_values)
-    grad_bias = grad_y.sum(axis=0) if need_bias else None
+    grad_bias = grad_yt.sum(axis=1) if need_bias else None
     return grad_x, grad_values, grad_bias
 
 
+# The operator returns y.T (out, batch), the layout the kernel writes, so that neither the
+# output nor its incoming gradient is copied on the way; the public function transposes.
 _OPERATOR = Operator(
     "block_sparse_linear",
     "(Tensor x, Tensor values, Tensor indptr, Tensor indices, int[] shape, Tensor? bias) -> (Tensor, Tensor)",
-    _forward, _fake, outputs=1, backward=_backward, differentiable=(0, 1, 5), leading_batch=(0,))
+    _forward, _fake, outputs=1, backward=_backward, differentiable=(0, 1, 5))
 
 
 def block_sparse_linear(x, values, indptr, indices, shape, bias=None):
@@ -86,7 +87,8 @@ def block_sparse_linear(x, values, indptr, indices, shape, bias=None):
     Returns
     -------
     torch.Tensor, shape (..., out_features)
-        float32 if every float input is float32, else float64.
+        float32 if every float input is float32, else float64. For a 2-D ``x`` it is a
+        transposed view of the kernel's feature-major output (``.contiguous()`` for rows).
 
     Raises
     ------
@@ -119,5 +121,5 @@ def block_sparse_linear(x, values, indptr, indices, shape, bias=None):
     if bias is not None and tuple(bias.shape) != (shape[0],):
         raise ValueError(f"{_CALLER}: bias has shape {tuple(bias.shape)}; expected ({shape[0]},)")
     rows = x.reshape(math.prod(x.shape[:-1]), shape[1]) if x.dim() != 2 else x
-    y = _OPERATOR(rows, values, indptr, indices, list(shape), bias)
+    y = _OPERATOR(rows, values, indptr, indices, list(shape), bias).t()  # the operator gives y.T (no copy)
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], shape[0])
