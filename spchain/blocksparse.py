@@ -96,10 +96,6 @@ def _operand(backend, a, caller: str, name: str, ndims):
     return a
 
 
-def _backend_of(caller, *arrays):
-    return _backend.backend_of(*arrays, caller=caller)
-
-
 def _like(a, backend, data, indices, indptr, shape):
     """A BSR result of ``a``'s kind: a SciPy object of its class, else a tuple."""
     if isinstance(a, tuple) or backend.on_gpu:
@@ -172,7 +168,7 @@ def spmm(a, b):
     """
     caller = "spchain.spmm"
     data, indices, indptr, shape = bsr_parts(a, caller)
-    backend = _backend_of(caller, data, indices, indptr, b)
+    backend = _backend.backend_of(data, indices, indptr, b, caller=caller)
     b = _operand(backend, b, caller, "b", (1, 2))
     if shape[1] != b.shape[0]:
         raise ValueError(f"{caller}: shapes {tuple(shape)} and {b.shape} do not match ({shape[1]} != {b.shape[0]})")
@@ -197,7 +193,7 @@ def sddmm(pattern, a, b):
     """
     caller = "spchain.sddmm"
     data, indices, indptr, shape = bsr_parts(pattern, caller)
-    backend = _backend_of(caller, data, indices, indptr, a, b)
+    backend = _backend.backend_of(data, indices, indptr, a, b, caller=caller)
     a = _operand(backend, a, caller, "a", (2,))
     b = _operand(backend, b, caller, "b", (2,))
     if a.shape[0] != shape[0] or b.shape[0] != shape[1] or a.shape[1] != b.shape[1]:
@@ -237,7 +233,7 @@ def prune(w, sparsity=None, *, method="magnitude", seed=None, block=None, n=None
            [0., 0., 0., 5.]])
     """
     caller = "spchain.prune"
-    backend = _backend_of(caller, w)
+    backend = _backend.backend_of(w, caller=caller)
     w = _operand(backend, w, caller, "w", (2,))
     _checks.float_dtype(caller, w=w)
     if method == "n:m":
