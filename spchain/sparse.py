@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import scipy.sparse
 
-from . import _backend, _checks
+from . import _backend, _checks, blocksparse
 
 __all__ = ["spmm", "sddmm", "prune"]
 
@@ -288,7 +288,8 @@ def spmm(a, b):
     ----------
     a : SciPy or cupyx sparse matrix or array, CSR, CSC or COO, shape (m, k)
         Duplicate entries add up, indices may be unsorted within a row, explicit zeros are
-        kept; int32 and int64 indices (a mix is promoted to int64).
+        kept; int32 and int64 indices (a mix is promoted to int64). Or BSR: a SciPy BSR
+        object or ``((data, indices, indptr), shape)``, see :func:`spchain.blocksparse.spmm`.
     b : NumPy or CuPy array, shape (k,) or (k, n)
         Any layout: transposed, Fortran-ordered, sliced or broadcast views are fine.
 
@@ -321,6 +322,8 @@ def spmm(a, b):
     array([[0., 1.],
            [7., 0.]])
     """
+    if blocksparse.is_bsr(a):
+        return blocksparse.spmm(a, b)
     caller = "spchain.spmm"
     backend = _backend.backend_of(a, b, caller=caller)
     return spmm_parts(backend, *sparse_parts(backend, a, caller), b, caller)[1]
@@ -343,7 +346,8 @@ def sddmm(pattern, a, b):
     Parameters
     ----------
     pattern : SciPy or cupyx sparse matrix or array, CSR, CSC or COO, shape (m, n)
-        Only its structure is used (its values are ignored).
+        Only its structure is used (its values are ignored). A BSR pattern gives a BSR
+        result, see :func:`spchain.blocksparse.sddmm`.
     a : NumPy or CuPy array, shape (m, k)
     b : NumPy or CuPy array, shape (n, k)
 
@@ -373,6 +377,8 @@ def sddmm(pattern, a, b):
     array([[3., 0.],
            [0., 7.]])
     """
+    if blocksparse.is_bsr(pattern):
+        return blocksparse.sddmm(pattern, a, b)
     caller = "spchain.sddmm"
     backend = _backend.backend_of(pattern, a, b, caller=caller)
     fmt, shape, _, index = sparse_parts(backend, pattern, caller)
@@ -447,19 +453,26 @@ def positions_to_csr(backend, positions, shape):
     return indptr.astype(dtype), cols.astype(dtype)
 
 
-def prune(w, sparsity, *, method="magnitude", seed=None):
+def prune(w, sparsity=None, *, method="magnitude", seed=None, block=None, n=None, m=None):
     """Keep ``w.size - round(sparsity * w.size)`` entries of a dense matrix, as CSR.
 
     Parameters
     ----------
     w : NumPy or CuPy array, shape (m, n), float32 or float64
     sparsity : float in [0, 1]
-        The fraction of entries to drop.
-    method : {"magnitude", "random"}
+        The fraction of entries to drop (the fraction of blocks with ``block``; implied by
+        ``n`` and ``m`` for ``"n:m"``, where it must be ``None`` or ``1 - n / m``).
+    method : {"magnitude", "random", "n:m"}
         ``"magnitude"`` keeps the largest ``|w|`` (NaN counts as the largest; ties go to the
-        earlier position in row-major order); ``"random"`` keeps positions chosen uniformly.
+        earlier position in row-major order); ``"random"`` keeps positions chosen uniformly;
+        ``"n:m"`` keeps the ``n`` largest ``|w|`` of every ``m`` consecutive entries of a row.
     seed : int or numpy.random.Generator, optional
         For ``"random"``; the same seed keeps the same positions on the CPU and the GPU.
+    block : (R, C), optional
+        Prune whole blocks (largest Frobenius norm kept) and return BSR; see
+        :func:`spchain.blocksparse.prune`.
+    n, m : int, optional
+        For ``"n:m"``.
 
     Returns
     -------
@@ -481,8 +494,12 @@ def prune(w, sparsity, *, method="magnitude", seed=None):
     array([[ 0., -3.],
            [ 2.,  0.]])
     """
+    if block is not None or method == "n:m":
+        return blocksparse.prune(w, sparsity, method=method, seed=seed, block=block, n=n, m=m)
     caller = "spchain.prune"
     backend = _backend.backend_of(w, caller=caller)
+    if sparsity is None:
+        raise ValueError(f"{caller}: method={method!r} needs a sparsity")
     indptr, indices, data = prune_parts(backend, w, sparsity, method, seed, caller)
     return _new_csr(backend, None, data, indices, indptr, w.shape, copy=False)
 

@@ -217,3 +217,26 @@ def largest_positions(w, keep):
     flat = np.abs(np.asarray(w, np.float64)).ravel()
     order = sorted(range(flat.size), key=lambda p: (0 if np.isnan(flat[p]) else 1, -flat[p], p))
     return np.sort(np.array(order[:keep], dtype=np.int64))
+
+
+def bsr_dense(data, indices, indptr, shape):
+    """A BSR structure as a dense float64 NumPy array, block by block (duplicates add up)."""
+    data, indices, indptr = (np.asarray(a.get() if hasattr(a, "get") else a) for a in (data, indices, indptr))
+    r, c = data.shape[1:]
+    out = np.zeros(shape)
+    for i in range(indptr.shape[0] - 1):
+        for p in range(indptr[i], indptr[i + 1]):
+            out[i * r:(i + 1) * r, indices[p] * c:(indices[p] + 1) * c] += data[p]
+    return out
+
+
+def n_m_mask(w, n, m):
+    """The N:M mask of ``w`` by a plain Python sort of each group: NaN first, then by ``|w|``, ties
+    to the earlier entry."""
+    w = np.abs(np.asarray(w, np.float64))
+    mask = np.zeros(w.shape, bool)
+    for i in range(w.shape[0]):
+        for g in range(0, w.shape[1], m):
+            order = sorted(range(g, g + m), key=lambda j: (0 if np.isnan(w[i, j]) else 1, -w[i, j], j))
+            mask[i, order[:n]] = True
+    return mask

@@ -6,9 +6,9 @@ import importlib
 import pytest
 
 MODULES = ["spchain", "spchain._backend", "spchain._checks", "spchain.blockdiag", "spchain.chain", "spchain.semiring",
-           "spchain.sparse"]
+           "spchain.sparse", "spchain.blocksparse"]
 TORCH_MODULES = ["spchain.torch._bridge", "spchain.torch.blockdiag", "spchain.torch.chain", "spchain.torch.semiring",
-                 "spchain.torch.sparse"]
+                 "spchain.torch.sparse", "spchain.torch.blocksparse", "spchain.torch.pruning"]
 
 
 @pytest.mark.parametrize("name", MODULES + TORCH_MODULES)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from numba import cuda, types
 
+from spchain.kernels.cuda import blocksparse as cuda_blocksparse
 from spchain.kernels.cuda import chain as cuda_chain
 from spchain.kernels.cuda import semiring as cuda_semiring
 from spchain.kernels.cuda import sparse as cuda_sparse
@@ -52,6 +53,10 @@ def kernels(dtype):
          (arr(f, 3), arr(f, 3), arr(i64, 1), arr(i64, 1), arr(f, 3), arr(i64, 3))),
         *((f"sddmm {index}", cuda_sparse.sddmm_kernel, (arr(index, 1), arr(index, 1), arr(f, 2), arr(f, 2), arr(f, 1)))
           for index in (types.int32, i64)),
+        *((f"block spmm {index}", cuda_blocksparse.spmm_kernel,
+           (arr(index, 1), arr(index, 1), arr(index, 1), arr(f, 3), arr(f, 2), arr(f, 1), arr(f, 2)))
+          for index in (types.int32, i64)),
+        ("block sddmm", cuda_blocksparse.sddmm_kernel, (arr(i64, 1), arr(i64, 1), arr(f, 2), arr(f, 2), arr(f, 3))),
     ]
 
 

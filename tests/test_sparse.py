@@ -250,8 +250,8 @@ def test_unsupported_value_dtypes_are_a_type_error_naming_the_dtype(dtype):
 def test_unsupported_operands_are_type_errors():
     with pytest.raises(TypeError, match="takes a sparse matrix"):
         sc.spmm(np.eye(3), np.ones(3))
-    with pytest.raises(TypeError, match="CSR, CSC or COO matrices, not BSR"):
-        sc.spmm(scipy.sparse.bsr_array(np.eye(4)), np.ones(4))
+    with pytest.raises(TypeError, match="CSR, CSC or COO matrices, not DIA"):
+        sc.spmm(scipy.sparse.dia_array(np.eye(4)), np.ones(4))
     with pytest.raises(TypeError, match="b must be a dense array"):
         sc.spmm(csr_with(), scipy.sparse.csr_array(np.ones((4, 2))))
     with pytest.raises(ValueError, match=r"b must be 1-D or 2-D, got shape \(4, 1, 1\)"):

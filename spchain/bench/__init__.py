@@ -20,6 +20,7 @@ from .report import plot, table
 
 WORKLOADS = {
     "sparse-linear": "sparse",
+    "block-sparse": "blocksparse",
     "block-diag": "blockdiag",
     "chain": "chain",
     "logmatmul": "logmatmul",

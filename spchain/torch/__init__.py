@@ -6,17 +6,23 @@ explicitly (``import spchain.torch``); ``import spchain`` never imports torch.
 """
 
 from .blockdiag import BlockDiagonalLinear, GroupedLinear, block_diag_matmul, grouped_matmul
+from .blocksparse import block_sparse_linear
 from .chain import chain_logsumexp, chain_marginals, viterbi
+from .pruning import CosineDropFraction, GradualPruning, erk_densities, sparsify
 from .semiring import log_chain_product, logmatmul, maxmatmul
 from .sparse import SparseLinear, prune, sddmm, sparse_linear, spmm
 
 __all__ = [
     "BlockDiagonalLinear",
+    "CosineDropFraction",
+    "GradualPruning",
     "GroupedLinear",
     "SparseLinear",
     "block_diag_matmul",
+    "block_sparse_linear",
     "chain_logsumexp",
     "chain_marginals",
+    "erk_densities",
     "grouped_matmul",
     "log_chain_product",
     "logmatmul",
@@ -24,6 +30,7 @@ __all__ = [
     "prune",
     "sddmm",
     "sparse_linear",
+    "sparsify",
     "spmm",
     "viterbi",
 ]

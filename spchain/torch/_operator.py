@@ -128,8 +128,8 @@ class Operator:
     def _backward_op(self, *args):
         *args, results, grads, needs = args
         grads = self._gradients(args, results, grads, needs)
-        empty = args[self.differentiable[0]].new_empty(0)
-        return list(_own([empty if g is None else g for g in grads], args + list(results)))
+        like = args[self.differentiable[0]]  # one empty tensor per missing gradient: returns may not alias
+        return list(_own([like.new_empty(0) if g is None else g for g in grads], args + list(results)))
 
     def _backward_fake(self, *args):
         *args, results, grads, needs = args

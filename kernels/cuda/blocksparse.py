@@ -1,0 +1,69 @@
+"""``@cuda.jit`` block-sparse (BSR) products and their launchers.
+
+cupyx has no BSR class and no block SDDMM, so both products are here. Like their CPU twins in
+``kernels.cpu.blocksparse`` (same arguments), they trust a structure validated on the block grid.
+One thread computes one output value; consecutive threads take consecutive columns of the
+output (``spmm``) or of a block (``sddmm``), so a warp reads the dense operand coalesced and
+shares each block value it reads.
+"""
+
+from numba import cuda
+
+from . import config
+
+
+@cuda.jit
+def spmm_kernel(indptr, indices, slots, data, b, bias, out):
+    """``out[row, col] = bias[row] + sum(data[slots[p]][r, c] * b[indices[p] * C + c, col])`` over
+    the blocks ``p`` of ``row``'s block row (``r = row % R``).
+
+    Grid-stride over the M * n outputs, accumulated in float64. Overwrites ``out`` (M, n).
+    """
+    rows, cols = data.shape[1], data.shape[2]
+    n = out.shape[1]
+    for q in range(cuda.grid(1), out.shape[0] * n, cuda.gridsize(1)):
+        row, col = q // n, q % n
+        i, r = row // rows, row % rows
+        acc = 0.0
+        for p in range(indptr[i], indptr[i + 1]):
+            s, j = slots[p], indices[p] * cols
+            for c in range(cols):
+                acc += data[s, r, c] * b[j + c, col]
+        out[row, col] = bias[row] + acc
+
+
+def launch_spmm(indptr, indices, slots, data, b, bias, out, stream=0):
+    """Launch :func:`spmm_kernel` on ``stream`` over ``out``'s values (at least one)."""
+    spmm_kernel[config.blocks_for(out.size), config.THREADS_PER_BLOCK, stream](indptr, indices, slots, data, b,
+                                                                               bias, out)
+
+
+@cuda.jit
+def sddmm_kernel(indptr, indices, a, b, out):
+    """``out[p, r, c] = a[i * R + r, :] . b[indices[p] * C + c, :]`` for block ``p`` of block row ``i``.
+
+    Grid-stride over the nnzb * R * C outputs; each finds its block row by binary search in
+    ``indptr`` (empty block rows included) and accumulates in float64. Overwrites ``out``.
+    """
+    rows, cols = out.shape[1], out.shape[2]
+    n_rows = indptr.shape[0] - 1
+    for q in range(cuda.grid(1), out.shape[0] * rows * cols, cuda.gridsize(1)):
+        p, rest = q // (rows * cols), q % (rows * cols)
+        r, c = rest // cols, rest % cols
+        lo, hi = 0, n_rows  # invariant: indptr[lo] <= p < indptr[hi]
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if indptr[mid] <= p:
+                lo = mid
+            else:
+                hi = mid
+        row, col = lo * rows + r, indices[p] * cols + c
+        acc = 0.0
+        for t in range(a.shape[1]):
+            acc += a[row, t] * b[col, t]
+        out[p, r, c] = acc
+
+
+def launch_sddmm(indptr, indices, a, b, out, stream=0):
+    """Launch :func:`sddmm_kernel` on ``stream`` over ``out``'s values (at least one)."""
+    sddmm_kernel[config.blocks_for(out.size), config.THREADS_PER_BLOCK, stream](indptr, indices, a, b, out)

@@ -1,0 +1,89 @@
+"""The block-sparse workload: a 4096 x 4096 layer with block or N:M sparsity on x (256, 4096), float32.
+
+``block_sparse_linear`` with 16 x 16 and 32 x 32 blocks at 90 % (and 32 x 32 at 75 %) beside the
+dense ``nn.Linear`` and the unstructured (CSR) ``SparseLinear``, all three holding the same
+weights; and a 2:4 (N:M, 50 %) weight through the unstructured ``SparseLinear`` beside the dense
+layer. Forward (under ``torch.no_grad``) and forward + backward (``x`` requires grad; the result
+is the output and the input gradient). torch is imported when a case is built.
+"""
+
+from .core import Case
+
+CASES = [f"{name} {kind}" for name in ("90% block 16", "90% block 32", "75% block 32", "2:4")
+         for kind in ("forward", "forward+backward")]
+METHODS = ["spchain", "nn.Linear (dense)", "SparseLinear (unstructured)"]
+
+FULL = {"batch": 256, "features": 4096}
+QUICK = {"batch": 64, "features": 512}
+
+
+def make_case(name: str, quick: bool, device: str = "cpu") -> Case:
+    import torch
+
+    import spchain as sc
+    import spchain.torch as st
+
+    *pattern, kind = name.split(" ")
+    backward = kind == "forward+backward"
+    size = QUICK if quick else FULL
+    batch, features = size["batch"], size["features"]
+    torch.manual_seed(0)
+    dense = torch.nn.Linear(features, features)
+    weight = dense.weight.detach().numpy()
+    if pattern == ["2:4"]:
+        mask = sc.prune(weight, method="n:m", n=2, m=4).toarray() != 0
+        with torch.no_grad():
+            dense.weight.mul_(torch.from_numpy(mask))
+        layer = st.SparseLinear.from_dense(dense, 0.5).to(device)
+        methods = {"spchain": layer}
+    else:
+        sparsity, block = int(pattern[0].rstrip("%")) / 100, int(pattern[2])
+        bsr = sc.prune(weight, sparsity, method="random", seed=0, block=(block, block))
+        with torch.no_grad():
+            dense.weight.copy_(torch.from_numpy(bsr.toarray()))
+        values = torch.nn.Parameter(torch.from_numpy(bsr.data).to(device))
+        bias = torch.nn.Parameter(dense.bias.detach().clone().to(device))
+        indptr, indices = torch.from_numpy(bsr.indptr).to(device), torch.from_numpy(bsr.indices).to(device)
+
+        def block_layer(x):
+            return st.block_sparse_linear(x, values, indptr, indices, (features, features), bias)
+
+        block_layer.parameters = lambda: [values, bias]
+        methods = {"spchain": block_layer,
+                   # exactly the block weights' entries (block counts round differently from entry counts)
+                   "SparseLinear (unstructured)": st.SparseLinear.from_dense(dense, 1 - bsr.nnz / weight.size).to(device)}
+    dense = dense.to(device)
+    methods["nn.Linear (dense)"] = dense
+    x = torch.randn(batch, features).to(device).requires_grad_(backward)
+    grad_y = torch.randn(batch, features).to(device)
+
+    def synchronize():
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    def run(layer):
+        leaves = list(layer.parameters())
+
+        def forward():
+            with torch.no_grad():
+                y = layer(x)
+            synchronize()
+            return y
+
+        def forward_backward():
+            for t in (x, *leaves):
+                t.grad = None  # as optimizer.zero_grad() does
+            y = layer(x)
+            y.backward(grad_y)
+            synchronize()
+            return y.detach(), x.grad
+
+        return forward_backward if backward else forward
+
+    def reference():
+        w64, b64 = dense.weight.detach().double(), dense.bias.detach().double()
+        y = x.detach().double() @ w64.T + b64
+        return (y, grad_y.double() @ w64) if backward else y
+
+    ordered = {m: run(methods[m]) for m in METHODS if m in methods}
+    return Case("block-sparse", name, ordered, reference, device)

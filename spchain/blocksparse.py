@@ -1,0 +1,330 @@
+"""Block-sparse (BSR) and N:M sparse products and pruning, for sparse layers at 50-95 % sparsity.
+
+:func:`spchain.spmm`, :func:`spchain.sddmm` and :func:`spchain.prune` hand their BSR inputs and
+their ``block=`` and ``method="n:m"`` options to this module. A BSR operand is a SciPy
+``bsr_matrix`` / ``bsr_array`` or, on any backend (cupyx has no BSR class), the three BSR arrays
+and the shape in SciPy's constructor form, ``((data, indices, indptr), shape)``: ``data``
+(nnzb, R, C), ``indices`` (nnzb) the block column of each block, ``indptr`` (M / R + 1).
+Every structure goes through one validation step (:func:`to_bsr`) into a :class:`Bsr` of raw
+arrays, which the kernels (``spchain.kernels.cpu.blocksparse``, ``spchain.kernels.cuda.blocksparse``)
+consume. The caller's arrays are never written to.
+
+>>> import numpy as np, scipy.sparse, spchain as sc
+>>> a = scipy.sparse.bsr_array(np.kron(np.eye(2), np.ones((2, 2))), blocksize=(2, 2))
+>>> sc.spmm(a, np.arange(4.0))
+array([1., 1., 5., 5.])
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+import scipy.sparse
+
+from . import _backend, _checks
+from . import sparse as _sparse
+
+
+@dataclass(frozen=True)
+class Bsr:
+    """A validated BSR structure: raw arrays of one backend.
+
+    ``indptr`` (M / R + 1) and ``indices`` (nnzb) share one integer dtype; ``data`` is
+    (nnzb, R, C) or ``None`` for a pattern. Blocks may be unsorted within a block row, repeat
+    (duplicates add up) or hold zeros.
+    """
+
+    indptr: object
+    indices: object
+    data: object
+    shape: tuple[int, int]
+    blocksize: tuple[int, int]
+
+    @property
+    def nnzb(self) -> int:
+        return int(self.indices.shape[0])
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        """The shape of the block grid, (M / R, N / C)."""
+        return self.shape[0] // self.blocksize[0], self.shape[1] // self.blocksize[1]
+
+
+# --- validation ----------------------------------------------------------------------------
+
+
+def is_bsr(a) -> bool:
+    """Whether ``a`` is a BSR operand: a SciPy BSR object or a ``((data, indices, indptr), shape)`` tuple."""
+    return getattr(a, "format", None) == "bsr" or (isinstance(a, tuple) and len(a) == 2 and isinstance(a[0], tuple))
+
+
+def bsr_parts(a, caller: str):
+    """``(data, indices, indptr, shape)`` of a BSR operand (see :func:`is_bsr`)."""
+    if isinstance(a, tuple):
+        if len(a[0]) != 3:
+            raise ValueError(f"{caller}: a BSR tuple is ((data, indices, indptr), shape), got {len(a[0])} arrays")
+        return (*a[0], a[1])
+    return a.data, a.indices, a.indptr, a.shape
+
+
+def to_bsr(backend, shape, data, indptr, indices, caller: str, *, blocksize=None) -> Bsr:
+    """Validate a BSR structure and return it as a :class:`Bsr`.
+
+    The block size is ``data.shape[1:]`` (or ``blocksize`` for a pattern without data). The
+    shape must be a whole number of blocks; ``indptr`` and ``indices`` are checked on the
+    block grid by the CSR checks of :func:`spchain.sparse.to_csr` (``ValueError`` for a bad
+    structure, ``TypeError`` for non-integer indices), before any kernel runs.
+    """
+    m, n = _sparse.check_shape(caller, shape)
+    if data is not None:
+        if data.ndim != 3:
+            raise ValueError(f"{caller}: BSR data must be 3-D (nnzb, R, C), got shape {data.shape}")
+        blocksize = data.shape[1:]
+    r, c = (int(s) for s in blocksize)
+    if r < 1 or c < 1 or m % r or n % c:
+        raise ValueError(f"{caller}: shape {(m, n)} is not a whole number of {(r, c)} blocks")
+    grid = _sparse.to_csr(backend, "csr", (m // r, n // c), None, indptr, indices, caller)
+    if data is not None and data.shape[0] != grid.nnz:
+        raise ValueError(f"{caller}: data has {data.shape[0]} blocks but the indices have {grid.nnz}")
+    return Bsr(grid.indptr, grid.indices, data, (m, n), (r, c))
+
+
+def _operand(backend, a, caller: str, name: str, ndims):
+    if backend.sparse.issparse(a) or isinstance(a, tuple):
+        raise TypeError(f"{caller}: {name} must be a dense array, not {type(a).__name__}")
+    if a.ndim not in ndims:
+        raise ValueError(f"{caller}: {name} must be {' or '.join(f'{d}-D' for d in ndims)}, got shape {a.shape}")
+    return a
+
+
+def _like(a, backend, data, indices, indptr, shape):
+    """A BSR result of ``a``'s kind: a SciPy object of its class, else a tuple."""
+    if isinstance(a, tuple) or backend.on_gpu:
+        return (data, indices, indptr), tuple(shape)
+    cls = scipy.sparse.bsr_matrix if isinstance(a, scipy.sparse.spmatrix) else scipy.sparse.bsr_array
+    return cls((data, indices, indptr), shape=shape, copy=False)
+
+
+# --- products ------------------------------------------------------------------------------
+
+
+def matmul(backend, bsr: Bsr, b, dtype, bias=None, *, transpose=None):
+    """``bsr @ b`` (plus ``bias[:, None]``) for a dense (N, n) ``b``: a C-contiguous (M, n) array.
+
+    With ``transpose=(t_grid, order)`` (from :func:`transposed`) it is ``bsr.T @ b`` instead,
+    read from the same blocks.
+    """
+    xp = backend.xp
+    data = bsr.data.astype(dtype, copy=False)
+    if transpose is None:
+        indptr, indices, slots, m = bsr.indptr, bsr.indices, xp.arange(bsr.nnzb, dtype=bsr.indices.dtype), bsr.shape[0]
+    else:
+        (indptr, indices), slots = transpose
+        m = bsr.shape[1]
+        data = data.transpose(0, 2, 1)  # a view the CPU kernel reads as it is; CUDA takes a copy
+        if backend.on_gpu:
+            data = xp.ascontiguousarray(data)
+    out = xp.empty((m, b.shape[1]), dtype)
+    if out.size:
+        bias = xp.zeros(m, dtype) if bias is None else bias.astype(dtype, copy=False)
+        with backend.use():
+            backend.kernel("blocksparse", "spmm")(indptr, indices, slots, data,
+                                                 _sparse.contiguous(backend, b.astype(dtype, copy=False)), bias, out)
+    return out
+
+
+def transposed(backend, bsr: Bsr):
+    """``((indptr, indices), order)``: the block structure of ``bsr.T`` and, for each of its
+    blocks, the slot of ``bsr`` it transposes."""
+    t_grid, order = _sparse.transposed(backend, _sparse.Csr(bsr.indptr, bsr.indices, None, bsr.grid))
+    return (t_grid.indptr, t_grid.indices), order
+
+
+def sampled(backend, bsr: Bsr, a, b, dtype):
+    """``out[p] = a[rows of block p] @ b[cols of block p].T`` for every stored block: (nnzb, R, C)."""
+    xp = backend.xp
+    out = xp.zeros((bsr.nnzb, *bsr.blocksize), dtype)
+    if out.size and a.shape[1]:
+        a = _sparse.contiguous(backend, a.astype(dtype, copy=False))
+        b = _sparse.contiguous(backend, b.astype(dtype, copy=False))
+        with backend.use():
+            backend.kernel("blocksparse", "sddmm")(bsr.indptr, bsr.indices, a, b, out)
+    return out
+
+
+def spmm(a, b):
+    """``a @ b`` for a BSR ``a``: the BSR case of :func:`spchain.spmm`.
+
+    ``a`` is a SciPy ``bsr_matrix`` / ``bsr_array`` or ``((data, indices, indptr), shape)``
+    (NumPy or CuPy arrays; ``data`` (nnzb, R, C)); ``b`` is dense (N,) or (N, n), any layout.
+    Returns a dense (M,) or (M, n) array on ``b``'s backend: float32 if both are float32,
+    else float64. Duplicate blocks add up; NaN and inf propagate through stored blocks.
+
+    Examples
+    --------
+    >>> import numpy as np, spchain as sc
+    >>> data = np.ones((1, 2, 2))
+    >>> sc.spmm(((data, np.array([1]), np.array([0, 1, 1])), (4, 4)), np.arange(4.0))
+    array([5., 5., 0., 0.])
+    """
+    caller = "spchain.spmm"
+    data, indices, indptr, shape = bsr_parts(a, caller)
+    backend = _backend.backend_of(data, indices, indptr, b, caller=caller)
+    b = _operand(backend, b, caller, "b", (1, 2))
+    if shape[1] != b.shape[0]:
+        raise ValueError(f"{caller}: shapes {tuple(shape)} and {b.shape} do not match ({shape[1]} != {b.shape[0]})")
+    dtype = _checks.float_dtype(caller, a=data, b=b)
+    bsr = to_bsr(backend, shape, data, indptr, indices, caller)
+    out = matmul(backend, bsr, b[:, None] if b.ndim == 1 else b, dtype)
+    return out[:, 0] if b.ndim == 1 else out
+
+
+def sddmm(pattern, a, b):
+    """Block-sampled dense-dense product: the BSR case of :func:`spchain.sddmm`.
+
+    Returns a BSR of ``pattern``'s kind with exactly its blocks (in its order, duplicates kept),
+    block ``p`` holding ``a[rows of p] @ b[cols of p].T``; ``a`` is (M, k), ``b`` is (N, k).
+
+    Examples
+    --------
+    >>> import numpy as np, scipy.sparse, spchain as sc
+    >>> pattern = scipy.sparse.bsr_array(np.eye(4), blocksize=(2, 2))
+    >>> sc.sddmm(pattern, np.ones((4, 3)), np.ones((4, 3))).toarray()[:, 0]
+    array([3., 3., 0., 0.])
+    """
+    caller = "spchain.sddmm"
+    data, indices, indptr, shape = bsr_parts(pattern, caller)
+    backend = _backend.backend_of(data, indices, indptr, a, b, caller=caller)
+    a = _operand(backend, a, caller, "a", (2,))
+    b = _operand(backend, b, caller, "b", (2,))
+    if a.shape[0] != shape[0] or b.shape[0] != shape[1] or a.shape[1] != b.shape[1]:
+        raise ValueError(f"{caller}: pattern {tuple(shape)}, a {a.shape} and b {b.shape} do not match "
+                         "(an (m, n) pattern needs a of shape (m, k) and b of shape (n, k))")
+    dtype = _checks.float_dtype(caller, a=a, b=b)
+    bsr = to_bsr(backend, shape, data, indptr, indices, caller)
+    out = sampled(backend, bsr, a, b, dtype)
+    return _like(pattern, backend, out, bsr.indices.copy(), bsr.indptr.copy(), shape)
+
+
+# --- pruning -------------------------------------------------------------------------------
+
+
+def prune(w, sparsity=None, *, method="magnitude", seed=None, block=None, n=None, m=None):
+    """Block and N:M pruning: the ``block=`` and ``method="n:m"`` cases of :func:`spchain.prune`.
+
+    With ``block=(R, C)`` (``method`` "magnitude" or "random"), keeps
+    ``nblocks - round(sparsity * nblocks)`` of the (M / R) x (N / C) blocks: those of largest
+    Frobenius norm (NaN counts as the largest, ties go to the earlier block in row-major order),
+    or uniformly chosen ones (``seed``); returns a SciPy ``bsr_array`` (a BSR tuple on the GPU),
+    sorted, with ``w``'s dtype. ``w``'s shape must be a whole number of blocks.
+
+    With ``method="n:m"``, keeps in every group of ``m`` consecutive entries along each row the
+    ``n`` of largest ``|w|`` (NaN the largest, ties to the earlier entry); returns CSR (as
+    :func:`spchain.prune`) with exactly ``n`` entries per group. The row length must be a
+    multiple of ``m``. ``sparsity`` is implied, ``1 - n / m``: pass ``None`` or that value.
+
+    Examples
+    --------
+    >>> import numpy as np, spchain as sc
+    >>> sc.prune(np.array([[1.0, -4.0, 3.0, 2.0]]), method="n:m", n=2, m=4).toarray()
+    array([[ 0., -4.,  3.,  0.]])
+    >>> w = np.array([[1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 0.0, 5.0]])
+    >>> sc.prune(w, 0.5, block=(2, 2)).toarray()
+    array([[0., 0., 0., 0.],
+           [0., 0., 0., 5.]])
+    """
+    caller = "spchain.prune"
+    backend = _backend.backend_of(w, caller=caller)
+    w = _operand(backend, w, caller, "w", (2,))
+    _checks.float_dtype(caller, w=w)
+    if method == "n:m":
+        if block is not None:
+            raise ValueError(f"{caller}: method='n:m' takes no block")
+        indptr, indices, data = n_m_parts(backend, w, sparsity, n, m, caller)
+        return _sparse._new_csr(backend, None, data, indices, indptr, w.shape, copy=False)
+    data, indices, indptr = block_parts(backend, w, sparsity, method, seed, block, caller)
+    return _like(None, backend, data, indices, indptr, w.shape)
+
+
+def _check_count(caller: str, name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{caller}: {name} must be an int, not {type(value).__name__}")
+    return int(value)
+
+
+def n_m_parts(backend, w, sparsity, n, m, caller: str):
+    """:func:`prune` with ``method="n:m"`` as raw CSR arrays ``(indptr, indices, data)``."""
+    xp = backend.xp
+    n, m = _check_count(caller, "n", n), _check_count(caller, "m", m)
+    if m < 1 or not 0 <= n <= m:
+        raise ValueError(f"{caller}: n:m needs 0 <= n <= m and m >= 1, got {n}:{m}")
+    if sparsity is not None and abs(_sparse.check_fraction(caller, "sparsity", sparsity) - (1 - n / m)) > 1e-12:
+        raise ValueError(f"{caller}: {n}:{m} pruning has sparsity {1 - n / m}, not {sparsity}; pass sparsity=None")
+    rows, cols = w.shape
+    if cols % m:
+        raise ValueError(f"{caller}: rows of length {cols} do not split into groups of m = {m}")
+    groups = xp.abs(w).reshape(rows, cols // m, m)
+    key = xp.where(xp.isnan(groups), xp.inf, groups)
+    kept = xp.sort(xp.argsort(-key, axis=2, kind="stable")[:, :, :n], axis=2)
+    dtype = np.int32 if max(rows, cols) * max(n, 1) <= _sparse._INT32_MAX else np.int64
+    per_row = cols // m * n
+    indices = (kept + (xp.arange(cols // m) * m)[None, :, None]).reshape(rows, per_row).astype(dtype)
+    indptr = (xp.arange(rows + 1) * per_row).astype(dtype)
+    return indptr, indices.ravel(), xp.take_along_axis(w, indices, axis=1).ravel()
+
+
+def block_parts(backend, w, sparsity, method, seed, block, caller: str):
+    """:func:`prune` with ``block=(R, C)`` as raw BSR arrays ``(data, indices, indptr)``."""
+    xp = backend.xp
+    try:
+        r, c = (_check_count(caller, "block", s) for s in block)
+    except (TypeError, ValueError):
+        raise TypeError(f"{caller}: block must be a pair of ints (R, C), got {block!r}") from None
+    (mw, nw), shape = w.shape, (w.shape[0] // max(r, 1), w.shape[1] // max(c, 1))
+    if r < 1 or c < 1 or mw % r or nw % c:
+        raise ValueError(f"{caller}: shape {w.shape} is not a whole number of {(r, c)} blocks")
+    if sparsity is None:
+        raise ValueError(f"{caller}: method={method!r} needs a sparsity")
+    total = shape[0] * shape[1]
+    keep = total - round(_sparse.check_fraction(caller, "sparsity", sparsity) * total)
+    tiles = w.reshape(shape[0], r, shape[1], c).transpose(0, 2, 1, 3)
+    if method == "magnitude":
+        norms = xp.square(tiles, dtype=np.float64).sum(axis=(2, 3))
+        positions = _sparse.largest(backend, norms.ravel(), keep)
+    elif method == "random":
+        positions = _sparse.random_positions(backend, total, keep, seed=seed)
+    else:
+        raise ValueError(f"{caller}: method must be 'magnitude', 'random' or 'n:m', not {method!r}")
+    indptr, indices = _sparse.positions_to_csr(backend, positions, shape)
+    return tiles.reshape(total, r, c)[positions], indices, indptr
+
+
+# --- block-sparse linear layers (the array level of spchain.torch.block_sparse_linear) ------
+
+
+def linear(backend, bsr: Bsr, values, x, bias, dtype):
+    """``y.T`` for ``y = x @ W.T + bias``, the BSR weight ``W`` being ``bsr``'s structure with ``values``.
+
+    ``x`` is (batch, in) in any layout. Returns ``(yt, xt)``: ``yt`` (out, batch), the kernel's
+    feature-major output, and ``xt`` = ``x.T``, both C-contiguous; :func:`linear_backward`
+    reads ``xt``.
+    """
+    xt = _sparse.contiguous(backend, x.T.astype(dtype, copy=False))
+    weight = Bsr(bsr.indptr, bsr.indices, values, bsr.shape, bsr.blocksize)
+    return matmul(backend, weight, xt, dtype, bias), xt
+
+
+def linear_backward(backend, bsr: Bsr, transpose, values, grad_yt, xt, dtype, need_x: bool, need_values: bool):
+    """Gradients of :func:`linear` for ``x`` (batch, in) and ``values`` (nnzb, R, C), when needed,
+    from the gradient ``grad_yt`` (out, batch) of its output.
+
+    ``transpose`` is :func:`transposed` of ``bsr`` (the input gradient multiplies by ``W.T``,
+    reading the same blocks); the value gradient is the block SDDMM of ``grad_yt`` and ``xt``.
+    """
+    grad_yt = _sparse.contiguous(backend, grad_yt.astype(dtype, copy=False))
+    grad_x = grad_values = None
+    if need_x:
+        weight = Bsr(bsr.indptr, bsr.indices, values, bsr.shape, bsr.blocksize)
+        grad_x = matmul(backend, weight, grad_yt, dtype, transpose=transpose).T
+    if need_values:
+        grad_values = sampled(backend, bsr, grad_yt, xt, dtype)
+    return grad_x, grad_values

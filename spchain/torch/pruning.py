@@ -1,0 +1,265 @@
+"""Whole-model sparse training: ``sparsify``, ``GradualPruning`` and ``CosineDropFraction``.
+
+``sparsify`` turns a model's ``nn.Linear`` layers into :class:`~spchain.torch.SparseLinear` in
+place (uniform or ERK per-layer densities); ``GradualPruning`` lowers their density during
+training on Zhu & Gupta's cubic schedule; ``CosineDropFraction`` is the cosine-decayed drop
+fraction of RigL and SET, for ``SparseLinear.prune_and_regrow``.
+
+>>> import torch, spchain.torch as st
+>>> model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+>>> st.sparsify(model, 0.75)
+['0', '2']
+>>> model[0].nnz, model[2].nnz
+(128, 32)
+"""
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+
+import torch
+
+from .. import _backend
+from .. import sparse as _sparse
+from ._bridge import to_array, to_tensor
+from .sparse import SparseLinear
+
+__all__ = ["sparsify", "erk_densities", "GradualPruning", "CosineDropFraction"]
+
+
+def erk_densities(shapes, density: float) -> list[float]:
+    """Per-layer densities of the Erdős-Rényi-Kernel distribution (RigL, Evci et al. 2020).
+
+    Layer ``l`` of shape ``(n_out, n_in)`` gets density ``eps * (n_in + n_out) / (n_in * n_out)``
+    with ``eps`` chosen so that the layers hold ``density`` of all their weights together; a
+    layer whose density would pass 1 is kept dense and the excess goes to the others.
+
+    Examples
+    --------
+    >>> [round(d, 3) for d in erk_densities([(100, 100), (10, 100)], 0.5)]
+    [0.45, 1.0]
+    """
+    sizes = [n_out * n_in for n_out, n_in in shapes]
+    raw = [(n_out + n_in) / size if size else 0.0 for (n_out, n_in), size in zip(shapes, sizes)]
+    dense = {k for k, size in enumerate(sizes) if size == 0}
+    eps = 0.0
+    while len(dense) < len(sizes):
+        sparse = [k for k in range(len(sizes)) if k not in dense]
+        budget = density * sum(sizes) - sum(sizes[k] for k in dense)
+        eps = max(budget, 0.0) / sum(raw[k] * sizes[k] for k in sparse)
+        over = {k for k in sparse if eps * raw[k] > 1.0}
+        if not over:
+            break
+        dense |= over
+    return [1.0 if k in dense else eps * raw[k] for k in range(len(sizes))]
+
+
+def _skipped(skip, linears) -> Callable[[str, torch.nn.Module], bool]:
+    """``skip`` (None, a name, names, or a predicate) as a predicate; ``ValueError`` for a name
+    that is no linear layer (a typo would otherwise leave the layer silently pruned)."""
+    if skip is None:
+        return lambda name, module: False
+    if callable(skip):
+        return skip
+    names = {skip} if isinstance(skip, str) else skip
+    if not isinstance(names, Iterable):
+        raise TypeError(f"sparsify: skip must be layer names or a predicate (name, module) -> bool, not {skip!r}")
+    names = set(names)
+    unknown = sorted(names - set(linears))
+    if unknown:
+        raise ValueError(f"sparsify: skip names {unknown}, which are not nn.Linear layers of the model")
+    return lambda name, module: name in names
+
+
+def sparsify(model: torch.nn.Module, sparsity, *, method="magnitude", distribution="uniform", skip=None) -> list[str]:
+    """Replace ``model``'s ``nn.Linear`` layers, in place, by :class:`SparseLinear` layers.
+
+    Only modules of type ``nn.Linear`` itself are replaced: subclasses (such as the output
+    projection of ``nn.MultiheadAttention``, whose owner reads ``.weight`` directly) stay.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+    sparsity : float in [0, 1]
+        The fraction of the replaced layers' weights to drop, over all of them together.
+    method : {"magnitude", "random"}
+        Which weights each layer keeps (:meth:`SparseLinear.from_dense`); the kept weights and
+        the biases keep their values, device and dtype.
+    distribution : {"uniform", "erk"}
+        Every layer at ``sparsity``, or per-layer densities by :func:`erk_densities` (small
+        layers denser, large ones sparser).
+    skip : str, iterable of str, or callable (name, module) -> bool, optional
+        Layers to leave dense (e.g. the classifier), by their names in ``named_modules()``.
+
+    Returns
+    -------
+    list of str
+        The names of the replaced layers, in ``named_modules()`` order.
+
+    Raises
+    ------
+    ValueError
+        ``model`` itself an ``nn.Linear``, a name in ``skip`` that is no linear layer of
+        ``model``, an unknown ``distribution``, ``sparsity`` outside [0, 1].
+
+    Examples
+    --------
+    >>> import torch, spchain.torch as st
+    >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 10))
+    >>> st.sparsify(model, 0.9, distribution="erk", skip=["1"])
+    ['0']
+    >>> type(model[1]).__name__
+    'Linear'
+    """
+    caller = "sparsify"
+    sparsity = _sparse.check_fraction(caller, "sparsity", sparsity)
+    if distribution not in ("uniform", "erk"):
+        raise ValueError(f"{caller}: distribution must be 'uniform' or 'erk', not {distribution!r}")
+    if type(model) is torch.nn.Linear:
+        raise ValueError(f"{caller} replaces layers inside a model; for one layer use SparseLinear.from_dense")
+    linears = {name: m for name, m in model.named_modules() if type(m) is torch.nn.Linear}
+    skipped = _skipped(skip, linears)
+    chosen = [(name, m) for name, m in linears.items() if not skipped(name, m)]
+    if distribution == "erk":
+        densities = erk_densities([(m.out_features, m.in_features) for _, m in chosen], 1.0 - sparsity)
+    else:
+        densities = [1.0 - sparsity] * len(chosen)
+    for (name, linear), density in zip(chosen, densities):
+        layer = SparseLinear.from_dense(linear, min(1.0, max(0.0, 1.0 - density)), method=method)
+        layer.train(linear.training)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, layer)
+    return [name for name, _ in chosen]
+
+
+def _weights(layer: SparseLinear) -> torch.nn.Parameter:
+    """The stored-weights parameter of a ``SparseLinear`` (1-D, nnz long)."""
+    return layer.values
+
+
+def prune_to(layer: SparseLinear, nnz: int, optimizer=None) -> None:
+    """Keep the ``nnz`` stored weights of largest ``|w|`` in ``layer`` (ties to the earlier slot).
+
+    The weight parameter stays the same object (its data shrinks), so optimizers keep holding
+    it; its gradient and every optimizer state tensor shaped like it (Adam's moments) keep the
+    entries of the kept weights, in their new slots, exactly as in
+    :meth:`SparseLinear.prune_and_regrow`; scalar state (``step``) stays.
+    """
+    weights = _weights(layer)
+    if nnz >= weights.shape[0]:
+        return
+    with torch.no_grad():
+        scores = to_array(weights.abs())
+        kept = to_tensor(_sparse.largest(_backend.backend_of(scores), scores, nnz)).to(weights.device)
+        rows = torch.repeat_interleave(torch.arange(layer.out_features, device=weights.device), layer.indptr.diff())
+        counts = torch.bincount(rows[kept], minlength=layer.out_features)
+        moving = [weights.grad] if weights.grad is not None else []
+        state = {} if optimizer is None else optimizer.state.get(weights, {})
+        moving_state = {k: v for k, v in state.items() if torch.is_tensor(v) and v.shape == weights.shape}
+        weights.data = weights.data[kept]
+        if moving:
+            weights.grad = moving[0][kept]
+        for key, value in moving_state.items():
+            state[key] = value[kept]
+        layer.indices = layer.indices[kept]
+        layer.indptr[1:] = torch.cumsum(counts, 0).to(layer.indptr.dtype)
+
+
+class GradualPruning:
+    """Gradual magnitude pruning on Zhu & Gupta's cubic schedule (arXiv:1710.01878).
+
+    Each :class:`SparseLinear` layer of ``model`` goes from its initial sparsity ``s_i`` to its
+    final sparsity ``s_f`` at the training steps ``t = start, start + every, ...,
+    start + steps * every``: ``s_t = s_f + (s_i - s_f) * (1 - (t - start) / (steps * every))**3``.
+    Call :meth:`step` once per training step (after ``optimizer.step()``); the first call is
+    step 0, and at a scheduled step each layer keeps the ``total - round(s_t * total)``
+    weights of largest magnitude (never more than it holds).
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+    final_sparsity : float in [0, 1], or mapping of layer name to float
+    start : int >= 0
+    steps : int >= 1
+        The number of pruning steps after ``start`` (``n``).
+    every : int >= 1
+        Training steps between pruning steps (``Δt``).
+    initial_sparsity : float in [0, 1], optional
+        ``s_i`` of every layer; by default each layer's sparsity when the schedule is made.
+    optimizer : torch.optim.Optimizer, optional
+        Its per-weight state follows the kept weights (see :func:`prune_to`).
+
+    Examples
+    --------
+    >>> import torch, spchain.torch as st
+    >>> model = torch.nn.Sequential(torch.nn.Linear(10, 10))
+    >>> _ = st.sparsify(model, 0.0)
+    >>> schedule = st.GradualPruning(model, 0.9, start=0, steps=3)
+    >>> for _ in range(4):
+    ...     schedule.step()
+    ...     print(model[0].nnz)
+    100
+    37
+    13
+    10
+    """
+
+    def __init__(self, model, final_sparsity, *, start=0, steps, every=1, initial_sparsity=None, optimizer=None):
+        caller = "GradualPruning"
+        self.layers = {name: m for name, m in model.named_modules() if isinstance(m, SparseLinear)}
+        if not self.layers:
+            raise ValueError(f"{caller}: the model has no SparseLinear layers (convert it with sparsify first)")
+        for name, value in (("start", start), ("steps", steps), ("every", every)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "start" else 1):
+                raise ValueError(f"{caller}: {name} must be an int >= {0 if name == 'start' else 1}, got {value!r}")
+        self.start, self.steps, self.every, self.optimizer = start, steps, every, optimizer
+        if not isinstance(final_sparsity, Mapping):
+            final_sparsity = dict.fromkeys(self.layers, final_sparsity)
+        if set(final_sparsity) != set(self.layers):
+            raise ValueError(f"{caller}: final_sparsity names {sorted(final_sparsity)}, "
+                             f"but the SparseLinear layers are {sorted(self.layers)}")
+        self.final = {k: _sparse.check_fraction(caller, "final_sparsity", v) for k, v in final_sparsity.items()}
+        self.initial = {k: (m.sparsity if initial_sparsity is None
+                            else _sparse.check_fraction(caller, "initial_sparsity", initial_sparsity))
+                        for k, m in self.layers.items()}
+        self.t = 0
+
+    def sparsity(self, name: str, t: int) -> float:
+        """The scheduled sparsity of layer ``name`` at step ``t`` (constant between pruning steps)."""
+        if t < self.start:
+            return self.initial[name]
+        done = min((t - self.start) // self.every, self.steps)
+        s_i, s_f = self.initial[name], self.final[name]
+        return s_f + (s_i - s_f) * (1.0 - done / self.steps) ** 3
+
+    def step(self) -> None:
+        """Run the current training step, then advance: at a pruning step, prune every layer to
+        its scheduled sparsity."""
+        t, self.t = self.t, self.t + 1
+        if t < self.start or (t - self.start) % self.every or (t - self.start) // self.every > self.steps:
+            return
+        for name, layer in self.layers.items():
+            total = layer.in_features * layer.out_features
+            prune_to(layer, total - round(self.sparsity(name, t) * total), self.optimizer)
+
+
+class CosineDropFraction:
+    """The drop fraction of RigL / SET at a step: ``initial / 2 * (1 + cos(pi * step / end_step))``,
+    and 0 from ``end_step`` on (Evci et al. 2020).
+
+    Examples
+    --------
+    >>> fraction = CosineDropFraction(0.3, end_step=100)
+    >>> fraction(0), round(fraction(50), 6), fraction(100)
+    (0.3, 0.15, 0.0)
+    """
+
+    def __init__(self, initial, end_step):
+        self.initial = _sparse.check_fraction("CosineDropFraction", "initial", initial)
+        if isinstance(end_step, bool) or not isinstance(end_step, int) or end_step < 1:
+            raise ValueError(f"CosineDropFraction: end_step must be an int >= 1, got {end_step!r}")
+        self.end_step = end_step
+
+    def __call__(self, step) -> float:
+        if step >= self.end_step:
+            return 0.0
+        return self.initial / 2 * (1 + math.cos(math.pi * max(step, 0) / self.end_step))

@@ -1,0 +1,71 @@
+"""The block-sparse kernels on raw arrays: CPU (``@njit``) and CUDA (under the simulator or on a GPU)."""
+
+import numpy as np
+import pytest
+
+import reference
+from spchain.kernels.cpu import blocksparse as cpu_blocksparse
+
+TARGETS = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda_kernel)]
+
+
+def kernel(target, op):
+    if target == "cpu":
+        return getattr(cpu_blocksparse, op)
+    from spchain.kernels.cuda import blocksparse as cuda_blocksparse
+
+    return getattr(cuda_blocksparse, f"launch_{op}")
+
+
+def random_bsr(rng, grid, blocksize, density, dtype, index_dtype):
+    """Empty block rows, duplicate and unsorted blocks."""
+    indptr, indices = reference.messy_csr(rng, *grid, density, duplicates=2)
+    data = rng.standard_normal((indices.size, *blocksize)).astype(dtype)
+    return indptr.astype(index_dtype), indices.astype(index_dtype), data
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("blocksize", [(2, 3), (3, 9), (1, 1)])
+@pytest.mark.parametrize("index_dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_spmm_matches_the_dense_product_with_bias(rng, small_launch, target, blocksize, index_dtype, dtype):
+    indptr, indices, data = random_bsr(rng, (5, 4), blocksize, 0.4, dtype, index_dtype)
+    r, c = blocksize
+    b = rng.standard_normal((4 * c, 3)).astype(dtype)
+    bias = rng.standard_normal(5 * r).astype(dtype)
+    out = np.full((5 * r, 3), np.nan, dtype)
+    slots = np.arange(indices.size, dtype=index_dtype)
+    kernel(target, "spmm")(indptr, indices, slots, data, b, bias, out)
+    want = reference.bsr_dense(data, indices, indptr, (5 * r, 4 * c)) @ b + bias[:, None]
+    np.testing.assert_allclose(out, want, rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-5)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_spmm_by_the_transpose_reads_transposed_blocks_through_slots(rng, small_launch, target):
+    indptr, indices, data = random_bsr(rng, (4, 3), (2, 5), 0.6, np.float64, np.int64)
+    w = reference.bsr_dense(data, indices, indptr, (8, 15))
+    rows = np.repeat(np.arange(4), np.diff(indptr))
+    order = np.argsort(indices, kind="stable")
+    t_indptr = np.concatenate([[0], np.cumsum(np.bincount(indices, minlength=3))])
+    b = rng.standard_normal((8, 2))
+    out = np.empty((15, 2))
+    blocks = data.transpose(0, 2, 1)  # the CPU kernel reads the view; CUDA gets a contiguous copy
+    blocks = blocks if target == "cpu" else np.ascontiguousarray(blocks)
+    kernel(target, "spmm")(t_indptr, rows[order], order, blocks, b, np.zeros(15), out)
+    np.testing.assert_allclose(out, w.T @ b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("blocksize", [(2, 3), (4, 1), (3, 8)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_sddmm_is_the_dense_product_at_each_block(rng, small_launch, target, blocksize, dtype):
+    indptr, indices, _ = random_bsr(rng, (4, 5), blocksize, 0.5, dtype, np.int32)
+    r, c = blocksize
+    a = rng.standard_normal((4 * r, 7)).astype(dtype)
+    b = rng.standard_normal((5 * c, 7)).astype(dtype)
+    out = np.full((indices.size, r, c), np.nan, dtype)
+    kernel(target, "sddmm")(indptr, indices, a, b, out)
+    product = a.astype(np.float64) @ b.astype(np.float64).T
+    rows = np.repeat(np.arange(4), np.diff(indptr))
+    want = np.stack([product[i * r:(i + 1) * r, j * c:(j + 1) * c] for i, j in zip(rows, indices)])
+    np.testing.assert_allclose(out, want, rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-5)
