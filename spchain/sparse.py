@@ -17,6 +17,7 @@ The functions without a leading underscore that are not in ``__all__`` (:func:`t
 array([3., 8.])
 """
 
+import operator
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,15 +70,31 @@ def sparse_parts(backend, a, caller: str):
     return a.format, tuple(int(s) for s in a.shape), a.data, index
 
 
-def check_shape(caller: str, shape) -> tuple[int, int]:
-    """``shape`` as a pair of non-negative ints; ``ValueError`` otherwise."""
+def check_size(caller: str, name: str, value) -> int:
+    """``value`` as a non-negative int: ``TypeError`` for a non-integer (a float such as 2.5 or
+    2.0, a bool), ``ValueError`` for a negative one; never a silent truncation."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{caller}: {name} must be an int, not a bool ({value!r})")
     try:
-        m, n = (int(s) for s in shape)
+        size = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{caller}: {name} must be an int, not {type(value).__name__} ({value!r})") from None
+    if size < 0:
+        raise ValueError(f"{caller}: {name} must be non-negative, got {size}")
+    return size
+
+
+def check_shape(caller: str, shape) -> tuple[int, int]:
+    """``shape`` as a pair of non-negative ints: ``ValueError`` for anything but a pair or for a
+    negative size, ``TypeError`` for a size that is not an int (2.5, True)."""
+    try:
+        m, n = shape
     except (TypeError, ValueError):
         raise ValueError(f"{caller}: shape must be a pair of ints, got {shape!r}") from None
-    if m < 0 or n < 0:
-        raise ValueError(f"{caller}: shape must be non-negative, got {(m, n)}")
-    return m, n
+    try:
+        return check_size(caller, "shape[0]", m), check_size(caller, "shape[1]", n)
+    except ValueError:
+        raise ValueError(f"{caller}: shape must be non-negative, got {shape!r}") from None
 
 
 def _index_arrays(caller: str, shape, **arrays):

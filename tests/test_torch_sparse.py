@@ -205,6 +205,74 @@ def test_changing_the_structure_between_forward_and_backward_is_caught_by_autogr
         y.sum().backward()
 
 
+@pytest.mark.parametrize("write", [
+    lambda t, i, v: t.numpy().__setitem__(i, v),  # a NumPy view: no version bump
+    lambda t, i, v: t.data.__setitem__(i, v),  # .data: no version bump either
+], ids=["numpy-view", "data"])
+@pytest.mark.parametrize("name, bad", [("indices", 10**8), ("indices", -1), ("indptr", 10**8)])
+def test_a_cached_structure_written_behind_autograd_s_back_is_validated_again(write, name, bad):
+    layer = st.SparseLinear(6, 6, sparsity=0.5)
+    x = torch.randn(3, 6, requires_grad=True)
+    layer(x)
+    write(getattr(layer, name), 1, bad)
+    with pytest.raises(ValueError, match=f"{name} (holds|decreases|ends)"):
+        layer(x)
+    with torch.no_grad(), pytest.raises(ValueError, match=name):
+        layer(x)
+
+
+def test_a_structure_changed_through_data_never_pairs_with_a_stale_transpose(rng):
+    indptr, indices = random_structure(rng, 6, 6, 0.5)
+    values = torch.randn(indices.numel(), requires_grad=True)
+    x = torch.randn(3, 6, requires_grad=True)
+    st.sparse_linear(x, values, indptr, indices, (6, 6)).sum().backward()
+    indices.data[:] = (indices + 1) % 6  # moves every entry, without a version bump
+    x.grad = values.grad = None
+    y = st.sparse_linear(x, values, indptr, indices, (6, 6))
+    y.sum().backward()
+    w = torch.tensor(dense_weight(values, indptr, indices, (6, 6)), dtype=torch.float32)
+    torch.testing.assert_close(y, x.detach() @ w.T)
+    torch.testing.assert_close(x.grad, torch.ones(3, 6) @ w)
+
+
+def test_the_backward_differentiates_the_structure_its_forward_ran_on(rng):
+    indptr, indices = random_structure(rng, 5, 4, 0.5)
+    values = torch.randn(indices.numel(), requires_grad=True)
+    x = torch.randn(3, 4, requires_grad=True)
+    w = torch.tensor(dense_weight(values, indptr, indices, (5, 4)), dtype=torch.float32)
+    y = st.sparse_linear(x, values, indptr, indices, (5, 4))
+    indices.data[:] = (indices + 1) % 4  # autograd cannot see this one
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, torch.ones(3, 5) @ w)
+
+
+@pytest.mark.parametrize("layout", ["row-major", "column-major", "3-d"])
+@pytest.mark.parametrize("changed", ["x", "values", "indices", "indptr"])
+def test_inputs_changed_in_place_before_backward_raise_as_nn_linear_does(rng, layout, changed):
+    layer = st.SparseLinear(4, 5, sparsity=0.5)
+    x = {"row-major": torch.randn(3, 4), "column-major": torch.randn(4, 3).t(),
+         "3-d": torch.randn(2, 3, 4)}[layout].requires_grad_()
+    y = layer(x)
+    with torch.no_grad():
+        {"x": x, "values": layer.values, "indices": layer.indices, "indptr": layer.indptr}[changed].mul_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_double_backward_raises_instead_of_a_silent_first_order_gradient(rng):
+    indptr, indices = random_structure(rng, 5, 4, 0.5)
+    values = torch.randn(indices.numel(), requires_grad=True)
+    x = torch.randn(3, 4, requires_grad=True)
+    y = st.sparse_linear(x, values, indptr, indices, (5, 4))
+    with pytest.raises(RuntimeError, match=r"sparse_linear: double backward \(create_graph=True\)"):
+        torch.autograd.grad(y.square().sum(), (x, values), create_graph=True)
+    a = torch.tensor([[1.0, 0.0], [0.0, 2.0]]).to_sparse_csr()
+    b = torch.ones(2, 3, requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"spmm: double backward \(create_graph=True\)"):
+        torch.autograd.grad(st.spmm(a, b).square().sum(), b, create_graph=True)
+    torch.autograd.grad(st.spmm(a, b).sum(), b)  # first order is fine
+
+
 def test_cache_entries_go_with_their_tensors(rng):
     gc.collect()
     before = len(torch_sparse._STRUCTURES)
@@ -250,6 +318,9 @@ def valid_args(rng):
         (lambda a: a.update(values=torch.randn(2)), ValueError, r"values \(2,\) and indices \(3,\) must be 1-D"),
         (lambda a: a.update(x=torch.randn(4, 5)), ValueError, r"x has shape \(4, 5\) but the weight has shape \(2, 3\)"),
         (lambda a: a.update(shape=(2, -3)), ValueError, r"shape must be non-negative"),
+        (lambda a: a.update(shape=(2.5, 3)), TypeError, r"shape\[0\] must be an int, not float \(2.5\)"),
+        (lambda a: a.update(shape=(2, True)), TypeError, r"shape\[1\] must be an int, not a bool"),
+        (lambda a: a.update(shape=None), ValueError, r"shape must be a pair of ints, got None"),
         (lambda a: a.update(bias=torch.randn(3)), ValueError, r"bias has shape \(3,\); expected \(2,\)"),
         (lambda a: a.update(x=torch.randn(4, 3, dtype=torch.bfloat16)), TypeError, "bfloat16"),
         (lambda a: a.update(values=torch.randn(3).half()), TypeError, "float16"),
@@ -257,7 +328,8 @@ def valid_args(rng):
         (lambda a: a.update(values=torch.randn(3, device="meta")), ValueError, r"x is on cpu but values is on meta"),
     ],
     ids=["indptr-decreasing", "indptr-length", "indptr-start", "indptr-end", "index-too-large", "index-negative",
-         "float-indices", "bool-indices", "values-length", "x-shape", "bad-shape", "bias-shape", "bfloat16",
+         "float-indices", "bool-indices", "values-length", "x-shape", "bad-shape", "float-shape",
+         "bool-shape", "no-shape", "bias-shape", "bfloat16",
          "float16", "int-x", "devices"],
 )
 def test_sparse_linear_bad_input(rng, change, error, message):
@@ -309,6 +381,17 @@ def test_torch_spmm_bad_input(rng):
         st.spmm(a, torch.randn(4, 2))
     with pytest.raises(TypeError, match="b must be a dense tensor"):
         st.spmm(a, a)
+
+
+@pytest.mark.parametrize("layout", ["coo", "csr", "csc"])
+def test_torch_spmm_values_changed_in_place_before_backward_raise(layout):
+    dense = torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, 3.0], [0.0, 2.0, 0.0]])
+    a = {"coo": dense.to_sparse(), "csr": dense.to_sparse_csr(), "csc": dense.to_sparse_csc()}[layout]
+    b = torch.ones(3, requires_grad=True)
+    y = st.spmm(a, b)
+    (a.values() if layout != "coo" else a._values()).mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
 
 
 def test_torch_sddmm_matches_the_dense_product_sampled_at_the_pattern(rng):
@@ -413,7 +496,11 @@ def test_pickling_and_deepcopy_drop_the_recorded_batch():
 @pytest.mark.parametrize("bad, error, message", [
     ({"sparsity": 1.2}, ValueError, r"sparsity must be in \[0, 1\]"),
     ({"sparsity": None}, TypeError, r"sparsity must be a number"),
-    ({"in_features": -1}, ValueError, r"must be >= 0"),
+    ({"in_features": -1}, ValueError, r"in_features must be non-negative"),
+    ({"in_features": 2.5}, TypeError, r"in_features must be an int, not float \(2.5\)"),
+    ({"in_features": 4.0}, TypeError, r"in_features must be an int, not float"),
+    ({"out_features": True}, TypeError, r"out_features must be an int, not a bool"),
+    ({"out_features": "3"}, TypeError, r"out_features must be an int, not str"),
 ])
 def test_sparse_linear_module_bad_arguments(bad, error, message):
     kwargs = {"in_features": 4, "out_features": 3, "sparsity": 0.5} | bad
