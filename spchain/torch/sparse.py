@@ -280,23 +280,15 @@ def _linear(x, values, bias, indptr, indices, shape):
     return y, x_saved, dtype, x2.is_contiguous(), structure
 
 
-def _structure_tensors(structure):
-    """The arrays of ``(csr, transpose)`` as tensors, to save for backward."""
-    csr, transpose = structure
-    if transpose is None:
-        return (to_tensor(csr.indptr), to_tensor(csr.indices), None, None, None)
-    t_csr, order = transpose
-    return tuple(to_tensor(a) for a in (csr.indptr, csr.indices, t_csr.indptr, t_csr.indices, order))
-
-
 class _SparseLinear(torch.autograd.Function):
     """``x @ W.T + bias`` for a CSR weight; gradients for ``x``, ``values`` and ``bias``.
 
-    The backward reads everything it uses from ``ctx.saved_tensors``: ``x`` and ``values``
-    (autograd raises if either changed in place since the forward), the caller's ``indptr``
-    and ``indices`` (likewise) and the private copies of the structure the forward ran on
-    with their transpose, so the backward differentiates exactly the product the forward
-    computed.
+    The caller's tensors the backward depends on (``x``, ``values``, ``indptr``, ``indices``)
+    go through ``ctx.save_for_backward``, so autograd raises if one changed in place since
+    the forward. ``ctx.structure`` is the cache's ``(csr, transpose)`` the forward ran on:
+    private arrays that nothing writes to (the cache replaces an entry, never updates it), so
+    the backward differentiates exactly the product the forward computed, without converting
+    them to tensors and back on every call.
     """
 
     @staticmethod
@@ -304,8 +296,8 @@ class _SparseLinear(torch.autograd.Function):
         y, x_saved, dtype, x_row_major, structure = _linear(x, values, bias, indptr, indices, shape)
         need_x, need_values = ctx.needs_input_grad[:2]
         x_saved = _as_tensor(x_saved) if need_values else None
-        ctx.save_for_backward(x if need_values else None, x_saved, values if need_x else None, indptr, indices,
-                              *_structure_tensors(structure))
+        ctx.save_for_backward(x if need_values else None, x_saved, values if need_x else None, indptr, indices)
+        ctx.structure = structure
         ctx.shape, ctx.x_shape, ctx.x_row_major, ctx.dtype = shape, x.shape, x_row_major, dtype
         ctx.dtypes = (x.dtype, values.dtype, None if bias is None else bias.dtype)
         return y
@@ -314,14 +306,12 @@ class _SparseLinear(torch.autograd.Function):
     @first_order("spchain.torch.sparse_linear")
     def backward(ctx, grad_y):
         caller = "spchain.torch.sparse_linear"
-        _, x_saved, values, _, _, indptr, indices, t_indptr, t_indices, order = ctx.saved_tensors
+        _, x_saved, values, _, _ = ctx.saved_tensors
         need_x, need_values, need_bias = ctx.needs_input_grad[:3]
         grad_y2 = _rows(grad_y)
+        csr, transpose = ctx.structure
         with on_device(grad_y.device):
             ga = _as_array(grad_y2)
-            csr = _sparse.Csr(to_array(indptr), to_array(indices), None, ctx.shape)
-            transpose = None if order is None else (
-                _sparse.Csr(to_array(t_indptr), to_array(t_indices), None, ctx.shape[::-1]), to_array(order))
             va = None if values is None else to_array(values)
             xa = None if x_saved is None else _as_array(x_saved)
             backend = _backend.backend_of(ga, csr.indices, caller=caller)
