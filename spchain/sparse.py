@@ -210,7 +210,19 @@ def check_fraction(caller: str, name: str, value) -> float:
 # --- dense operands ------------------------------------------------------------------------
 
 
+def check_dense(caller: str, **operands) -> None:
+    """``TypeError`` naming the first of ``operands`` that is not an array at all (``None``, a
+    Python scalar or sequence): each must be a NumPy or CuPy array (torch tensors and sparse
+    matrices get their own messages further on)."""
+    for name, a in operands.items():
+        if a is None or isinstance(a, (bool, int, float, complex, str, list, tuple, np.generic)):
+            raise TypeError(f"{caller}: {name} must be a NumPy or CuPy array, not {type(a).__name__}; "
+                            "convert with numpy.asarray")
+
+
 def _operand(backend, a, caller: str, name: str, ndims: tuple[int, ...]):
+    if isinstance(a, np.matrix):  # a 2-D ndarray whose indexing and reductions keep 2 axes
+        a = np.asarray(a)
     if backend.sparse.issparse(a):
         raise TypeError(f"{caller}: {name} must be a dense array, not a sparse matrix; convert with .toarray()")
     if a.ndim not in ndims:
@@ -342,6 +354,7 @@ def spmm(a, b):
     if blocksparse.is_bsr(a):
         return blocksparse.spmm(a, b)
     caller = "spchain.spmm"
+    check_dense(caller, b=b)
     backend = _backend.backend_of(a, b, caller=caller)
     return spmm_parts(backend, *sparse_parts(backend, a, caller), b, caller)[1]
 
@@ -397,6 +410,7 @@ def sddmm(pattern, a, b):
     if blocksparse.is_bsr(pattern):
         return blocksparse.sddmm(pattern, a, b)
     caller = "spchain.sddmm"
+    check_dense(caller, a=a, b=b)
     backend = _backend.backend_of(pattern, a, b, caller=caller)
     fmt, shape, _, index = sparse_parts(backend, pattern, caller)
     csr, data = sddmm_parts(backend, fmt, shape, index, a, b, caller)
@@ -514,6 +528,7 @@ def prune(w, sparsity=None, *, method="magnitude", seed=None, block=None, n=None
     if block is not None or method == "n:m":
         return blocksparse.prune(w, sparsity, method=method, seed=seed, block=block, n=n, m=m)
     caller = "spchain.prune"
+    check_dense(caller, w=w)
     backend = _backend.backend_of(w, caller=caller)
     if sparsity is None:
         raise ValueError(f"{caller}: method={method!r} needs a sparsity")
@@ -530,6 +545,8 @@ def prune_parts(backend, w, sparsity, method, seed, caller: str):
         positions = largest(backend, backend.xp.abs(w).ravel(), keep)
     elif method == "random":
         positions = random_positions(backend, w.size, keep, seed=seed)
+    elif not isinstance(method, str):
+        raise TypeError(f"{caller}: method must be a str ('magnitude' or 'random'), not {type(method).__name__}")
     else:
         raise ValueError(f"{caller}: method must be 'magnitude' or 'random', not {method!r}")
     indptr, indices = positions_to_csr(backend, positions, w.shape)

@@ -415,7 +415,7 @@ def test_torch_prune_matches_the_array_level_and_keeps_the_largest(rng):
     np.testing.assert_array_equal(rows * 9 + cols, reference.largest_positions(w.numpy(), 18))
     torch.testing.assert_close(out.values(), w[rows, cols])
     assert st.prune(w.t(), 0.5, method="random", seed=1).values().numel() == 36
-    with pytest.raises(TypeError, match="takes a dense tensor"):
+    with pytest.raises(TypeError, match="w must be a dense tensor"):
         st.prune(w.to_sparse(), 0.5)
 
 
@@ -580,6 +580,49 @@ def test_prune_and_regrow_bad_input():
     layer.prune_and_regrow(0.0)
     layer.prune_and_regrow(1.0)
     assert layer.nnz == 15
+
+
+def test_prune_and_regrow_and_from_dense_argument_types():
+    layer = st.SparseLinear(6, 5, sparsity=0.5)
+    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer .* not str"):
+        layer.prune_and_regrow(0.2, optimizer="adam")
+    with pytest.raises(TypeError, match="regrow must be a str .* not list"):
+        layer.prune_and_regrow(0.2, regrow=["random"])
+    with pytest.raises(TypeError, match="fraction must be a number in \\[0, 1\\], not str"):
+        layer.prune_and_regrow("0.2")
+    with pytest.raises(TypeError, match="from_dense takes a torch.nn.Linear, not str"):
+        st.SparseLinear.from_dense("linear", 0.5)
+    with pytest.raises(TypeError, match="from_dense takes a torch.nn.Linear, not Conv1d"):
+        st.SparseLinear.from_dense(torch.nn.Conv1d(2, 2, 1), 0.5)
+    with pytest.raises(TypeError, match="method must be a str"):
+        st.SparseLinear.from_dense(torch.nn.Linear(2, 2), 0.5, method=1)
+    with pytest.raises(TypeError, match="sparsity must be a number"):
+        st.SparseLinear.from_dense(torch.nn.Linear(2, 2), "0.5")
+
+
+@pytest.mark.parametrize("bad", [None, 2.0, [[1.0, 2.0]], "sparse"], ids=["None", "float", "list", "sparse"])
+def test_non_dense_tensors_where_dense_ones_are_required_are_type_errors_naming_the_argument(bad):
+    a = torch.tensor([[1.0, 0.0], [0.0, 2.0]]).to_sparse_csr()
+    indptr, indices, values = torch.tensor([0, 1, 2]), torch.tensor([0, 1]), torch.ones(2)
+    if bad == "sparse":
+        bad, message = torch.ones(2, 2).to_sparse(), "must be a dense tensor, not one of layout torch.sparse_coo"
+    else:
+        message = f"must be a torch.Tensor, not {type(bad).__name__}"
+    calls = {
+        "spmm: b": lambda: st.spmm(a, bad),
+        "sddmm: a": lambda: st.sddmm(a, bad, torch.ones(2, 2)),
+        "sddmm: b": lambda: st.sddmm(a, torch.ones(2, 2), bad),
+        "prune: w": lambda: st.prune(bad, 0.5),
+        "sparse_linear: x": lambda: st.sparse_linear(bad, values, indptr, indices, (2, 2)),
+        "sparse_linear: values": lambda: st.sparse_linear(torch.ones(2, 2), bad, indptr, indices, (2, 2)),
+        "sparse_linear: indptr": lambda: st.sparse_linear(torch.ones(2, 2), values, bad, indices, (2, 2)),
+        "sparse_linear: indices": lambda: st.sparse_linear(torch.ones(2, 2), values, indptr, bad, (2, 2)),
+    }
+    if bad is not None:
+        calls["sparse_linear: bias"] = lambda: st.sparse_linear(torch.ones(2, 2), values, indptr, indices, (2, 2), bad)
+    for name, call in calls.items():
+        with pytest.raises(TypeError, match=f"spchain.torch.{name} {message}"):
+            call()
 
 
 def test_weight_memory_is_o_nnz_with_adam():

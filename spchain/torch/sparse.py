@@ -49,6 +49,18 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
 
 
+def _check_dense_tensors(caller: str, optional=(), **tensors) -> None:
+    """``TypeError`` naming the first of ``tensors`` that is not a dense (strided) tensor;
+    ``None`` is allowed for the names in ``optional``."""
+    for name, t in tensors.items():
+        if t is None and name in optional:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{caller}: {name} must be a torch.Tensor, not {type(t).__name__}")
+        if t.layout != torch.strided:
+            raise TypeError(f"{caller}: {name} must be a dense tensor, not one of layout {t.layout}")
+
+
 def _sparse_tensor(t, caller: str):
     """``(format, shape, data, first, second)`` tensors of a 2-D COO, CSR or CSC tensor."""
     if not isinstance(t, torch.Tensor):
@@ -144,12 +156,11 @@ def spmm(a, b):
     """
     caller = "spchain.torch.spmm"
     fmt, shape, data, first, second = _sparse_tensor(a, caller)
+    _check_dense_tensors(caller, b=b)
     check_same_device(caller, a=data, b=b)
     if a.requires_grad and torch.is_grad_enabled():
         raise TypeError(f"{caller} differentiates with respect to the dense operand only, and a requires grad; "
                         "for a trainable sparse weight use spchain.torch.sparse_linear or SparseLinear")
-    if b.layout != torch.strided:
-        raise TypeError(f"{caller}: b must be a dense tensor, not one of layout {b.layout}")
     return _Spmm.apply(b, fmt, shape, data, first, second)
 
 
@@ -179,6 +190,7 @@ def sddmm(pattern, a, b):
     """
     caller = "spchain.torch.sddmm"
     fmt, shape, _, first, second = _sparse_tensor(pattern, caller)
+    _check_dense_tensors(caller, a=a, b=b)
     device = check_same_device(caller, pattern=first, a=a, b=b)
     with on_device(device):
         index = [to_array(t) for t in (first, second)]
@@ -207,8 +219,7 @@ def prune(w, sparsity, *, method="magnitude", seed=None):
             [ 2.,  0.]])
     """
     caller = "spchain.torch.prune"
-    if not isinstance(w, torch.Tensor) or w.layout != torch.strided:
-        raise TypeError(f"{caller} takes a dense tensor, not {type(w).__name__} of layout {getattr(w, 'layout', None)}")
+    _check_dense_tensors(caller, w=w)
     with on_device(w.device):
         array = _as_array(w) if w.dim() == 2 else to_array(w)
         backend = _backend.backend_of(array, caller=caller)
@@ -378,6 +389,7 @@ def sparse_linear(x, values, indptr, indices, shape, bias=None):
     tensor([4., 4., 4.])
     """
     caller = "spchain.torch.sparse_linear"
+    _check_dense_tensors(caller, ("bias",), x=x, values=values, indptr=indptr, indices=indices, bias=bias)
     check_same_device(caller, x=x, values=values, indptr=indptr, indices=indices, bias=bias)
     shape = _sparse.check_shape(caller, shape)
     if x.dim() == 0 or x.shape[-1] != shape[1]:
@@ -513,6 +525,8 @@ class SparseLinear(torch.nn.Module):
         >>> sparse.nnz, bool((sparse.to_dense().weight != 0).sum() <= 32)
         (32, True)
         """
+        if not isinstance(linear, torch.nn.Linear):
+            raise TypeError(f"SparseLinear.from_dense takes a torch.nn.Linear, not {type(linear).__name__}")
         weight = linear.weight.detach()
         csr = prune(weight, sparsity, method=method, seed=_torch_seed() if method == "random" else None)
         module = cls.__new__(cls)
@@ -587,8 +601,13 @@ class SparseLinear(torch.nn.Module):
         """
         caller = "SparseLinear.prune_and_regrow"
         n_move = round(_sparse.check_fraction(caller, "fraction", fraction) * self.nnz)
+        if not isinstance(regrow, str):
+            raise TypeError(f"{caller}: regrow must be a str ('random' or 'gradient'), not {type(regrow).__name__}")
         if regrow not in ("random", "gradient"):
             raise ValueError(f"{caller}: regrow must be 'random' or 'gradient', not {regrow!r}")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"{caller}: optimizer must be a torch.optim.Optimizer (the one that steps this layer's "
+                            f"values) or None, not {type(optimizer).__name__}")
         if optimizer is not None and not any(p is self.values for g in optimizer.param_groups for p in g["params"]):
             raise ValueError(f"{caller}: the optimizer does not hold this layer's values")
         gradient = None
