@@ -394,6 +394,68 @@ def test_torch_spmm_values_changed_in_place_before_backward_raise(layout):
         y.sum().backward()
 
 
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+def test_torch_spmm_non_contiguous_nan_retain_graph_no_grad_and_unused_outputs(rng):
+    a = messy_coo(rng, 6, 5).coalesce().to_sparse_csr()
+    dense = a.to_dense()
+    for b in (torch.randn(3, 5, dtype=torch.float64).t(), torch.randn(5, 6, dtype=torch.float64)[:, ::2],
+              torch.randn(5, 1, dtype=torch.float64).expand(5, 3)):
+        torch.testing.assert_close(st.spmm(a, b), dense @ b)
+    b = torch.randn(5, 3, dtype=torch.float64)
+    b[0, 0], b[1, 1] = float("nan"), float("inf")
+    # as in SciPy and torch.sparse: through stored entries only (an unstored zero times NaN adds nothing)
+    torch.testing.assert_close(st.spmm(a, b), torch.sparse.mm(a.to_sparse_coo(), b), equal_nan=True)
+    assert st.spmm(a, b).isnan().any()
+    b = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    y = st.spmm(a, b)
+    y.sum().backward(retain_graph=True)
+    first = b.grad.clone()
+    y.sum().backward()
+    torch.testing.assert_close(b.grad, 2 * first)
+    torch.testing.assert_close(first, dense.t() @ torch.ones(6, 3, dtype=torch.float64))
+    with torch.no_grad():
+        assert st.spmm(a, b).grad_fn is None
+    b.grad = None
+    st.spmm(a, b)[:2].sum().backward()  # the other rows get no incoming gradient
+    torch.testing.assert_close(b.grad, dense[:2].t() @ torch.ones(2, 3, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("m, k, n", [(0, 4, 3), (4, 0, 3), (4, 5, 0), (4, 5, 3)])
+def test_torch_spmm_and_sddmm_of_empty_shapes_and_no_stored_entries(m, k, n):
+    a = torch.zeros(m, k).to_sparse()  # nnz = 0
+    b = torch.randn(k, n, requires_grad=True)
+    y = st.spmm(a, b)
+    assert y.shape == (m, n) and not y.any()
+    y.sum().backward()
+    torch.testing.assert_close(b.grad, torch.zeros(k, n))
+    out = st.sddmm(a, torch.randn(m, n), torch.randn(k, n))
+    assert out.shape == (m, k) and out.values().numel() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_torch_spmm_sddmm_prune_half_precision_is_a_type_error_naming_the_dtype(dtype):
+    name = str(dtype).removeprefix("torch.")
+    a = torch.eye(3).to_sparse_csr()
+    with pytest.raises(TypeError, match=name):
+        st.spmm(a, torch.ones(3, 2, dtype=dtype))
+    with pytest.raises(TypeError, match=name):
+        st.spmm(torch.eye(3, dtype=dtype).to_sparse(), torch.ones(3, 2))
+    with pytest.raises(TypeError, match=name):
+        st.sddmm(a, torch.ones(3, 2, dtype=dtype), torch.ones(3, 2))
+    with pytest.raises(TypeError, match=name):
+        st.prune(torch.ones(3, 2, dtype=dtype), 0.5)
+
+
+def test_sparse_linear_mixed_int32_and_int64_index_tensors(rng):
+    indptr, indices = random_structure(rng, 7, 6, 0.4, messy=True)
+    values = torch.randn(indices.numel(), dtype=torch.float64, requires_grad=True)
+    x = torch.randn(3, 6, dtype=torch.float64, requires_grad=True)
+    for first, second in ((indptr.int(), indices), (indptr, indices.int())):
+        y = st.sparse_linear(x, values, first, second, (7, 6))
+        np.testing.assert_allclose(y.detach().numpy(), linear_reference(x, values, indptr, indices, (7, 6)), atol=1e-12)
+        assert torch.autograd.gradcheck(lambda x, v: st.sparse_linear(x, v, first, second, (7, 6)), (x, values))
+
+
 def test_torch_sddmm_matches_the_dense_product_sampled_at_the_pattern(rng):
     pattern = messy_coo(rng, 7, 6)
     a, b = torch.randn(7, 4), torch.randn(6, 4)
