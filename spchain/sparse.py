@@ -133,15 +133,13 @@ def _check_bounds(caller: str, name: str, index, size: int) -> None:
         raise ValueError(f"{caller}: {name} holds {bad}, out of range for a dimension of size {size}")
 
 
-def to_csr(backend, fmt: str, shape, data, first, second, caller: str, *, trusted: bool = False) -> Csr:
+def to_csr(backend, fmt: str, shape, data, first, second, caller: str) -> Csr:
     """Validate a CSR, CSC or COO structure and return it as a :class:`Csr`.
 
     ``first, second`` are ``indptr, indices`` (CSR, CSC) or ``row, col`` (COO); ``data`` may be
     ``None`` (a pattern). Raises ``ValueError`` for a bad structure and ``TypeError`` for a
     non-integer index dtype, before any kernel runs. CSC and COO entries are reordered into CSR
     order, stably (duplicates are kept, in their order); CSR arrays are used as they are.
-    ``trusted=True`` skips the O(nnz) checks of a CSR structure that this function has already
-    validated, unchanged since (``spchain.torch`` knows through version counters).
     """
     m, n = check_shape(caller, shape)
     if fmt == "coo":
@@ -163,9 +161,8 @@ def to_csr(backend, fmt: str, shape, data, first, second, caller: str, *, truste
         indptr, order = _group(backend, row, m)
         return Csr(indptr, col[order], None if data is None else data[order], (m, n))
     major, minor = (m, n) if fmt == "csr" else (n, m)
-    if not (trusted and fmt == "csr"):
-        _check_indptr(caller, indptr, major, "rows" if fmt == "csr" else "columns", nnz)
-        _check_bounds(caller, "indices", indices, minor)
+    _check_indptr(caller, indptr, major, "rows" if fmt == "csr" else "columns", nnz)
+    _check_bounds(caller, "indices", indices, minor)
     csr = Csr(indptr, indices, data, (major, minor))
     return csr if fmt == "csr" else transposed(backend, csr)[0]
 

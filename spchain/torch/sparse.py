@@ -371,8 +371,12 @@ def sparse_linear(x, values, indptr, indices, shape, bias=None):
     Notes
     -----
     The structure is validated once and cached with its transpose (the csr2csc order the input
-    gradient needs), per live ``(indptr, indices)`` pair, until either tensor is modified in
-    place; repeated calls on one structure pay neither again. The backward computes the input
+    gradient needs), per live ``(indptr, indices)`` pair; each call only compares the tensors
+    with the cached copy (O(nnz), however they were changed: in place, through ``.data`` or
+    a NumPy view) and validates and rebuilds on any difference. The backward differentiates
+    the structure its forward ran on; changing ``x``, ``values``, ``indptr`` or ``indices`` in
+    place between them raises autograd's version-counter error, as ``nn.Linear`` does.
+    ``create_graph=True`` raises (no double backward). The backward computes the input
     gradient by the transposed product and the value gradient by SDDMM; no dense weight or
     dense weight gradient is ever formed.
 
