@@ -17,6 +17,7 @@ The functions without a leading underscore that are not in ``__all__`` (:func:`t
 array([3., 8.])
 """
 
+import operator
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,15 +70,31 @@ def sparse_parts(backend, a, caller: str):
     return a.format, tuple(int(s) for s in a.shape), a.data, index
 
 
-def check_shape(caller: str, shape) -> tuple[int, int]:
-    """``shape`` as a pair of non-negative ints; ``ValueError`` otherwise."""
+def check_size(caller: str, name: str, value) -> int:
+    """``value`` as a non-negative int: ``TypeError`` for a non-integer (a float such as 2.5 or
+    2.0, a bool), ``ValueError`` for a negative one; never a silent truncation."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{caller}: {name} must be an int, not a bool ({value!r})")
     try:
-        m, n = (int(s) for s in shape)
+        size = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{caller}: {name} must be an int, not {type(value).__name__} ({value!r})") from None
+    if size < 0:
+        raise ValueError(f"{caller}: {name} must be non-negative, got {size}")
+    return size
+
+
+def check_shape(caller: str, shape) -> tuple[int, int]:
+    """``shape`` as a pair of non-negative ints: ``ValueError`` for anything but a pair or for a
+    negative size, ``TypeError`` for a size that is not an int (2.5, True)."""
+    try:
+        m, n = shape
     except (TypeError, ValueError):
         raise ValueError(f"{caller}: shape must be a pair of ints, got {shape!r}") from None
-    if m < 0 or n < 0:
-        raise ValueError(f"{caller}: shape must be non-negative, got {(m, n)}")
-    return m, n
+    try:
+        return check_size(caller, "shape[0]", m), check_size(caller, "shape[1]", n)
+    except ValueError:
+        raise ValueError(f"{caller}: shape must be non-negative, got {shape!r}") from None
 
 
 def _index_arrays(caller: str, shape, **arrays):
@@ -116,15 +133,13 @@ def _check_bounds(caller: str, name: str, index, size: int) -> None:
         raise ValueError(f"{caller}: {name} holds {bad}, out of range for a dimension of size {size}")
 
 
-def to_csr(backend, fmt: str, shape, data, first, second, caller: str, *, trusted: bool = False) -> Csr:
+def to_csr(backend, fmt: str, shape, data, first, second, caller: str) -> Csr:
     """Validate a CSR, CSC or COO structure and return it as a :class:`Csr`.
 
     ``first, second`` are ``indptr, indices`` (CSR, CSC) or ``row, col`` (COO); ``data`` may be
     ``None`` (a pattern). Raises ``ValueError`` for a bad structure and ``TypeError`` for a
     non-integer index dtype, before any kernel runs. CSC and COO entries are reordered into CSR
     order, stably (duplicates are kept, in their order); CSR arrays are used as they are.
-    ``trusted=True`` skips the O(nnz) checks of a CSR structure that this function has already
-    validated, unchanged since (``spchain.torch`` knows through version counters).
     """
     m, n = check_shape(caller, shape)
     if fmt == "coo":
@@ -146,9 +161,8 @@ def to_csr(backend, fmt: str, shape, data, first, second, caller: str, *, truste
         indptr, order = _group(backend, row, m)
         return Csr(indptr, col[order], None if data is None else data[order], (m, n))
     major, minor = (m, n) if fmt == "csr" else (n, m)
-    if not (trusted and fmt == "csr"):
-        _check_indptr(caller, indptr, major, "rows" if fmt == "csr" else "columns", nnz)
-        _check_bounds(caller, "indices", indices, minor)
+    _check_indptr(caller, indptr, major, "rows" if fmt == "csr" else "columns", nnz)
+    _check_bounds(caller, "indices", indices, minor)
     csr = Csr(indptr, indices, data, (major, minor))
     return csr if fmt == "csr" else transposed(backend, csr)[0]
 
@@ -193,7 +207,19 @@ def check_fraction(caller: str, name: str, value) -> float:
 # --- dense operands ------------------------------------------------------------------------
 
 
+def check_dense(caller: str, **operands) -> None:
+    """``TypeError`` naming the first of ``operands`` that is not an array at all (``None``, a
+    Python scalar or sequence): each must be a NumPy or CuPy array (torch tensors and sparse
+    matrices get their own messages further on)."""
+    for name, a in operands.items():
+        if a is None or isinstance(a, (bool, int, float, complex, str, list, tuple, np.generic)):
+            raise TypeError(f"{caller}: {name} must be a NumPy or CuPy array, not {type(a).__name__}; "
+                            "convert with numpy.asarray")
+
+
 def _operand(backend, a, caller: str, name: str, ndims: tuple[int, ...]):
+    if isinstance(a, np.matrix):  # a 2-D ndarray whose indexing and reductions keep 2 axes
+        a = np.asarray(a)
     if backend.sparse.issparse(a):
         raise TypeError(f"{caller}: {name} must be a dense array, not a sparse matrix; convert with .toarray()")
     if a.ndim not in ndims:
@@ -325,6 +351,7 @@ def spmm(a, b):
     if blocksparse.is_bsr(a):
         return blocksparse.spmm(a, b)
     caller = "spchain.spmm"
+    check_dense(caller, b=b)
     backend = _backend.backend_of(a, b, caller=caller)
     return spmm_parts(backend, *sparse_parts(backend, a, caller), b, caller)[1]
 
@@ -380,6 +407,7 @@ def sddmm(pattern, a, b):
     if blocksparse.is_bsr(pattern):
         return blocksparse.sddmm(pattern, a, b)
     caller = "spchain.sddmm"
+    check_dense(caller, a=a, b=b)
     backend = _backend.backend_of(pattern, a, b, caller=caller)
     fmt, shape, _, index = sparse_parts(backend, pattern, caller)
     csr, data = sddmm_parts(backend, fmt, shape, index, a, b, caller)
@@ -497,6 +525,7 @@ def prune(w, sparsity=None, *, method="magnitude", seed=None, block=None, n=None
     if block is not None or method == "n:m":
         return blocksparse.prune(w, sparsity, method=method, seed=seed, block=block, n=n, m=m)
     caller = "spchain.prune"
+    check_dense(caller, w=w)
     backend = _backend.backend_of(w, caller=caller)
     if sparsity is None:
         raise ValueError(f"{caller}: method={method!r} needs a sparsity")
@@ -513,6 +542,8 @@ def prune_parts(backend, w, sparsity, method, seed, caller: str):
         positions = largest(backend, backend.xp.abs(w).ravel(), keep)
     elif method == "random":
         positions = random_positions(backend, w.size, keep, seed=seed)
+    elif not isinstance(method, str):
+        raise TypeError(f"{caller}: method must be a str ('magnitude' or 'random'), not {type(method).__name__}")
     else:
         raise ValueError(f"{caller}: method must be 'magnitude' or 'random', not {method!r}")
     indptr, indices = positions_to_csr(backend, positions, w.shape)

@@ -258,6 +258,28 @@ def test_unsupported_operands_are_type_errors():
         sc.spmm(csr_with(), np.ones((4, 1, 1)))
 
 
+@pytest.mark.parametrize("bad", [None, 2.0, 3, True, [1.0, 2.0, 3.0, 4.0], (1.0, 2.0), np.float64(1.0)],
+                         ids=["None", "float", "int", "bool", "list", "tuple", "numpy-scalar"])
+def test_non_array_dense_operands_are_type_errors_naming_the_argument(bad):
+    with pytest.raises(TypeError, match=rf"spchain.spmm: b must be a NumPy or CuPy array, not {type(bad).__name__}"):
+        sc.spmm(csr_with(), bad)
+    with pytest.raises(TypeError, match=rf"spchain.sddmm: a must be a NumPy or CuPy array, not {type(bad).__name__}"):
+        sc.sddmm(csr_with(), bad, np.ones((4, 2)))
+    with pytest.raises(TypeError, match=rf"spchain.sddmm: b must be a NumPy or CuPy array, not {type(bad).__name__}"):
+        sc.sddmm(csr_with(), np.ones((3, 2)), bad)
+    with pytest.raises(TypeError, match=rf"spchain.prune: w must be a NumPy or CuPy array, not {type(bad).__name__}"):
+        sc.prune(bad, 0.5)
+
+
+def test_np_matrix_dense_operands_give_the_ndarray_results(rng):
+    a = csr_with()
+    b, x, y = rng.standard_normal((4, 2)), rng.standard_normal((3, 2)), rng.standard_normal((4, 2))
+    np.testing.assert_array_equal(sc.spmm(a, np.matrix(b)), sc.spmm(a, b))
+    np.testing.assert_array_equal(sc.sddmm(a, np.matrix(x), np.matrix(y)).toarray(), sc.sddmm(a, x, y).toarray())
+    w = rng.standard_normal((3, 4))
+    np.testing.assert_array_equal(sc.prune(np.matrix(w), 0.5).toarray(), sc.prune(w, 0.5).toarray())
+
+
 def test_torch_tensors_point_to_spchain_torch():
     torch = pytest.importorskip("torch")
     with pytest.raises(TypeError, match=r"requires grad.*spchain\.torch\.spmm.*detach\(\)"):

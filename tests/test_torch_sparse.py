@@ -205,6 +205,74 @@ def test_changing_the_structure_between_forward_and_backward_is_caught_by_autogr
         y.sum().backward()
 
 
+@pytest.mark.parametrize("write", [
+    lambda t, i, v: t.numpy().__setitem__(i, v),  # a NumPy view: no version bump
+    lambda t, i, v: t.data.__setitem__(i, v),  # .data: no version bump either
+], ids=["numpy-view", "data"])
+@pytest.mark.parametrize("name, bad", [("indices", 10**8), ("indices", -1), ("indptr", 10**8)])
+def test_a_cached_structure_written_behind_autograd_s_back_is_validated_again(write, name, bad):
+    layer = st.SparseLinear(6, 6, sparsity=0.5)
+    x = torch.randn(3, 6, requires_grad=True)
+    layer(x)
+    write(getattr(layer, name), 1, bad)
+    with pytest.raises(ValueError, match=f"{name} (holds|decreases|ends)"):
+        layer(x)
+    with torch.no_grad(), pytest.raises(ValueError, match=name):
+        layer(x)
+
+
+def test_a_structure_changed_through_data_never_pairs_with_a_stale_transpose(rng):
+    indptr, indices = random_structure(rng, 6, 6, 0.5)
+    values = torch.randn(indices.numel(), requires_grad=True)
+    x = torch.randn(3, 6, requires_grad=True)
+    st.sparse_linear(x, values, indptr, indices, (6, 6)).sum().backward()
+    indices.data[:] = (indices + 1) % 6  # moves every entry, without a version bump
+    x.grad = values.grad = None
+    y = st.sparse_linear(x, values, indptr, indices, (6, 6))
+    y.sum().backward()
+    w = torch.tensor(dense_weight(values, indptr, indices, (6, 6)), dtype=torch.float32)
+    torch.testing.assert_close(y, x.detach() @ w.T)
+    torch.testing.assert_close(x.grad, torch.ones(3, 6) @ w)
+
+
+def test_the_backward_differentiates_the_structure_its_forward_ran_on(rng):
+    indptr, indices = random_structure(rng, 5, 4, 0.5)
+    values = torch.randn(indices.numel(), requires_grad=True)
+    x = torch.randn(3, 4, requires_grad=True)
+    w = torch.tensor(dense_weight(values, indptr, indices, (5, 4)), dtype=torch.float32)
+    y = st.sparse_linear(x, values, indptr, indices, (5, 4))
+    indices.data[:] = (indices + 1) % 4  # autograd cannot see this one
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, torch.ones(3, 5) @ w)
+
+
+@pytest.mark.parametrize("layout", ["row-major", "column-major", "3-d"])
+@pytest.mark.parametrize("changed", ["x", "values", "indices", "indptr"])
+def test_inputs_changed_in_place_before_backward_raise_as_nn_linear_does(rng, layout, changed):
+    layer = st.SparseLinear(4, 5, sparsity=0.5)
+    x = {"row-major": torch.randn(3, 4), "column-major": torch.randn(4, 3).t(),
+         "3-d": torch.randn(2, 3, 4)}[layout].requires_grad_()
+    y = layer(x)
+    with torch.no_grad():
+        {"x": x, "values": layer.values, "indices": layer.indices, "indptr": layer.indptr}[changed].mul_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_double_backward_raises_instead_of_a_silent_first_order_gradient(rng):
+    indptr, indices = random_structure(rng, 5, 4, 0.5)
+    values = torch.randn(indices.numel(), requires_grad=True)
+    x = torch.randn(3, 4, requires_grad=True)
+    y = st.sparse_linear(x, values, indptr, indices, (5, 4))
+    with pytest.raises(RuntimeError, match=r"sparse_linear: double backward \(create_graph=True\)"):
+        torch.autograd.grad(y.square().sum(), (x, values), create_graph=True)
+    a = torch.tensor([[1.0, 0.0], [0.0, 2.0]]).to_sparse_csr()
+    b = torch.ones(2, 3, requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"spmm: double backward \(create_graph=True\)"):
+        torch.autograd.grad(st.spmm(a, b).square().sum(), b, create_graph=True)
+    torch.autograd.grad(st.spmm(a, b).sum(), b)  # first order is fine
+
+
 def test_cache_entries_go_with_their_tensors(rng):
     gc.collect()
     before = len(torch_sparse._STRUCTURES)
@@ -250,6 +318,9 @@ def valid_args(rng):
         (lambda a: a.update(values=torch.randn(2)), ValueError, r"values \(2,\) and indices \(3,\) must be 1-D"),
         (lambda a: a.update(x=torch.randn(4, 5)), ValueError, r"x has shape \(4, 5\) but the weight has shape \(2, 3\)"),
         (lambda a: a.update(shape=(2, -3)), ValueError, r"shape must be non-negative"),
+        (lambda a: a.update(shape=(2.5, 3)), TypeError, r"shape\[0\] must be an int, not float \(2.5\)"),
+        (lambda a: a.update(shape=(2, True)), TypeError, r"shape\[1\] must be an int, not a bool"),
+        (lambda a: a.update(shape=None), ValueError, r"shape must be a pair of ints, got None"),
         (lambda a: a.update(bias=torch.randn(3)), ValueError, r"bias has shape \(3,\); expected \(2,\)"),
         (lambda a: a.update(x=torch.randn(4, 3, dtype=torch.bfloat16)), TypeError, "bfloat16"),
         (lambda a: a.update(values=torch.randn(3).half()), TypeError, "float16"),
@@ -257,7 +328,8 @@ def valid_args(rng):
         (lambda a: a.update(values=torch.randn(3, device="meta")), ValueError, r"x is on cpu but values is on meta"),
     ],
     ids=["indptr-decreasing", "indptr-length", "indptr-start", "indptr-end", "index-too-large", "index-negative",
-         "float-indices", "bool-indices", "values-length", "x-shape", "bad-shape", "bias-shape", "bfloat16",
+         "float-indices", "bool-indices", "values-length", "x-shape", "bad-shape", "float-shape",
+         "bool-shape", "no-shape", "bias-shape", "bfloat16",
          "float16", "int-x", "devices"],
 )
 def test_sparse_linear_bad_input(rng, change, error, message):
@@ -311,6 +383,79 @@ def test_torch_spmm_bad_input(rng):
         st.spmm(a, a)
 
 
+@pytest.mark.parametrize("layout", ["coo", "csr", "csc"])
+def test_torch_spmm_values_changed_in_place_before_backward_raise(layout):
+    dense = torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, 3.0], [0.0, 2.0, 0.0]])
+    a = {"coo": dense.to_sparse(), "csr": dense.to_sparse_csr(), "csc": dense.to_sparse_csc()}[layout]
+    b = torch.ones(3, requires_grad=True)
+    y = st.spmm(a, b)
+    (a.values() if layout != "coo" else a._values()).mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+def test_torch_spmm_non_contiguous_nan_retain_graph_no_grad_and_unused_outputs(rng):
+    a = messy_coo(rng, 6, 5).coalesce().to_sparse_csr()
+    dense = a.to_dense()
+    for b in (torch.randn(3, 5, dtype=torch.float64).t(), torch.randn(5, 6, dtype=torch.float64)[:, ::2],
+              torch.randn(5, 1, dtype=torch.float64).expand(5, 3)):
+        torch.testing.assert_close(st.spmm(a, b), dense @ b)
+    b = torch.randn(5, 3, dtype=torch.float64)
+    b[0, 0], b[1, 1] = float("nan"), float("inf")
+    # as in SciPy and torch.sparse: through stored entries only (an unstored zero times NaN adds nothing)
+    torch.testing.assert_close(st.spmm(a, b), torch.sparse.mm(a.to_sparse_coo(), b), equal_nan=True)
+    assert st.spmm(a, b).isnan().any()
+    b = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    y = st.spmm(a, b)
+    y.sum().backward(retain_graph=True)
+    first = b.grad.clone()
+    y.sum().backward()
+    torch.testing.assert_close(b.grad, 2 * first)
+    torch.testing.assert_close(first, dense.t() @ torch.ones(6, 3, dtype=torch.float64))
+    with torch.no_grad():
+        assert st.spmm(a, b).grad_fn is None
+    b.grad = None
+    st.spmm(a, b)[:2].sum().backward()  # the other rows get no incoming gradient
+    torch.testing.assert_close(b.grad, dense[:2].t() @ torch.ones(2, 3, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("m, k, n", [(0, 4, 3), (4, 0, 3), (4, 5, 0), (4, 5, 3)])
+def test_torch_spmm_and_sddmm_of_empty_shapes_and_no_stored_entries(m, k, n):
+    a = torch.zeros(m, k).to_sparse()  # nnz = 0
+    b = torch.randn(k, n, requires_grad=True)
+    y = st.spmm(a, b)
+    assert y.shape == (m, n) and not y.any()
+    y.sum().backward()
+    torch.testing.assert_close(b.grad, torch.zeros(k, n))
+    out = st.sddmm(a, torch.randn(m, n), torch.randn(k, n))
+    assert out.shape == (m, k) and out.values().numel() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_torch_spmm_sddmm_prune_half_precision_is_a_type_error_naming_the_dtype(dtype):
+    name = str(dtype).removeprefix("torch.")
+    a = torch.eye(3).to_sparse_csr()
+    with pytest.raises(TypeError, match=name):
+        st.spmm(a, torch.ones(3, 2, dtype=dtype))
+    with pytest.raises(TypeError, match=name):
+        st.spmm(torch.eye(3, dtype=dtype).to_sparse(), torch.ones(3, 2))
+    with pytest.raises(TypeError, match=name):
+        st.sddmm(a, torch.ones(3, 2, dtype=dtype), torch.ones(3, 2))
+    with pytest.raises(TypeError, match=name):
+        st.prune(torch.ones(3, 2, dtype=dtype), 0.5)
+
+
+def test_sparse_linear_mixed_int32_and_int64_index_tensors(rng):
+    indptr, indices = random_structure(rng, 7, 6, 0.4, messy=True)
+    values = torch.randn(indices.numel(), dtype=torch.float64, requires_grad=True)
+    x = torch.randn(3, 6, dtype=torch.float64, requires_grad=True)
+    for first, second in ((indptr.int(), indices), (indptr, indices.int())):
+        y = st.sparse_linear(x, values, first, second, (7, 6))
+        np.testing.assert_allclose(y.detach().numpy(), linear_reference(x, values, indptr, indices, (7, 6)), atol=1e-12)
+        assert torch.autograd.gradcheck(lambda x, v: st.sparse_linear(x, v, first, second, (7, 6)), (x, values))
+
+
 def test_torch_sddmm_matches_the_dense_product_sampled_at_the_pattern(rng):
     pattern = messy_coo(rng, 7, 6)
     a, b = torch.randn(7, 4), torch.randn(6, 4)
@@ -332,7 +477,7 @@ def test_torch_prune_matches_the_array_level_and_keeps_the_largest(rng):
     np.testing.assert_array_equal(rows * 9 + cols, reference.largest_positions(w.numpy(), 18))
     torch.testing.assert_close(out.values(), w[rows, cols])
     assert st.prune(w.t(), 0.5, method="random", seed=1).values().numel() == 36
-    with pytest.raises(TypeError, match="takes a dense tensor"):
+    with pytest.raises(TypeError, match="w must be a dense tensor"):
         st.prune(w.to_sparse(), 0.5)
 
 
@@ -413,7 +558,11 @@ def test_pickling_and_deepcopy_drop_the_recorded_batch():
 @pytest.mark.parametrize("bad, error, message", [
     ({"sparsity": 1.2}, ValueError, r"sparsity must be in \[0, 1\]"),
     ({"sparsity": None}, TypeError, r"sparsity must be a number"),
-    ({"in_features": -1}, ValueError, r"must be >= 0"),
+    ({"in_features": -1}, ValueError, r"in_features must be non-negative"),
+    ({"in_features": 2.5}, TypeError, r"in_features must be an int, not float \(2.5\)"),
+    ({"in_features": 4.0}, TypeError, r"in_features must be an int, not float"),
+    ({"out_features": True}, TypeError, r"out_features must be an int, not a bool"),
+    ({"out_features": "3"}, TypeError, r"out_features must be an int, not str"),
 ])
 def test_sparse_linear_module_bad_arguments(bad, error, message):
     kwargs = {"in_features": 4, "out_features": 3, "sparsity": 0.5} | bad
@@ -493,6 +642,49 @@ def test_prune_and_regrow_bad_input():
     layer.prune_and_regrow(0.0)
     layer.prune_and_regrow(1.0)
     assert layer.nnz == 15
+
+
+def test_prune_and_regrow_and_from_dense_argument_types():
+    layer = st.SparseLinear(6, 5, sparsity=0.5)
+    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer .* not str"):
+        layer.prune_and_regrow(0.2, optimizer="adam")
+    with pytest.raises(TypeError, match="regrow must be a str .* not list"):
+        layer.prune_and_regrow(0.2, regrow=["random"])
+    with pytest.raises(TypeError, match="fraction must be a number in \\[0, 1\\], not str"):
+        layer.prune_and_regrow("0.2")
+    with pytest.raises(TypeError, match="from_dense takes a torch.nn.Linear, not str"):
+        st.SparseLinear.from_dense("linear", 0.5)
+    with pytest.raises(TypeError, match="from_dense takes a torch.nn.Linear, not Conv1d"):
+        st.SparseLinear.from_dense(torch.nn.Conv1d(2, 2, 1), 0.5)
+    with pytest.raises(TypeError, match="method must be a str"):
+        st.SparseLinear.from_dense(torch.nn.Linear(2, 2), 0.5, method=1)
+    with pytest.raises(TypeError, match="sparsity must be a number"):
+        st.SparseLinear.from_dense(torch.nn.Linear(2, 2), "0.5")
+
+
+@pytest.mark.parametrize("bad", [None, 2.0, [[1.0, 2.0]], "sparse"], ids=["None", "float", "list", "sparse"])
+def test_non_dense_tensors_where_dense_ones_are_required_are_type_errors_naming_the_argument(bad):
+    a = torch.tensor([[1.0, 0.0], [0.0, 2.0]]).to_sparse_csr()
+    indptr, indices, values = torch.tensor([0, 1, 2]), torch.tensor([0, 1]), torch.ones(2)
+    if bad == "sparse":
+        bad, message = torch.ones(2, 2).to_sparse(), "must be a dense tensor, not one of layout torch.sparse_coo"
+    else:
+        message = f"must be a torch.Tensor, not {type(bad).__name__}"
+    calls = {
+        "spmm: b": lambda: st.spmm(a, bad),
+        "sddmm: a": lambda: st.sddmm(a, bad, torch.ones(2, 2)),
+        "sddmm: b": lambda: st.sddmm(a, torch.ones(2, 2), bad),
+        "prune: w": lambda: st.prune(bad, 0.5),
+        "sparse_linear: x": lambda: st.sparse_linear(bad, values, indptr, indices, (2, 2)),
+        "sparse_linear: values": lambda: st.sparse_linear(torch.ones(2, 2), bad, indptr, indices, (2, 2)),
+        "sparse_linear: indptr": lambda: st.sparse_linear(torch.ones(2, 2), values, bad, indices, (2, 2)),
+        "sparse_linear: indices": lambda: st.sparse_linear(torch.ones(2, 2), values, indptr, bad, (2, 2)),
+    }
+    if bad is not None:
+        calls["sparse_linear: bias"] = lambda: st.sparse_linear(torch.ones(2, 2), values, indptr, indices, (2, 2), bad)
+    for name, call in calls.items():
+        with pytest.raises(TypeError, match=f"spchain.torch.{name} {message}"):
+            call()
 
 
 def test_weight_memory_is_o_nnz_with_adam():

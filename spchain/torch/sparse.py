@@ -18,11 +18,10 @@ import warnings
 import weakref
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from .. import _backend, _checks
 from .. import sparse as _sparse
-from ._bridge import check_same_device, on_device, to_array, to_tensor
+from ._bridge import check_same_device, first_order, on_device, to_array, to_tensor
 
 __all__ = ["spmm", "sddmm", "prune", "sparse_linear", "SparseLinear"]
 
@@ -48,6 +47,18 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     if t.dim() == 2:
         return t
     return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
+
+
+def _check_dense_tensors(caller: str, optional=(), **tensors) -> None:
+    """``TypeError`` naming the first of ``tensors`` that is not a dense (strided) tensor;
+    ``None`` is allowed for the names in ``optional``."""
+    for name, t in tensors.items():
+        if t is None and name in optional:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{caller}: {name} must be a torch.Tensor, not {type(t).__name__}")
+        if t.layout != torch.strided:
+            raise TypeError(f"{caller}: {name} must be a dense tensor, not one of layout {t.layout}")
 
 
 def _sparse_tensor(t, caller: str):
@@ -81,7 +92,11 @@ def _csr_of(csr: _sparse.Csr, data, copy: bool) -> torch.Tensor:
 
 
 class _Spmm(torch.autograd.Function):
-    """``a @ b`` for a sparse ``a``, differentiable with respect to the dense ``b``."""
+    """``a @ b`` for a sparse ``a``, differentiable with respect to the dense ``b``.
+
+    The backward reads ``a``'s tensors through ``ctx.saved_tensors`` (autograd raises if they
+    changed in place since the forward) together with the CSR form the forward built of them.
+    """
 
     @staticmethod
     def forward(ctx, b, fmt, shape, data, first, second):
@@ -92,14 +107,14 @@ class _Spmm(torch.autograd.Function):
             backend = _backend.backend_of(*arrays, b_array, caller=caller)
             csr, out = _sparse.spmm_parts(backend, fmt, shape, arrays[0], arrays[1:], b_array, caller)
         if ctx.needs_input_grad[0]:
-            ctx.save_for_backward(*(to_tensor(a) for a in (csr.indptr, csr.indices, csr.data)))
+            ctx.save_for_backward(data, first, second, *(to_tensor(a) for a in (csr.indptr, csr.indices, csr.data)))
             ctx.shape, ctx.b_dtype = csr.shape, b.dtype
         return _as_tensor(out)
 
     @staticmethod
-    @once_differentiable
+    @first_order("spchain.torch.spmm")
     def backward(ctx, grad_out):
-        indptr, indices, data = ctx.saved_tensors
+        indptr, indices, data = ctx.saved_tensors[3:]
         with on_device(grad_out.device):
             csr = _sparse.Csr(to_array(indptr), to_array(indices), to_array(data), ctx.shape)
             grad = _as_array(grad_out) if grad_out.dim() == 2 else to_array(grad_out)[:, None]
@@ -141,12 +156,11 @@ def spmm(a, b):
     """
     caller = "spchain.torch.spmm"
     fmt, shape, data, first, second = _sparse_tensor(a, caller)
+    _check_dense_tensors(caller, b=b)
     check_same_device(caller, a=data, b=b)
     if a.requires_grad and torch.is_grad_enabled():
         raise TypeError(f"{caller} differentiates with respect to the dense operand only, and a requires grad; "
                         "for a trainable sparse weight use spchain.torch.sparse_linear or SparseLinear")
-    if b.layout != torch.strided:
-        raise TypeError(f"{caller}: b must be a dense tensor, not one of layout {b.layout}")
     return _Spmm.apply(b, fmt, shape, data, first, second)
 
 
@@ -176,6 +190,7 @@ def sddmm(pattern, a, b):
     """
     caller = "spchain.torch.sddmm"
     fmt, shape, _, first, second = _sparse_tensor(pattern, caller)
+    _check_dense_tensors(caller, a=a, b=b)
     device = check_same_device(caller, pattern=first, a=a, b=b)
     with on_device(device):
         index = [to_array(t) for t in (first, second)]
@@ -204,8 +219,7 @@ def prune(w, sparsity, *, method="magnitude", seed=None):
             [ 2.,  0.]])
     """
     caller = "spchain.torch.prune"
-    if not isinstance(w, torch.Tensor) or w.layout != torch.strided:
-        raise TypeError(f"{caller} takes a dense tensor, not {type(w).__name__} of layout {getattr(w, 'layout', None)}")
+    _check_dense_tensors(caller, w=w)
     with on_device(w.device):
         array = _as_array(w) if w.dim() == 2 else to_array(w)
         backend = _backend.backend_of(array, caller=caller)
@@ -220,50 +234,49 @@ class _StructureCache:
     """Validated CSR structures of :func:`sparse_linear` and, on the CPU, their transposes.
 
     One entry per live ``(indptr, indices)`` tensor pair, keyed by identity and held through
-    weak references, so it goes when the tensors go; it is reused while both tensors' version
-    counters are unchanged (every in-place op bumps them) and rebuilt otherwise. An entry holds
-    only arrays it built itself (the transpose), never views of the tensors.
+    weak references, so it goes when the tensors go. An entry holds private copies of the
+    validated structure, and the products run on those copies: every call compares the
+    tensors' contents with them (O(nnz), next to an O(nnz * batch) product) and validates and
+    rebuilds the entry when they differ. Version counters are not trusted: writes through a
+    NumPy view or ``.data`` do not bump them, and an unchecked index would reach a kernel.
     """
 
     def __init__(self):
         self._entries = {}
 
     def get(self, backend, indptr, indices, arrays, shape, caller):
-        """``(csr, transpose)`` for the structure of the tensors ``indptr, indices`` (``arrays``)."""
+        """``(csr, transpose)`` for the structure in the tensors ``indptr, indices`` (their
+        ``arrays``): ``csr`` on private validated copies, ``transpose`` its
+        ``(csr_t, order)`` on the CPU (``None`` on the GPU)."""
         key = (id(indptr), id(indices))
-        versions = (_version(indptr), _version(indices))
-        stamp = (versions, shape, backend.device)
+        stamp = (shape, backend.device)
         entry = self._entries.get(key)
         if entry is not None and entry[0]() is indptr and entry[1]() is indices and entry[2] == stamp:
-            return _sparse.to_csr(backend, "csr", shape, None, *arrays, caller, trusted=True), entry[3]
-        csr = _sparse.to_csr(backend, "csr", shape, None, *arrays, caller)
+            csr, transpose = entry[3]
+            xp = backend.xp
+            if bool(xp.array_equal(csr.indices, arrays[1])) and bool(xp.array_equal(csr.indptr, arrays[0])):
+                return csr, transpose
+        csr = _sparse.to_csr(backend, "csr", shape, None, *(a.copy() for a in arrays), caller)
         transpose = None if backend.on_gpu else _sparse.transposed(backend, csr)
-        if None not in versions:
-            def forget(_, entries=self._entries):
-                entries.pop(key, None)
 
-            self._entries[key] = (weakref.ref(indptr, forget), weakref.ref(indices, forget), stamp, transpose)
+        def forget(_, entries=self._entries):
+            entries.pop(key, None)
+
+        self._entries[key] = (weakref.ref(indptr, forget), weakref.ref(indices, forget), stamp, (csr, transpose))
         return csr, transpose
 
     def __len__(self) -> int:
         return len(self._entries)
 
 
-def _version(t: torch.Tensor):
-    """``t``'s version counter, or ``None`` for a tensor without one (an inference tensor)."""
-    try:
-        return t._version
-    except RuntimeError:
-        return None
-
-
 _STRUCTURES = _StructureCache()
 
 
 def _linear(x, values, bias, indptr, indices, shape):
-    """``(y, x_saved, dtype, x_row_major)``: the forward of :func:`sparse_linear` on validated
-    tensors, with ``x_saved`` the array :func:`spchain.sparse.linear_backward` reads x from and
-    ``x_row_major`` whether x (as a matrix) came row-major."""
+    """``(y, x_saved, dtype, x_row_major, structure)``: the forward of :func:`sparse_linear` on
+    validated tensors, with ``x_saved`` the array :func:`spchain.sparse.linear_backward` reads
+    x from, ``x_row_major`` whether x (as a matrix) came row-major and ``structure`` the
+    ``(csr, transpose)`` the product ran on."""
     caller = "spchain.torch.sparse_linear"
     x2 = _rows(x)
     with on_device(x.device):
@@ -271,37 +284,48 @@ def _linear(x, values, bias, indptr, indices, shape):
         ba = None if bias is None else to_array(bias)
         backend = _backend.backend_of(xa, va, ba, ia, ja, caller=caller)
         dtype = _checks.float_dtype(caller, x=xa, values=va, bias=ba)
-        csr, _ = _STRUCTURES.get(backend, indptr, indices, (ia, ja), shape, caller)
-        y, x_saved = _sparse.linear(backend, csr, va, xa, ba, dtype)
+        structure = _STRUCTURES.get(backend, indptr, indices, (ia, ja), shape, caller)
+        y, x_saved = _sparse.linear(backend, structure[0], va, xa, ba, dtype)
     y = _as_tensor(y)
-    return (y if x.dim() == 2 else y.reshape(*x.shape[:-1], shape[0])), x_saved, dtype, x2.is_contiguous()
+    y = y if x.dim() == 2 else y.reshape(*x.shape[:-1], shape[0])
+    return y, x_saved, dtype, x2.is_contiguous(), structure
 
 
 class _SparseLinear(torch.autograd.Function):
-    """``x @ W.T + bias`` for a CSR weight; gradients for ``x``, ``values`` and ``bias``."""
+    """``x @ W.T + bias`` for a CSR weight; gradients for ``x``, ``values`` and ``bias``.
+
+    The caller's tensors the backward depends on (``x``, ``values``, ``indptr``, ``indices``)
+    go through ``ctx.save_for_backward``, so autograd raises if one changed in place since
+    the forward. ``ctx.structure`` is the cache's ``(csr, transpose)`` the forward ran on:
+    private arrays that nothing writes to (the cache replaces an entry, never updates it), so
+    the backward differentiates exactly the product the forward computed, without converting
+    them to tensors and back on every call.
+    """
 
     @staticmethod
     def forward(ctx, x, values, bias, indptr, indices, shape):
-        y, x_saved, dtype, x_row_major = _linear(x, values, bias, indptr, indices, shape)
+        y, x_saved, dtype, x_row_major, structure = _linear(x, values, bias, indptr, indices, shape)
         need_x, need_values = ctx.needs_input_grad[:2]
-        ctx.save_for_backward(_as_tensor(x_saved) if need_values else None, values if need_x else None, indptr, indices)
+        x_saved = _as_tensor(x_saved) if need_values else None
+        ctx.save_for_backward(x if need_values else None, x_saved, values if need_x else None, indptr, indices)
+        ctx.structure = structure
         ctx.shape, ctx.x_shape, ctx.x_row_major, ctx.dtype = shape, x.shape, x_row_major, dtype
         ctx.dtypes = (x.dtype, values.dtype, None if bias is None else bias.dtype)
         return y
 
     @staticmethod
-    @once_differentiable
+    @first_order("spchain.torch.sparse_linear")
     def backward(ctx, grad_y):
         caller = "spchain.torch.sparse_linear"
-        x_saved, values, indptr, indices = ctx.saved_tensors
+        _, x_saved, values, _, _ = ctx.saved_tensors
         need_x, need_values, need_bias = ctx.needs_input_grad[:3]
         grad_y2 = _rows(grad_y)
+        csr, transpose = ctx.structure
         with on_device(grad_y.device):
-            ga, ia, ja = _as_array(grad_y2), to_array(indptr), to_array(indices)
+            ga = _as_array(grad_y2)
             va = None if values is None else to_array(values)
             xa = None if x_saved is None else _as_array(x_saved)
-            backend = _backend.backend_of(ga, ia, ja, caller=caller)
-            csr, transpose = _STRUCTURES.get(backend, indptr, indices, (ia, ja), ctx.shape, caller)
+            backend = _backend.backend_of(ga, csr.indices, caller=caller)
             grad_x, grad_values = _sparse.linear_backward(backend, csr, transpose, va, ga, xa, ctx.dtype,
                                                           need_x, need_values)
             if grad_x is not None and ctx.x_row_major:  # x's layout, as autograd prefers for a leaf
@@ -347,8 +371,12 @@ def sparse_linear(x, values, indptr, indices, shape, bias=None):
     Notes
     -----
     The structure is validated once and cached with its transpose (the csr2csc order the input
-    gradient needs), per live ``(indptr, indices)`` pair, until either tensor is modified in
-    place; repeated calls on one structure pay neither again. The backward computes the input
+    gradient needs), per live ``(indptr, indices)`` pair; each call only compares the tensors
+    with the cached copy (O(nnz), however they were changed: in place, through ``.data`` or
+    a NumPy view) and validates and rebuilds on any difference. The backward differentiates
+    the structure its forward ran on; changing ``x``, ``values``, ``indptr`` or ``indices`` in
+    place between them raises autograd's version-counter error, as ``nn.Linear`` does.
+    ``create_graph=True`` raises (no double backward). The backward computes the input
     gradient by the transposed product and the value gradient by SDDMM; no dense weight or
     dense weight gradient is ever formed.
 
@@ -365,6 +393,7 @@ def sparse_linear(x, values, indptr, indices, shape, bias=None):
     tensor([4., 4., 4.])
     """
     caller = "spchain.torch.sparse_linear"
+    _check_dense_tensors(caller, ("bias",), x=x, values=values, indptr=indptr, indices=indices, bias=bias)
     check_same_device(caller, x=x, values=values, indptr=indptr, indices=indices, bias=bias)
     shape = _sparse.check_shape(caller, shape)
     if x.dim() == 0 or x.shape[-1] != shape[1]:
@@ -455,9 +484,8 @@ class SparseLinear(torch.nn.Module):
     def __init__(self, in_features, out_features, bias=True, *, sparsity=0.9, device=None, dtype=None):
         super().__init__()
         caller = "SparseLinear"
-        in_features, out_features = (int(n) for n in (in_features, out_features))
-        if in_features < 0 or out_features < 0:
-            raise ValueError(f"{caller}: in_features and out_features must be >= 0, got {in_features}, {out_features}")
+        in_features = _sparse.check_size(caller, "in_features", in_features)
+        out_features = _sparse.check_size(caller, "out_features", out_features)
         total = in_features * out_features
         nnz = total - round(_sparse.check_fraction(caller, "sparsity", sparsity) * total)
         backend = _backend.NUMPY
@@ -501,6 +529,8 @@ class SparseLinear(torch.nn.Module):
         >>> sparse.nnz, bool((sparse.to_dense().weight != 0).sum() <= 32)
         (32, True)
         """
+        if not isinstance(linear, torch.nn.Linear):
+            raise TypeError(f"SparseLinear.from_dense takes a torch.nn.Linear, not {type(linear).__name__}")
         weight = linear.weight.detach()
         csr = prune(weight, sparsity, method=method, seed=_torch_seed() if method == "random" else None)
         module = cls.__new__(cls)
@@ -575,8 +605,13 @@ class SparseLinear(torch.nn.Module):
         """
         caller = "SparseLinear.prune_and_regrow"
         n_move = round(_sparse.check_fraction(caller, "fraction", fraction) * self.nnz)
+        if not isinstance(regrow, str):
+            raise TypeError(f"{caller}: regrow must be a str ('random' or 'gradient'), not {type(regrow).__name__}")
         if regrow not in ("random", "gradient"):
             raise ValueError(f"{caller}: regrow must be 'random' or 'gradient', not {regrow!r}")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"{caller}: optimizer must be a torch.optim.Optimizer (the one that steps this layer's "
+                            f"values) or None, not {type(optimizer).__name__}")
         if optimizer is not None and not any(p is self.values for g in optimizer.param_groups for p in g["params"]):
             raise ValueError(f"{caller}: the optimizer does not hold this layer's values")
         gradient = None
