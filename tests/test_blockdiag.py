@@ -244,12 +244,27 @@ def test_grouped_matmul_any_layout(xp, rng, layout):
         (5, ValueError, r"group_sizes has shape \(\) but w has 2 groups"),
         ([2.0, 3.0], TypeError, r"group_sizes must hold integers, not float64"),
         ([True, True], TypeError, r"group_sizes must hold integers, not bool"),
+        ([2**62, 2**62 + 5], ValueError, r"group_sizes must each be at most the 5 rows of x"),
+        (np.array([2**63 - 1, 2**63 - 1, 7], np.int64)[1:], ValueError, r"group_sizes must each be at most the 5 rows of x"),
+        (np.array([2**64 - 1, 6], np.uint64), ValueError, r"group_sizes must each be at most the 5 rows of x, got \[18446744073709551615, 6\]"),
+        ([2**70, 5], ValueError, r"group_sizes must each be at most the 5 rows of x"),
+        ([2, 3.0], TypeError, r"group_sizes must hold integers, not float64"),
     ],
-    ids=["short-sum", "long-sum", "negative", "too-few", "2-d", "scalar", "floats", "bools"],
+    ids=["short-sum", "long-sum", "negative", "too-few", "2-d", "scalar", "floats", "bools",
+         "int64-wraps", "int64-max", "uint64-max", "past-int64", "mixed"],
 )
 def test_bad_group_sizes(group_sizes, error, message):
     with pytest.raises(error, match=rf"spchain\.grouped_matmul: {message}"):
         sc.grouped_matmul(np.ones((5, 3)), np.ones((2, 3, 4)), group_sizes)
+
+
+def test_group_sizes_whose_int64_sum_wraps_to_n_are_rejected():
+    # the int64 sum of these is 6 = N: every row went to w[0] before the per-size check
+    x, w = np.ones((6, 4)), np.ones((4, 4, 4))
+    with pytest.raises(ValueError, match=r"at most the 6 rows of x"):
+        sc.grouped_matmul(x, w, [2**62, 2**62, 2**62, 2**62 + 6])
+    with pytest.raises(ValueError, match=r"at most the 6 rows of x"):
+        sc.grouped_matmul(x, w, np.array([2**62, 2**62, 2**62, 2**62 + 6], np.int64))
 
 
 @pytest.mark.parametrize(

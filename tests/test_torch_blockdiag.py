@@ -218,6 +218,38 @@ def test_shape_device_type_and_group_size_errors():
         sct.grouped_matmul(x[:, 0], w, torch.tensor([2.0, 2.0]))
 
 
+WRAPPING_SIZES = [2**62, 2**62, 2**62, 2**62 + 6]
+"""Their int64 sum wraps around to 6."""
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.uint64, torch.int32, torch.int16, torch.int8, torch.uint8])
+def test_group_sizes_tensor_of_any_integer_dtype(dtype):
+    x, w = make((8, 4), seed=1), make((4, 4, 3), seed=2)
+    torch.testing.assert_close(sct.grouped_matmul(x, w, torch.tensor(GROUP_SIZES, dtype=dtype)),
+                               loop_grouped(x, w, GROUP_SIZES))
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [WRAPPING_SIZES, np.array(WRAPPING_SIZES), torch.tensor(WRAPPING_SIZES), torch.tensor([2**63 - 1, 0, 0, 6], dtype=torch.uint64)],
+    ids=["list", "ndarray", "tensor", "uint64-tensor"],
+)
+def test_group_sizes_past_n_are_rejected_before_anything_runs(sizes):
+    x = torch.ones(6, 4, requires_grad=True)
+    with pytest.raises(ValueError, match=r"spchain.torch.grouped_matmul: group_sizes must each be at most the 6 rows"):
+        sct.grouped_matmul(x, torch.ones(4, 4, 2), sizes)
+    with pytest.raises(ValueError, match=r"GroupedLinear: group_sizes must each be at most the 6 rows"):
+        sct.GroupedLinear(4, 4, 2)(x, sizes)  # segfaulted in the bias's repeat_interleave
+
+
+@pytest.mark.parametrize("sizes, dtype", [(torch.tensor([2.0, 2.0]), "float32"), (torch.tensor([True, True]), "bool"),
+                                          ([2.0, 2.0], "float64")])
+def test_group_sizes_of_floats_or_bools_are_type_errors(sizes, dtype):
+    for layer in (lambda x, s: sct.grouped_matmul(x, torch.ones(2, 3, 2), s), sct.GroupedLinear(2, 3, 2)):
+        with pytest.raises(TypeError, match=rf"group_sizes must hold integers, not {dtype}"):
+            layer(torch.ones(4, 3), sizes)
+
+
 @pytest.mark.parametrize("as_sizes", [list, tuple, torch.tensor, np.array], ids=["list", "tuple", "tensor", "ndarray"])
 def test_group_sizes_may_be_a_sequence_tensor_or_array(as_sizes):
     x, w = make((8, 4), seed=1), make((4, 4, 3), seed=2)
