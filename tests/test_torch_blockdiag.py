@@ -404,3 +404,15 @@ def test_cuda_modules_and_gradcheck():
     assert torch.autograd.gradcheck(block, (x,), eps=1e-6, atol=1e-9, rtol=1e-7)
     xs = make((5, 4), seed=2).detach().cuda().requires_grad_()
     assert torch.autograd.gradcheck(lambda t: grouped(t, [2, 0, 3]), (xs,), eps=1e-6, atol=1e-9, rtol=1e-7)
+
+
+@pytest.mark.parametrize("op", ["block_diag_matmul", "grouped_matmul"])
+def test_double_backward_raises_instead_of_a_silent_zero_hessian(op):
+    x, w = make((4, 2, 3)), make((2, 3, 2), seed=1)
+    fn = (lambda x, w: sct.block_diag_matmul(x, w)) if op == "block_diag_matmul" else (
+        lambda x, w: sct.grouped_matmul(x.reshape(8, 3), w, [3, 5]))
+    match = r"double backward \(create_graph=True\) is not implemented"
+    with pytest.raises(RuntimeError, match=match):
+        torch.autograd.grad((fn(x, w) ** 2).sum(), w, create_graph=True)
+    with pytest.raises(RuntimeError, match=match):
+        torch.autograd.functional.hessian(lambda w: (fn(x, w) ** 2).sum(), w)

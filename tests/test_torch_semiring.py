@@ -105,3 +105,23 @@ def test_cuda_tensors_match_cpu():
             torch.testing.assert_close(x.grad.cpu(), y.grad)
     m = randn(2, 5, 3, 3)
     torch.testing.assert_close(st.log_chain_product(m.cuda()).cpu(), st.log_chain_product(m))
+
+
+SEMIRING_OPS = {
+    "logmatmul": lambda a, b: st.logmatmul(a, b),
+    "maxmatmul": lambda a, b: st.maxmatmul(a, b)[0],
+    "log_chain_product": lambda a, b: st.log_chain_product(torch.stack([a, b])),
+}
+
+
+@pytest.mark.parametrize("name", SEMIRING_OPS)
+def test_double_backward_raises_instead_of_a_silent_first_order_gradient(name):
+    fn = SEMIRING_OPS[name]
+    a, b = randn(3, 3).requires_grad_(), randn(3, 3, seed=1).requires_grad_()
+    match = rf"spchain.torch.{name}: double backward \(create_graph=True\) is not implemented"
+    with pytest.raises(RuntimeError, match=match):
+        torch.autograd.grad(fn(a, b).sum(), a, create_graph=True)
+    with pytest.raises(RuntimeError, match=match):
+        torch.autograd.functional.hessian(lambda a: fn(a, b).sum(), a)
+    (grad,) = torch.autograd.grad(fn(a, b).sum(), a)  # first order is fine
+    assert grad.shape == a.shape

@@ -13,10 +13,9 @@ import numbers
 import numpy as np
 import torch
 from torch import nn
-from torch.autograd.function import once_differentiable
 
 from .. import blockdiag
-from ._bridge import check_same_device, on_device, to_array, to_tensor
+from ._bridge import check_same_device, first_order, on_device, to_array, to_tensor
 
 
 @contextlib.contextmanager
@@ -41,7 +40,7 @@ class _PerGroupMatmul(torch.autograd.Function):
             return to_tensor(product(to_array(x), to_array(w), *extra))
 
     @staticmethod
-    @once_differentiable
+    @first_order("spchain.torch.block_diag_matmul / grouped_matmul")
     def backward(ctx, grad):
         x, w = ctx.saved_tensors
         grad_x = grad_w = None

@@ -2,11 +2,10 @@
 
 import numpy as np
 import torch
-from torch.autograd.function import once_differentiable
 
 from .. import _backend, _logspace
 from .. import semiring as _semiring
-from ._bridge import check_same_device, on_device, to_array, to_tensor
+from ._bridge import check_same_device, first_order, on_device, to_array, to_tensor
 
 _QUIET = {"divide": "ignore", "invalid": "ignore", "over": "ignore"}
 
@@ -24,7 +23,7 @@ class _LogMatmul(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
+    @first_order("spchain.torch.logmatmul")
     def backward(ctx, grad):
         a, b, out = ctx.saved_tensors
         need_a, need_b = ctx.needs_input_grad
@@ -49,7 +48,7 @@ class _MaxMatmul(torch.autograd.Function):
         return values, argmax
 
     @staticmethod
-    @once_differentiable
+    @first_order("spchain.torch.maxmatmul")
     def backward(ctx, grad, _):
         (argmax,) = ctx.saved_tensors
         a_shape, b_shape = ctx.shapes
@@ -71,7 +70,7 @@ class _LogChainProduct(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
+    @first_order("spchain.torch.log_chain_product")
     def backward(ctx, grad):
         (m,) = ctx.saved_tensors
         with on_device(grad.device), np.errstate(**_QUIET):
