@@ -100,7 +100,8 @@ def log_matmul_grads(xp, a, b, out, grad, need_a: bool = True, need_b: bool = Tr
     scaled product ``r`` recomputed, ``d a = u * ((grad / r) @ e^T)`` and
     ``d b = e * (u^T @ (grad / r))``, where ``u = exp(a - rowmax)`` and ``e = exp(b - colmax)``
     (the softmax weights, rebuilt from the max shifts); the weights ``grad / r`` are exact
-    whatever the magnitude of the logs. Entries whose ``r`` underflowed contribute exactly, in
+    whatever the magnitude of the logs, and scaled per row (column) of ``grad``, so every batch
+    element, row and column gets its gradient as if computed alone, whatever the others' scale. Entries whose ``r`` underflowed contribute exactly, in
     log space, instead. Entries where ``out`` is ``-inf`` have no weight and contribute 0.
     Returns ``None`` for a gradient that is not needed.
     """
@@ -114,12 +115,24 @@ def log_matmul_grads(xp, a, b, out, grad, need_a: bool = True, need_b: bool = Tr
     e = xp.exp(b - finite_or_zero(xp, b.max(axis=-2, keepdims=True)))
     scaled = _backend.matmul(xp, u, e)
     lost = scaled < underflow_threshold(a.dtype, k)
-    # weights scaled to at most 1 so that grad / r cannot overflow; NaN flows through
-    scale = float(xp.where(xp.isfinite(grad), xp.abs(grad), 0).max()) or 1.0
-    w = xp.where(lost | (grad == 0), 0, (grad / scale) / xp.where(lost, 1, scaled))
+    skip = lost | (grad == 0)
+    inverse = 1 / xp.where(skip, 1, scaled)
+    magnitude = xp.where(xp.isfinite(grad), xp.abs(grad), 0)
+
+    def weights(axis):
+        """``(grad / r) / scale`` and ``scale``, the largest finite ``|grad|`` of each row
+        (``axis=-1``) or column (``-2``): the weights are at most 1, so ``grad / r`` cannot
+        overflow, and a row (column) of tiny gradients is not lost beside another of huge ones
+        (each row of ``d a`` and column of ``d b`` is computed as if alone). NaN flows through."""
+        scale = magnitude.max(axis=axis, keepdims=True)
+        scale = xp.where(scale > 0, scale, 1)
+        return xp.where(skip, 0, (grad / scale) * inverse), scale
+
     if need_a:
+        w, scale = weights(-1)
         grad_a += scale * u * _backend.matmul(xp, w, e.swapaxes(-1, -2))
     if need_b:
+        w, scale = weights(-2)
         grad_b += scale * e * _backend.matmul(xp, u.swapaxes(-1, -2), w)
     exact = lost & (grad != 0) & (out > -np.inf)
     if exact.any():

@@ -125,3 +125,57 @@ def test_double_backward_raises_instead_of_a_silent_first_order_gradient(name):
         torch.autograd.functional.hessian(lambda a: fn(a, b).sum(), a)
     (grad,) = torch.autograd.grad(fn(a, b).sum(), a)  # first order is fine
     assert grad.shape == a.shape
+
+
+RTOL = {torch.float64: 1e-12, torch.float32: 1e-5}
+SCALES = {torch.float64: (1e-200, 1e200), torch.float32: (1e-25, 1e25)}
+
+
+def grad_with_scales(fn, inputs, out_shape, dtype, axis):
+    """Gradients of ``fn`` with incoming gradients of ``scales`` along ``axis``, and the same
+    computed with incoming gradients of 1 (each scaled afterwards: the gradient is linear)."""
+    tiny, huge = SCALES[dtype]
+    scales = torch.tensor([tiny, huge], dtype=dtype).reshape((2,) + (1,) * (len(out_shape) - 1 - axis))
+    g = randn(*out_shape, seed=3).to(dtype) * scales
+    ones = [x.detach().clone().requires_grad_() for x in inputs]
+    fn(*inputs).backward(g)
+    fn(*ones).backward(g / scales)
+    return [(x.grad, y.grad) for x, y in zip(inputs, ones)], scales
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_logmatmul_gradient_is_scaled_per_batch_element(dtype):
+    a, b = (randn(2, 3, 4) * 3).to(dtype).requires_grad_(), (randn(4, 5, seed=1) * 3).to(dtype).requires_grad_()
+    [(got_a, want_a), _], scales = grad_with_scales(st.logmatmul, (a, b), (2, 3, 5), dtype, 0)
+    torch.testing.assert_close(got_a, want_a * scales, rtol=RTOL[dtype], atol=0)  # the tiny element was 0
+    assert (got_a[0] != 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_logmatmul_gradient_is_scaled_per_row_and_column(dtype):
+    a, b = randn(2, 4).to(dtype).requires_grad_(), randn(4, 2, seed=1).to(dtype).requires_grad_()
+    [(got_a, want_a), _], scales = grad_with_scales(st.logmatmul, (a, b), (2, 2), dtype, 0)
+    torch.testing.assert_close(got_a, want_a * scales, rtol=RTOL[dtype], atol=0)
+    a, b = randn(2, 4).to(dtype).requires_grad_(), randn(4, 2, seed=1).to(dtype).requires_grad_()
+    [_, (got_b, want_b)], scales = grad_with_scales(st.logmatmul, (a, b), (2, 2), dtype, 1)
+    torch.testing.assert_close(got_b, want_b * scales.reshape(1, 2), rtol=RTOL[dtype], atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_log_chain_product_gradient_is_scaled_per_batch_element(dtype):
+    m = randn(2, 4, 3, 3).to(dtype).requires_grad_()
+    [(got, want)], scales = grad_with_scales(st.log_chain_product, (m,), (2, 3, 3), dtype, 0)
+    torch.testing.assert_close(got, want * scales[..., None], rtol=RTOL[dtype], atol=0)
+    assert (got[0] != 0).all()
+
+
+def test_chain_gemm_sweep_transition_gradient_is_scaled_per_group(monkeypatch):
+    import spchain.chain
+
+    monkeypatch.setattr(spchain.chain, "ALGORITHM", "gemm")
+    x = randn(2, 5, 3).requires_grad_()
+    trans = randn(2, 4, 3, 3, seed=1).requires_grad_()  # one set of transitions per chain
+    [(got_x, want_x), (got_t, want_t)], scales = grad_with_scales(st.chain_logsumexp, (x, trans), (2,), torch.float64, 0)
+    torch.testing.assert_close(got_t, want_t * scales[:, None, None, None], rtol=1e-12, atol=0)
+    assert (got_t[0] != 0).all()
+    torch.testing.assert_close(got_x, want_x * scales[:, None, None], rtol=1e-12, atol=0)
