@@ -175,3 +175,45 @@ def test_random_shapes_with_minus_inf(data, m, k, n, batch):
     want_values, want_argmax = reference.max_matmul(a, b)
     np.testing.assert_array_equal(values, want_values)
     np.testing.assert_array_equal(argmax, want_argmax)
+
+
+infinite_log_values = st.one_of(st.just(-np.inf), st.just(np.inf), st.floats(-50, 50))
+
+
+@given(data=st.data(), m=st.integers(0, 4), k=st.integers(0, 4), n=st.integers(0, 4), batch=st.integers(0, 2))
+def test_plus_inf_gives_plus_inf_never_nan(data, m, k, n, batch):
+    a = data.draw(hnp.arrays(np.float64, (batch, m, k), elements=infinite_log_values))
+    b = data.draw(hnp.arrays(np.float64, (k, n), elements=infinite_log_values))
+    want, _, _ = reference.log_matmul_and_grads(a, b, np.zeros((batch, m, n)))
+    got = sc.logmatmul(a, b)
+    assert not np.isnan(got).any()
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    terms = reference.semiring_terms(a, b)
+    values, argmax = sc.maxmatmul(a, b)
+    if k:
+        np.testing.assert_array_equal(argmax, np.argmax(terms, axis=-2))
+        np.testing.assert_array_equal(values, terms.max(axis=-2))
+    assert not np.isnan(values).any()
+
+
+def test_plus_inf_examples():
+    inf = np.inf
+    a, b = np.array([[inf, 0.0], [inf, np.nan]]), np.array([[-inf, 1.0], [0.0, inf]])
+    # row 0: inf + -inf is a structural zero, so column 0 is finite; column 1 has two +inf terms
+    np.testing.assert_array_equal(sc.logmatmul(a, b), [[0.0, inf], [np.nan, np.nan]])
+    np.testing.assert_array_equal(sc.maxmatmul(a, b)[0], [[0.0, inf], [np.nan, np.nan]])
+    np.testing.assert_array_equal(sc.maxmatmul(a, b)[1], [[1, 0], [1, 1]])  # NaN wins
+    np.testing.assert_array_equal(sc.logmatmul(np.array([[inf]]), np.array([[-inf]])), [[-inf]])
+    m = np.array([[[0.0, inf], [0.0, 0.0]], [[-inf, 0.0], [0.0, -inf]], [[0.0, 0.0], [-inf, 0.0]]])
+    np.testing.assert_array_equal(sc.log_chain_product(m), reference.log_chain_product_and_grad(m, np.zeros((2, 2)))[0])
+    assert np.isposinf(sc.log_chain_product(m)[0]).all() and np.isfinite(sc.log_chain_product(m)[1]).all()
+
+
+@pytest.mark.parametrize("length", [1, 2, 3, 4, 7])
+def test_log_chain_product_with_plus_and_minus_inf(rng, length):
+    m = rng.normal(size=(3, length, 3, 3))
+    m[rng.random(m.shape) < 0.2] = np.inf
+    m[rng.random(m.shape) < 0.3] = -np.inf
+    got = sc.log_chain_product(m)
+    assert not np.isnan(got).any()
+    np.testing.assert_allclose(got, reference.log_chain_product_and_grad(m, np.zeros((3, 3, 3)))[0], rtol=1e-12)

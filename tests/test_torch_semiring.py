@@ -4,6 +4,9 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as hyp
+from hypothesis.extra import numpy as hnp
 
 torch = pytest.importorskip("torch")
 
@@ -179,3 +182,74 @@ def test_chain_gemm_sweep_transition_gradient_is_scaled_per_group(monkeypatch):
     torch.testing.assert_close(got_t, want_t * scales[:, None, None, None], rtol=1e-12, atol=0)
     assert (got_t[0] != 0).all()
     torch.testing.assert_close(got_x, want_x * scales[:, None, None], rtol=1e-12, atol=0)
+
+
+# +inf and -inf (the rule of README "Log space") -----------------------------------------------
+
+with_infinities = hyp.one_of(hyp.just(-math.inf), hyp.just(math.inf), hyp.floats(-20, 20))
+
+
+@given(data=hyp.data(), m=hyp.integers(0, 3), k=hyp.integers(0, 3), n=hyp.integers(0, 3), batch=hyp.integers(1, 2))
+def test_logmatmul_gradients_with_plus_and_minus_inf_follow_the_rule(data, m, k, n, batch):
+    a = data.draw(hnp.arrays(np.float64, (batch, m, k), elements=with_infinities))
+    b = data.draw(hnp.arrays(np.float64, (k, n), elements=with_infinities))
+    grad = data.draw(hnp.arrays(np.float64, (batch, m, n), elements=hyp.floats(-2, 2)))
+    want_out, want_a, want_b = reference.log_matmul_and_grads(a, b, grad)
+    at, bt = torch.tensor(a, requires_grad=True), torch.tensor(b, requires_grad=True)
+    out = st.logmatmul(at, bt)
+    out.backward(torch.tensor(grad))
+    np.testing.assert_allclose(out.detach().numpy(), want_out, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(at.grad.numpy(), want_a, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(bt.grad.numpy(), want_b, rtol=1e-10, atol=1e-12)
+
+
+def test_plus_inf_output_shares_its_gradient_equally():
+    a = torch.tensor([[math.inf, 0.0]], requires_grad=True)
+    b = torch.tensor([[-math.inf, 1.0], [0.0, math.inf]], requires_grad=True)
+    for fn in (st.logmatmul, lambda a, b: st.maxmatmul(a, b)[0]):
+        a.grad = b.grad = None
+        out = fn(a, b)
+        torch.testing.assert_close(out.detach(), torch.tensor([[0.0, math.inf]]))
+        out.sum().backward()
+        # column 0 is its finite term (k = 1); column 1 has two +inf terms, 1/2 each
+        torch.testing.assert_close(a.grad, torch.tensor([[0.5, 1.5]]))
+        torch.testing.assert_close(b.grad, torch.tensor([[0.0, 0.5], [1.0, 0.5]]))
+
+
+@pytest.mark.parametrize("length", [1, 2, 3, 5])
+def test_log_chain_product_gradient_with_plus_and_minus_inf(length):
+    rng = np.random.default_rng(length)
+    m = rng.normal(size=(2, length, 3, 3))
+    m[rng.random(m.shape) < 0.15] = math.inf
+    m[rng.random(m.shape) < 0.3] = -math.inf
+    grad = rng.normal(size=(2, 3, 3))
+    mt = torch.tensor(m, requires_grad=True)
+    st.log_chain_product(mt).backward(torch.tensor(grad))
+    want_out, want_grad = reference.log_chain_product_and_grad(m, grad)
+    assert not torch.isnan(mt.grad).any()
+    np.testing.assert_allclose(mt.grad.numpy(), want_grad, rtol=1e-10, atol=1e-12)
+
+
+def test_maxmatmul_all_minus_inf_terms_give_minus_inf_and_zero_gradient():
+    a = torch.tensor([[-math.inf, -math.inf], [0.0, 1.0]], requires_grad=True)
+    b = torch.tensor([[0.0, -math.inf], [0.0, -math.inf]], requires_grad=True)
+    values, argmax = st.maxmatmul(a, b)
+    assert torch.isneginf(values[0]).all() and torch.isneginf(values[:, 1]).all()
+    assert (argmax[0] == 0).all()  # documented: argmax 0 where every term is -inf
+    values.sum().backward()
+    torch.testing.assert_close(a.grad, torch.tensor([[0.0, 0.0], [0.0, 1.0]]))
+    torch.testing.assert_close(b.grad, torch.tensor([[0.0, 0.0], [1.0, 0.0]]))
+
+
+@pytest.mark.parametrize("a_shape, b_shape", [((2, 0), (0, 3)), ((0, 2), (2, 3)), ((2, 2), (2, 0)), ((0, 2, 2), (2, 2))])
+def test_empty_shapes_give_correct_results_and_zero_gradients(a_shape, b_shape):
+    for fn in (st.logmatmul, lambda a, b: st.maxmatmul(a, b)[0]):
+        a, b = torch.zeros(a_shape, requires_grad=True), torch.zeros(b_shape, requires_grad=True)
+        out = fn(a, b)
+        assert torch.isneginf(out).all()
+        out.sum().backward()
+        assert a.grad.shape == a_shape and b.grad.shape == b_shape
+        assert (a.grad == 0).all() and (b.grad == 0).all()
+    m = torch.zeros(0, 3, 2, 2, requires_grad=True)
+    st.log_chain_product(m).sum().backward()
+    assert m.grad.shape == m.shape
