@@ -21,7 +21,7 @@ import numpy as np
 
 from . import _backend
 from ._backend import backend_of
-from ._checks import float_dtype
+from ._checks import dense, float_dtype
 
 
 def _blas_layout(xp, a):
@@ -80,6 +80,7 @@ def block_diag_matmul(x, w):
             [12., 14.]]])
     """
     caller = "spchain.block_diag_matmul"
+    x, w = dense(caller, x=x, w=w)
     backend = backend_of(x, w, caller=caller)
     dtype = float_dtype(caller, x=x, w=w)
     if w.ndim != 3 or x.ndim < 2 or x.shape[-2:] != w.shape[:2]:
@@ -198,6 +199,7 @@ def grouped_matmul(x, w, group_sizes):
            [3., 3.]])
     """
     caller = "spchain.grouped_matmul"
+    x, w = dense(caller, x=x, w=w)
     backend = backend_of(x, w, caller=caller)
     dtype = float_dtype(caller, x=x, w=w)
     if w.ndim != 3 or x.ndim != 2 or x.shape[1] != w.shape[1]:

@@ -16,6 +16,7 @@ CHAIN_CHUNK_BYTES = 1 << 28
 
 def _operands(a, b, caller: str):
     """Validated ``(backend, a, b, batch_shape)`` of a product over the last two axes."""
+    a, b = _checks.dense(caller, a=a, b=b)
     backend = _backend.backend_of(a, b, caller=caller)
     dtype = _checks.float_dtype(caller, a=a, b=b)
     if a.ndim < 2 or b.ndim < 2:
@@ -110,6 +111,7 @@ def maxmatmul_grads(xp, a_shape, b_shape, values, argmax, grad, infinite=None):
 
 
 def _chain_operand(m, caller: str):
+    (m,) = _checks.dense(caller, m=m)
     backend = _backend.backend_of(m, caller=caller)
     dtype = _checks.float_dtype(caller, m=m)
     if m.ndim < 3 or m.shape[-1] != m.shape[-2]:

@@ -5,6 +5,7 @@ import tracemalloc
 
 import numpy as np
 import pytest
+import scipy.sparse
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -313,3 +314,30 @@ def test_cupy_group_sizes_are_read_back_once_and_host_sizes_work_with_cupy_input
     want = reference.grouped_matmul(x, w, [2, 3])
     for sizes in ([2, 3], np.array([2, 3]), cp.array([2, 3])):
         assert_close(sc.grouped_matmul(cp.asarray(x), cp.asarray(w), sizes), want, np.float64)
+
+
+def test_np_matrix_operands_work_as_ndarrays(rng):
+    x, w = rng.standard_normal((2, 3)), rng.standard_normal((2, 3, 4))
+    got = sc.block_diag_matmul(np.matrix(x), w)
+    assert type(got) is np.ndarray
+    np.testing.assert_allclose(got, reference.block_diag_matmul(x, w), rtol=1e-12)
+    x = rng.standard_normal((5, 3))
+    got = sc.grouped_matmul(np.matrix(x), w, [2, 3])
+    assert type(got) is np.ndarray
+    np.testing.assert_allclose(got, reference.grouped_matmul(x, w, [2, 3]), rtol=1e-12)
+
+
+@pytest.mark.parametrize("fn", [sc.block_diag_matmul, lambda x, w: sc.grouped_matmul(x, w, [1])],
+                         ids=["block_diag_matmul", "grouped_matmul"])
+@pytest.mark.parametrize(
+    "x, w, match",
+    [
+        (1.0, np.ones((1, 1, 1)), "x must be an array, not float"),
+        (np.ones((1, 1)), None, "w must be an array, not NoneType"),
+        ([[1.0]], np.ones((1, 1, 1)), "x must be an array, not list"),
+        (scipy.sparse.eye(1, format="coo"), np.ones((1, 1, 1)), "x is a sparse coo matrix; it must be a dense array"),
+    ],
+)
+def test_scalars_none_lists_and_sparse_matrices_are_type_errors_naming_the_argument(fn, x, w, match):
+    with pytest.raises(TypeError, match=match):
+        fn(x, w)

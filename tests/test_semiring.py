@@ -1,6 +1,7 @@
 """logmatmul, maxmatmul and log_chain_product (spchain/semiring.py) against float64 references."""
 
 import numpy as np
+import scipy.sparse
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -217,3 +218,37 @@ def test_log_chain_product_with_plus_and_minus_inf(rng, length):
     got = sc.log_chain_product(m)
     assert not np.isnan(got).any()
     np.testing.assert_allclose(got, reference.log_chain_product_and_grad(m, np.zeros((3, 3, 3)))[0], rtol=1e-12)
+
+
+def test_np_matrix_operands_work_as_ndarrays(rng):
+    a, b = rng.normal(size=(3, 4)), rng.normal(size=(4, 2))
+    got = sc.logmatmul(np.matrix(a), np.matrix(b))
+    assert type(got) is np.ndarray
+    np.testing.assert_allclose(got, reference.log_matmul(a, b), rtol=1e-12)
+    values, argmax = sc.maxmatmul(np.matrix(a), b)
+    np.testing.assert_array_equal(values, reference.max_matmul(a, b)[0])
+    np.testing.assert_array_equal(argmax, reference.max_matmul(a, b)[1])
+
+
+@pytest.mark.parametrize("fn", [sc.logmatmul, sc.maxmatmul])
+@pytest.mark.parametrize(
+    "a, b, match",
+    [
+        (0.0, np.zeros((2, 2)), "a must be an array, not float"),
+        (np.zeros((2, 2)), None, "b must be an array, not NoneType"),
+        ([[0.0]], np.zeros((1, 1)), "a must be an array, not list"),
+        (np.zeros((2, 2)), np.float64(1.0), "b must be an array, not float64"),
+        (scipy.sparse.eye(2, format="csr"), np.zeros((2, 2)), "a is a sparse csr matrix; it must be a dense array"),
+    ],
+)
+def test_scalars_none_lists_and_sparse_matrices_are_type_errors_naming_the_argument(fn, a, b, match):
+    with pytest.raises(TypeError, match=rf"spchain\.{fn.__name__}: {match}"):
+        fn(a, b)
+
+
+@pytest.mark.parametrize("m, match", [(1.0, "m must be an array, not float"), (None, "m must be an array, not NoneType"),
+                                      ([[[0.0]]], "m must be an array, not list")])
+def test_log_chain_product_scalar_none_or_list_is_a_type_error(m, match):
+    with pytest.raises(TypeError, match=rf"spchain\.log_chain_product: {match}"):
+        sc.log_chain_product(m)
+    np.testing.assert_array_equal(sc.log_chain_product(np.matrix([[1.0]])[None]), [[1.0]])

@@ -416,3 +416,23 @@ def test_double_backward_raises_instead_of_a_silent_zero_hessian(op):
         torch.autograd.grad((fn(x, w) ** 2).sum(), w, create_graph=True)
     with pytest.raises(RuntimeError, match=match):
         torch.autograd.functional.hessian(lambda w: (fn(x, w) ** 2).sum(), w)
+
+
+def test_sparse_tensors_are_type_errors_naming_the_layout():
+    x, w = make((4, 2, 3)), make((2, 3, 2), seed=1)
+    with pytest.raises(TypeError, match=r"block_diag_matmul: w is a torch.sparse_coo tensor; it must be a dense"):
+        sct.block_diag_matmul(x, w.detach().to_sparse())
+    with pytest.raises(TypeError, match=r"grouped_matmul: x is a torch.sparse_csr tensor; it must be a dense"):
+        sct.grouped_matmul(x.detach()[:, 0].to_sparse_csr(), w, [2, 2])
+    with pytest.raises(TypeError, match=r"group_sizes must be a dense tensor, not a torch.sparse_coo one"):
+        sct.grouped_matmul(x[:, 0], w, torch.tensor([2, 2]).to_sparse())
+
+
+@pytest.mark.parametrize("x_shape, w_shape", [((0, 2, 3), (2, 3, 4)), ((5, 2, 0), (2, 0, 4)), ((5, 2, 3), (2, 3, 0))])
+def test_block_diag_empty_shapes_give_zero_gradients(x_shape, w_shape):
+    x, w = make(x_shape), make(w_shape, seed=1)
+    y = sct.block_diag_matmul(x, w)
+    assert y.shape == x_shape[:-1] + w_shape[-1:] and (y == 0).all()
+    y.sum().backward()
+    assert x.grad.shape == x_shape and w.grad.shape == w_shape
+    assert (x.grad == 0).all() and (w.grad == 0).all()

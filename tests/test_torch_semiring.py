@@ -253,3 +253,23 @@ def test_empty_shapes_give_correct_results_and_zero_gradients(a_shape, b_shape):
     m = torch.zeros(0, 3, 2, 2, requires_grad=True)
     st.log_chain_product(m).sum().backward()
     assert m.grad.shape == m.shape
+
+
+@pytest.mark.parametrize("to_sparse", [torch.Tensor.to_sparse, torch.Tensor.to_sparse_csr], ids=["coo", "csr"])
+def test_sparse_tensors_are_type_errors_naming_the_layout(to_sparse):
+    dense = randn(3, 3)
+    sparse = to_sparse(dense)
+    with pytest.raises(TypeError, match=r"spchain.torch.logmatmul: b is a torch.sparse_(coo|csr) tensor; it must be a dense"):
+        st.logmatmul(dense, sparse)
+    with pytest.raises(TypeError, match=r"spchain.torch.maxmatmul: a is a torch.sparse_(coo|csr) tensor"):
+        st.maxmatmul(sparse, dense)
+    with pytest.raises(TypeError, match=r"spchain.torch.log_chain_product: m is a torch.sparse_coo tensor"):
+        st.log_chain_product(dense[None].to_sparse())
+
+
+@pytest.mark.parametrize("a, match", [(0.0, "a must be a torch.Tensor, not float"), (None, "a must be a torch.Tensor, not NoneType"),
+                                      ([[0.0]], "a must be a torch.Tensor, not list")])
+def test_scalars_none_and_lists_are_type_errors_naming_the_argument(a, match):
+    for fn in (st.logmatmul, st.maxmatmul):
+        with pytest.raises(TypeError, match=match):
+            fn(a, randn(1, 1))

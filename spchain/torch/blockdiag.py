@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .. import blockdiag
+from .. import _checks, blockdiag
 from ._bridge import check_same_device, first_order, on_device, to_array, to_tensor
 
 
@@ -91,6 +91,7 @@ def block_diag_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     torch.Size([4, 8, 2])
     """
     check_same_device("spchain.torch.block_diag_matmul", x=x, w=w)
+    _checks.dense("spchain.torch.block_diag_matmul", x=x, w=w)
     return _PerGroupMatmul.apply(x, w, blockdiag.block_diag_matmul, blockdiag._block_diag_weight_grad)
 
 
@@ -133,6 +134,7 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, group_sizes) -> torch.Tenso
     """
     caller = "spchain.torch.grouped_matmul"
     check_same_device(caller, x=x, w=w)
+    _checks.dense(caller, x=x, w=w)
     sizes = _group_sizes(caller, group_sizes, w, x)
     return _PerGroupMatmul.apply(x, w, blockdiag.grouped_matmul, blockdiag._grouped_weight_grad, sizes)
 

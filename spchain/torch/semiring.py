@@ -3,7 +3,7 @@
 import numpy as np
 import torch
 
-from .. import _backend, _logspace
+from .. import _backend, _checks, _logspace
 from .. import semiring as _semiring
 from ._bridge import check_same_device, first_order, on_device, to_array, to_tensor
 
@@ -17,6 +17,7 @@ class _LogMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b):
         device = check_same_device("spchain.torch.logmatmul", a=a, b=b)
+        _checks.dense("spchain.torch.logmatmul", a=a, b=b)
         with on_device(device):
             out = to_tensor(_semiring.logmatmul(to_array(a), to_array(b)))
         ctx.save_for_backward(a, b, out)
@@ -43,6 +44,7 @@ class _MaxMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b):
         device = check_same_device("spchain.torch.maxmatmul", a=a, b=b)
+        _checks.dense("spchain.torch.maxmatmul", a=a, b=b)
         with on_device(device):
             values, argmax = (to_tensor(r) for r in _semiring.maxmatmul(to_array(a), to_array(b)))
         ctx.mark_non_differentiable(argmax)
@@ -73,6 +75,7 @@ class _LogChainProduct(torch.autograd.Function):
     @staticmethod
     def forward(ctx, m):
         device = check_same_device("spchain.torch.log_chain_product", m=m)
+        _checks.dense("spchain.torch.log_chain_product", m=m)
         with on_device(device):
             out = to_tensor(_semiring.log_chain_product(to_array(m)))
         ctx.save_for_backward(m)
