@@ -252,3 +252,35 @@ def test_log_chain_product_scalar_none_or_list_is_a_type_error(m, match):
     with pytest.raises(TypeError, match=rf"spchain\.log_chain_product: {match}"):
         sc.log_chain_product(m)
     np.testing.assert_array_equal(sc.log_chain_product(np.matrix([[1.0]])[None]), [[1.0]])
+
+
+@pytest.mark.parametrize("dtype, low", [(np.float32, -1e4), (np.float64, -1e300)])
+def test_very_negative_logs_stay_finite_and_accurate(rng, dtype, low):
+    a = (low + rng.normal(size=(3, 4))).astype(dtype)
+    b = rng.normal(size=(4, 2)).astype(dtype)
+    got = sc.logmatmul(a, b)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, reference.log_matmul(a, b), rtol=1e-6 if dtype == np.float32 else 1e-12)
+    m = np.stack([a[:, :3], b[:3].repeat(2, axis=1)[:, :3]]).astype(dtype)
+    assert np.isfinite(sc.log_chain_product(m)).all()
+    np.testing.assert_allclose(sc.log_chain_product(m), reference.log_chain_product(m), rtol=1e-6 if dtype == np.float32 else 1e-12)
+
+
+def test_zero_stride_read_only_operands_are_read_correctly_and_never_written(rng):
+    a = np.broadcast_to(rng.normal(size=(1, 4)), (3, 4))  # 0-stride rows, read-only
+    b = np.asfortranarray(rng.normal(size=(4, 5)))
+    b.flags.writeable = False
+    m = np.broadcast_to(rng.normal(size=(1, 3, 3)), (4, 3, 3))
+    np.testing.assert_allclose(sc.logmatmul(a, b), reference.log_matmul(a, b), rtol=1e-12)
+    np.testing.assert_array_equal(sc.maxmatmul(a, b)[1], reference.max_matmul(a, b)[1])
+    np.testing.assert_allclose(sc.log_chain_product(m), reference.log_chain_product(m), rtol=1e-12)
+    np.testing.assert_allclose(sc.log_chain_product(m.transpose(0, 2, 1)[::-1]), reference.log_chain_product(m.transpose(0, 2, 1)[::-1]), rtol=1e-12)
+
+
+def test_log_chain_product_all_minus_inf_and_nan():
+    m = np.zeros((2, 3, 2, 2))
+    m[0, 1] = -np.inf  # an impossible chain
+    m[1, 2, 0, 1] = np.nan
+    got = sc.log_chain_product(m)
+    assert np.isneginf(got[0]).all()
+    assert np.isnan(got[1, :, 1]).all() and np.isfinite(got[1, :, 0]).all()

@@ -273,3 +273,65 @@ def test_scalars_none_and_lists_are_type_errors_naming_the_argument(a, match):
     for fn in (st.logmatmul, st.maxmatmul):
         with pytest.raises(TypeError, match=match):
             fn(a, randn(1, 1))
+
+
+# RELIABILITY.md rows ---------------------------------------------------------------------------
+
+TORCH_OPS = {
+    "logmatmul": lambda a, b: st.logmatmul(a, b),
+    "maxmatmul": lambda a, b: st.maxmatmul(a, b)[0],
+    "log_chain_product": lambda a, b: st.log_chain_product(torch.stack([a, b.expand_as(a)])),
+}
+
+
+@pytest.mark.parametrize("name", TORCH_OPS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_is_a_type_error_naming_the_dtype(name, dtype):
+    with pytest.raises(TypeError, match=str(dtype).removeprefix("torch.")):
+        TORCH_OPS[name](torch.zeros(2, 2, dtype=dtype), torch.zeros(2, 2, dtype=dtype))
+
+
+@pytest.mark.parametrize("name", TORCH_OPS)
+def test_mixed_float32_and_float64_compute_in_float64_with_gradients_in_each_dtype(name):
+    a, b = randn(3, 3).float().requires_grad_(), randn(3, 3, seed=1).requires_grad_()
+    out = TORCH_OPS[name](a, b)
+    assert out.dtype == torch.float64
+    want = TORCH_OPS[name](a.detach().double(), b.detach())
+    torch.testing.assert_close(out.detach(), want)
+    out.sum().backward()
+    assert a.grad.dtype == torch.float32 and b.grad.dtype == torch.float64
+
+
+@pytest.mark.parametrize("name", TORCH_OPS)
+def test_backward_twice_with_retain_graph_and_no_grad(name):
+    a, b = randn(3, 3).requires_grad_(), randn(3, 3, seed=1).requires_grad_()
+    out = TORCH_OPS[name](a, b).sum()
+    out.backward(retain_graph=True)
+    first = a.grad.clone()
+    out.backward()
+    torch.testing.assert_close(a.grad, 2 * first)
+    with torch.no_grad():
+        out = TORCH_OPS[name](a, b)
+    assert not out.requires_grad and out.grad_fn is None
+
+
+@pytest.mark.parametrize("name", TORCH_OPS)
+def test_non_contiguous_and_zero_stride_tensors(name):
+    base = randn(3, 6)
+    a = base[:, ::2].requires_grad_()  # non-contiguous leaf: a strided view
+    b = torch.zeros(1, 3, dtype=torch.float64).expand(3, 3).requires_grad_()  # 0-stride
+    out = TORCH_OPS[name](a, b)
+    want = TORCH_OPS[name](a.detach().contiguous(), b.detach().contiguous())
+    torch.testing.assert_close(out.detach(), want)
+    out.sum().backward()
+    assert a.grad.shape == a.shape and b.grad.shape == b.shape
+
+
+def test_log_chain_product_nan_reaches_only_its_batch_element():
+    m = randn(2, 3, 2, 2)
+    m[0, 1, 0, 0] = math.nan
+    m.requires_grad_()
+    out = st.log_chain_product(m)
+    assert torch.isnan(out[0]).any() and not torch.isnan(out[1]).any()
+    out.sum().backward()
+    assert not torch.isnan(m.grad[1]).any()
