@@ -38,8 +38,10 @@ def dense(caller: str, **arrays) -> list:
     argument, and so is a sparse matrix or a sparse (non-strided) torch tensor, naming its
     layout. Anything else is left to ``_backend.backend_of``.
 
-    >>> dense("f", a=np.matrix([[1.0]]))
-    [array([[1.]])]
+    >>> dense("f", a=np.ones(2), b=[1.0])
+    Traceback (most recent call last):
+    ...
+    TypeError: f: b must be an array, not list
     """
     checked = []
     for name, a in arrays.items():

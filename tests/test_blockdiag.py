@@ -316,6 +316,7 @@ def test_cupy_group_sizes_are_read_back_once_and_host_sizes_work_with_cupy_input
         assert_close(sc.grouped_matmul(cp.asarray(x), cp.asarray(w), sizes), want, np.float64)
 
 
+@pytest.mark.filterwarnings("ignore::PendingDeprecationWarning")
 def test_np_matrix_operands_work_as_ndarrays(rng):
     x, w = rng.standard_normal((2, 3)), rng.standard_normal((2, 3, 4))
     got = sc.block_diag_matmul(np.matrix(x), w)

@@ -220,6 +220,7 @@ def test_log_chain_product_with_plus_and_minus_inf(rng, length):
     np.testing.assert_allclose(got, reference.log_chain_product_and_grad(m, np.zeros((3, 3, 3)))[0], rtol=1e-12)
 
 
+@pytest.mark.filterwarnings("ignore::PendingDeprecationWarning")
 def test_np_matrix_operands_work_as_ndarrays(rng):
     a, b = rng.normal(size=(3, 4)), rng.normal(size=(4, 2))
     got = sc.logmatmul(np.matrix(a), np.matrix(b))
@@ -248,6 +249,7 @@ def test_scalars_none_lists_and_sparse_matrices_are_type_errors_naming_the_argum
 
 @pytest.mark.parametrize("m, match", [(1.0, "m must be an array, not float"), (None, "m must be an array, not NoneType"),
                                       ([[[0.0]]], "m must be an array, not list")])
+@pytest.mark.filterwarnings("ignore::PendingDeprecationWarning")
 def test_log_chain_product_scalar_none_or_list_is_a_type_error(m, match):
     with pytest.raises(TypeError, match=rf"spchain\.log_chain_product: {match}"):
         sc.log_chain_product(m)

@@ -418,6 +418,7 @@ def test_double_backward_raises_instead_of_a_silent_zero_hessian(op):
         torch.autograd.functional.hessian(lambda w: (fn(x, w) ** 2).sum(), w)
 
 
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
 def test_sparse_tensors_are_type_errors_naming_the_layout():
     x, w = make((4, 2, 3)), make((2, 3, 2), seed=1)
     with pytest.raises(TypeError, match=r"block_diag_matmul: w is a torch.sparse_coo tensor; it must be a dense"):

@@ -256,6 +256,7 @@ def test_empty_shapes_give_correct_results_and_zero_gradients(a_shape, b_shape):
 
 
 @pytest.mark.parametrize("to_sparse", [torch.Tensor.to_sparse, torch.Tensor.to_sparse_csr], ids=["coo", "csr"])
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
 def test_sparse_tensors_are_type_errors_naming_the_layout(to_sparse):
     dense = randn(3, 3)
     sparse = to_sparse(dense)
