@@ -66,9 +66,10 @@ def log_matmul(xp, a, b, out=None):
             return xp.full(shape, -np.inf, dtype=a.dtype)
         out[...] = -np.inf
         return out
-    infinite = PosInf.of(xp, a, b)
+    a_scaled, b_scaled = scaled(xp, a, -1), scaled(xp, b, -2)
+    infinite = PosInf.of(xp, a, b, a_scaled[2], b_scaled[2])
     if infinite is None:
-        return log_product(xp, scaled(xp, a, -1), scaled(xp, b, -2), lambda: a, b, out)
+        return log_product(xp, a_scaled, b_scaled, lambda: a, b, out)
     a, b = infinite.a, infinite.b
     out = log_product(xp, scaled(xp, a, -1), scaled(xp, b, -2), lambda: a, b, out)
     out[(infinite.count(xp) > 0) & ~xp.isnan(out)] = np.inf
@@ -93,9 +94,12 @@ class PosInf:
         self.dtype = a.dtype
 
     @classmethod
-    def of(cls, xp, a, b):
-        """``PosInf(xp, a, b)``, or ``None`` if neither operand holds ``+inf``."""
-        return cls(xp, a, b) if bool(xp.isposinf(a).any()) or bool(xp.isposinf(b).any()) else None
+    def of(cls, xp, a, b, a_top, b_top):
+        """``PosInf(xp, a, b)``, or ``None`` if neither operand holds ``+inf`` (read from their
+        row maxima ``a_top`` and column maxima ``b_top``: a row or column with NaN has a NaN
+        maximum, and all its outputs are NaN whatever its ``+inf``)."""
+        found = bool(xp.isposinf(a_top).any()) or bool(xp.isposinf(b_top).any())
+        return cls(xp, a, b) if found else None
 
     def count(self, xp):
         """The number of ``+inf`` terms of every output (by inclusion-exclusion, three 0/1 GEMMs)."""
@@ -148,9 +152,9 @@ def log_matmul_grads(xp, a, b, out, grad, need_a: bool = True, need_b: bool = Tr
     scaled product ``r`` recomputed, ``d a = u * ((grad / r) @ e^T)`` and
     ``d b = e * (u^T @ (grad / r))``, where ``u = exp(a - rowmax)`` and ``e = exp(b - colmax)``
     (the softmax weights, rebuilt from the max shifts); the weights ``grad / r`` are exact
-    whatever the magnitude of the logs, and scaled per row (column) of ``grad``, so every batch
-    element, row and column gets its gradient as if computed alone, whatever the others' scale. Entries whose ``r`` underflowed contribute exactly, in
-    log space, instead. Entries where ``out`` is ``-inf`` have no weight and contribute 0; where
+    whatever the magnitude of the logs, and scaled per batch element, so each element gets its
+    gradient as if computed alone, whatever the others' scale. Entries whose ``r`` underflowed
+    contribute exactly, in log space, instead. Entries where ``out`` is ``-inf`` have no weight and contribute 0; where
     it is ``+inf``, ``grad`` goes in equal shares to the ``+inf`` terms (:class:`PosInf`).
     Returns ``None`` for a gradient that is not needed.
     """
@@ -160,32 +164,24 @@ def log_matmul_grads(xp, a, b, out, grad, need_a: bool = True, need_b: bool = Tr
     grad_b = xp.zeros(batch_shape + (k, n), a.dtype) if need_b else None
     if 0 in out.shape or k == 0:
         return grad_a, grad_b
-    infinite = PosInf.of(xp, a, b)
+    a_top, b_top = a.max(axis=-1, keepdims=True), b.max(axis=-2, keepdims=True)
+    infinite = PosInf.of(xp, a, b, a_top, b_top)
     if infinite is not None:
         grad = infinite.add_grads(xp, out, grad, grad_a, grad_b)
         a, b = infinite.a, infinite.b
-    u = xp.exp(a - finite_or_zero(xp, a.max(axis=-1, keepdims=True)))
-    e = xp.exp(b - finite_or_zero(xp, b.max(axis=-2, keepdims=True)))
+        a_top, b_top = a.max(axis=-1, keepdims=True), b.max(axis=-2, keepdims=True)
+    u = xp.exp(a - finite_or_zero(xp, a_top))
+    e = xp.exp(b - finite_or_zero(xp, b_top))
     scaled = _backend.matmul(xp, u, e)
     lost = scaled < underflow_threshold(a.dtype, k)
-    skip = lost | (grad == 0)
-    inverse = 1 / xp.where(skip, 1, scaled)
-    magnitude = xp.where(xp.isfinite(grad), xp.abs(grad), 0)
-
-    def weights(axis):
-        """``(grad / r) / scale`` and ``scale``, the largest finite ``|grad|`` of each row
-        (``axis=-1``) or column (``-2``): the weights are at most 1, so ``grad / r`` cannot
-        overflow, and a row (column) of tiny gradients is not lost beside another of huge ones
-        (each row of ``d a`` and column of ``d b`` is computed as if alone). NaN flows through."""
-        scale = magnitude.max(axis=axis, keepdims=True)
-        scale = xp.where(scale > 0, scale, 1)
-        return xp.where(skip, 0, (grad / scale) * inverse), scale
-
+    # weights scaled to at most 1 per batch element, so that grad / r cannot overflow and an
+    # element of tiny gradients is not lost beside one of huge ones; NaN flows through
+    scale = xp.where(xp.isfinite(grad), xp.abs(grad), 0).max(axis=(-2, -1), keepdims=True)
+    scale = xp.where(scale > 0, scale, 1)
+    w = xp.where(lost | (grad == 0), 0, (grad / scale) / xp.where(lost, 1, scaled))
     if need_a:
-        w, scale = weights(-1)
         grad_a += scale * u * _backend.matmul(xp, w, e.swapaxes(-1, -2))
     if need_b:
-        w, scale = weights(-2)
         grad_b += scale * e * _backend.matmul(xp, u.swapaxes(-1, -2), w)
     exact = lost & (grad != 0) & (out > -np.inf)
     if exact.any():

@@ -155,16 +155,6 @@ def test_logmatmul_gradient_is_scaled_per_batch_element(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_logmatmul_gradient_is_scaled_per_row_and_column(dtype):
-    a, b = randn(2, 4).to(dtype).requires_grad_(), randn(4, 2, seed=1).to(dtype).requires_grad_()
-    [(got_a, want_a), _], scales = grad_with_scales(st.logmatmul, (a, b), (2, 2), dtype, 0)
-    torch.testing.assert_close(got_a, want_a * scales, rtol=RTOL[dtype], atol=0)
-    a, b = randn(2, 4).to(dtype).requires_grad_(), randn(4, 2, seed=1).to(dtype).requires_grad_()
-    [_, (got_b, want_b)], scales = grad_with_scales(st.logmatmul, (a, b), (2, 2), dtype, 1)
-    torch.testing.assert_close(got_b, want_b * scales.reshape(1, 2), rtol=RTOL[dtype], atol=0)
-
-
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_log_chain_product_gradient_is_scaled_per_batch_element(dtype):
     m = randn(2, 4, 3, 3).to(dtype).requires_grad_()
     [(got, want)], scales = grad_with_scales(st.log_chain_product, (m,), (2, 3, 3), dtype, 0)
