@@ -9,8 +9,10 @@ Every optional import (CuPy, torch, numba.cuda) is guarded here and nowhere else
 """
 
 import contextvars
+import ctypes
 import functools
 import importlib
+import os
 import sys
 from dataclasses import dataclass
 from types import ModuleType
@@ -73,7 +75,44 @@ class Backend:
 
 @functools.cache
 def _cpu_kernel(module: str, op: str):
+    threading_layer()
     return getattr(importlib.import_module(f".kernels.cpu.{module}", __package__), op)
+
+
+@functools.cache
+def threading_layer() -> str:
+    """Select Numba's threading layer for spchain's parallel CPU kernels, once, before the first
+    one loads; returns the name asked for (``"tbb"``, or ``"default"`` without TBB).
+
+    TBB is fork-safe and thread-safe: a process that forks after running a kernel (a torch
+    ``DataLoader`` worker, ``multiprocessing`` with ``fork``) can run kernels in the child, and
+    threads can call spchain at once. GNU OpenMP, Numba's usual layer, kills such a child, and
+    ``workqueue`` aborts on concurrent calls. TBB is a dependency of spchain on x86-64 Linux and
+    Windows (pip's ``tbb``); pip puts ``libtbb`` in ``sys.prefix/lib``, which a virtual
+    environment's loader does not search, so it is loaded from there first. Without TBB, or
+    where the user chose a layer (``NUMBA_THREADING_LAYER``, ``numba.config``), Numba's own
+    choice stands: kernels work, but a forked child must not call them.
+    """
+    import numba
+
+    if os.environ.get("NUMBA_THREADING_LAYER") or numba.config.THREADING_LAYER != "default":
+        return numba.config.THREADING_LAYER
+    if _tbb_loads():
+        numba.config.THREADING_LAYER = "tbb"
+    return numba.config.THREADING_LAYER
+
+
+def _tbb_loads() -> bool:
+    """Whether Numba's TBB layer can start here (a TBB of a version Numba accepts)."""
+    library = os.path.join(sys.prefix, "lib", "libtbb.so.12")
+    try:
+        if sys.platform.startswith("linux") and os.path.exists(library):
+            ctypes.CDLL(library, mode=ctypes.RTLD_GLOBAL)
+        importlib.import_module("numba.np.ufunc.tbbpool")
+        importlib.import_module("numba.np.ufunc.parallel")._check_tbb_version_compatible()
+    except (OSError, ImportError, AttributeError):
+        return False
+    return True
 
 
 class _NullContext:

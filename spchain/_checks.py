@@ -5,6 +5,7 @@ unsupported type or dtype; messages name the function and the offending values.
 """
 
 import numpy as np
+import scipy.sparse
 
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
@@ -27,3 +28,30 @@ def float_dtype(caller: str, **arrays) -> np.dtype:
             raise TypeError(f"{caller}: {name} has dtype {dtype}; spchain supports float32 and float64")
         result = dtype if result is None else np.promote_types(result, dtype)
     return result if result is not None else np.dtype(np.float64)
+
+
+def dense(caller: str, **arrays) -> list:
+    """``arrays`` checked to be dense arrays (NumPy, CuPy, or in ``spchain.torch`` tensors).
+
+    An ``np.matrix`` comes back as the plain ndarray it views (its methods differ from
+    ndarray's); a Python scalar, ``None``, a list or a tuple is a ``TypeError`` naming the
+    argument, and so is a sparse matrix or a sparse (non-strided) torch tensor, naming its
+    layout. Anything else is left to ``_backend.backend_of``.
+
+    >>> dense("f", a=np.ones(2), b=[1.0])
+    Traceback (most recent call last):
+    ...
+    TypeError: f: b must be an array, not list
+    """
+    checked = []
+    for name, a in arrays.items():
+        layout = getattr(a, "layout", None)
+        if layout is not None and str(layout) != "torch.strided":
+            raise TypeError(f"{caller}: {name} is a {layout} tensor; it must be a dense (torch.strided) one")
+        if scipy.sparse.issparse(a) or type(a).__module__.startswith("cupyx.scipy.sparse"):
+            raise TypeError(f"{caller}: {name} is a sparse {a.format} matrix; it must be a dense array")
+        if a is None or isinstance(a, (bool, int, float, complex, list, tuple, np.generic)):
+            wanted = "a torch.Tensor" if caller.startswith("spchain.torch") else "an array"
+            raise TypeError(f"{caller}: {name} must be {wanted}, not {type(a).__name__}")
+        checked.append(np.asarray(a) if isinstance(a, np.matrix) else a)
+    return checked

@@ -66,7 +66,59 @@ def log_matmul(xp, a, b, out=None):
             return xp.full(shape, -np.inf, dtype=a.dtype)
         out[...] = -np.inf
         return out
-    return log_product(xp, scaled(xp, a, -1), scaled(xp, b, -2), lambda: a, b, out)
+    a_scaled, b_scaled = scaled(xp, a, -1), scaled(xp, b, -2)
+    infinite = PosInf.of(xp, a, b, a_scaled[2], b_scaled[2])
+    if infinite is None:
+        return log_product(xp, a_scaled, b_scaled, lambda: a, b, out)
+    a, b = infinite.a, infinite.b
+    out = log_product(xp, scaled(xp, a, -1), scaled(xp, b, -2), lambda: a, b, out)
+    out[(infinite.count(xp) > 0) & ~xp.isnan(out)] = np.inf
+    return out
+
+
+class PosInf:
+    """The ``+inf`` entries of the operands of a log-space (or max-plus) product.
+
+    The rule (README, "Log space"): a term ``a_ik + b_kj`` with a ``+inf`` side is ``+inf``,
+    unless its other side is ``-inf``: log-space zero is a structural zero and wins
+    (``0 · ∞ = 0``, as in a sparse product). An output with a ``+inf`` term is ``+inf`` (NaN
+    stays NaN), and its gradient goes in equal shares to its ``+inf`` terms (the limit of
+    the softmax as those terms grow). ``a`` and ``b`` here are the operands with ``+inf``
+    made ``-inf``, whose product is the output everywhere else.
+    """
+
+    def __init__(self, xp, a, b):
+        self.pa, self.pb = xp.isposinf(a), xp.isposinf(b)
+        self.fa, self.fb = a > -np.inf, b > -np.inf  # the possible partners of a +inf
+        self.a, self.b = xp.where(self.pa, -np.inf, a), xp.where(self.pb, -np.inf, b)
+        self.dtype = a.dtype
+
+    @classmethod
+    def of(cls, xp, a, b, a_top, b_top):
+        """``PosInf(xp, a, b)``, or ``None`` if neither operand holds ``+inf`` (read from their
+        row maxima ``a_top`` and column maxima ``b_top``: a row or column with NaN has a NaN
+        maximum, and all its outputs are NaN whatever its ``+inf``)."""
+        found = bool(xp.isposinf(a_top).any()) or bool(xp.isposinf(b_top).any())
+        return cls(xp, a, b) if found else None
+
+    def count(self, xp):
+        """The number of ``+inf`` terms of every output (by inclusion-exclusion, three 0/1 GEMMs)."""
+        pa, pb, fa, fb = (t.astype(self.dtype) for t in (self.pa, self.pb, self.fa, self.fb))
+        return _backend.matmul(xp, pa, fb) + _backend.matmul(xp, fa, pb) - _backend.matmul(xp, pa, pb)
+
+    def add_grads(self, xp, out, grad, grad_a, grad_b):
+        """Add the shares of ``grad`` at the ``+inf`` outputs to ``grad_a`` and ``grad_b`` (either
+        may be ``None``); returns ``grad`` with those outputs zeroed, for the finite products."""
+        at_inf = xp.isposinf(out)
+        w = xp.where(at_inf, grad, 0) / xp.maximum(self.count(xp), 1)
+        pa, pb = self.pa.astype(self.dtype), self.pb.astype(self.dtype)
+        if grad_a is not None:  # term (i, k, j) is +inf: pa_ik and fb_kj, or else fa_ik and pb_kj
+            grad_a += pa * _backend.matmul(xp, w, self.fb.astype(self.dtype).swapaxes(-1, -2))
+            grad_a += (self.fa & ~self.pa) * _backend.matmul(xp, w, pb.swapaxes(-1, -2))
+        if grad_b is not None:
+            grad_b += pb * _backend.matmul(xp, self.fa.astype(self.dtype).swapaxes(-1, -2), w)
+            grad_b += (self.fb & ~self.pb) * _backend.matmul(xp, pa.swapaxes(-1, -2), w)
+        return xp.where(at_inf, 0, grad)
 
 
 def log_product(xp, a_scaled, b_scaled, a, b, out=None):
@@ -100,8 +152,10 @@ def log_matmul_grads(xp, a, b, out, grad, need_a: bool = True, need_b: bool = Tr
     scaled product ``r`` recomputed, ``d a = u * ((grad / r) @ e^T)`` and
     ``d b = e * (u^T @ (grad / r))``, where ``u = exp(a - rowmax)`` and ``e = exp(b - colmax)``
     (the softmax weights, rebuilt from the max shifts); the weights ``grad / r`` are exact
-    whatever the magnitude of the logs. Entries whose ``r`` underflowed contribute exactly, in
-    log space, instead. Entries where ``out`` is ``-inf`` have no weight and contribute 0.
+    whatever the magnitude of the logs, and scaled per batch element, so each element gets its
+    gradient as if computed alone, whatever the others' scale. Entries whose ``r`` underflowed
+    contribute exactly, in log space, instead. Entries where ``out`` is ``-inf`` have no weight and contribute 0; where
+    it is ``+inf``, ``grad`` goes in equal shares to the ``+inf`` terms (:class:`PosInf`).
     Returns ``None`` for a gradient that is not needed.
     """
     batch_shape = out.shape[:-2]
@@ -110,12 +164,20 @@ def log_matmul_grads(xp, a, b, out, grad, need_a: bool = True, need_b: bool = Tr
     grad_b = xp.zeros(batch_shape + (k, n), a.dtype) if need_b else None
     if 0 in out.shape or k == 0:
         return grad_a, grad_b
-    u = xp.exp(a - finite_or_zero(xp, a.max(axis=-1, keepdims=True)))
-    e = xp.exp(b - finite_or_zero(xp, b.max(axis=-2, keepdims=True)))
+    a_top, b_top = a.max(axis=-1, keepdims=True), b.max(axis=-2, keepdims=True)
+    infinite = PosInf.of(xp, a, b, a_top, b_top)
+    if infinite is not None:
+        grad = infinite.add_grads(xp, out, grad, grad_a, grad_b)
+        a, b = infinite.a, infinite.b
+        a_top, b_top = a.max(axis=-1, keepdims=True), b.max(axis=-2, keepdims=True)
+    u = xp.exp(a - finite_or_zero(xp, a_top))
+    e = xp.exp(b - finite_or_zero(xp, b_top))
     scaled = _backend.matmul(xp, u, e)
     lost = scaled < underflow_threshold(a.dtype, k)
-    # weights scaled to at most 1 so that grad / r cannot overflow; NaN flows through
-    scale = float(xp.where(xp.isfinite(grad), xp.abs(grad), 0).max()) or 1.0
+    # weights scaled to at most 1 per batch element, so that grad / r cannot overflow and an
+    # element of tiny gradients is not lost beside one of huge ones; NaN flows through
+    scale = xp.where(xp.isfinite(grad), xp.abs(grad), 0).max(axis=(-2, -1), keepdims=True)
+    scale = xp.where(scale > 0, scale, 1)
     w = xp.where(lost | (grad == 0), 0, (grad / scale) / xp.where(lost, 1, scaled))
     if need_a:
         grad_a += scale * u * _backend.matmul(xp, w, e.swapaxes(-1, -2))

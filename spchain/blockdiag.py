@@ -15,12 +15,13 @@ which ``spchain.torch`` uses in its backward).
 """
 
 import math
+import numbers
 
 import numpy as np
 
 from . import _backend
 from ._backend import backend_of
-from ._checks import float_dtype
+from ._checks import dense, float_dtype
 
 
 def _blas_layout(xp, a):
@@ -79,6 +80,7 @@ def block_diag_matmul(x, w):
             [12., 14.]]])
     """
     caller = "spchain.block_diag_matmul"
+    x, w = dense(caller, x=x, w=w)
     backend = backend_of(x, w, caller=caller)
     dtype = float_dtype(caller, x=x, w=w)
     if w.ndim != 3 or x.ndim < 2 or x.shape[-2:] != w.shape[:2]:
@@ -117,22 +119,33 @@ def _block_diag_weight_grad(x, grad):
 
 
 def _check_group_sizes(caller: str, group_sizes, groups: int, rows: int) -> np.ndarray:
-    """``group_sizes`` as a host int64 array, checked to be G non-negative sizes summing to ``rows``."""
+    """``group_sizes`` as a host int64 array, checked to be G sizes in ``0..rows`` summing to ``rows``.
+
+    The checks run on Python ints, so no size wraps around: ``[2**62] * 3 + [2**62 + 6]`` (an
+    int64 sum of 6) and a uint64 ``2**64 - 1`` are errors, not groups.
+    """
     if not isinstance(group_sizes, (list, tuple, range)):
         group_sizes = backend_of(group_sizes, caller=caller).to_host(group_sizes)
     sizes = np.asarray(group_sizes)
     if sizes.size == 0:
         sizes = sizes.astype(np.int64)
-    if sizes.dtype.kind not in "iu":
+    if sizes.dtype.kind not in "iu" and not (sizes.dtype == object and all(map(_is_int, sizes.flat))):
         raise TypeError(f"{caller}: group_sizes must hold integers, not {sizes.dtype}")
     if sizes.shape != (groups,):
         raise ValueError(f"{caller}: group_sizes has shape {sizes.shape} but w has {groups} groups")
-    if (sizes < 0).any():
-        raise ValueError(f"{caller}: group_sizes must be non-negative, got {sizes.tolist()}")
-    total = int(sizes.sum(dtype=np.int64))
+    values = sizes.tolist()
+    if any(size < 0 for size in values):
+        raise ValueError(f"{caller}: group_sizes must be non-negative, got {values}")
+    if any(size > rows for size in values):
+        raise ValueError(f"{caller}: group_sizes must each be at most the {rows} rows of x, got {values}")
+    total = sum(values)
     if total != rows:
         raise ValueError(f"{caller}: group_sizes sum to {total} but x has {rows} rows")
-    return sizes.astype(np.int64, copy=False)
+    return np.array(values, np.int64)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 
 def _row_slices(sizes):
@@ -186,6 +199,7 @@ def grouped_matmul(x, w, group_sizes):
            [3., 3.]])
     """
     caller = "spchain.grouped_matmul"
+    x, w = dense(caller, x=x, w=w)
     backend = backend_of(x, w, caller=caller)
     dtype = float_dtype(caller, x=x, w=w)
     if w.ndim != 3 or x.ndim != 2 or x.shape[1] != w.shape[1]:

@@ -16,6 +16,7 @@ CHAIN_CHUNK_BYTES = 1 << 28
 
 def _operands(a, b, caller: str):
     """Validated ``(backend, a, b, batch_shape)`` of a product over the last two axes."""
+    a, b = _checks.dense(caller, a=a, b=b)
     backend = _backend.backend_of(a, b, caller=caller)
     dtype = _checks.float_dtype(caller, a=a, b=b)
     if a.ndim < 2 or b.ndim < 2:
@@ -35,7 +36,10 @@ def logmatmul(a, b):
 
     Leading axes broadcast. Never builds the (..., m, k, n) intermediate: one GEMM in scaled
     space, with the entries that underflowed found and recomputed exactly in log space. An
-    all ``-inf`` row or column gives ``-inf``; NaN propagates.
+    all ``-inf`` row or column gives ``-inf``; NaN propagates. ``+inf`` in gives ``+inf``
+    out, never NaN: a term ``+inf + -inf`` is ``-inf`` (log-space zero, a structural zero,
+    wins), and an output with any other ``+inf`` term is ``+inf``. In ``spchain.torch`` the
+    gradient of a ``+inf`` output goes in equal shares to its ``+inf`` terms.
 
     Examples
     --------
@@ -54,7 +58,10 @@ def maxmatmul(a, b):
     """Max-plus product: ``values[..., i, j] = max_k a[..., i, k] + b[..., k, j]`` and its argmax.
 
     Leading axes broadcast. Ties go to the lowest ``k``; NaN wins over numbers (NaN out).
-    With ``k = 0`` the values are ``-inf`` and the argmax 0.
+    A term with a ``-inf`` side is ``-inf``, even beside ``+inf`` (log-space zero is a
+    structural zero), so ``+inf`` in gives ``+inf`` out, never NaN. Where every term is
+    ``-inf`` (``k = 0`` included) the value is ``-inf`` and the argmax 0; its gradient in
+    ``spchain.torch`` is 0 there, and a ``+inf`` value's goes in equal shares to its ``+inf`` terms.
 
     Returns
     -------
@@ -80,11 +87,21 @@ def maxmatmul(a, b):
         return values.reshape(batch_shape + (m, n)), argmax.reshape(batch_shape + (m, n))
 
 
-def maxmatmul_grads(xp, a_shape, b_shape, argmax, grad):
-    """Sub-gradients of ``sum(grad * maxmatmul(a, b)[0])``: ``grad`` goes to the argmax terms."""
+def maxmatmul_grads(xp, a_shape, b_shape, values, argmax, grad, infinite=None):
+    """Sub-gradients of ``sum(grad * values)``, ``values, argmax = maxmatmul(a, b)``.
+
+    ``grad`` goes to the argmax terms; nowhere where ``values`` is ``-inf`` (no term is
+    possible); at a ``+inf`` value, in equal shares to its ``+inf`` terms, which
+    ``infinite`` (the :class:`_logspace.PosInf` of ``a`` and ``b``) must then give.
+    """
     batch_shape, (m, n), k = grad.shape[:-2], grad.shape[-2:], a_shape[-1]
     grad_a = xp.zeros(batch_shape + (m, k), grad.dtype)
     grad_b = xp.zeros(batch_shape + (k, n), grad.dtype)
+    if grad.size == 0 or k == 0:
+        return _logspace.reduce_to(grad_a, a_shape), _logspace.reduce_to(grad_b, b_shape)
+    grad = xp.where(xp.isneginf(values), 0, grad)
+    if infinite is not None:
+        grad = infinite.add_grads(xp, values, grad, grad_a, grad_b)
     arg, flat_grad = _logspace.flat_batch(argmax), _logspace.flat_batch(grad)
     batch = xp.arange(arg.shape[0])[:, None, None]
     rows, cols = xp.arange(m)[None, :, None], xp.arange(n)[None, None, :]
@@ -94,6 +111,7 @@ def maxmatmul_grads(xp, a_shape, b_shape, argmax, grad):
 
 
 def _chain_operand(m, caller: str):
+    (m,) = _checks.dense(caller, m=m)
     backend = _backend.backend_of(m, caller=caller)
     dtype = _checks.float_dtype(caller, m=m)
     if m.ndim < 3 or m.shape[-1] != m.shape[-2]:

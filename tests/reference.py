@@ -240,3 +240,49 @@ def n_m_mask(w, n, m):
             order = sorted(range(g, g + m), key=lambda j: (0 if np.isnan(w[i, j]) else 1, -w[i, j], j))
             mask[i, order[:n]] = True
     return mask
+
+
+def semiring_terms(a, b):
+    """The (..., m, k, n) terms ``a_ik + b_kj`` of a log-space or max-plus product, in float64,
+    by the +inf rule: ``+inf + -inf`` is ``-inf`` (log-space zero, a structural zero, wins);
+    NaN stays NaN."""
+    a, b = np.asarray(a, np.float64)[..., :, :, None], np.asarray(b, np.float64)[..., None, :, :]
+    with np.errstate(invalid="ignore"):
+        terms = a + b
+    return np.where(np.isnan(terms) & ~np.isnan(a) & ~np.isnan(b), -np.inf, terms)
+
+
+def sum_to(grad, shape):
+    """``grad`` summed over the axes along which an operand of ``shape`` was broadcast."""
+    grad = grad.sum(axis=tuple(range(grad.ndim - len(shape))))
+    return grad.sum(axis=tuple(i for i, s in enumerate(shape) if s == 1), keepdims=True).reshape(shape)
+
+
+def log_matmul_and_grads(a, b, grad):
+    """``(out, d a, d b)`` of ``sum(grad * log(exp(a) @ exp(b)))`` term by term, in float64: each
+    output's gradient goes to its terms by their softmax weights, in equal shares to its +inf
+    terms if it has any, and nowhere if it is ``-inf``."""
+    terms = semiring_terms(a, b)
+    out = log_sum_exp(terms, axis=-2)
+    at_inf = np.isposinf(terms)
+    count = at_inf.sum(axis=-2, keepdims=True)
+    with np.errstate(invalid="ignore"):
+        soft = np.exp(terms - out[..., None, :])
+        weights = np.where(count > 0, at_inf / np.maximum(count, 1), soft)
+    weights = np.where(np.isneginf(out)[..., None, :], 0, weights) * np.asarray(grad, np.float64)[..., None, :]
+    return out, sum_to(weights.sum(axis=-1), np.shape(a)), sum_to(weights.sum(axis=-3), np.shape(b))
+
+
+def log_chain_product_and_grad(m, grad):
+    """``(out, d m)`` of ``sum(grad * log_chain_product(m))``: folded left to right with
+    :func:`log_matmul_and_grads` and unwound step by step (the rule at every reduction)."""
+    m = np.asarray(m, np.float64)
+    prefix = [m[..., 0, :, :]]
+    for step in range(1, m.shape[-3]):
+        prefix.append(log_matmul_and_grads(prefix[-1], m[..., step, :, :], np.zeros(prefix[-1].shape))[0])
+    grad_m = np.zeros(m.shape)
+    g = np.asarray(grad, np.float64)
+    for step in range(m.shape[-3] - 1, 0, -1):
+        _, g, grad_m[..., step, :, :] = log_matmul_and_grads(prefix[step - 1], m[..., step, :, :], g)
+    grad_m[..., 0, :, :] = g
+    return prefix[-1], grad_m

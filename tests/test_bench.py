@@ -1,6 +1,12 @@
 """The benchmark workloads and the ``python -m spchain bench`` command (spchain/bench/), at quick sizes."""
 
+import json
 import math
+import os
+import pathlib
+import re
+import shutil
+import subprocess
 
 import numpy as np
 import pytest
@@ -68,3 +74,31 @@ def test_command_prints_a_table_and_writes_a_png(tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rows = report.rows(core.measure(bench.make_case("viterbi", "decode", quick=True), 1, 1.0))
     assert rows[0][2] == "spchain" and rows[0][7] == "1.0x"
+
+
+def test_the_readme_asv_quick_command_saves_results(tmp_path):
+    """The README's ``SPCHAIN_BENCH_QUICK=1 asv run ...`` line, on one benchmark, with a copy of
+    asv.conf.json that keeps results and the machine file in ``tmp_path``: it must save numbers
+    under this commit (without ``--set-commit-hash`` asv saves nothing for ``--python=same``)."""
+    pytest.importorskip("asv")
+    if shutil.which("git") is None or shutil.which("asv") is None:
+        pytest.skip("needs git and asv on PATH")
+    root = pathlib.Path(__file__).resolve().parents[1]
+    (line,) = [ln.split("#")[0].strip() for ln in (root / "README.md").read_text().splitlines()
+               if ln.startswith("SPCHAIN_BENCH_QUICK=1 asv run")]
+    conf = json.loads("\n".join(ln for ln in (root / "asv_bench/asv.conf.json").read_text().splitlines()
+                                if not ln.strip().startswith("//")))
+    conf.update(repo=str(root), benchmark_dir=str(root / "asv_bench/benchmarks"), results_dir=str(tmp_path / "results"),
+                html_dir=str(tmp_path / "html"), env_dir=str(tmp_path / "env"))
+    (tmp_path / "asv.conf.json").write_text(json.dumps(conf))
+    env = dict(os.environ, HOME=str(tmp_path))
+    subprocess.run(["asv", "machine", "--yes", "--config", str(tmp_path / "asv.conf.json")], cwd=root / "asv_bench",
+                   env=env, check=True, capture_output=True)
+    command = re.sub(r"\basv run\b", f"asv run --config {tmp_path / 'asv.conf.json'}", line) + " --bench LogMatmul.time_run"
+    run = subprocess.run(["bash", "-c", command], cwd=root / "asv_bench", env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
+    saved = [json.loads(p.read_text()) for p in (tmp_path / "results").glob("*/*.json")
+             if p.name not in ("machine.json", "benchmarks.json")]
+    times = [t for r in saved if r["commit_hash"] == head for t in r["results"]["semiring.LogMatmul.time_run"][0]]
+    assert len(times) == 4 and all(isinstance(t, float) and 0 < t < 60 for t in times), run.stdout

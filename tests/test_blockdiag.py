@@ -5,6 +5,7 @@ import tracemalloc
 
 import numpy as np
 import pytest
+import scipy.sparse
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -244,12 +245,27 @@ def test_grouped_matmul_any_layout(xp, rng, layout):
         (5, ValueError, r"group_sizes has shape \(\) but w has 2 groups"),
         ([2.0, 3.0], TypeError, r"group_sizes must hold integers, not float64"),
         ([True, True], TypeError, r"group_sizes must hold integers, not bool"),
+        ([2**62, 2**62 + 5], ValueError, r"group_sizes must each be at most the 5 rows of x"),
+        (np.array([2**63 - 1, 2**63 - 1, 7], np.int64)[1:], ValueError, r"group_sizes must each be at most the 5 rows of x"),
+        (np.array([2**64 - 1, 6], np.uint64), ValueError, r"group_sizes must each be at most the 5 rows of x, got \[18446744073709551615, 6\]"),
+        ([2**70, 5], ValueError, r"group_sizes must each be at most the 5 rows of x"),
+        ([2, 3.0], TypeError, r"group_sizes must hold integers, not float64"),
     ],
-    ids=["short-sum", "long-sum", "negative", "too-few", "2-d", "scalar", "floats", "bools"],
+    ids=["short-sum", "long-sum", "negative", "too-few", "2-d", "scalar", "floats", "bools",
+         "int64-wraps", "int64-max", "uint64-max", "past-int64", "mixed"],
 )
 def test_bad_group_sizes(group_sizes, error, message):
     with pytest.raises(error, match=rf"spchain\.grouped_matmul: {message}"):
         sc.grouped_matmul(np.ones((5, 3)), np.ones((2, 3, 4)), group_sizes)
+
+
+def test_group_sizes_whose_int64_sum_wraps_to_n_are_rejected():
+    # the int64 sum of these is 6 = N: every row went to w[0] before the per-size check
+    x, w = np.ones((6, 4)), np.ones((4, 4, 4))
+    with pytest.raises(ValueError, match=r"at most the 6 rows of x"):
+        sc.grouped_matmul(x, w, [2**62, 2**62, 2**62, 2**62 + 6])
+    with pytest.raises(ValueError, match=r"at most the 6 rows of x"):
+        sc.grouped_matmul(x, w, np.array([2**62, 2**62, 2**62, 2**62 + 6], np.int64))
 
 
 @pytest.mark.parametrize(
@@ -298,3 +314,31 @@ def test_cupy_group_sizes_are_read_back_once_and_host_sizes_work_with_cupy_input
     want = reference.grouped_matmul(x, w, [2, 3])
     for sizes in ([2, 3], np.array([2, 3]), cp.array([2, 3])):
         assert_close(sc.grouped_matmul(cp.asarray(x), cp.asarray(w), sizes), want, np.float64)
+
+
+@pytest.mark.filterwarnings("ignore::PendingDeprecationWarning")
+def test_np_matrix_operands_work_as_ndarrays(rng):
+    x, w = rng.standard_normal((2, 3)), rng.standard_normal((2, 3, 4))
+    got = sc.block_diag_matmul(np.matrix(x), w)
+    assert type(got) is np.ndarray
+    np.testing.assert_allclose(got, reference.block_diag_matmul(x, w), rtol=1e-12)
+    x = rng.standard_normal((5, 3))
+    got = sc.grouped_matmul(np.matrix(x), w, [2, 3])
+    assert type(got) is np.ndarray
+    np.testing.assert_allclose(got, reference.grouped_matmul(x, w, [2, 3]), rtol=1e-12)
+
+
+@pytest.mark.parametrize("fn", [sc.block_diag_matmul, lambda x, w: sc.grouped_matmul(x, w, [1])],
+                         ids=["block_diag_matmul", "grouped_matmul"])
+@pytest.mark.parametrize(
+    "x, w, match",
+    [
+        (1.0, np.ones((1, 1, 1)), "x must be an array, not float"),
+        (np.ones((1, 1)), None, "w must be an array, not NoneType"),
+        ([[1.0]], np.ones((1, 1, 1)), "x must be an array, not list"),
+        (scipy.sparse.eye(1, format="coo"), np.ones((1, 1, 1)), "x is a sparse coo matrix; it must be a dense array"),
+    ],
+)
+def test_scalars_none_lists_and_sparse_matrices_are_type_errors_naming_the_argument(fn, x, w, match):
+    with pytest.raises(TypeError, match=match):
+        fn(x, w)

@@ -41,3 +41,34 @@ def test_cuda_kernel_matches_cpu_twin(small_launch, rng):
     got = run(cuda_semiring.launch_max_matmul, *operands)
     np.testing.assert_array_equal(got[0], want[0])
     np.testing.assert_array_equal(got[1], want[1])
+
+
+def infinite_problem(rng):
+    """+inf beside -inf (a structural zero wins: the term is -inf), NaN, and all -inf columns."""
+    a = rng.normal(size=(2, 5, 6))
+    b = rng.normal(size=(3, 6, 7))
+    a[rng.random(a.shape) < 0.2] = np.inf
+    b[rng.random(b.shape) < 0.3] = -np.inf
+    b[0, :, 2] = -np.inf
+    a[1, 0, 0] = np.nan
+    return a, b, np.array([0, 1, 1, 0]), np.array([2, 0, 2, 1])
+
+
+def test_cpu_kernel_plus_inf_beside_minus_inf_is_minus_inf(rng):
+    a, b, a_index, b_index = infinite_problem(rng)
+    values, argmax = run(cpu_semiring.max_matmul, a, b, a_index, b_index)
+    terms = reference.semiring_terms(a[a_index], b[b_index])
+    np.testing.assert_array_equal(values, np.take_along_axis(terms, argmax[..., None, :], axis=-2)[..., 0, :])
+    np.testing.assert_array_equal(argmax, np.argmax(terms, axis=-2))
+    assert np.isposinf(values).any() and not np.isnan(values[0]).any()
+
+
+@pytest.mark.cuda_kernel
+def test_cuda_kernel_matches_cpu_twin_with_infinities(small_launch, rng):
+    from spchain.kernels.cuda import semiring as cuda_semiring
+
+    operands = infinite_problem(rng)
+    want = run(cpu_semiring.max_matmul, *operands)
+    got = run(cuda_semiring.launch_max_matmul, *operands)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])

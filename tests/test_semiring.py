@@ -1,6 +1,7 @@
 """logmatmul, maxmatmul and log_chain_product (spchain/semiring.py) against float64 references."""
 
 import numpy as np
+import scipy.sparse
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -175,3 +176,113 @@ def test_random_shapes_with_minus_inf(data, m, k, n, batch):
     want_values, want_argmax = reference.max_matmul(a, b)
     np.testing.assert_array_equal(values, want_values)
     np.testing.assert_array_equal(argmax, want_argmax)
+
+
+infinite_log_values = st.one_of(st.just(-np.inf), st.just(np.inf), st.floats(-50, 50))
+
+
+@given(data=st.data(), m=st.integers(0, 4), k=st.integers(0, 4), n=st.integers(0, 4), batch=st.integers(0, 2))
+def test_plus_inf_gives_plus_inf_never_nan(data, m, k, n, batch):
+    a = data.draw(hnp.arrays(np.float64, (batch, m, k), elements=infinite_log_values))
+    b = data.draw(hnp.arrays(np.float64, (k, n), elements=infinite_log_values))
+    want, _, _ = reference.log_matmul_and_grads(a, b, np.zeros((batch, m, n)))
+    got = sc.logmatmul(a, b)
+    assert not np.isnan(got).any()
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    terms = reference.semiring_terms(a, b)
+    values, argmax = sc.maxmatmul(a, b)
+    if k:
+        np.testing.assert_array_equal(argmax, np.argmax(terms, axis=-2))
+        np.testing.assert_array_equal(values, terms.max(axis=-2))
+    assert not np.isnan(values).any()
+
+
+def test_plus_inf_examples():
+    inf = np.inf
+    a, b = np.array([[inf, 0.0], [inf, np.nan]]), np.array([[-inf, 1.0], [0.0, inf]])
+    # row 0: inf + -inf is a structural zero, so column 0 is finite; column 1 has two +inf terms
+    np.testing.assert_array_equal(sc.logmatmul(a, b), [[0.0, inf], [np.nan, np.nan]])
+    np.testing.assert_array_equal(sc.maxmatmul(a, b)[0], [[0.0, inf], [np.nan, np.nan]])
+    np.testing.assert_array_equal(sc.maxmatmul(a, b)[1], [[1, 0], [1, 1]])  # NaN wins
+    np.testing.assert_array_equal(sc.logmatmul(np.array([[inf]]), np.array([[-inf]])), [[-inf]])
+    m = np.array([[[0.0, inf], [0.0, 0.0]], [[-inf, 0.0], [0.0, -inf]], [[0.0, 0.0], [-inf, 0.0]]])
+    np.testing.assert_array_equal(sc.log_chain_product(m), reference.log_chain_product_and_grad(m, np.zeros((2, 2)))[0])
+    assert np.isposinf(sc.log_chain_product(m)[0]).all() and np.isfinite(sc.log_chain_product(m)[1]).all()
+
+
+@pytest.mark.parametrize("length", [1, 2, 3, 4, 7])
+def test_log_chain_product_with_plus_and_minus_inf(rng, length):
+    m = rng.normal(size=(3, length, 3, 3))
+    m[rng.random(m.shape) < 0.2] = np.inf
+    m[rng.random(m.shape) < 0.3] = -np.inf
+    got = sc.log_chain_product(m)
+    assert not np.isnan(got).any()
+    np.testing.assert_allclose(got, reference.log_chain_product_and_grad(m, np.zeros((3, 3, 3)))[0], rtol=1e-12)
+
+
+@pytest.mark.filterwarnings("ignore::PendingDeprecationWarning")
+def test_np_matrix_operands_work_as_ndarrays(rng):
+    a, b = rng.normal(size=(3, 4)), rng.normal(size=(4, 2))
+    got = sc.logmatmul(np.matrix(a), np.matrix(b))
+    assert type(got) is np.ndarray
+    np.testing.assert_allclose(got, reference.log_matmul(a, b), rtol=1e-12)
+    values, argmax = sc.maxmatmul(np.matrix(a), b)
+    np.testing.assert_array_equal(values, reference.max_matmul(a, b)[0])
+    np.testing.assert_array_equal(argmax, reference.max_matmul(a, b)[1])
+
+
+@pytest.mark.parametrize("fn", [sc.logmatmul, sc.maxmatmul])
+@pytest.mark.parametrize(
+    "a, b, match",
+    [
+        (0.0, np.zeros((2, 2)), "a must be an array, not float"),
+        (np.zeros((2, 2)), None, "b must be an array, not NoneType"),
+        ([[0.0]], np.zeros((1, 1)), "a must be an array, not list"),
+        (np.zeros((2, 2)), np.float64(1.0), "b must be an array, not float64"),
+        (scipy.sparse.eye(2, format="csr"), np.zeros((2, 2)), "a is a sparse csr matrix; it must be a dense array"),
+    ],
+)
+def test_scalars_none_lists_and_sparse_matrices_are_type_errors_naming_the_argument(fn, a, b, match):
+    with pytest.raises(TypeError, match=rf"spchain\.{fn.__name__}: {match}"):
+        fn(a, b)
+
+
+@pytest.mark.parametrize("m, match", [(1.0, "m must be an array, not float"), (None, "m must be an array, not NoneType"),
+                                      ([[[0.0]]], "m must be an array, not list")])
+@pytest.mark.filterwarnings("ignore::PendingDeprecationWarning")
+def test_log_chain_product_scalar_none_or_list_is_a_type_error(m, match):
+    with pytest.raises(TypeError, match=rf"spchain\.log_chain_product: {match}"):
+        sc.log_chain_product(m)
+    np.testing.assert_array_equal(sc.log_chain_product(np.matrix([[1.0]])[None]), [[1.0]])
+
+
+@pytest.mark.parametrize("dtype, low", [(np.float32, -1e4), (np.float64, -1e300)])
+def test_very_negative_logs_stay_finite_and_accurate(rng, dtype, low):
+    a = (low + rng.normal(size=(3, 4))).astype(dtype)
+    b = rng.normal(size=(4, 2)).astype(dtype)
+    got = sc.logmatmul(a, b)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, reference.log_matmul(a, b), rtol=1e-6 if dtype == np.float32 else 1e-12)
+    m = np.stack([a[:, :3], b[:3].repeat(2, axis=1)[:, :3]]).astype(dtype)
+    assert np.isfinite(sc.log_chain_product(m)).all()
+    np.testing.assert_allclose(sc.log_chain_product(m), reference.log_chain_product(m), rtol=1e-6 if dtype == np.float32 else 1e-12)
+
+
+def test_zero_stride_read_only_operands_are_read_correctly_and_never_written(rng):
+    a = np.broadcast_to(rng.normal(size=(1, 4)), (3, 4))  # 0-stride rows, read-only
+    b = np.asfortranarray(rng.normal(size=(4, 5)))
+    b.flags.writeable = False
+    m = np.broadcast_to(rng.normal(size=(1, 3, 3)), (4, 3, 3))
+    np.testing.assert_allclose(sc.logmatmul(a, b), reference.log_matmul(a, b), rtol=1e-12)
+    np.testing.assert_array_equal(sc.maxmatmul(a, b)[1], reference.max_matmul(a, b)[1])
+    np.testing.assert_allclose(sc.log_chain_product(m), reference.log_chain_product(m), rtol=1e-12)
+    np.testing.assert_allclose(sc.log_chain_product(m.transpose(0, 2, 1)[::-1]), reference.log_chain_product(m.transpose(0, 2, 1)[::-1]), rtol=1e-12)
+
+
+def test_log_chain_product_all_minus_inf_and_nan():
+    m = np.zeros((2, 3, 2, 2))
+    m[0, 1] = -np.inf  # an impossible chain
+    m[1, 2, 0, 1] = np.nan
+    got = sc.log_chain_product(m)
+    assert np.isneginf(got[0]).all()
+    assert np.isnan(got[1, :, 1]).all() and np.isfinite(got[1, :, 0]).all()

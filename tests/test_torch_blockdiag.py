@@ -218,6 +218,38 @@ def test_shape_device_type_and_group_size_errors():
         sct.grouped_matmul(x[:, 0], w, torch.tensor([2.0, 2.0]))
 
 
+WRAPPING_SIZES = [2**62, 2**62, 2**62, 2**62 + 6]
+"""Their int64 sum wraps around to 6."""
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.uint64, torch.int32, torch.int16, torch.int8, torch.uint8])
+def test_group_sizes_tensor_of_any_integer_dtype(dtype):
+    x, w = make((8, 4), seed=1), make((4, 4, 3), seed=2)
+    torch.testing.assert_close(sct.grouped_matmul(x, w, torch.tensor(GROUP_SIZES, dtype=dtype)),
+                               loop_grouped(x, w, GROUP_SIZES))
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [WRAPPING_SIZES, np.array(WRAPPING_SIZES), torch.tensor(WRAPPING_SIZES), torch.tensor([2**63 - 1, 0, 0, 6], dtype=torch.uint64)],
+    ids=["list", "ndarray", "tensor", "uint64-tensor"],
+)
+def test_group_sizes_past_n_are_rejected_before_anything_runs(sizes):
+    x = torch.ones(6, 4, requires_grad=True)
+    with pytest.raises(ValueError, match=r"spchain.torch.grouped_matmul: group_sizes must each be at most the 6 rows"):
+        sct.grouped_matmul(x, torch.ones(4, 4, 2), sizes)
+    with pytest.raises(ValueError, match=r"GroupedLinear: group_sizes must each be at most the 6 rows"):
+        sct.GroupedLinear(4, 4, 2)(x, sizes)  # segfaulted in the bias's repeat_interleave
+
+
+@pytest.mark.parametrize("sizes, dtype", [(torch.tensor([2.0, 2.0]), "float32"), (torch.tensor([True, True]), "bool"),
+                                          ([2.0, 2.0], "float64")])
+def test_group_sizes_of_floats_or_bools_are_type_errors(sizes, dtype):
+    for layer in (lambda x, s: sct.grouped_matmul(x, torch.ones(2, 3, 2), s), sct.GroupedLinear(2, 3, 2)):
+        with pytest.raises(TypeError, match=rf"group_sizes must hold integers, not {dtype}"):
+            layer(torch.ones(4, 3), sizes)
+
+
 @pytest.mark.parametrize("as_sizes", [list, tuple, torch.tensor, np.array], ids=["list", "tuple", "tensor", "ndarray"])
 def test_group_sizes_may_be_a_sequence_tensor_or_array(as_sizes):
     x, w = make((8, 4), seed=1), make((4, 4, 3), seed=2)
@@ -372,3 +404,36 @@ def test_cuda_modules_and_gradcheck():
     assert torch.autograd.gradcheck(block, (x,), eps=1e-6, atol=1e-9, rtol=1e-7)
     xs = make((5, 4), seed=2).detach().cuda().requires_grad_()
     assert torch.autograd.gradcheck(lambda t: grouped(t, [2, 0, 3]), (xs,), eps=1e-6, atol=1e-9, rtol=1e-7)
+
+
+@pytest.mark.parametrize("op", ["block_diag_matmul", "grouped_matmul"])
+def test_double_backward_raises_instead_of_a_silent_zero_hessian(op):
+    x, w = make((4, 2, 3)), make((2, 3, 2), seed=1)
+    fn = (lambda x, w: sct.block_diag_matmul(x, w)) if op == "block_diag_matmul" else (
+        lambda x, w: sct.grouped_matmul(x.reshape(8, 3), w, [3, 5]))
+    match = r"double backward \(create_graph=True\) is not implemented"
+    with pytest.raises(RuntimeError, match=match):
+        torch.autograd.grad((fn(x, w) ** 2).sum(), w, create_graph=True)
+    with pytest.raises(RuntimeError, match=match):
+        torch.autograd.functional.hessian(lambda w: (fn(x, w) ** 2).sum(), w)
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+def test_sparse_tensors_are_type_errors_naming_the_layout():
+    x, w = make((4, 2, 3)), make((2, 3, 2), seed=1)
+    with pytest.raises(TypeError, match=r"block_diag_matmul: w is a torch.sparse_coo tensor; it must be a dense"):
+        sct.block_diag_matmul(x, w.detach().to_sparse())
+    with pytest.raises(TypeError, match=r"grouped_matmul: x is a torch.sparse_csr tensor; it must be a dense"):
+        sct.grouped_matmul(x.detach()[:, 0].to_sparse_csr(), w, [2, 2])
+    with pytest.raises(TypeError, match=r"group_sizes must be a dense tensor, not a torch.sparse_coo one"):
+        sct.grouped_matmul(x[:, 0], w, torch.tensor([2, 2]).to_sparse())
+
+
+@pytest.mark.parametrize("x_shape, w_shape", [((0, 2, 3), (2, 3, 4)), ((5, 2, 0), (2, 0, 4)), ((5, 2, 3), (2, 3, 0))])
+def test_block_diag_empty_shapes_give_zero_gradients(x_shape, w_shape):
+    x, w = make(x_shape), make(w_shape, seed=1)
+    y = sct.block_diag_matmul(x, w)
+    assert y.shape == x_shape[:-1] + w_shape[-1:] and (y == 0).all()
+    y.sum().backward()
+    assert x.grad.shape == x_shape and w.grad.shape == w_shape
+    assert (x.grad == 0).all() and (w.grad == 0).all()

@@ -1,7 +1,9 @@
 """The max-plus (tropical) matrix product for the CPU.
 
 Ties go to the lowest index; NaN counts as larger than any number (its first occurrence wins),
-so NaN in gives NaN out, as in ``numpy.argmax``.
+so NaN in gives NaN out, as in ``numpy.argmax``. A term with a ``-inf`` side is ``-inf``, even
+against ``+inf`` (log-space zero is a structural zero: ``+inf + -inf`` is not NaN). An output
+whose terms are all ``-inf`` is ``-inf`` with argmax 0.
 """
 
 import numpy as np
@@ -18,6 +20,8 @@ def max_vecmat(u, m, best, arg):
         ui = u[i]
         for j in range(m.shape[1]):
             val = ui + m[i, j]
+            if val != val and ui == ui and m[i, j] == m[i, j]:  # +inf + -inf
+                val = -np.inf
             if val > best[j] or (val != val and best[j] == best[j]):
                 best[j] = val
                 arg[j] = i

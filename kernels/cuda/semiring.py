@@ -19,7 +19,11 @@ def max_matmul_kernel(a, b, a_index, b_index, values, argmax):
         best = -math.inf
         arg = 0
         for kk in range(k):
-            val = a[a_index[p], i, kk] + b[b_index[p], kk, j]
+            left, right = a[a_index[p], i, kk], b[b_index[p], kk, j]
+            if (left == -math.inf and right == right) or (right == -math.inf and left == left):
+                val = -math.inf  # also beside +inf, as on the CPU (never computing inf - inf)
+            else:
+                val = left + right
             if val > best or (val != val and best == best):
                 best = val
                 arg = kk

@@ -13,10 +13,9 @@ import numbers
 import numpy as np
 import torch
 from torch import nn
-from torch.autograd.function import once_differentiable
 
-from .. import blockdiag
-from ._bridge import check_same_device, on_device, to_array, to_tensor
+from .. import _checks, blockdiag
+from ._bridge import check_same_device, first_order, on_device, to_array, to_tensor
 
 
 @contextlib.contextmanager
@@ -41,7 +40,7 @@ class _PerGroupMatmul(torch.autograd.Function):
             return to_tensor(product(to_array(x), to_array(w), *extra))
 
     @staticmethod
-    @once_differentiable
+    @first_order("spchain.torch.block_diag_matmul / grouped_matmul")
     def backward(ctx, grad):
         x, w = ctx.saved_tensors
         grad_x = grad_w = None
@@ -92,6 +91,7 @@ def block_diag_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     torch.Size([4, 8, 2])
     """
     check_same_device("spchain.torch.block_diag_matmul", x=x, w=w)
+    _checks.dense("spchain.torch.block_diag_matmul", x=x, w=w)
     return _PerGroupMatmul.apply(x, w, blockdiag.block_diag_matmul, blockdiag._block_diag_weight_grad)
 
 
@@ -132,11 +132,27 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, group_sizes) -> torch.Tenso
     >>> sct.grouped_matmul(x, w, [1, 2]).tolist()    # row 0 by w[0], rows 1-2 by w[1]
     [[1.0, 1.0], [3.0, 3.0], [3.0, 3.0]]
     """
-    check_same_device("spchain.torch.grouped_matmul", x=x, w=w)
-    if isinstance(group_sizes, torch.Tensor):
-        group_sizes = group_sizes.detach().cpu().numpy()
-    sizes = np.array(group_sizes)  # a copy: the caller changing its sizes later cannot reach backward
+    caller = "spchain.torch.grouped_matmul"
+    check_same_device(caller, x=x, w=w)
+    _checks.dense(caller, x=x, w=w)
+    sizes = _group_sizes(caller, group_sizes, w, x)
     return _PerGroupMatmul.apply(x, w, blockdiag.grouped_matmul, blockdiag._grouped_weight_grad, sizes)
+
+
+def _group_sizes(caller: str, group_sizes, w, x) -> np.ndarray:
+    """``group_sizes`` (a sequence, an array, or an integer tensor on any device) as a checked
+    host int64 array: a copy, so the caller changing its sizes later cannot reach backward."""
+    if isinstance(group_sizes, torch.Tensor):
+        if group_sizes.is_sparse or group_sizes.layout != torch.strided:
+            raise TypeError(f"{caller}: group_sizes must be a dense tensor, not a {group_sizes.layout} one")
+        if group_sizes.is_floating_point() or group_sizes.is_complex() or group_sizes.dtype == torch.bool:
+            raise TypeError(f"{caller}: group_sizes must hold integers, not {str(group_sizes.dtype).removeprefix('torch.')}")
+        group_sizes = group_sizes.detach().cpu().numpy()
+    groups = w.shape[0] if w.ndim == 3 else -1
+    rows = x.shape[0] if x.ndim == 2 else -1
+    if groups < 0 or rows < 0:
+        return np.asarray(group_sizes)  # the array level names the bad shapes
+    return blockdiag._check_group_sizes(caller, group_sizes, groups, rows)
 
 
 class _PerGroupLinear(nn.Module):
@@ -268,10 +284,11 @@ class GroupedLinear(_PerGroupLinear):
     def forward(self, x: torch.Tensor, group_sizes) -> torch.Tensor:
         if x.ndim != 2 or x.shape[1] != self.in_features:
             raise ValueError(f"GroupedLinear: input must be (N, {self.in_features}), got {tuple(x.shape)}")
-        y = grouped_matmul(x, self.weight, group_sizes)
+        sizes = _group_sizes("GroupedLinear", group_sizes, self.weight, x)
+        y = grouped_matmul(x, self.weight, sizes)
         if self.bias is None:
             return y
-        sizes = torch.as_tensor(group_sizes, dtype=torch.int64, device=self.bias.device)
+        sizes = torch.from_numpy(sizes).to(self.bias.device)
         return y.add_(torch.repeat_interleave(self.bias, sizes, dim=0, output_size=y.shape[0]))
 
     def extra_repr(self) -> str:

@@ -2,11 +2,10 @@
 
 import numpy as np
 import torch
-from torch.autograd.function import once_differentiable
 
-from .. import _backend, _logspace
+from .. import _backend, _checks, _logspace
 from .. import semiring as _semiring
-from ._bridge import check_same_device, on_device, to_array, to_tensor
+from ._bridge import check_same_device, first_order, on_device, to_array, to_tensor
 
 _QUIET = {"divide": "ignore", "invalid": "ignore", "over": "ignore"}
 
@@ -18,13 +17,14 @@ class _LogMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b):
         device = check_same_device("spchain.torch.logmatmul", a=a, b=b)
+        _checks.dense("spchain.torch.logmatmul", a=a, b=b)
         with on_device(device):
             out = to_tensor(_semiring.logmatmul(to_array(a), to_array(b)))
         ctx.save_for_backward(a, b, out)
         return out
 
     @staticmethod
-    @once_differentiable
+    @first_order("spchain.torch.logmatmul")
     def backward(ctx, grad):
         a, b, out = ctx.saved_tensors
         need_a, need_b = ctx.needs_input_grad
@@ -38,24 +38,34 @@ class _LogMatmul(torch.autograd.Function):
 
 
 class _MaxMatmul(torch.autograd.Function):
+    """Saves the argmax and the values, and ``a`` and ``b`` only if a value is ``+inf`` (the
+    backward then shares its gradient among the ``+inf`` terms)."""
+
     @staticmethod
     def forward(ctx, a, b):
         device = check_same_device("spchain.torch.maxmatmul", a=a, b=b)
+        _checks.dense("spchain.torch.maxmatmul", a=a, b=b)
         with on_device(device):
             values, argmax = (to_tensor(r) for r in _semiring.maxmatmul(to_array(a), to_array(b)))
         ctx.mark_non_differentiable(argmax)
-        ctx.save_for_backward(argmax)
+        ctx.save_for_backward(values, argmax, *((a, b) if bool(torch.isposinf(values).any()) else ()))
         ctx.shapes = a.shape, b.shape
         return values, argmax
 
     @staticmethod
-    @once_differentiable
+    @first_order("spchain.torch.maxmatmul")
     def backward(ctx, grad, _):
-        (argmax,) = ctx.saved_tensors
+        values, argmax, *operands = ctx.saved_tensors
         a_shape, b_shape = ctx.shapes
-        with on_device(grad.device):
-            g = to_array(grad)
-            grad_a, grad_b = _semiring.maxmatmul_grads(_backend.backend_of(g).xp, a_shape, b_shape, to_array(argmax), g)
+        with on_device(grad.device), np.errstate(**_QUIET):
+            g = to_array(grad).astype(to_array(values).dtype, copy=False)
+            xp = _backend.backend_of(g).xp
+            infinite = None
+            if operands:
+                _, a, b, _ = _semiring._operands(*(to_array(t) for t in operands), "spchain.torch.maxmatmul")
+                infinite = _logspace.PosInf(xp, a, b)
+            grad_a, grad_b = _semiring.maxmatmul_grads(
+                xp, a_shape, b_shape, to_array(values), to_array(argmax), g, infinite)
             return to_tensor(grad_a), to_tensor(grad_b)
 
 
@@ -65,13 +75,14 @@ class _LogChainProduct(torch.autograd.Function):
     @staticmethod
     def forward(ctx, m):
         device = check_same_device("spchain.torch.log_chain_product", m=m)
+        _checks.dense("spchain.torch.log_chain_product", m=m)
         with on_device(device):
             out = to_tensor(_semiring.log_chain_product(to_array(m)))
         ctx.save_for_backward(m)
         return out
 
     @staticmethod
-    @once_differentiable
+    @first_order("spchain.torch.log_chain_product")
     def backward(ctx, grad):
         (m,) = ctx.saved_tensors
         with on_device(grad.device), np.errstate(**_QUIET):

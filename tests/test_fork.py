@@ -1,0 +1,116 @@
+"""Numba's threading layer (spchain/_backend.py ``threading_layer``): forked workers and threads.
+
+Each fork scenario runs in a fresh interpreter, so that it starts the way a user's program does
+(``import spchain``, a parallel kernel in the parent, then a fork), whatever this test process ran.
+"""
+
+import platform
+import subprocess
+import sys
+import textwrap
+import threading
+
+import numpy as np
+import pytest
+import scipy.sparse
+
+import reference
+import spchain as sc
+
+PARENT = """
+import multiprocessing, sys
+import numpy as np, scipy.sparse
+{block_tbb}
+import spchain as sc
+
+a = scipy.sparse.random(300, 200, density=0.1, format="csr", random_state=0)
+b = np.random.default_rng(0).standard_normal((200, 16))
+want = a @ b
+assert np.allclose(sc.spmm(a, b), want)  # the parent runs a parallel kernel first
+
+
+def work(_=None):
+    return float(np.abs(sc.spmm(a, b) - want).max())
+"""
+
+FORK = """
+ctx = multiprocessing.get_context("fork")
+queue = ctx.SimpleQueue()
+child = ctx.Process(target=lambda: queue.put(work()))
+child.start()
+child.join(60)
+print("exit", child.exitcode, "child error", queue.get() if child.exitcode == 0 else None)
+import numba
+print("layer", numba.threading_layer())
+"""
+
+DATALOADER = """
+import torch
+
+
+class Data(torch.utils.data.Dataset):
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        return work()
+
+
+loader = torch.utils.data.DataLoader(Data(), num_workers=1, multiprocessing_context="fork", timeout=60)
+print("child error", max(float(e) for e in loader))
+"""
+
+NO_TBB = 'sys.modules["numba.np.ufunc.tbbpool"] = None  # as on a machine without TBB'
+
+
+def run(script: str):
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True, timeout=300)
+
+
+TBB = pytest.mark.skipif(not (sys.platform.startswith("linux") and platform.machine() == "x86_64"),
+                         reason="spchain depends on pip's tbb on x86-64 Linux and Windows only")
+
+
+@TBB
+def test_a_forked_multiprocessing_child_runs_kernels_after_the_parent_did():
+    result = run(PARENT.format(block_tbb="") + FORK)
+    assert result.returncode == 0, result.stderr
+    assert "exit 0 " in result.stdout and "layer tbb" in result.stdout
+    assert float(result.stdout.split("child error")[1].split()[0]) < 1e-12
+
+
+@TBB
+def test_a_torch_dataloader_worker_runs_kernels_after_the_parent_did():
+    pytest.importorskip("torch")
+    result = run(PARENT.format(block_tbb="") + DATALOADER)
+    assert result.returncode == 0, result.stderr
+    assert float(result.stdout.split("child error")[1].split()[0]) < 1e-12
+
+
+def test_without_tbb_numba_default_layer_still_runs_kernels():
+    result = run(PARENT.format(block_tbb=NO_TBB) + "print('ok', work(), sc._backend.threading_layer())")
+    assert result.returncode == 0, result.stderr
+    ok, error, layer = result.stdout.split()
+    assert ok == "ok" and float(error) < 1e-12 and layer == "default"
+
+
+def test_threads_calling_spchain_at_once_get_correct_results(rng):
+    a = scipy.sparse.random(400, 300, density=0.05, format="csr", random_state=1)
+    b = rng.standard_normal((300, 32))
+    x = rng.standard_normal((20, 9, 5))
+    trans = rng.standard_normal((5, 5))
+    m1, m2 = rng.standard_normal((30, 6, 7)), rng.standard_normal((7, 8))
+    want = (a @ b, reference.chain_logsumexp(x, trans), reference.max_matmul(m1, m2)[0])
+    errors = []
+
+    def work():
+        for _ in range(20):
+            got = (sc.spmm(a, b), sc.chain_logsumexp(x, trans), sc.maxmatmul(m1, m2)[0])
+            errors.append(max(float(np.abs(g - w).max()) for g, w in zip(got, want)))
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(errors) == 80 and max(errors) < 1e-10
