@@ -85,8 +85,9 @@ def blockwise(fn, out_index: str, args: dict, cores: dict, nb: int, dtype, meta,
     pairs = []
     for name, a in present.items():
         pairs += [a, batch_index(nb, a, cores[name])]
+    token = getattr(fn, "func", fn).__name__
     return da.blockwise(partial(call, fn, tuple(present)), out_index, *pairs, dtype=dtype, meta=meta,
-                        concatenate=True, **kwargs)
+                        concatenate=True, token=token, **kwargs)
 
 
 def part(pairs, k: int, dtype, like, **kwargs):

@@ -48,9 +48,10 @@ def _inputs(x, log_trans, log_init, lengths, caller: str):
     shape = batch_shape(caller, x=x.shape[:-2], log_trans=log_trans.shape[:-t_core],
                         log_init=() if log_init is None else log_init.shape[:-1],
                         lengths=() if lengths is None else lengths.shape)
-    x = x.rechunk({-1: -1})
-    log_trans = log_trans.rechunk({k: -1 for k in range(-t_core, 0)})
-    log_init = None if log_init is None else log_init.rechunk({-1: -1})
+    dtype = (result[0] if isinstance(result, tuple) else result).dtype
+    x = x.astype(dtype, copy=False).rechunk({-1: -1})
+    log_trans = log_trans.astype(dtype, copy=False).rechunk({k: -1 for k in range(-t_core, 0)})
+    log_init = None if log_init is None else log_init.astype(dtype, copy=False).rechunk({-1: -1})
     return x, log_trans, log_init, lengths, len(shape), per_step, result
 
 
