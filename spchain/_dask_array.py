@@ -41,8 +41,13 @@ def as_dask(a):
 
 
 def xp_of(a):
-    """The array module of a Dask array's chunks (NumPy or CuPy)."""
-    return _backend.backend_of(a._meta).xp
+    """The array module of a Dask array's chunks, or of an in-memory array (NumPy or CuPy)."""
+    return _backend.backend_of(getattr(a, "_meta", a)).xp
+
+
+def gathered(a, axes):
+    """``a`` with ``axes`` in one chunk each (an in-memory array as it is)."""
+    return a.rechunk({k: -1 for k in axes}) if _backend.is_dask(a) else a
 
 
 def probe(a, core: int):
@@ -80,11 +85,19 @@ def blockwise(fn, out_index: str, args: dict, cores: dict, nb: int, dtype, meta,
     """``da.blockwise`` of ``call(fn, ...)`` over the non-``None`` named ``args``.
 
     ``cores[name]`` holds the index letters of the core (non-batch) axes of ``args[name]``.
+    An in-memory argument without batch extent (a shared transition matrix, say) whose axes
+    the Dask arguments also have joins every task as it is (so that Dask can still fuse the
+    tasks with those that make their chunks); another becomes a Dask array of one chunk,
+    which Dask splits to match.
     """
     present = {name: a for name, a in args.items() if a is not None}
+    index = {name: batch_index(nb, a, cores[name]) for name, a in present.items()}
+    provided = set("".join(index[name] for name, a in present.items() if _backend.is_dask(a)))
     pairs = []
     for name, a in present.items():
-        pairs += [a, batch_index(nb, a, cores[name])]
+        batch = a.shape[:a.ndim - len(cores[name])]
+        shared = all(n <= 1 for n in batch) and all(k in provided or k not in out_index for k in index[name])
+        pairs += [a, None] if shared and not _backend.is_dask(a) else [as_dask(a), index[name]]
     token = getattr(fn, "func", fn).__name__
     return da.blockwise(partial(call, fn, tuple(present)), out_index, *pairs, dtype=dtype, meta=meta,
                         concatenate=True, token=token, **kwargs)
@@ -98,7 +111,6 @@ def part(pairs, k: int, dtype, like, **kwargs):
 
 def _product(fn, a, b, caller: str):
     """``fn`` over the last two axes of ``a`` and ``b``, batch axes broadcast, blockwise."""
-    a, b = as_dask(a), as_dask(b)
     out = fn(probe(a, 2), probe(b, 2))
     nb = len(batch_shape(caller, a=a.shape[:-2], b=b.shape[:-2]))
     return a, b, nb, out

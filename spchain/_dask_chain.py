@@ -31,7 +31,7 @@ import numpy as np
 
 from . import _backend, chain, semiring
 from ._dask_array import LETTERS as _LETTERS
-from ._dask_array import as_dask, batch_index, batch_shape, blockwise, part, probe, tree_product, xp_of
+from ._dask_array import as_dask, batch_index, batch_shape, blockwise, gathered, part, probe, tree_product, xp_of
 
 
 def _inputs(x, log_trans, log_init, lengths, caller: str):
@@ -39,7 +39,7 @@ def _inputs(x, log_trans, log_init, lengths, caller: str):
     and the in-memory function's result on probes (dtype, errors)."""
     if lengths is not None and not hasattr(lengths, "dtype"):
         lengths = np.asarray(lengths)
-    x, log_trans, log_init, lengths = (as_dask(a) for a in (x, log_trans, log_init, lengths))
+    x = as_dask(x)
     per_step = log_trans.ndim == x.ndim + 1
     t_core = 3 if per_step else 2
     probes = (probe(x, 2), probe(log_trans, t_core), probe(log_init, 1),
@@ -50,8 +50,8 @@ def _inputs(x, log_trans, log_init, lengths, caller: str):
                         lengths=() if lengths is None else lengths.shape)
     dtype = (result[0] if isinstance(result, tuple) else result).dtype
     x = x.astype(dtype, copy=False).rechunk({-1: -1})
-    log_trans = log_trans.astype(dtype, copy=False).rechunk({k: -1 for k in range(-t_core, 0)})
-    log_init = None if log_init is None else log_init.astype(dtype, copy=False).rechunk({-1: -1})
+    log_trans = gathered(log_trans.astype(dtype, copy=False), range(-t_core, 0))
+    log_init = None if log_init is None else gathered(log_init.astype(dtype, copy=False), [-1])
     return x, log_trans, log_init, lengths, len(shape), per_step, result
 
 
@@ -128,6 +128,7 @@ def _padded_trans(log_trans, x, per_step: bool):
     with ``x``'s positions (matrix t leads into position t), chunked as ``x``'s time axis."""
     if not per_step:
         return log_trans
+    log_trans = as_dask(log_trans)
     first = da.zeros_like(log_trans[..., :1, :, :])
     return da.concatenate([first, log_trans], axis=-3).rechunk({-3: x.chunks[-2]})
 

@@ -39,6 +39,18 @@ def test_results_are_lazy_dask_arrays_on_the_chunks_backend(rng):
     assert score.shape == (4,) and path.shape == (4, 5) and path.dtype == np.int64
 
 
+def _make_chunk(block_info=None):
+    return np.full(block_info[None]["chunk-shape"], block_info[None]["chunk-location"][0], np.float32)
+
+
+def test_each_chain_task_fuses_with_the_task_making_its_chunk():
+    import dask
+
+    x = da.map_blocks(_make_chunk, chunks=((3, 3, 3), (5,), (4,)), dtype=np.float32)
+    (optimized,) = dask.optimize(sc.chain_logsumexp(x, np.zeros((4, 4), np.float32), np.zeros(4, np.float32)))
+    assert len(optimized.__dask_graph__().layers) == 1  # one fused task per chunk: x never moves between workers
+
+
 CHAIN_CASES = {
     "shared": dict(x=(6, 9, 4), trans=(4, 4), init=None, lengths=False, chunks=(4, 9, 4)),
     "per-step, lengths": dict(x=(7, 9, 3), trans=(7, 8, 3, 3), init=(3,), lengths=True, chunks=(3, 9, 3)),
