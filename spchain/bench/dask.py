@@ -10,7 +10,8 @@ in-memory call gets them made beforehand. Besides the table, the workload prints
 peak resident memory (the Linux high-water mark, reset before each run) for each Dask method.
 
 Full size: 2·10⁶ chains in chunks of 50,000 rows (x: 5.1 GB in float32; the in-memory call
-holds it and its forward messages, another 5.1 GB); quick: 20,000 chains in chunks of 5,000.
+holds it and its forward messages, another 5.1 GB: about 11 GiB at its peak, which fits a
+24 GiB machine); quick: 20,000 chains in chunks of 5,000.
 """
 
 import sys
