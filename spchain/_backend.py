@@ -188,6 +188,12 @@ def torch_or_none() -> ModuleType | None:
     return sys.modules.get("torch")
 
 
+def is_dask(obj) -> bool:
+    """Whether ``obj`` is a ``dask.array.Array`` (never imports Dask: an array needs it imported)."""
+    dask_array = sys.modules.get("dask.array")
+    return dask_array is not None and isinstance(obj, dask_array.Array)
+
+
 def _is_cupy_object(obj) -> bool:
     module = type(obj).__module__
     return module.startswith("cupy") or module.startswith("cupyx")

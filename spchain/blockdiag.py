@@ -22,6 +22,7 @@ import numpy as np
 from . import _backend
 from ._backend import backend_of
 from ._checks import dense, float_dtype
+from ._dask import scales_out
 
 
 def _blas_layout(xp, a):
@@ -41,6 +42,7 @@ def _blas_layout(xp, a):
     return xp.ascontiguousarray(a)
 
 
+@scales_out
 def block_diag_matmul(x, w):
     """Multiply each block of features by its own matrix: ``y[..., g, :] = x[..., g, :] @ w[g]``.
 
@@ -157,6 +159,7 @@ def _row_slices(sizes):
             yield g, slice(start, stop)
 
 
+@scales_out
 def grouped_matmul(x, w, group_sizes):
     """Multiply each contiguous group of rows by its own matrix.
 

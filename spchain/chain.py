@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import _backend, _checks, _logspace
+from ._dask import scales_out
 
 ALGORITHM = "auto"
 """``"auto"``, or ``"gemm"`` / ``"kernel"`` to force a sweep (both are exact; tests use this)."""
@@ -311,6 +312,7 @@ def _viterbi_grads(chain: _Chain, path, weight, trans_grad: bool = True):
     return grad_x, grad_trans
 
 
+@scales_out
 def chain_logsumexp(x, log_trans, log_init=None, *, lengths=None):
     """Log-partition of batched chains: ``log(init^T D(e^x0) T_1 D(e^x1) ... T_{v-1} e^x{v-1})``.
 
@@ -349,6 +351,7 @@ def chain_logsumexp(x, log_trans, log_init=None, *, lengths=None):
         return chain.unrows(log_partition)
 
 
+@scales_out
 def chain_marginals(x, log_trans, log_init=None, *, lengths=None):
     """Posterior marginals of each state at each position: the gradient of
     ``chain_logsumexp(...).sum()`` with respect to ``x``.
@@ -374,6 +377,7 @@ def chain_marginals(x, log_trans, log_init=None, *, lengths=None):
         return _logspace.reduce_to(chain.unrows(grad_x), chain.x_shape)
 
 
+@scales_out
 def viterbi(x, log_trans, log_init=None, *, lengths=None):
     """The best state sequence of each chain and its score (the max-product forward algorithm).
 

@@ -9,6 +9,7 @@ log-matrix would multiply by the all-ones matrix, not the identity).
 import numpy as np
 
 from . import _backend, _checks, _logspace
+from ._dask import scales_out
 
 CHAIN_CHUNK_BYTES = 1 << 28
 """Bytes of input that ``log_chain_product`` reduces at a time (bounds its working memory)."""
@@ -31,6 +32,7 @@ def _operands(a, b, caller: str):
     return backend, a.astype(dtype, copy=False), b.astype(dtype, copy=False), batch_shape
 
 
+@scales_out
 def logmatmul(a, b):
     """Log-semiring product ``log(exp(a) @ exp(b))`` over the last two axes.
 
@@ -54,6 +56,7 @@ def logmatmul(a, b):
         return _logspace.log_matmul(backend.xp, a, b)
 
 
+@scales_out
 def maxmatmul(a, b):
     """Max-plus product: ``values[..., i, j] = max_k a[..., i, k] + b[..., k, j]`` and its argmax.
 
@@ -129,6 +132,7 @@ def _row_chunks(m):
     return rows, [slice(start, start + step) for start in range(0, rows, step)]
 
 
+@scales_out
 def log_chain_product(m):
     """Log-space product of a chain of matrices: ``log(exp(m_1) @ ... @ exp(m_L))``.
 

@@ -24,6 +24,7 @@ import numpy as np
 import scipy.sparse
 
 from . import _backend, _checks, blocksparse
+from ._dask import scales_out
 
 __all__ = ["spmm", "sddmm", "prune"]
 
@@ -307,6 +308,7 @@ def _new_csr(backend, like, data, indices, indptr, shape, copy: bool):
     return cls((data, indices, indptr), shape=shape, copy=copy)
 
 
+@scales_out
 def spmm(a, b):
     """Sparse times dense: ``a @ b``.
 
@@ -367,6 +369,7 @@ def spmm_parts(backend, fmt: str, shape, data, index, b, caller: str):
     return csr, out[:, 0] if b.ndim == 1 else out
 
 
+@scales_out
 def sddmm(pattern, a, b):
     """Sampled dense-dense product: ``a @ b.T`` at the stored entries of ``pattern`` only.
 

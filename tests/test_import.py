@@ -11,9 +11,15 @@ def run(code: str) -> str:
     return subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
 
 
-def test_import_loads_neither_numba_torch_nor_cupy():
-    out = run("import sys, spchain; print(sorted(m for m in ('numba', 'torch', 'cupy') if m in sys.modules))")
+def test_import_loads_neither_numba_torch_cupy_nor_dask():
+    out = run("import sys, spchain; print(sorted(m for m in ('numba', 'torch', 'cupy', 'dask') if m in sys.modules))")
     assert out.strip() == "[]"
+
+
+def test_in_memory_calls_load_no_dask():
+    out = run("import sys, numpy as np, spchain as sc; sc.chain_logsumexp(np.zeros((2, 3)), np.zeros((3, 3))); "
+              "sc.logmatmul(np.zeros((2, 2)), np.zeros((2, 2))); print('dask' in sys.modules)")
+    assert out.strip() == "False"
 
 
 def test_array_api_names_load_on_first_use():

@@ -47,7 +47,7 @@ def test_logmatmul_recomputes_underflowed_entries_exactly():
 def test_many_lost_entries_with_structural_zeros(monkeypatch, rng):
     # a banded (structurally sparse) matrix with far-apart values: many lost entries go
     # through the 0/1 support product first
-    monkeypatch.setattr(sc.logmatmul.__globals__["_logspace"], "FIXUP_CHUNK", 8)
+    monkeypatch.setattr("spchain._logspace.FIXUP_CHUNK", 8)
     a = rng.normal(scale=200, size=(6, 7))
     b = np.full((7, 6), -np.inf)
     for k in range(6):

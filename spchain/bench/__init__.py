@@ -26,6 +26,7 @@ WORKLOADS = {
     "logmatmul": "logmatmul",
     "viterbi": "viterbi",
     "grouped": "grouped",
+    "chains-at-scale": "dask",
 }
 """Workload name → module (relative to this package) with ``CASES`` and ``make_case``."""
 

@@ -1,0 +1,236 @@
+"""The chain functions on Dask arrays: batch-parallel, and time-parallel for long chains.
+
+Reached through :func:`spchain._dask.scales_out`. Every task calls the ordinary in-memory
+spchain function on NumPy or CuPy chunks.
+
+- **Batch-parallel.** Chunks of the leading (batch) axes of ``x``, ``log_trans``,
+  ``log_init`` and ``lengths`` map blockwise; the inputs broadcast as in memory (a size-1
+  axis joins every chunk of the others) and their chunks are aligned to one another. With one
+  chunk along ``x``'s time axis, each task is the in-memory call on its rows: the same
+  result, bit for bit. The state axes are gathered into one chunk.
+- **Time-parallel** (``chain_logsumexp``, ``chain_marginals``; ``x`` chunked along its time
+  axis): each time chunk reduces to its log transfer matrix, the log-space product of
+  ``T_t + x_t`` over its positions (:func:`spchain.log_chain_product`; the first chunk's
+  matrix carries ``log_init + x_0`` in its row 0, and positions past a chain's length are
+  identities), and the chunks' matrices combine by a tree reduction whose combine step is
+  ``log_chain_product`` again: exact, to round-off. A task holds its chunk's
+  (rows, positions, c, c) matrices, so this suits long chains with few states. The marginals
+  take a second pass: sequential prefix and suffix products of the transfer matrices give each
+  chunk's incoming forward message and outgoing backward message, and each chunk runs the
+  in-memory ``chain_marginals`` on itself with a virtual first position (the incoming
+  message, as ``log_init``) and a virtual last one (the backward message, as a last
+  transition into state 0).
+- ``viterbi`` gathers the time axis into one chunk first (``x.rechunk({-2: -1})``) and is
+  batch-parallel only: decoding needs the whole chain of a row in one task.
+"""
+
+from functools import partial
+
+import dask.array as da
+import numpy as np
+
+from . import _backend, chain, semiring
+from ._dask_array import LETTERS as _LETTERS
+from ._dask_array import as_dask, batch_index, batch_shape, blockwise, gathered, part, probe, tree_product, xp_of
+
+
+def _inputs(x, log_trans, log_init, lengths, caller: str):
+    """Validated Dask inputs, their batch dimension count, whether ``log_trans`` is per step,
+    and the in-memory function's result on probes (dtype, errors)."""
+    if lengths is not None and not hasattr(lengths, "dtype"):
+        lengths = np.asarray(lengths)
+    x = as_dask(x)
+    per_step = log_trans.ndim == x.ndim + 1
+    t_core = 3 if per_step else 2
+    probes = (probe(x, 2), probe(log_trans, t_core), probe(log_init, 1),
+              None if lengths is None else xp_of(lengths).ones((1,) * lengths.ndim, lengths.dtype))
+    result = getattr(chain, caller.rsplit(".", 1)[1])(*probes[:3], lengths=probes[3])
+    shape = batch_shape(caller, x=x.shape[:-2], log_trans=log_trans.shape[:-t_core],
+                        log_init=() if log_init is None else log_init.shape[:-1],
+                        lengths=() if lengths is None else lengths.shape)
+    dtype = (result[0] if isinstance(result, tuple) else result).dtype
+    x = x.astype(dtype, copy=False).rechunk({-1: -1})
+    log_trans = gathered(log_trans.astype(dtype, copy=False), range(-t_core, 0))
+    log_init = None if log_init is None else gathered(log_init.astype(dtype, copy=False), [-1])
+    return x, log_trans, log_init, lengths, len(shape), per_step, result
+
+
+def _args(x, log_trans, log_init, lengths, per_step: bool):
+    args = {"x": x, "log_trans": log_trans, "log_init": log_init, "lengths": lengths}
+    cores = {"x": "vc", "log_trans": "sij" if per_step else "ij", "log_init": "c", "lengths": ""}
+    return args, cores
+
+
+def _sum_broadcast(out, x_shape, nb: int):
+    """Sum per-block marginals of the full batch over the axes along which ``x`` broadcast.
+
+    ``out`` has every batch axis; where ``x`` broadcast (an axis it lacks, or has as 1 against
+    a longer one), each block's in-memory result is already summed over the block, and has
+    length 1 there, so what is left is the sum over the blocks.
+    """
+    lead = nb - (len(x_shape) - 2)
+    ones = tuple(lead + k for k, n in enumerate(x_shape[:-2]) if n == 1 and out.shape[lead + k] != 1)
+    if ones:
+        out = out.sum(axis=ones, keepdims=True)
+    return out.sum(axis=tuple(range(lead))) if lead else out
+
+
+def _marginal_block(nb: int, **blocks):
+    """``chain_marginals`` of one block, with every batch axis (length 1 where ``x`` broadcast)."""
+    out = chain.chain_marginals(**blocks)
+    return out.reshape((1,) * (nb + 2 - out.ndim) + out.shape)
+
+
+def _broadcast_chunks(x, nb: int):
+    """``adjust_chunks`` for the batch axes along which ``x`` broadcast (one entry per block)."""
+    lead = nb - (x.ndim - 2)
+    return {_LETTERS[k]: 1 for k in range(nb) if k < lead or x.shape[k - lead] == 1}
+
+
+def chain_logsumexp(x, log_trans, log_init=None, *, lengths=None):
+    x, log_trans, log_init, lengths, nb, per_step, result = _inputs(
+        x, log_trans, log_init, lengths, "spchain.chain_logsumexp")
+    meta = xp_of(x).empty((0,) * nb, result.dtype)
+    if x.numblocks[-2] > 1:
+        product = tree_product(_transfer_matrices(x, log_trans, log_init, lengths, nb, per_step, result.dtype))
+        return product.map_blocks(_first_row_lse, drop_axis=(nb, nb + 1), dtype=result.dtype, meta=meta)
+    args, cores = _args(x, log_trans, log_init, lengths, per_step)
+    return blockwise(chain.chain_logsumexp, batch_index(nb, x[..., 0, 0], ""), args, cores, nb, result.dtype, meta)
+
+
+def chain_marginals(x, log_trans, log_init=None, *, lengths=None):
+    x, log_trans, log_init, lengths, nb, per_step, result = _inputs(
+        x, log_trans, log_init, lengths, "spchain.chain_marginals")
+    x_shape = x.shape
+    meta = xp_of(x).empty((0,) * (nb + 2), result.dtype)
+    if x.numblocks[-2] > 1:
+        out = _marginals_in_time_chunks(x, log_trans, log_init, lengths, nb, per_step, result.dtype, meta)
+    else:
+        args, cores = _args(x, log_trans, log_init, lengths, per_step)
+        out = blockwise(partial(_marginal_block, nb), _LETTERS[:nb] + "vc", args, cores, nb, result.dtype, meta,
+                        adjust_chunks=_broadcast_chunks(x, nb))
+    return _sum_broadcast(out, x_shape, nb)
+
+
+def viterbi(x, log_trans, log_init=None, *, lengths=None):
+    x, log_trans, log_init, lengths, nb, per_step, (score, path) = _inputs(
+        x, log_trans, log_init, lengths, "spchain.viterbi")
+    args, cores = _args(x.rechunk({-2: -1}), log_trans, log_init, lengths, per_step)
+    pairs = blockwise(chain.viterbi, _LETTERS[:nb], args, cores, nb, object, np.empty((0,) * nb, object))
+    return part(pairs, 0, score.dtype, x), part(pairs, 1, path.dtype, x, new_axis=nb,
+                                                  chunks=pairs.chunks + ((x.shape[-2],),))
+
+
+# ---- time-parallel ---------------------------------------------------------------------------
+
+def _padded_trans(log_trans, x, per_step: bool):
+    """Per-step ``log_trans`` with a first matrix prepended, so that its step axis lines up
+    with ``x``'s positions (matrix t leads into position t), chunked as ``x``'s time axis."""
+    if not per_step:
+        return log_trans
+    log_trans = as_dask(log_trans)
+    first = da.zeros_like(log_trans[..., :1, :, :])
+    return da.concatenate([first, log_trans], axis=-3).rechunk({-3: x.chunks[-2]})
+
+
+def _time_inputs(x, log_trans, log_init, lengths, per_step: bool):
+    """Named Dask inputs of a time-chunk task and the index letters of their core axes."""
+    args = {"positions": da.arange(x.shape[-2], chunks=x.chunks[-2]), "x": x,
+            "log_trans": _padded_trans(log_trans, x, per_step), "log_init": log_init, "lengths": lengths}
+    cores = {"positions": "t", "x": "tj", "log_trans": "tij" if per_step else "ij", "log_init": "j", "lengths": ""}
+    return args, cores
+
+
+def _step_matrices(positions, x, log_trans, log_init, lengths, per_step: bool):
+    """``T_t + x_t`` (..., L, c, c) for one time chunk: row 0 of position 0's matrix is
+    ``log_init + x_0`` (its other rows ``-inf``), and positions past a chain's length are identities."""
+    xp = _backend.backend_of(x).xp
+    c = x.shape[-1]
+    trans = log_trans if per_step else log_trans[..., None, :, :]
+    mats = xp.empty(_block_batch(x, trans[..., 0, :, :], log_init, lengths) + (x.shape[-2], c, c), x.dtype)
+    mats[...] = trans + x[..., :, None, :]
+    if int(positions[0]) == 0:
+        mats[..., 0, :, :] = -np.inf
+        mats[..., 0, 0, :] = x[..., 0, :] if log_init is None else log_init + x[..., 0, :]
+    if lengths is not None:
+        identity = xp.where(xp.eye(c, dtype=bool), 0.0, -np.inf).astype(x.dtype)
+        inside = xp.asarray(positions) < lengths[..., None]
+        mats = xp.where(inside[..., None, None], mats, identity)
+    return mats
+
+
+def _block_batch(x, trans, log_init=None, lengths=None, *vectors):
+    """The broadcast batch shape of one task's blocks (``trans`` a (..., c, c) matrix)."""
+    shapes = [x.shape[:-2], trans.shape[:-2]] + [a.shape[:-1] for a in (log_init, *vectors) if a is not None]
+    return np.broadcast_shapes(*shapes, () if lengths is None else lengths.shape)
+
+
+def _transfer_block(positions, x, log_trans, log_init=None, lengths=None, *, per_step: bool):
+    mats = _step_matrices(positions, x, log_trans, log_init, lengths, per_step)
+    return semiring.log_chain_product(mats)[..., None, :, :]
+
+
+def _transfer_matrices(x, log_trans, log_init, lengths, nb: int, per_step: bool, dtype):
+    """(batch..., K, c, c): the log transfer matrix of each of the K time chunks of ``x``."""
+    args, cores = _time_inputs(x, log_trans, log_init, lengths, per_step)
+    return blockwise(partial(_transfer_block, per_step=per_step), _LETTERS[:nb] + "tij", args, cores, nb, dtype,
+                     xp_of(x).empty((0,) * (nb + 3), dtype), adjust_chunks={"t": 1})
+
+
+def _first_row_lse(product):
+    """``logsumexp`` of row 0 of a chain's product: the log-partition."""
+    return chain.chain_logsumexp(product[..., :1, :], product)
+
+
+def _chunk_marginals(positions, x, log_trans, alpha, beta, log_init=None, lengths=None, *, per_step: bool):
+    """Marginals of one time chunk, given the forward message ``alpha`` (..., 1, c) that
+    enters it (unused in the first chunk) and the backward message ``beta`` (..., c, 1) that
+    leaves it: the in-memory ``chain_marginals`` of the chunk with a virtual position before
+    it (``log_init = alpha``, emission 0; not in the first chunk) and one after it (reached
+    from state i with weight ``beta[i]``, into state 0 only)."""
+    xp = _backend.backend_of(x).xp
+    start, size, c = int(positions[0]), x.shape[-2], x.shape[-1]
+    first = start == 0
+    lead = 0 if first else 1
+    batch = _block_batch(x, log_trans if not per_step else log_trans[..., 0, :, :], log_init, lengths,
+                         alpha[..., 0, :], beta[..., 0])
+    ext = xp.zeros(batch + (lead + size + 1, c), x.dtype)
+    ext[..., lead:lead + size, :] = x
+    trans = log_trans[..., 1:, :, :] if first and per_step else log_trans
+    steps = size - 1 if first else size
+    ext_trans = xp.empty(batch + (steps + 1, c, c), x.dtype)
+    ext_trans[..., :steps, :, :] = trans if per_step else trans[..., None, :, :]
+    ext_trans[..., steps, :, :] = -np.inf
+    ext_trans[..., steps, :, 0] = beta[..., 0]
+    init = (log_init if first else alpha[..., 0, :])
+    covered = xp.asarray(size + 1) if lengths is None else lengths - start  # positions of the chunk in the chain
+    ext_lengths = xp.where(covered > size, lead + size + 1, xp.clip(lead + covered, 1, None))
+    out = chain.chain_marginals(ext, ext_trans, init, lengths=xp.broadcast_to(ext_lengths, batch))
+    out = out[..., lead:lead + size, :]
+    return xp.where((covered > 0)[..., None, None], out, 0) if lengths is not None else out
+
+
+def _marginals_in_time_chunks(x, log_trans, log_init, lengths, nb: int, per_step: bool, dtype, meta):
+    """Marginals of time-chunked chains: a second pass over the chunks with boundary messages."""
+    mats = _transfer_matrices(x, log_trans, log_init, lengths, nb, per_step, dtype)
+    chunks = x.numblocks[-2]
+    mat = [mats[..., k, :, :] for k in range(chunks)]
+    alpha = [mat[0][..., :1, :]]
+    for k in range(1, chunks - 1):
+        alpha.append(semiring.logmatmul(alpha[-1], mat[k]))
+    beta = [da.zeros_like(mat[-1][..., :, :1])]
+    for k in range(chunks - 1, 0, -1):
+        beta.insert(0, semiring.logmatmul(mat[k], beta[0]))
+    args, cores = _time_inputs(x, log_trans, log_init, lengths, per_step)
+    cores.update(alpha="aj", beta="ib")
+    bounds = np.cumsum((0,) + x.chunks[-2])
+    parts = []
+    for k in range(chunks):
+        time = slice(int(bounds[k]), int(bounds[k + 1]))
+        chunk_args = dict(args, alpha=alpha[max(k - 1, 0)], beta=beta[k], positions=args["positions"][time],
+                          x=x[..., time, :])
+        if per_step:
+            chunk_args["log_trans"] = args["log_trans"][..., time, :, :]
+        parts.append(blockwise(partial(_chunk_marginals, per_step=per_step), _LETTERS[:nb] + "tj", chunk_args,
+                               cores, nb, dtype, meta))
+    return da.concatenate(parts, axis=nb)

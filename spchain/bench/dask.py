@@ -1,0 +1,106 @@
+"""The chains-at-scale workload: many chains (v 40, c 16, per-step transitions, float32) on a
+two-worker Dask ``LocalCluster`` (one thread and one process each), forward.
+
+spchain's ``chain_logsumexp`` on a Dask array beside the hand-written version a user writes
+today (``dask.array.map_blocks`` over the batch axis, the in-memory function in each task)
+and one in-memory call on the same chains. The emissions of the Dask methods are made chunk by
+chunk inside the tasks (seeded per chunk, so the in-memory copy is the same data), so their
+times include making the chunks and a worker only ever holds the chunks in flight; the
+in-memory call gets them made beforehand. Besides the table, the workload prints the workers'
+peak resident memory (the Linux high-water mark, reset before each run) for each Dask method.
+
+Full size: 2·10⁶ chains in chunks of 50,000 rows (x: 5.1 GB in float32; the in-memory call
+holds it and its forward messages, another 5.1 GB: about 11 GiB at its peak, which fits a
+24 GiB machine); quick: 20,000 chains in chunks of 5,000.
+"""
+
+import sys
+import weakref
+
+import numpy as np
+
+from .. import chain_logsumexp
+from .core import Case
+
+CASES = ["forward"]
+SIZES = {False: (2_000_000, 50_000), True: (20_000, 5_000)}  # (chains, rows per chunk)
+V, C = 40, 16
+SLAB = 100_000
+"""Rows of the float64 reference computed at a time."""
+
+
+def emissions(block_id: int, rows: int):
+    """The emission logs of one chunk, (rows, v, c) float32, seeded by the chunk's number."""
+    return np.random.default_rng((0, block_id)).standard_normal((rows, V, C), dtype=np.float32)
+
+
+def _chunk(block_info=None):
+    info = block_info[None]
+    return emissions(info["chunk-location"][0], info["chunk-shape"][0])
+
+
+def transitions():
+    """Per-step log transitions (1, v-1, c, c) and the log initial weights (c,), float32."""
+    rng = np.random.default_rng(1)
+    log_trans = np.log(rng.dirichlet(np.ones(C), size=(1, V - 1, C))).astype(np.float32)
+    return log_trans, np.log(rng.dirichlet(np.ones(C))).astype(np.float32)
+
+
+def _reset_peak():
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _peak_bytes():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+def make_case(name: str, quick: bool, device: str = "cpu") -> Case:
+    import dask.array as da
+    import distributed
+
+    if device != "cpu":
+        raise ValueError("chains-at-scale runs on the CPU (a Dask LocalCluster)")
+    chains, rows = SIZES[quick]
+    cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None)
+    client = distributed.Client(cluster)
+    log_trans, log_init = transitions()
+    x = da.map_blocks(_chunk, chunks=((rows,) * (chains // rows), (V,), (C,)), dtype=np.float32,
+                      meta=np.empty((0, 0, 0), np.float32))
+    memory_x = np.concatenate([emissions(k, rows) for k in range(chains // rows)])
+    peaks = {}
+
+    def on_cluster(method, build):
+        def run():
+            client.run(_reset_peak)
+            out = build().compute()
+            worst = max(client.run(_peak_bytes).values())
+            if worst > peaks.get(method, 0) + 2**20:  # report growth past 1 MiB only
+                peaks[method] = worst
+                print(f"chains-at-scale: {method}: workers' peak RSS {worst / 2**20:,.0f} MiB", file=sys.stderr)
+            return out
+        return run
+
+    def hand_written():
+        return x.map_blocks(chain_logsumexp, log_trans, log_init, drop_axis=(1, 2), dtype=np.float32,
+                            meta=np.empty((0,), np.float32))
+
+    def reference():
+        t64, i64 = log_trans.astype(np.float64), log_init.astype(np.float64)
+        return np.concatenate([chain_logsumexp(memory_x[s:s + SLAB].astype(np.float64), t64, i64)
+                               for s in range(0, chains, SLAB)])
+
+    methods = {
+        "spchain": on_cluster("spchain", lambda: chain_logsumexp(x, log_trans, log_init)),
+        "hand-written map_blocks": on_cluster("hand-written map_blocks", hand_written),
+        "in-memory call": lambda: chain_logsumexp(memory_x, log_trans, log_init),
+    }
+    case = Case("chains-at-scale", name, methods, reference)
+    weakref.finalize(case, _close, client, cluster)
+    return case
+
+
+def _close(client, cluster):
+    client.close()
+    cluster.close()

@@ -1,0 +1,190 @@
+"""The array API on Dask arrays (spchain/_dask.py, _dask_array.py, _dask_chain.py), computed on a
+two-process ``distributed.LocalCluster`` and compared with the in-memory results."""
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+import scipy.sparse
+
+da = pytest.importorskip("dask.array")
+distributed = pytest.importorskip("distributed")
+
+import spchain as sc  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def client():
+    with distributed.LocalCluster(n_workers=2, processes=True, threads_per_worker=1, dashboard_address=None,
+                                  memory_limit="2GiB") as cluster, distributed.Client(cluster) as client:
+        yield client
+
+
+def chunked(a, chunks):
+    return da.from_array(a, chunks=chunks)
+
+
+def log_stochastic(rng, shape):
+    return np.log(rng.dirichlet(np.ones(shape[-1]), size=shape[:-1]))
+
+
+def test_results_are_lazy_dask_arrays_on_the_chunks_backend(rng):
+    x = chunked(rng.normal(size=(4, 5, 3)), (2, 5, 3))
+    out = sc.chain_logsumexp(x, np.zeros((3, 3)))
+    assert isinstance(out, da.Array) and out.shape == (4,) and out.chunks == ((2, 2),)
+    assert type(out._meta) is np.ndarray and out.dtype == np.float64
+    score, path = sc.viterbi(x, np.zeros((3, 3)))
+    assert score.shape == (4,) and path.shape == (4, 5) and path.dtype == np.int64
+
+
+def _make_chunk(block_info=None):
+    return np.full(block_info[None]["chunk-shape"], block_info[None]["chunk-location"][0], np.float32)
+
+
+def test_each_chain_task_fuses_with_the_task_making_its_chunk():
+    import dask
+
+    x = da.map_blocks(_make_chunk, chunks=((3, 3, 3), (5,), (4,)), dtype=np.float32)
+    (optimized,) = dask.optimize(sc.chain_logsumexp(x, np.zeros((4, 4), np.float32), np.zeros(4, np.float32)))
+    assert len(optimized.__dask_graph__().layers) == 1  # one fused task per chunk: x never moves between workers
+
+
+CHAIN_CASES = {
+    "shared": dict(x=(6, 9, 4), trans=(4, 4), init=None, lengths=False, chunks=(4, 9, 4)),
+    "per-step, lengths": dict(x=(7, 9, 3), trans=(7, 8, 3, 3), init=(3,), lengths=True, chunks=(3, 9, 3)),
+    "broadcast (n, t, v, c) with (1, t, v-1, c, c)": dict(x=(5, 2, 6, 3), trans=(1, 2, 5, 3, 3), init=(1, 2, 3),
+                                                         lengths=True, chunks=(2, 1, 6, 3)),
+}
+
+
+@pytest.mark.parametrize("case", CHAIN_CASES)
+def test_batch_chunks_equal_the_in_memory_result_bit_for_bit(client, rng, case):
+    spec = CHAIN_CASES[case]
+    x = rng.normal(size=spec["x"])
+    x[0, ..., 1, 0] = -np.inf
+    trans = log_stochastic(rng, spec["trans"])
+    init = None if spec["init"] is None else rng.normal(size=spec["init"])
+    batch = np.broadcast_shapes(spec["x"][:-2], spec["trans"][:-3 if len(spec["trans"]) > len(spec["x"]) else -2])
+    lengths = rng.integers(1, spec["x"][-2] + 1, batch) if spec["lengths"] else None
+    dx = chunked(x, spec["chunks"])
+    dlengths = None if lengths is None else chunked(lengths, spec["chunks"][:len(batch)])
+    got = client.compute([sc.chain_logsumexp(dx, trans, init, lengths=dlengths),
+                          sc.chain_marginals(dx, trans, init, lengths=dlengths),
+                          *sc.viterbi(dx, trans, init, lengths=dlengths)], sync=True)
+    want = [sc.chain_logsumexp(x, trans, init, lengths=lengths), sc.chain_marginals(x, trans, init, lengths=lengths),
+            *sc.viterbi(x, trans, init, lengths=lengths)]
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        np.testing.assert_array_equal(g, w)
+
+
+def test_marginals_of_a_broadcast_x_sum_over_the_chunks(client, rng):
+    x = rng.normal(size=(1, 6, 3))                      # one x for 5 transition matrices
+    trans = log_stochastic(rng, (5, 3, 3))
+    got = sc.chain_marginals(chunked(x, (1, 6, 3)), chunked(trans, (2, 3, 3))).compute()
+    np.testing.assert_allclose(got, sc.chain_marginals(x, trans), rtol=1e-13)
+    assert got.shape == (1, 6, 3)
+
+
+@pytest.mark.parametrize("per_step", [False, True])
+def test_time_chunks_match_one_sweep_of_a_long_chain(client, rng, per_step):
+    v, c = 10**4, 3
+    x = rng.normal(size=(2, v, c))
+    trans = log_stochastic(rng, (1, v - 1, c, c) if per_step else (c, c))
+    trans[..., 2, 0] = -np.inf                          # a structural zero
+    lengths = np.array([v, 6789])
+    dx = chunked(x, (1, 1500, c))                      # 7 time chunks, uneven
+    log_z, marginals = client.compute([sc.chain_logsumexp(dx, trans, lengths=lengths),
+                                       sc.chain_marginals(dx, trans, lengths=lengths)], sync=True)
+    np.testing.assert_allclose(log_z, sc.chain_logsumexp(x, trans, lengths=lengths), rtol=1e-12)
+    np.testing.assert_allclose(marginals, sc.chain_marginals(x, trans, lengths=lengths), rtol=0, atol=1e-11)
+    assert (marginals[1, 6789:] == 0).all()
+
+
+def test_time_chunks_of_short_chains_with_lengths_and_init(rng):
+    x = rng.normal(size=(5, 11, 4))
+    x[1] = -np.inf                                      # an impossible chain
+    trans, init = log_stochastic(rng, (1, 10, 4, 4)), rng.normal(size=(5, 4))
+    lengths = np.array([1, 11, 3, 4, 9])
+    dx = chunked(x, (2, 3, 4))
+    got_z = sc.chain_logsumexp(dx, trans, init, lengths=lengths).compute(scheduler="sync")
+    got_m = sc.chain_marginals(dx, trans, init, lengths=lengths).compute(scheduler="sync")
+    np.testing.assert_allclose(got_z, sc.chain_logsumexp(x, trans, init, lengths=lengths), rtol=1e-13)
+    np.testing.assert_allclose(got_m, sc.chain_marginals(x, trans, init, lengths=lengths), atol=1e-13)
+    score, path = sc.viterbi(dx, trans, init, lengths=lengths)
+    np.testing.assert_array_equal(path.compute(scheduler="sync"), sc.viterbi(x, trans, init, lengths=lengths)[1])
+
+
+def test_products_equal_the_in_memory_results(client, rng):
+    a, b = rng.normal(size=(6, 5, 4)), rng.normal(size=(1, 4, 7))
+    a[0, 0] = -np.inf
+    m = rng.normal(size=(3, 11, 4, 4))
+    x, w = rng.normal(size=(10, 4, 3)), rng.normal(size=(4, 3, 5))
+    rows, experts = rng.normal(size=(10, 3)), rng.normal(size=(3, 3, 5))
+    s = scipy.sparse.random(8, 6, density=0.4, format="csr", random_state=1)
+    dense, left, right = rng.normal(size=(6, 9)), rng.normal(size=(8, 3)), rng.normal(size=(6, 3))
+    exact = client.compute([sc.logmatmul(chunked(a, (2, 3, 4)), b), *sc.maxmatmul(chunked(a, (2, 3, 4)), b),
+                            sc.log_chain_product(chunked(m, (2, 11, 4, 4))),
+                            sc.block_diag_matmul(chunked(x, (10, 2, 3)), chunked(w, (2, 3, 5)))], sync=True)
+    for g, want in zip(exact, [sc.logmatmul(a, b), *sc.maxmatmul(a, b), sc.log_chain_product(m),
+                               sc.block_diag_matmul(x, w)]):
+        np.testing.assert_array_equal(g, want)
+    # chunks that change a BLAS call's shape (columns of b, rows of x) agree to round-off
+    close = client.compute([sc.logmatmul(a, chunked(b, (1, 4, 3))), sc.log_chain_product(chunked(m, (3, 4, 4, 4))),
+                            sc.block_diag_matmul(chunked(x, (3, 4, 3)), w),
+                            sc.grouped_matmul(chunked(rows, (4, 3)), experts, [3, 0, 7]),
+                            sc.spmm(s, chunked(dense, (6, 4))), sc.spmm(s, chunked(dense[:, 0], 3)),
+                            sc.spmm(da.from_array(s, chunks=(3, 6), asarray=False), dense)], sync=True)
+    for g, want in zip(close, [sc.logmatmul(a, b), sc.log_chain_product(m), sc.block_diag_matmul(x, w),
+                               sc.grouped_matmul(rows, experts, [3, 0, 7]), sc.spmm(s, dense), sc.spmm(s, dense[:, 0]),
+                               sc.spmm(s, dense)]):
+        np.testing.assert_allclose(g, want, rtol=1e-13, atol=1e-13)
+    got = sc.sddmm(s, chunked(left, (3, 3)), right).compute()
+    want = sc.sddmm(s, left, right)
+    assert scipy.sparse.issparse(got) and got.nnz == want.nnz
+    np.testing.assert_array_equal(got.indices, want.indices)
+    np.testing.assert_allclose(got.data, want.data, rtol=1e-13)
+
+
+def test_bad_input_fails_when_the_graph_is_built(rng):
+    x = chunked(rng.normal(size=(4, 5, 3)), (2, 5, 3))
+    with pytest.raises(ValueError, match="log_trans must end in"):
+        sc.chain_logsumexp(x, np.zeros((4, 4)))
+    with pytest.raises(ValueError, match="batch shapes do not broadcast"):
+        sc.chain_logsumexp(x, np.zeros((3, 3, 3)))
+    with pytest.raises(TypeError, match="float32 and float64"):
+        sc.chain_marginals(x.astype(np.float16), np.zeros((3, 3)))
+    with pytest.raises(ValueError, match="do not match"):
+        sc.logmatmul(x, chunked(np.zeros((4, 4, 4)), 2))
+    with pytest.raises(ValueError, match="group_sizes sum to 9"):
+        sc.grouped_matmul(chunked(np.ones((10, 3)), 4), np.ones((2, 3, 1)), [4, 5])
+    with pytest.raises(ValueError, match="do not match"):
+        sc.spmm(scipy.sparse.eye(3, format="csr"), chunked(np.ones((4, 2)), 2))
+
+
+def test_lengths_out_of_range_fail_in_the_task(rng):
+    x = chunked(rng.normal(size=(4, 5, 3)), (2, 5, 3))
+    out = sc.chain_logsumexp(x, np.zeros((3, 3)), lengths=np.array([1, 2, 6, 1]))
+    with pytest.raises(ValueError, match="lengths must lie in 1..v"):
+        out.compute(scheduler="sync")
+
+
+def _slow(block):
+    time.sleep(0.25)
+    return block
+
+
+def test_a_worker_killed_mid_computation_gives_the_same_result(client, rng):
+    x = rng.normal(size=(16, 30, 4))
+    trans = log_stochastic(rng, (4, 4))
+    future = client.compute(sc.chain_marginals(chunked(x, (2, 10, 4)).map_blocks(_slow), trans))
+    while not any(state == "memory" for state in client.run_on_scheduler(
+            lambda dask_scheduler: [t.state for t in dask_scheduler.tasks.values()])):
+        time.sleep(0.05)
+    assert not future.done()
+    victim, pid = next(iter(client.run(os.getpid).items()))
+    os.kill(pid, signal.SIGKILL)
+    np.testing.assert_allclose(future.result(timeout=120), sc.chain_marginals(x, trans), atol=1e-13)
+    assert victim not in client.scheduler_info()["workers"]
