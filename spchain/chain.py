@@ -18,6 +18,7 @@ messages (O(batch · v · c)), never a (batch, v, c, c) tensor.
 from dataclasses import dataclass
 
 import numpy as np
+import scipy.sparse
 
 from . import _backend, _checks, _logspace
 
@@ -74,17 +75,46 @@ class _Chain:
         return a.transpose(tuple(np.argsort(self.order)) + tuple(range(nd, nd + len(tail)))).copy()
 
 
+def _check_dense(caller: str, name: str, a, required: bool) -> None:
+    """``TypeError`` naming ``name`` unless ``a`` is a dense array, a list / tuple or a Python
+    scalar (or ``None``, where the argument is optional)."""
+    if a is None:
+        if required:
+            raise TypeError(f"{caller}: {name} is required (an array), got None")
+        return
+    if scipy.sparse.issparse(a) or hasattr(a, "tocsr"):
+        raise TypeError(f"{caller}: {name} must be a dense array, not a sparse {type(a).__name__} "
+                        "(sparse transitions are not supported yet)")
+    if not (hasattr(a, "dtype") and hasattr(a, "shape") or isinstance(a, (list, tuple, int, float, np.generic))):
+        raise TypeError(f"{caller}: {name} must be an array (or a list or a number), not {type(a).__name__}")
+
+
 def _prepare(x, log_trans, log_init, lengths, caller: str) -> _Chain:
-    """Validate the inputs of a chain function and bring them to the sweeps' layout."""
-    backend = _backend.backend_of(x, log_trans, log_init, lengths if hasattr(lengths, "dtype") else None,
+    """Validate the inputs of a chain function and bring them to the sweeps' layout.
+
+    Lists and Python numbers are converted to arrays; a number broadcasts like a 0-d array
+    (a scalar ``log_trans`` is a (c, c) matrix filled with it, a scalar ``log_init`` a
+    (c,) vector), so only ``x`` needs its full (..., v, c) shape.
+    """
+    for name, a, required in (("x", x, True), ("log_trans", log_trans, True), ("log_init", log_init, False),
+                              ("lengths", lengths, False)):
+        _check_dense(caller, name, a, required)
+    backend = _backend.backend_of(*(a for a in (x, log_trans, log_init, lengths) if hasattr(a, "dtype")),
                                   caller=caller)
     xp = backend.xp
-    dtype = _checks.float_dtype(caller, x=x, log_trans=log_trans, log_init=log_init)
+    named = {"x": x, "log_trans": log_trans, "log_init": log_init}
+    dtype = _checks.float_dtype(caller, **{k: a for k, a in named.items() if hasattr(a, "dtype")})
+    x, log_trans, log_init = (a if a is None or hasattr(a, "dtype") else xp.asarray(a, dtype)
+                              for a in named.values())
     if x.ndim < 2:
         raise ValueError(f"{caller}: x must have shape (..., v, c), got {x.shape}")
     v, c = x.shape[-2:]
     if v < 1:
         raise ValueError(f"{caller}: x has shape {x.shape}: a chain needs at least one position (v >= 1)")
+    if log_trans.ndim == 0:
+        log_trans = xp.broadcast_to(log_trans, (c, c))
+    if log_init is not None and log_init.ndim == 0:
+        log_init = xp.broadcast_to(log_init, (c,))
     if log_trans.ndim < 2 or log_trans.shape[-2:] != (c, c):
         raise ValueError(f"{caller}: log_trans must end in (c, c) = ({c}, {c}) to match x {x.shape}, "
                          f"got {log_trans.shape}")
@@ -111,7 +141,7 @@ def _prepare(x, log_trans, log_init, lengths, caller: str) -> _Chain:
                          f"lengths {length_shape}") from None
     nd = len(batch_shape)
     trans_batch = (1,) * (nd - len(trans_batch)) + tuple(trans_batch)
-    varying = tuple(k for k in range(nd) if trans_batch[k] > 1)
+    varying = tuple(k for k in range(nd) if trans_batch[k] != 1)  # an empty axis varies too: 0 groups
     order = varying + tuple(k for k in range(nd) if trans_batch[k] == 1)
     groups = int(np.prod([batch_shape[k] for k in varying], dtype=np.int64))
     rows = int(np.prod(batch_shape, dtype=np.int64))

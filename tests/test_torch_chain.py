@@ -219,3 +219,51 @@ def test_impossible_sequence_has_zero_gradients_not_nan(algorithm):
     args[0].grad = None
     out.sum().backward()  # -inf in the sum: the impossible chain still adds no NaN
     assert (args[0].grad[0] == 0).all() and torch.isfinite(args[0].grad).all()
+
+
+@pytest.mark.parametrize("op", [st.chain_logsumexp, lambda x, t: st.viterbi(x, t)[0]])
+def test_double_backward_raises_instead_of_dropping_the_graph(op):
+    x = torch.randn(2, 3, 3, dtype=torch.float64, requires_grad=True)
+    trans = torch.zeros(3, 3, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(op(x, trans).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.functional.hessian(lambda x: op(x, trans).sum(), x)
+
+
+def test_scalars_and_lists_become_tensors_of_x_dtype():
+    x = torch.randn(2, 4, 3, dtype=torch.float64, requires_grad=True)
+    got = st.chain_logsumexp(x, -1.0, [0.5, 0.5, 0.5])
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, st.chain_logsumexp(x, torch.full((3, 3), -1.0, dtype=torch.float64),
+                                                       torch.full((3,), 0.5, dtype=torch.float64)))
+    got.sum().backward()
+    assert x.grad.shape == x.shape
+    score, path = st.viterbi([[0.0]], torch.zeros(1, 1))
+    assert score.item() == 0.0 and path.tolist() == [0]
+    torch.testing.assert_close(st.chain_marginals([[0.0, 0.0]], 0.0), torch.full((1, 2), 0.5))
+
+
+@pytest.mark.parametrize("op", [st.chain_logsumexp, st.chain_marginals, st.viterbi])
+@pytest.mark.parametrize("args, match", [
+    ((torch.eye(3).to_sparse(), torch.zeros(3, 3)), "x must be a dense tensor, not one of layout torch.sparse_coo"),
+    ((torch.zeros(2, 3), torch.eye(3).to_sparse_csr()), "log_trans must be a dense tensor.*sparse_csr"),
+    ((torch.zeros(2, 3), None), "log_trans is required"),
+    ((None, torch.zeros(3, 3)), "x is required"),
+    ((torch.zeros(2, 3), "a"), "log_trans must be a tensor.*not str"),
+])
+def test_bad_argument_types_are_type_errors_naming_them(op, args, match):
+    with pytest.raises(TypeError, match=match):
+        op(*args)
+
+
+@pytest.mark.parametrize("x_shape, trans_shape", [((0, 5, 4), (0, 4, 4)), ((0, 5, 4), (4, 4)),
+                                                  ((2, 0, 5, 4), (2, 1, 4, 4)), ((3, 1, 2), (3, 0, 2, 2)),
+                                                  ((3, 5, 0), (0, 0))])
+def test_empty_shapes_run_forward_and_backward(algorithm, x_shape, trans_shape):
+    x = torch.zeros(x_shape, dtype=torch.float64, requires_grad=True)
+    trans = torch.zeros(trans_shape, dtype=torch.float64, requires_grad=True)
+    out = st.chain_logsumexp(x, trans)
+    (out[torch.isfinite(out)].sum() + st.viterbi(x, trans)[0].clamp(min=0).sum()).backward()
+    assert x.grad.shape == x.shape and trans.grad.shape == trans.shape
+    assert not x.grad.isnan().any() and not trans.grad.isnan().any()
