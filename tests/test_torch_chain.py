@@ -267,3 +267,14 @@ def test_empty_shapes_run_forward_and_backward(algorithm, x_shape, trans_shape):
     (out[torch.isfinite(out)].sum() + st.viterbi(x, trans)[0].clamp(min=0).sum()).backward()
     assert x.grad.shape == x.shape and trans.grad.shape == trans.shape
     assert not x.grad.isnan().any() and not trans.grad.isnan().any()
+
+
+def test_long_float32_chain_gradient_does_not_drift(algorithm):
+    x, trans, init = inputs((2,), 10_000, 3, dtype=torch.float32)
+    x.requires_grad_(True)
+    trans.requires_grad_(True)
+    st.chain_logsumexp(x, trans, init).sum().backward()
+    want = torch.from_numpy(sc.chain_marginals(x.detach().double().numpy(), trans.detach().double().numpy(),
+                                               init.double().numpy()))
+    assert (x.grad.sum(-1) - 1).abs().max() < 1e-5
+    torch.testing.assert_close(x.grad.double(), want, rtol=0, atol=1e-5)
