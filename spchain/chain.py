@@ -331,6 +331,7 @@ def _viterbi(chain: _Chain):
         backptr = xp.empty((rows, v, c), np.int32)
         kernel = chain.backend.kernel("chain", "viterbi")
         kernel(chain.x, chain.trans, chain.group, chain.init, chain.lengths, work, backptr, score, path)
+        path = xp.where((score == -np.inf)[:, None], -1, path)  # no path: nothing to follow, no gradient
     return score, path
 
 
@@ -430,7 +431,8 @@ def viterbi(x, log_trans, log_init=None, *, lengths=None):
         ``max over paths of init[s0] + x[0, s0] + sum_t (log_trans[s_{t-1}, s_t] + x[t, s_t])``,
         of the broadcast batch shape (``-inf`` where no path has weight).
     path : int64 array (..., v)
-        The best path; -1 past each chain's length. Ties go to the lowest state index, from
+        The best path; -1 past each chain's length, and -1 everywhere for an impossible chain
+        (score ``-inf``), whose score then has zero gradients in ``spchain.torch``. Ties go to the lowest state index, from
         the last position backwards: the last state is the lowest best one, each earlier state
         the lowest best predecessor of the next.
 

@@ -278,3 +278,22 @@ def test_long_float32_chain_gradient_does_not_drift(algorithm):
                                                init.double().numpy()))
     assert (x.grad.sum(-1) - 1).abs().max() < 1e-5
     torch.testing.assert_close(x.grad.double(), want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["x", "trans", "init"])
+def test_viterbi_impossible_chain_has_minus_inf_score_zero_gradients_and_no_path(case):
+    x, trans, init = inputs((2,), 4, 2)
+    lengths = torch.tensor([4, 2])
+    if case == "x":
+        x[0] = -math.inf
+    elif case == "trans":
+        trans[0, 1] = -math.inf  # step 1 -> 2 impossible: only the first chain reaches it
+    elif case == "init":
+        init[:] = -math.inf
+    args = [t.requires_grad_() for t in (x, trans, init)]
+    score, path = st.viterbi(*args, lengths=lengths if case != "init" else None)
+    score[0].backward()
+    assert score[0] == -math.inf
+    assert (path[0] == -1).all()
+    for t in args:
+        assert (t.grad == 0).all()
