@@ -313,7 +313,8 @@ def _backward_gemm(chain: _Chain, pre, norm, weight, grad_trans):
             before = xp.where(active, forward, -np.inf)
             step = t - 1 if chain.per_step else 0
             _, counts = _logspace.log_matmul_grads(xp, before, trans, pre4[:, :, t], grad_x[:, :, t], need_a=False)
-            grad_trans[:, step] += counts
+            reached = active.any(axis=1)[..., None]  # (G, 1, 1): a group no chain of which takes this step
+            grad_trans[:, step] += xp.where(reached, counts, 0)  # gets 0, even for a NaN matrix
         y = xp.where(active, x[:, :, t] + beta, -np.inf)
         d = norm3[:, :, t, None]
         beta = xp.where(d == -np.inf, -np.inf, _logspace.log_matmul(xp, y, trans.swapaxes(-1, -2)) - d)

@@ -297,3 +297,14 @@ def test_viterbi_impossible_chain_has_minus_inf_score_zero_gradients_and_no_path
     assert (path[0] == -1).all()
     for t in args:
         assert (t.grad == 0).all()
+
+
+def test_nan_transition_of_a_step_no_chain_takes_gets_zero_gradient(algorithm):
+    x, trans, _ = inputs((2,), 4, 2, trans_batch=(2,))
+    trans[0, 1:] = math.nan  # row 0 (length 2) uses only step 0 of its matrices
+    x.requires_grad_(True)
+    trans.requires_grad_(True)
+    out = st.chain_logsumexp(x, trans, lengths=torch.tensor([2, 4]))
+    out.sum().backward()
+    assert torch.isfinite(out).all()
+    assert (trans.grad[0, 1:] == 0).all() and torch.isfinite(trans.grad).all() and torch.isfinite(x.grad).all()
