@@ -15,6 +15,7 @@ The gradient is the forward-backward algorithm: the backward sweep reuses the sa
 messages (O(batch · v · c)), never a (batch, v, c, c) tensor.
 """
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -205,7 +206,7 @@ def _normalised(xp, pre, x, norm):
     return (pre + x) - _logspace.finite_or_zero(xp, norm)[..., None]
 
 
-def _forward(chain: _Chain):
+def _forward_finite(chain: _Chain):
     """Forward sweep: ``(log_partition (B,), pre (B, v, c), norm (B, v))``."""
     xp = chain.xp
     rows, v, c = chain.x.shape
@@ -242,7 +243,7 @@ def _forward_gemm(chain: _Chain, pre, norm):
     norm3[:, :, chain.max_length:] = 0
 
 
-def _backward(chain: _Chain, pre, norm, weight, trans_grad: bool = True):
+def _backward_finite(chain: _Chain, pre, norm, weight, trans_grad: bool = True):
     """Gradients of ``sum(weight * log_partition)``: ``(d x (B, v, c), d trans (G, S, c, c))``.
 
     ``d x`` holds ``weight`` times the posterior marginals; ``d init`` is ``d x[:, 0]``.
@@ -321,7 +322,7 @@ def _backward_gemm(chain: _Chain, pre, norm, weight, grad_trans):
     return grad_x.reshape(rows, v, c)
 
 
-def _viterbi(chain: _Chain):
+def _viterbi_finite(chain: _Chain):
     """Best paths: ``(score (B,), path (B, v) int64, -1 past each length)``."""
     xp = chain.xp
     rows, v, c = chain.x.shape
@@ -334,6 +335,75 @@ def _viterbi(chain: _Chain):
         kernel(chain.x, chain.trans, chain.group, chain.init, chain.lengths, work, backptr, score, path)
         path = xp.where((score == -np.inf)[:, None], -1, path)  # no path: nothing to follow, no gradient
     return score, path
+
+
+_LIMIT = 2.0**20
+"""What ``+inf`` becomes, in float64, for the gradient of a chain whose log-partition is ``+inf``:
+paths through fewer ``+inf`` terms then weigh ``exp(-2**20) = 0`` relative to the others, as
+in the limit, and ``2**20 * k`` stays exact to 1e-10 in float64."""
+
+
+def _with(chain: _Chain, f) -> _Chain:
+    """``chain`` with ``f`` applied to its x, transitions and init."""
+    return dataclasses.replace(chain, x=f(chain.x), trans=f(chain.trans), init=f(chain.init))
+
+
+def _plus_inf_rows(chain: _Chain):
+    """``(None, None)`` where no input holds ``+inf``; else ``(infinite (B,) bool, path (B, v))``:
+    the rows whose log-partition is ``+inf`` (a path with no ``-inf`` or NaN term goes through
+    a ``+inf`` one) and, for those, such a path (the most ``+inf`` terms; Viterbi's ties)."""
+    xp = chain.xp
+    if not any(bool(xp.isposinf(a).any()) for a in (chain.x, chain.trans, chain.init)):
+        return None, None
+    marks = _with(chain, lambda a: xp.where(xp.isposinf(a), 1, xp.where(xp.isfinite(a), 0, a)).astype(a.dtype))
+    score, path = _viterbi_finite(marks)
+    return score >= 1, path
+
+
+def _without_plus_inf(chain: _Chain) -> _Chain:
+    """``+inf`` replaced by ``-inf``: exact for the rows whose ``+inf`` terms all lie on
+    impossible paths, and harmless for the others, whose outputs are set apart."""
+    return _with(chain, lambda a: chain.xp.where(chain.xp.isposinf(a), -np.inf, a))
+
+
+def _forward(chain: _Chain):
+    """:func:`_forward_finite`, with ``+inf`` where a possible path goes through a ``+inf``."""
+    infinite, _ = _plus_inf_rows(chain)
+    if infinite is None:
+        return _forward_finite(chain)
+    log_partition, pre, norm = _forward_finite(_without_plus_inf(chain))
+    return chain.xp.where(infinite, np.inf, log_partition).astype(chain.x.dtype), pre, norm
+
+
+def _backward(chain: _Chain, pre, norm, weight, trans_grad: bool = True):
+    """:func:`_backward_finite` for the outputs of :func:`_forward`. A row with a ``+inf``
+    log-partition gets the limit of its gradient as its ``+inf`` terms grow together: the
+    posterior of the paths with the most ``+inf`` terms."""
+    xp = chain.xp
+    infinite, _ = _plus_inf_rows(chain)
+    if infinite is None:
+        return _backward_finite(chain, pre, norm, weight, trans_grad)
+    grad_x, grad_trans = _backward_finite(_without_plus_inf(chain), pre, norm, xp.where(infinite, 0, weight),
+                                          trans_grad)
+    limit = _with(chain, lambda a: xp.where(xp.isposinf(a), _LIMIT, a).astype(np.float64))
+    _, limit_pre, limit_norm = _forward_finite(limit)
+    limit_x, limit_trans = _backward_finite(limit, limit_pre, limit_norm,
+                                            xp.where(infinite, weight, 0).astype(np.float64), trans_grad)
+    grad_x = xp.where(infinite[:, None, None], limit_x.astype(chain.x.dtype), grad_x)
+    if trans_grad:
+        grad_trans = grad_trans + limit_trans.astype(chain.x.dtype)
+    return grad_x, grad_trans
+
+
+def _viterbi(chain: _Chain):
+    """:func:`_viterbi_finite`, with score ``+inf`` and a path through ``+inf`` terms where a
+    possible path goes through one."""
+    infinite, marked_path = _plus_inf_rows(chain)
+    if infinite is None:
+        return _viterbi_finite(chain)
+    score, path = _viterbi_finite(_without_plus_inf(chain))
+    xp = chain.xp
+    return xp.where(infinite, np.inf, score).astype(chain.x.dtype), xp.where(infinite[:, None], marked_path, path)
 
 
 def _viterbi_grads(chain: _Chain, path, weight, trans_grad: bool = True):
@@ -379,7 +449,12 @@ def chain_logsumexp(x, log_trans, log_init=None, *, lengths=None):
     Returns
     -------
     array
-        The log-partition, of the broadcast batch shape. ``-inf`` where no path has weight.
+        The log-partition, of the broadcast batch shape. ``-inf`` where no path has weight;
+        ``+inf`` where a path with no ``-inf`` term goes through a ``+inf`` one (a ``+inf``
+        on impossible paths only changes nothing), never NaN for ``+inf`` inputs; NaN where a
+        NaN lies on a possible path. The gradient of a ``+inf`` output goes in equal shares to
+        the ``+inf`` terms of each reduction (the limit as they grow together: the posterior
+        of the paths with the most ``+inf`` terms), 0 elsewhere.
 
     Examples
     --------
@@ -402,7 +477,9 @@ def chain_marginals(x, log_trans, log_init=None, *, lengths=None):
 
     Takes the arguments of :func:`chain_logsumexp` and returns an array of ``x``'s shape
     (summed over the batch axes along which ``x`` was broadcast). Each position's marginals
-    sum to 1 (0 where the chain has no path of positive weight, and past its length).
+    sum to 1 (0 where the chain has no path of positive weight, and past its length). Where
+    ``+inf`` inputs make the log-partition ``+inf``, they are its limit as the ``+inf`` terms
+    grow together (see :func:`chain_logsumexp`).
 
     Examples
     --------
@@ -430,7 +507,8 @@ def viterbi(x, log_trans, log_init=None, *, lengths=None):
     -------
     score : array
         ``max over paths of init[s0] + x[0, s0] + sum_t (log_trans[s_{t-1}, s_t] + x[t, s_t])``,
-        of the broadcast batch shape (``-inf`` where no path has weight).
+        of the broadcast batch shape (``-inf`` where no path has weight; ``+inf``, with a
+        path through ``+inf`` terms, where a path with no ``-inf`` term has one).
     path : int64 array (..., v)
         The best path; -1 past each chain's length, and -1 everywhere for an impossible chain
         (score ``-inf``), whose score then has zero gradients in ``spchain.torch``. Ties go to the lowest state index, from

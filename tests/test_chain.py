@@ -1,6 +1,7 @@
 """chain_logsumexp and chain_marginals (spchain/chain.py) against float64 references."""
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -417,3 +418,36 @@ def test_viterbi_user_shapes_and_empty_batch(rng):
     np.testing.assert_array_equal(path[1, 2], want_path)
     score, path = sc.viterbi(np.zeros((0, 4, 3)), np.zeros((3, 3)))
     assert score.shape == (0,) and path.shape == (0, 4)
+
+
+INF = np.inf
+
+
+@pytest.mark.parametrize("x, trans, want, marginals, path", [
+    ([[INF, 0], [0, 0]], np.zeros((2, 2)), INF, [[1, 0], [0.5, 0.5]], [0, 0]),
+    ([[0, 0], [0, 0]], [[INF, 0], [0, 0]], INF, [[1, 0], [1, 0]], [0, 0]),
+    ([[INF, INF], [0, -INF]], np.zeros((2, 2)), INF, [[0.5, 0.5], [1, 0]], [0, 0]),
+    ([[INF, 0], [0, 0]], [[0, -INF], [-INF, 0]], INF, [[1, 0], [1, 0]], [0, 0]),
+    ([[INF, 0], [-INF, -INF]], np.zeros((2, 2)), -INF, [[0, 0], [0, 0]], [-1, -1]),  # +inf on impossible paths
+    ([[INF, 0], [0, 0]], [[0, -INF], [0, 0]], INF, [[1, 0], [1, 0]], [0, 0]),
+])
+def test_plus_inf_gives_plus_inf_never_nan(algorithm, x, trans, want, marginals, path):
+    x, trans = np.array([x], float), np.array(trans, float)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no RuntimeWarning either
+        assert sc.chain_logsumexp(x, trans)[0] == want
+        assert_close(sc.chain_marginals(x, trans)[0], marginals)
+        score, got_path = sc.viterbi(x, trans)
+    assert score[0] == want and got_path[0].tolist() == path
+
+
+def test_plus_inf_leaves_other_rows_and_nan_alone(algorithm, rng):
+    x = rng.normal(size=(3, 4, 2)).astype(np.float32)
+    want = sc.chain_logsumexp(x, np.zeros((2, 2), np.float32))
+    x[1, 2, 1] = INF
+    x[2, 1, 0] = np.nan
+    got = sc.chain_logsumexp(x, np.zeros((2, 2), np.float32))
+    assert got[0] == want[0] and got[1] == INF and np.isnan(got[2])
+    marg = sc.chain_marginals(x, np.zeros((2, 2), np.float32))
+    assert_close(marg[1, 2], [0, 1])
+    assert np.isfinite(marg[:2]).all()

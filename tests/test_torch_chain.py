@@ -308,3 +308,18 @@ def test_nan_transition_of_a_step_no_chain_takes_gets_zero_gradient(algorithm):
     out.sum().backward()
     assert torch.isfinite(out).all()
     assert (trans.grad[0, 1:] == 0).all() and torch.isfinite(trans.grad).all() and torch.isfinite(x.grad).all()
+
+
+def test_plus_inf_gradients_go_to_the_plus_inf_terms(algorithm):
+    x = torch.tensor([[[math.inf, 0.0], [0.0, 0.0]], [[0.0, 1.0], [2.0, 0.0]]], dtype=torch.float64,
+                     requires_grad=True)
+    trans = torch.zeros(2, 2, dtype=torch.float64, requires_grad=True)
+    out = st.chain_logsumexp(x, trans)
+    out.sum().backward()
+    assert out[0] == math.inf and torch.isfinite(out[1])
+    torch.testing.assert_close(x.grad[0], torch.tensor([[1.0, 0.0], [0.5, 0.5]], dtype=torch.float64))
+    assert torch.isfinite(trans.grad).all() and torch.isfinite(x.grad).all()
+    x.grad = None
+    score, path = st.viterbi(x, trans)
+    score.sum().backward()
+    assert score[0] == math.inf and path[0, 0] == 0 and torch.isfinite(x.grad).all()
