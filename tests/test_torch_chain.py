@@ -323,3 +323,19 @@ def test_plus_inf_gradients_go_to_the_plus_inf_terms(algorithm):
     score, path = st.viterbi(x, trans)
     score.sum().backward()
     assert score[0] == math.inf and path[0, 0] == 0 and torch.isfinite(x.grad).all()
+
+
+def test_kernel_sweep_scales_each_rows_gradient_on_its_own(monkeypatch):
+    """Incoming gradients 1e-200 and 1e200 in one batch: neither underflows nor overflows."""
+    monkeypatch.setattr(chain, "ALGORITHM", "kernel")
+    x, trans, init = inputs((2,), 5, 3, trans_batch=(2,))
+    args = [t.requires_grad_() for t in (x, trans, init)]
+    weight = torch.tensor([1e-200, 1e200], dtype=torch.float64)
+    (st.chain_logsumexp(*args) * weight).sum().backward()
+    grads = [t.grad.clone() for t in args]
+    for t in args:
+        t.grad = None
+    st.chain_logsumexp(*args).sum().backward()
+    for got, ones, scaled in zip(grads, [t.grad for t in args], [True, True, False]):
+        if scaled:  # x and the per-row transitions: row b's gradient is weight[b] times the unit one
+            torch.testing.assert_close(got, ones * weight.reshape((2,) + (1,) * (ones.dim() - 1)), rtol=1e-12, atol=0)
