@@ -15,9 +15,11 @@ The gradient is the forward-backward algorithm: the backward sweep reuses the sa
 messages (O(batch · v · c)), never a (batch, v, c, c) tensor.
 """
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
+import scipy.sparse
 
 from . import _backend, _checks, _logspace
 from ._dask import scales_out
@@ -75,17 +77,46 @@ class _Chain:
         return a.transpose(tuple(np.argsort(self.order)) + tuple(range(nd, nd + len(tail)))).copy()
 
 
+def _check_dense(caller: str, name: str, a, required: bool) -> None:
+    """``TypeError`` naming ``name`` unless ``a`` is a dense array, a list / tuple or a Python
+    scalar (or ``None``, where the argument is optional)."""
+    if a is None:
+        if required:
+            raise TypeError(f"{caller}: {name} is required (an array), got None")
+        return
+    if scipy.sparse.issparse(a) or hasattr(a, "tocsr"):
+        raise TypeError(f"{caller}: {name} must be a dense array, not a sparse {type(a).__name__} "
+                        "(sparse transitions are not supported yet)")
+    if not (hasattr(a, "dtype") and hasattr(a, "shape") or isinstance(a, (list, tuple, int, float, np.generic))):
+        raise TypeError(f"{caller}: {name} must be an array (or a list or a number), not {type(a).__name__}")
+
+
 def _prepare(x, log_trans, log_init, lengths, caller: str) -> _Chain:
-    """Validate the inputs of a chain function and bring them to the sweeps' layout."""
-    backend = _backend.backend_of(x, log_trans, log_init, lengths if hasattr(lengths, "dtype") else None,
+    """Validate the inputs of a chain function and bring them to the sweeps' layout.
+
+    Lists and Python numbers are converted to arrays; a number broadcasts like a 0-d array
+    (a scalar ``log_trans`` is a (c, c) matrix filled with it, a scalar ``log_init`` a
+    (c,) vector), so only ``x`` needs its full (..., v, c) shape.
+    """
+    for name, a, required in (("x", x, True), ("log_trans", log_trans, True), ("log_init", log_init, False),
+                              ("lengths", lengths, False)):
+        _check_dense(caller, name, a, required)
+    backend = _backend.backend_of(*(a for a in (x, log_trans, log_init, lengths) if hasattr(a, "dtype")),
                                   caller=caller)
     xp = backend.xp
-    dtype = _checks.float_dtype(caller, x=x, log_trans=log_trans, log_init=log_init)
+    named = {"x": x, "log_trans": log_trans, "log_init": log_init}
+    dtype = _checks.float_dtype(caller, **{k: a for k, a in named.items() if hasattr(a, "dtype")})
+    x, log_trans, log_init = (a if a is None or hasattr(a, "dtype") else xp.asarray(a, dtype)
+                              for a in named.values())
     if x.ndim < 2:
         raise ValueError(f"{caller}: x must have shape (..., v, c), got {x.shape}")
     v, c = x.shape[-2:]
     if v < 1:
         raise ValueError(f"{caller}: x has shape {x.shape}: a chain needs at least one position (v >= 1)")
+    if log_trans.ndim == 0:
+        log_trans = xp.broadcast_to(log_trans, (c, c))
+    if log_init is not None and log_init.ndim == 0:
+        log_init = xp.broadcast_to(log_init, (c,))
     if log_trans.ndim < 2 or log_trans.shape[-2:] != (c, c):
         raise ValueError(f"{caller}: log_trans must end in (c, c) = ({c}, {c}) to match x {x.shape}, "
                          f"got {log_trans.shape}")
@@ -112,7 +143,7 @@ def _prepare(x, log_trans, log_init, lengths, caller: str) -> _Chain:
                          f"lengths {length_shape}") from None
     nd = len(batch_shape)
     trans_batch = (1,) * (nd - len(trans_batch)) + tuple(trans_batch)
-    varying = tuple(k for k in range(nd) if trans_batch[k] > 1)
+    varying = tuple(k for k in range(nd) if trans_batch[k] != 1)  # an empty axis varies too: 0 groups
     order = varying + tuple(k for k in range(nd) if trans_batch[k] == 1)
     groups = int(np.prod([batch_shape[k] for k in varying], dtype=np.int64))
     rows = int(np.prod(batch_shape, dtype=np.int64))
@@ -176,7 +207,7 @@ def _normalised(xp, pre, x, norm):
     return (pre + x) - _logspace.finite_or_zero(xp, norm)[..., None]
 
 
-def _forward(chain: _Chain):
+def _forward_finite(chain: _Chain):
     """Forward sweep: ``(log_partition (B,), pre (B, v, c), norm (B, v))``."""
     xp = chain.xp
     rows, v, c = chain.x.shape
@@ -213,7 +244,7 @@ def _forward_gemm(chain: _Chain, pre, norm):
     norm3[:, :, chain.max_length:] = 0
 
 
-def _backward(chain: _Chain, pre, norm, weight, trans_grad: bool = True):
+def _backward_finite(chain: _Chain, pre, norm, weight, trans_grad: bool = True):
     """Gradients of ``sum(weight * log_partition)``: ``(d x (B, v, c), d trans (G, S, c, c))``.
 
     ``d x`` holds ``weight`` times the posterior marginals; ``d init`` is ``d x[:, 0]``.
@@ -230,12 +261,26 @@ def _backward(chain: _Chain, pre, norm, weight, trans_grad: bool = True):
         beta = xp.empty_like(chain.x)
         chain.backend.kernel("chain", "chain_backward")(chain.x, chain.trans, chain.group, chain.lengths, norm, beta)
         inside = (xp.arange(v)[None, :] < chain.lengths[:, None])[..., None]
-        marginals = xp.where(inside, xp.exp(_normalised(xp, pre, chain.x, norm) + beta), 0)
+        marginals, _ = _renormalise(xp, xp.where(inside, xp.exp(_normalised(xp, pre, chain.x, norm) + beta), 0))
         if trans_grad:
             kernel = chain.backend.kernel("chain", "chain_transition_grad")
             kernel(chain.x, chain.trans, chain.group, chain.lengths, pre, norm, marginals, weight, grad_trans)
         grad_x = marginals * weight[:, None, None]
     return grad_x, grad_trans
+
+
+def _renormalise(xp, marginals):
+    """``marginals`` divided by their sum over the last axis, and the log of that sum (0 where
+    the sum is 0 or not finite, which stays as it is).
+
+    In exact arithmetic each position's marginals sum to 1; in float32 the backward messages,
+    scaled by the forward normalisers only, drift by a factor linear in the position (5e-4 at
+    v = 10⁴). Renormalising every position removes that drift and changes nothing exact.
+    """
+    total = marginals.sum(axis=-1, keepdims=True)
+    usable = (total > 0) & xp.isfinite(total)
+    total = xp.where(usable, total, 1)
+    return marginals / total, xp.log(total)
 
 
 def _backward_gemm(chain: _Chain, pre, norm, weight, grad_trans):
@@ -259,7 +304,8 @@ def _backward_gemm(chain: _Chain, pre, norm, weight, grad_trans):
     for t in range(chain.max_length - 1, -1, -1):
         active = t <= last
         beta = xp.where(last == t, 0, beta)
-        marginals = xp.where(active, xp.exp(forward + beta), 0)
+        marginals, log_total = _renormalise(xp, xp.where(active, xp.exp(forward + beta), 0))
+        beta = beta - log_total
         grad_x[:, :, t] = marginals * w
         if t == 0:
             break
@@ -269,14 +315,15 @@ def _backward_gemm(chain: _Chain, pre, norm, weight, grad_trans):
             before = xp.where(active, forward, -np.inf)
             step = t - 1 if chain.per_step else 0
             _, counts = _logspace.log_matmul_grads(xp, before, trans, pre4[:, :, t], grad_x[:, :, t], need_a=False)
-            grad_trans[:, step] += counts
+            reached = active.any(axis=1)[..., None]  # (G, 1, 1): a group no chain of which takes this step
+            grad_trans[:, step] += xp.where(reached, counts, 0)  # gets 0, even for a NaN matrix
         y = xp.where(active, x[:, :, t] + beta, -np.inf)
         d = norm3[:, :, t, None]
         beta = xp.where(d == -np.inf, -np.inf, _logspace.log_matmul(xp, y, trans.swapaxes(-1, -2)) - d)
     return grad_x.reshape(rows, v, c)
 
 
-def _viterbi(chain: _Chain):
+def _viterbi_finite(chain: _Chain):
     """Best paths: ``(score (B,), path (B, v) int64, -1 past each length)``."""
     xp = chain.xp
     rows, v, c = chain.x.shape
@@ -287,7 +334,77 @@ def _viterbi(chain: _Chain):
         backptr = xp.empty((rows, v, c), np.int32)
         kernel = chain.backend.kernel("chain", "viterbi")
         kernel(chain.x, chain.trans, chain.group, chain.init, chain.lengths, work, backptr, score, path)
+        path = xp.where((score == -np.inf)[:, None], -1, path)  # no path: nothing to follow, no gradient
     return score, path
+
+
+_LIMIT = 2.0**20
+"""What ``+inf`` becomes, in float64, for the gradient of a chain whose log-partition is ``+inf``:
+paths through fewer ``+inf`` terms then weigh ``exp(-2**20) = 0`` relative to the others, as
+in the limit, and ``2**20 * k`` stays exact to 1e-10 in float64."""
+
+
+def _with(chain: _Chain, f) -> _Chain:
+    """``chain`` with ``f`` applied to its x, transitions and init."""
+    return dataclasses.replace(chain, x=f(chain.x), trans=f(chain.trans), init=f(chain.init))
+
+
+def _plus_inf_rows(chain: _Chain):
+    """``(None, None)`` where no input holds ``+inf``; else ``(infinite (B,) bool, path (B, v))``:
+    the rows whose log-partition is ``+inf`` (a path with no ``-inf`` or NaN term goes through
+    a ``+inf`` one) and, for those, such a path (the most ``+inf`` terms; Viterbi's ties)."""
+    xp = chain.xp
+    if not any(bool(xp.isposinf(a).any()) for a in (chain.x, chain.trans, chain.init)):
+        return None, None
+    marks = _with(chain, lambda a: xp.where(xp.isposinf(a), 1, xp.where(xp.isfinite(a), 0, a)).astype(a.dtype))
+    score, path = _viterbi_finite(marks)
+    return score >= 1, path
+
+
+def _without_plus_inf(chain: _Chain) -> _Chain:
+    """``+inf`` replaced by ``-inf``: exact for the rows whose ``+inf`` terms all lie on
+    impossible paths, and harmless for the others, whose outputs are set apart."""
+    return _with(chain, lambda a: chain.xp.where(chain.xp.isposinf(a), -np.inf, a))
+
+
+def _forward(chain: _Chain):
+    """:func:`_forward_finite`, with ``+inf`` where a possible path goes through a ``+inf``."""
+    infinite, _ = _plus_inf_rows(chain)
+    if infinite is None:
+        return _forward_finite(chain)
+    log_partition, pre, norm = _forward_finite(_without_plus_inf(chain))
+    return chain.xp.where(infinite, np.inf, log_partition).astype(chain.x.dtype), pre, norm
+
+
+def _backward(chain: _Chain, pre, norm, weight, trans_grad: bool = True):
+    """:func:`_backward_finite` for the outputs of :func:`_forward`. A row with a ``+inf``
+    log-partition gets the limit of its gradient as its ``+inf`` terms grow together: the
+    posterior of the paths with the most ``+inf`` terms."""
+    xp = chain.xp
+    infinite, _ = _plus_inf_rows(chain)
+    if infinite is None:
+        return _backward_finite(chain, pre, norm, weight, trans_grad)
+    grad_x, grad_trans = _backward_finite(_without_plus_inf(chain), pre, norm, xp.where(infinite, 0, weight),
+                                          trans_grad)
+    limit = _with(chain, lambda a: xp.where(xp.isposinf(a), _LIMIT, a).astype(np.float64))
+    _, limit_pre, limit_norm = _forward_finite(limit)
+    limit_x, limit_trans = _backward_finite(limit, limit_pre, limit_norm,
+                                            xp.where(infinite, weight, 0).astype(np.float64), trans_grad)
+    grad_x = xp.where(infinite[:, None, None], limit_x.astype(chain.x.dtype), grad_x)
+    if trans_grad:
+        grad_trans = grad_trans + limit_trans.astype(chain.x.dtype)
+    return grad_x, grad_trans
+
+
+def _viterbi(chain: _Chain):
+    """:func:`_viterbi_finite`, with score ``+inf`` and a path through ``+inf`` terms where a
+    possible path goes through one."""
+    infinite, marked_path = _plus_inf_rows(chain)
+    if infinite is None:
+        return _viterbi_finite(chain)
+    score, path = _viterbi_finite(_without_plus_inf(chain))
+    xp = chain.xp
+    return xp.where(infinite, np.inf, score).astype(chain.x.dtype), xp.where(infinite[:, None], marked_path, path)
 
 
 def _viterbi_grads(chain: _Chain, path, weight, trans_grad: bool = True):
@@ -334,7 +451,12 @@ def chain_logsumexp(x, log_trans, log_init=None, *, lengths=None):
     Returns
     -------
     array
-        The log-partition, of the broadcast batch shape. ``-inf`` where no path has weight.
+        The log-partition, of the broadcast batch shape. ``-inf`` where no path has weight;
+        ``+inf`` where a path with no ``-inf`` term goes through a ``+inf`` one (a ``+inf``
+        on impossible paths only changes nothing), never NaN for ``+inf`` inputs; NaN where a
+        NaN lies on a possible path. The gradient of a ``+inf`` output goes in equal shares to
+        the ``+inf`` terms of each reduction (the limit as they grow together: the posterior
+        of the paths with the most ``+inf`` terms), 0 elsewhere.
 
     Examples
     --------
@@ -358,7 +480,9 @@ def chain_marginals(x, log_trans, log_init=None, *, lengths=None):
 
     Takes the arguments of :func:`chain_logsumexp` and returns an array of ``x``'s shape
     (summed over the batch axes along which ``x`` was broadcast). Each position's marginals
-    sum to 1 (0 where the chain has no path of positive weight, and past its length).
+    sum to 1 (0 where the chain has no path of positive weight, and past its length). Where
+    ``+inf`` inputs make the log-partition ``+inf``, they are its limit as the ``+inf`` terms
+    grow together (see :func:`chain_logsumexp`).
 
     Examples
     --------
@@ -387,9 +511,11 @@ def viterbi(x, log_trans, log_init=None, *, lengths=None):
     -------
     score : array
         ``max over paths of init[s0] + x[0, s0] + sum_t (log_trans[s_{t-1}, s_t] + x[t, s_t])``,
-        of the broadcast batch shape (``-inf`` where no path has weight).
+        of the broadcast batch shape (``-inf`` where no path has weight; ``+inf``, with a
+        path through ``+inf`` terms, where a path with no ``-inf`` term has one).
     path : int64 array (..., v)
-        The best path; -1 past each chain's length. Ties go to the lowest state index, from
+        The best path; -1 past each chain's length, and -1 everywhere for an impossible chain
+        (score ``-inf``), whose score then has zero gradients in ``spchain.torch``. Ties go to the lowest state index, from
         the last position backwards: the last state is the lowest best one, each earlier state
         the lowest best predecessor of the next.
 

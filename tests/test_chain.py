@@ -1,9 +1,11 @@
 """chain_logsumexp and chain_marginals (spchain/chain.py) against float64 references."""
 
 import math
+import warnings
 
 import numpy as np
 import pytest
+import scipy.sparse
 from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -186,6 +188,18 @@ def test_long_float32_chain_is_accurate(algorithm, rng):
     assert_close(got, want, rtol=1e-5, atol=0)
 
 
+@pytest.mark.parametrize("per_step", [False, True])
+def test_long_float32_chain_marginals_do_not_drift(algorithm, rng, per_step):
+    """Per-position marginals (and the gradient) stay within 1e-5 of float64 at v = 10⁴."""
+    v, c = 10_000, 4
+    x, trans, init = random_chain(rng, (2,), v, c, per_step=per_step)
+    want = sc.chain_marginals(x, trans, init)
+    got = sc.chain_marginals(x.astype(np.float32), trans.astype(np.float32), init.astype(np.float32))
+    assert got.dtype == np.float32
+    assert np.abs(got.sum(axis=-1) - 1).max() < 1e-5
+    assert_close(got, want, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype, gap", [(np.float32, -200.0), (np.float64, -1000.0)])
 def test_scaled_gemm_underflow_is_recomputed_exactly(monkeypatch, dtype, gap):
     # state 1 starts `gap` nats below state 0, the states never change, and only state 1 is
@@ -228,6 +242,43 @@ def test_empty_batch_and_single_state(algorithm, rng):
     assert_close(sc.chain_marginals(x, np.zeros((1, 1))), np.ones((2, 5, 1)))
 
 
+def test_scalars_and_lists_broadcast(algorithm, rng):
+    """A number is a 0-d array: a scalar log_trans is a (c, c) matrix filled with it, a scalar
+    log_init a (c,) vector; lists become arrays; the dtype stays x's."""
+    x = rng.normal(size=(2, 4, 3)).astype(np.float32)
+    want = sc.chain_logsumexp(x, np.full((3, 3), -1.0, np.float32), np.full(3, 0.5, np.float32))
+    got = sc.chain_logsumexp(x, -1.0, 0.5)
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    np.testing.assert_allclose(sc.chain_logsumexp(x.tolist(), np.full((3, 3), -1.0).tolist(), [0.5] * 3),
+                               want, rtol=1e-6)
+    np.testing.assert_allclose(sc.chain_marginals(x, -1.0), sc.chain_marginals(x, np.full((3, 3), -1.0)),
+                               rtol=1e-6)
+    score, path = sc.viterbi([[0.0]], 0.0)
+    assert score == 0.0 and path.tolist() == [0]
+
+
+@pytest.mark.parametrize("x_shape, trans_shape, init_shape", [
+    ((0, 5, 4), (0, 4, 4), (4,)),
+    ((0, 5, 4), (4, 4), (0, 4)),
+    ((0, 5, 4), (0, 4, 4, 4), (4,)),
+    ((2, 0, 5, 4), (2, 1, 4, 4), (4,)),
+    ((3, 1, 2), (3, 0, 2, 2), (2,)),
+    ((3, 5, 0), (0, 0), (0,)),
+])
+def test_empty_batches_and_broadcast_layouts(algorithm, x_shape, trans_shape, init_shape):
+    x, trans, init = np.zeros(x_shape), np.zeros(trans_shape), np.zeros(init_shape)
+    batch = np.broadcast_shapes(x_shape[:-2], trans_shape[:-3] if len(trans_shape) == len(x_shape) + 1
+                                else trans_shape[:-2], init_shape[:-1])
+    v, c = x_shape[-2:]
+    with np.errstate(divide="ignore"):
+        want = np.full(batch, v * np.log(c))  # c**v paths of weight 1
+    assert_close(sc.chain_logsumexp(x, trans, init), want)
+    assert_close(sc.chain_marginals(x, trans, init), np.full(x_shape, 1.0 / c if c else 0.0))
+    score, path = sc.viterbi(x, trans, init)
+    assert score.shape == batch and path.shape == batch + (x_shape[-2],)
+
+
 def test_zero_states_is_minus_inf(algorithm):
     got = sc.chain_logsumexp(np.zeros((2, 3, 0)), np.zeros((0, 0)))
     assert (got == -np.inf).all()
@@ -259,7 +310,14 @@ def test_bad_lengths(kwargs, error, match):
         (np.zeros((2, 4, 3)), np.zeros((3, 3)), np.zeros(2), ValueError, r"log_init must have shape \(\.\.\., c\)"),
         (np.zeros((2, 4, 3), np.int64), np.zeros((3, 3)), None, TypeError, "x has dtype int64"),
         (np.zeros((2, 4, 3)), np.zeros((3, 3), np.float16), None, TypeError, "log_trans has dtype float16"),
-        (np.zeros((2, 4, 3)), [[0.0]], None, TypeError, "not list"),
+        (np.zeros((2, 4, 3)), [[0.0]], None, ValueError, r"log_trans must end in \(c, c\) = \(3, 3\)"),
+        (np.zeros((2, 4, 3)), None, None, TypeError, "log_trans is required"),
+        (None, np.zeros((3, 3)), None, TypeError, "x is required"),
+        (np.zeros((2, 4, 3)), "0", None, TypeError, "log_trans must be an array.*not str"),
+        (np.zeros((2, 4, 3)), np.zeros((3, 3)), {0: 1}, TypeError, "log_init must be an array.*not dict"),
+        (np.zeros((2, 4, 3)), scipy.sparse.eye(3, format="csr"), None, TypeError,
+         "log_trans must be a dense array, not a sparse"),
+        (0.0, 0.0, None, ValueError, r"x must have shape \(\.\.\., v, c\), got \(\)"),
     ],
 )
 def test_bad_inputs(x, trans, init, error, match):
@@ -344,7 +402,8 @@ def test_viterbi_impossible_chain_and_nan(rng):
     x[1, 1, 2] = np.nan
     score, path = sc.viterbi(x, np.zeros((3, 3)))
     assert score[0] == -np.inf and np.isnan(score[1]) and np.isfinite(score[2])
-    assert ((path >= 0) & (path < 3)).all()
+    assert (path[0] == -1).all()  # no path to report
+    assert ((path[1:] >= 0) & (path[1:] < 3)).all()
 
 
 def test_viterbi_user_shapes_and_empty_batch(rng):
@@ -359,3 +418,36 @@ def test_viterbi_user_shapes_and_empty_batch(rng):
     np.testing.assert_array_equal(path[1, 2], want_path)
     score, path = sc.viterbi(np.zeros((0, 4, 3)), np.zeros((3, 3)))
     assert score.shape == (0,) and path.shape == (0, 4)
+
+
+INF = np.inf
+
+
+@pytest.mark.parametrize("x, trans, want, marginals, path", [
+    ([[INF, 0], [0, 0]], np.zeros((2, 2)), INF, [[1, 0], [0.5, 0.5]], [0, 0]),
+    ([[0, 0], [0, 0]], [[INF, 0], [0, 0]], INF, [[1, 0], [1, 0]], [0, 0]),
+    ([[INF, INF], [0, -INF]], np.zeros((2, 2)), INF, [[0.5, 0.5], [1, 0]], [0, 0]),
+    ([[INF, 0], [0, 0]], [[0, -INF], [-INF, 0]], INF, [[1, 0], [1, 0]], [0, 0]),
+    ([[INF, 0], [-INF, -INF]], np.zeros((2, 2)), -INF, [[0, 0], [0, 0]], [-1, -1]),  # +inf on impossible paths
+    ([[INF, 0], [0, 0]], [[0, -INF], [0, 0]], INF, [[1, 0], [1, 0]], [0, 0]),
+])
+def test_plus_inf_gives_plus_inf_never_nan(algorithm, x, trans, want, marginals, path):
+    x, trans = np.array([x], float), np.array(trans, float)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no RuntimeWarning either
+        assert sc.chain_logsumexp(x, trans)[0] == want
+        assert_close(sc.chain_marginals(x, trans)[0], marginals)
+        score, got_path = sc.viterbi(x, trans)
+    assert score[0] == want and got_path[0].tolist() == path
+
+
+def test_plus_inf_leaves_other_rows_and_nan_alone(algorithm, rng):
+    x = rng.normal(size=(3, 4, 2)).astype(np.float32)
+    want = sc.chain_logsumexp(x, np.zeros((2, 2), np.float32))
+    x[1, 2, 1] = INF
+    x[2, 1, 0] = np.nan
+    got = sc.chain_logsumexp(x, np.zeros((2, 2), np.float32))
+    assert got[0] == want[0] and got[1] == INF and np.isnan(got[2])
+    marg = sc.chain_marginals(x, np.zeros((2, 2), np.float32))
+    assert_close(marg[1, 2], [0, 1])
+    assert np.isfinite(marg[:2]).all()

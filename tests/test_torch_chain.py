@@ -219,3 +219,123 @@ def test_impossible_sequence_has_zero_gradients_not_nan(algorithm):
     args[0].grad = None
     out.sum().backward()  # -inf in the sum: the impossible chain still adds no NaN
     assert (args[0].grad[0] == 0).all() and torch.isfinite(args[0].grad).all()
+
+
+@pytest.mark.parametrize("op", [st.chain_logsumexp, lambda x, t: st.viterbi(x, t)[0]])
+def test_double_backward_raises_instead_of_dropping_the_graph(op):
+    x = torch.randn(2, 3, 3, dtype=torch.float64, requires_grad=True)
+    trans = torch.zeros(3, 3, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(op(x, trans).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.functional.hessian(lambda x: op(x, trans).sum(), x)
+
+
+def test_scalars_and_lists_become_tensors_of_x_dtype():
+    x = torch.randn(2, 4, 3, dtype=torch.float64, requires_grad=True)
+    got = st.chain_logsumexp(x, -1.0, [0.5, 0.5, 0.5])
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, st.chain_logsumexp(x, torch.full((3, 3), -1.0, dtype=torch.float64),
+                                                       torch.full((3,), 0.5, dtype=torch.float64)))
+    got.sum().backward()
+    assert x.grad.shape == x.shape
+    score, path = st.viterbi([[0.0]], torch.zeros(1, 1))
+    assert score.item() == 0.0 and path.tolist() == [0]
+    torch.testing.assert_close(st.chain_marginals([[0.0, 0.0]], 0.0), torch.full((1, 2), 0.5))
+
+
+@pytest.mark.parametrize("op", [st.chain_logsumexp, st.chain_marginals, st.viterbi])
+@pytest.mark.parametrize("args, match", [
+    ((torch.eye(3).to_sparse(), torch.zeros(3, 3)), "x must be a dense tensor, not one of layout torch.sparse_coo"),
+    ((torch.zeros(2, 3), torch.eye(3).to_sparse_csr()), "log_trans must be a dense tensor.*sparse_csr"),
+    ((torch.zeros(2, 3), None), "log_trans is required"),
+    ((None, torch.zeros(3, 3)), "x is required"),
+    ((torch.zeros(2, 3), "a"), "log_trans must be a tensor.*not str"),
+])
+def test_bad_argument_types_are_type_errors_naming_them(op, args, match):
+    with pytest.raises(TypeError, match=match):
+        op(*args)
+
+
+@pytest.mark.parametrize("x_shape, trans_shape", [((0, 5, 4), (0, 4, 4)), ((0, 5, 4), (4, 4)),
+                                                  ((2, 0, 5, 4), (2, 1, 4, 4)), ((3, 1, 2), (3, 0, 2, 2)),
+                                                  ((3, 5, 0), (0, 0))])
+def test_empty_shapes_run_forward_and_backward(algorithm, x_shape, trans_shape):
+    x = torch.zeros(x_shape, dtype=torch.float64, requires_grad=True)
+    trans = torch.zeros(trans_shape, dtype=torch.float64, requires_grad=True)
+    out = st.chain_logsumexp(x, trans)
+    (out[torch.isfinite(out)].sum() + st.viterbi(x, trans)[0].clamp(min=0).sum()).backward()
+    assert x.grad.shape == x.shape and trans.grad.shape == trans.shape
+    assert not x.grad.isnan().any() and not trans.grad.isnan().any()
+
+
+def test_long_float32_chain_gradient_does_not_drift(algorithm):
+    x, trans, init = inputs((2,), 10_000, 3, dtype=torch.float32)
+    x.requires_grad_(True)
+    trans.requires_grad_(True)
+    st.chain_logsumexp(x, trans, init).sum().backward()
+    want = torch.from_numpy(sc.chain_marginals(x.detach().double().numpy(), trans.detach().double().numpy(),
+                                               init.double().numpy()))
+    assert (x.grad.sum(-1) - 1).abs().max() < 1e-5
+    torch.testing.assert_close(x.grad.double(), want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["x", "trans", "init"])
+def test_viterbi_impossible_chain_has_minus_inf_score_zero_gradients_and_no_path(case):
+    x, trans, init = inputs((2,), 4, 2)
+    lengths = torch.tensor([4, 2])
+    if case == "x":
+        x[0] = -math.inf
+    elif case == "trans":
+        trans[0, 1] = -math.inf  # step 1 -> 2 impossible: only the first chain reaches it
+    elif case == "init":
+        init[:] = -math.inf
+    args = [t.requires_grad_() for t in (x, trans, init)]
+    score, path = st.viterbi(*args, lengths=lengths if case != "init" else None)
+    score[0].backward()
+    assert score[0] == -math.inf
+    assert (path[0] == -1).all()
+    for t in args:
+        assert (t.grad == 0).all()
+
+
+def test_nan_transition_of_a_step_no_chain_takes_gets_zero_gradient(algorithm):
+    x, trans, _ = inputs((2,), 4, 2, trans_batch=(2,))
+    trans[0, 1:] = math.nan  # row 0 (length 2) uses only step 0 of its matrices
+    x.requires_grad_(True)
+    trans.requires_grad_(True)
+    out = st.chain_logsumexp(x, trans, lengths=torch.tensor([2, 4]))
+    out.sum().backward()
+    assert torch.isfinite(out).all()
+    assert (trans.grad[0, 1:] == 0).all() and torch.isfinite(trans.grad).all() and torch.isfinite(x.grad).all()
+
+
+def test_plus_inf_gradients_go_to_the_plus_inf_terms(algorithm):
+    x = torch.tensor([[[math.inf, 0.0], [0.0, 0.0]], [[0.0, 1.0], [2.0, 0.0]]], dtype=torch.float64,
+                     requires_grad=True)
+    trans = torch.zeros(2, 2, dtype=torch.float64, requires_grad=True)
+    out = st.chain_logsumexp(x, trans)
+    out.sum().backward()
+    assert out[0] == math.inf and torch.isfinite(out[1])
+    torch.testing.assert_close(x.grad[0], torch.tensor([[1.0, 0.0], [0.5, 0.5]], dtype=torch.float64))
+    assert torch.isfinite(trans.grad).all() and torch.isfinite(x.grad).all()
+    x.grad = None
+    score, path = st.viterbi(x, trans)
+    score.sum().backward()
+    assert score[0] == math.inf and path[0, 0] == 0 and torch.isfinite(x.grad).all()
+
+
+def test_kernel_sweep_scales_each_rows_gradient_on_its_own(monkeypatch):
+    """Incoming gradients 1e-200 and 1e200 in one batch: neither underflows nor overflows."""
+    monkeypatch.setattr(chain, "ALGORITHM", "kernel")
+    x, trans, init = inputs((2,), 5, 3, trans_batch=(2,))
+    args = [t.requires_grad_() for t in (x, trans, init)]
+    weight = torch.tensor([1e-200, 1e200], dtype=torch.float64)
+    (st.chain_logsumexp(*args) * weight).sum().backward()
+    grads = [t.grad.clone() for t in args]
+    for t in args:
+        t.grad = None
+    st.chain_logsumexp(*args).sum().backward()
+    for got, ones, scaled in zip(grads, [t.grad for t in args], [True, True, False]):
+        if scaled:  # x and the per-row transitions: row b's gradient is weight[b] times the unit one
+            torch.testing.assert_close(got, ones * weight.reshape((2,) + (1,) * (ones.dim() - 1)), rtol=1e-12, atol=0)

@@ -2,11 +2,10 @@
 
 import numpy as np
 import torch
-from torch.autograd.function import once_differentiable
 
 from .. import _logspace
 from .. import chain as _chain
-from ._bridge import check_same_device, on_device, to_array, to_tensor
+from ._bridge import check_same_device, first_order, on_device, to_array, to_tensor
 
 _QUIET = {"divide": "ignore", "invalid": "ignore", "over": "ignore"}
 
@@ -15,10 +14,32 @@ def _arrays(*tensors):
     return tuple(None if t is None else to_array(t) for t in tensors)
 
 
-def _as_lengths(lengths, device):
-    """``lengths`` as a tensor on ``device``: a list, or CPU lengths (as ``pack_padded_sequence``
-    wants them) with CUDA inputs, are welcome."""
-    return None if lengths is None else torch.as_tensor(lengths, device=device)
+def _tensors(caller, x, log_trans, log_init, lengths):
+    """The arguments as dense tensors on one device: lists and Python numbers become tensors
+    of the first tensor's floating dtype and device (numbers broadcast as in
+    :func:`spchain.chain_logsumexp`); lengths may be a list, or on the CPU (as
+    ``pack_padded_sequence`` wants them) with CUDA inputs. ``TypeError`` naming the argument
+    for anything else, sparse tensors included."""
+    named = {"x": x, "log_trans": log_trans, "log_init": log_init, "lengths": lengths}
+    like = next((t for t in named.values() if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
+    dtype = like.dtype if like is not None else torch.get_default_dtype()
+    device = like.device if like is not None else None
+    out = []
+    for name, t in named.items():
+        if t is None:
+            if name in ("x", "log_trans"):
+                raise TypeError(f"{caller}: {name} is required (a tensor), got None")
+        elif isinstance(t, torch.Tensor):
+            if t.layout != torch.strided:
+                raise TypeError(f"{caller}: {name} must be a dense tensor, not one of layout {t.layout}")
+            if name == "lengths" and device is not None:
+                t = t.to(device)
+        elif isinstance(t, (list, tuple, int, float)) and not isinstance(t, bool):
+            t = torch.as_tensor(t, dtype=None if name == "lengths" else dtype, device=device)
+        else:
+            raise TypeError(f"{caller}: {name} must be a tensor (or a list or a number), not {type(t).__name__}")
+        out.append(t)
+    return out
 
 
 def _input_grads(chain, needs, x, log_trans, log_init, grad_x, grad_trans):
@@ -52,7 +73,7 @@ class _ChainLogSumExp(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
+    @first_order("spchain.torch.chain_logsumexp")
     def backward(ctx, grad):
         x, log_trans, log_init, lengths, pre, norm = ctx.saved_tensors
         with on_device(grad.device), np.errstate(**_QUIET):
@@ -81,7 +102,7 @@ class _Viterbi(torch.autograd.Function):
         return outs
 
     @staticmethod
-    @once_differentiable
+    @first_order("spchain.torch.viterbi")
     def backward(ctx, grad, _):
         x, log_trans, log_init, lengths, path = ctx.saved_tensors
         with on_device(grad.device):
@@ -104,7 +125,7 @@ def chain_logsumexp(x, log_trans, log_init=None, *, lengths=None):
     tensor([[1., 1., 1.],
             [1., 1., 1.]])
     """
-    return _ChainLogSumExp.apply(x, log_trans, log_init, _as_lengths(lengths, x.device))
+    return _ChainLogSumExp.apply(*_tensors("spchain.torch.chain_logsumexp", x, log_trans, log_init, lengths))
 
 
 def chain_marginals(x, log_trans, log_init=None, *, lengths=None):
@@ -120,8 +141,8 @@ def chain_marginals(x, log_trans, log_init=None, *, lengths=None):
             [0.5000, 0.5000],
             [0.5000, 0.5000]])
     """
-    lengths = _as_lengths(lengths, x.device)
     caller = "spchain.torch.chain_marginals"
+    x, log_trans, log_init, lengths = _tensors(caller, x, log_trans, log_init, lengths)
     device = check_same_device(caller, x=x, log_trans=log_trans, log_init=log_init, lengths=lengths)
     with on_device(device):
         return to_tensor(_chain.chain_marginals(*_arrays(x, log_trans, log_init), lengths=_arrays(lengths)[0]))
@@ -141,4 +162,4 @@ def viterbi(x, log_trans, log_init=None, *, lengths=None):
     (tensor([1, 0]), tensor([[0., 1.],
             [1., 0.]]))
     """
-    return _Viterbi.apply(x, log_trans, log_init, _as_lengths(lengths, x.device))
+    return _Viterbi.apply(*_tensors("spchain.torch.viterbi", x, log_trans, log_init, lengths))
