@@ -7,6 +7,7 @@ explicitly (``import spchain.torch``); ``import spchain`` never imports torch.
 
 from .blockdiag import BlockDiagonalLinear, GroupedLinear, block_diag_matmul, grouped_matmul
 from .chain import chain_logsumexp, chain_marginals, viterbi
+from .paths import chain_entropy, chain_kbest, chain_path_score, chain_sample
 from .semiring import log_chain_product, logmatmul, maxmatmul
 from .sparse import SparseLinear, prune, sddmm, sparse_linear, spmm
 
@@ -15,8 +16,12 @@ __all__ = [
     "GroupedLinear",
     "SparseLinear",
     "block_diag_matmul",
+    "chain_entropy",
+    "chain_kbest",
     "chain_logsumexp",
     "chain_marginals",
+    "chain_path_score",
+    "chain_sample",
     "grouped_matmul",
     "log_chain_product",
     "logmatmul",

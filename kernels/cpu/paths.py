@@ -1,0 +1,158 @@
+"""Paths of log-space chains, for the CPU: posterior sampling and k-best Viterbi.
+
+Shapes as in ``kernels/cpu/chain.py``: B rows, v positions, c states, row ``b`` uses
+``trans[b // group]`` (G, S, c, c), S = v - 1 per-step matrices or S = 1 shared.
+Paths are int64, -1 past each row's length.
+"""
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+from .exp import exp_nonpositive
+
+
+@njit(cache=True)
+def draw(logits, trans_col, u):
+    """A state ``i`` drawn with probability ∝ ``exp(logits[i] + trans_col[i])``, by the
+    uniform ``u`` in [0, 1): the first ``i`` whose cumulative weight exceeds ``u`` times the total.
+    Returns -1 if no state has weight (or a weight is NaN)."""
+    c = logits.shape[0]
+    top = -np.inf
+    for i in range(c):
+        val = logits[i] + trans_col[i]
+        if val > top:
+            top = val
+    if not math.isfinite(top):
+        return -1
+    total = 0.0
+    for i in range(c):
+        total += exp_nonpositive(logits[i] + trans_col[i] - top)
+    if total != total:
+        return -1
+    threshold = u * total
+    last = -1
+    cumulative = 0.0
+    for i in range(c):
+        w = exp_nonpositive(logits[i] + trans_col[i] - top)
+        if w > 0.0:
+            last = i
+            cumulative += w
+            if cumulative > threshold:
+                return i
+    return last  # rounding: the cumulative sum fell short of the threshold
+
+
+@njit(parallel=True, cache=True)
+def chain_sample(alpha, trans_t, group, lengths, possible, zeros, uniforms, paths):
+    """Backward sampling from the normalised forward messages: fills ``paths`` (N, B, v).
+
+    ``alpha`` (B, v, c) holds the normalised forward messages â_t (log p(s_t | x_0..t) up to
+    a constant), ``trans_t`` (G, S, c, c) the transposed transitions (``trans_t[g, s, j, i]``
+    scores i → j), ``possible`` (B,) whether the row has a path of positive weight,
+    ``zeros`` (c,) zeros, ``uniforms`` (N, B, v) in [0, 1). The last state is drawn from
+    â_{L-1}, each earlier one from â_t[i] + trans[i, s_{t+1}]. Impossible rows get -1
+    everywhere. Parallel over the N * B samples; O(N * B * v * c) time.
+    """
+    samples, rows, v = paths.shape
+    per_step = trans_t.shape[1] > 1
+    for nb in prange(samples * rows):
+        n = nb // rows
+        b = nb % rows
+        g = b // group
+        length = lengths[b]
+        paths[n, b, :] = -1
+        if not possible[b]:
+            continue
+        state = draw(alpha[b, length - 1], zeros, uniforms[n, b, length - 1])
+        paths[n, b, length - 1] = state
+        for t in range(length - 2, -1, -1):
+            if state < 0:
+                break
+            state = draw(alpha[b, t], trans_t[g, t if per_step else 0, state], uniforms[n, b, t])
+            paths[n, b, t] = state
+        if state < 0:
+            paths[n, b, :] = -1
+
+
+@njit(cache=True)
+def _before(a, ia, b, ib):
+    """Whether candidate ``(a, ia)`` ranks before ``(b, ib)``: the higher score (NaN highest),
+    ties to the lower index."""
+    if a != a:
+        return b == b or ia < ib
+    if b != b:
+        return False
+    return a > b or (a == b and ia < ib)
+
+
+@njit(cache=True)
+def _insert(score, index, k, val, idx):
+    """Insert ``(val, idx)`` into the ranked list ``score``/``index`` of length ``k``
+    (-inf / -1 for empty slots); candidates arrive in increasing ``idx``."""
+    if val == -np.inf:
+        return
+    pos = k
+    while pos > 0 and (index[pos - 1] < 0 or _before(val, idx, score[pos - 1], index[pos - 1])):
+        pos -= 1
+    if pos == k:
+        return
+    for m in range(k - 1, pos, -1):
+        score[m] = score[m - 1]
+        index[m] = index[m - 1]
+    score[pos] = val
+    index[pos] = idx
+
+
+@njit(parallel=True, cache=True)
+def chain_kbest(x, trans, group, init, lengths, work, backptr, scores, paths):
+    """Exact k-best Viterbi: the ``k`` best paths of each row, best first.
+
+    Inputs as for ``chain.viterbi``; ``work`` (B, 2, c, k) is scratch, ``backptr``
+    (B, v, c, k, int64) holds ``i * k + r`` (the predecessor state ``i`` and its rank ``r``).
+    Every state keeps its ``k`` best partial paths; paths of score ``-inf`` are dropped, so
+    fewer than ``k`` paths leave ``-inf`` scores and -1 paths. Ties go to the lower
+    (state, rank), as in ``viterbi``. Overwrites ``scores`` (k, B) and ``paths`` (k, B, v).
+    O(B * v * c² * k²) time at worst; rows run in parallel.
+    """
+    rows, v, c = x.shape
+    k = scores.shape[0]
+    per_step = trans.shape[1] > 1
+    for b in prange(rows):
+        g = b // group
+        length = lengths[b]
+        index = np.empty(k, np.int64)
+        cur = 0
+        for j in range(c):
+            work[b, 0, j, :] = -np.inf
+            work[b, 0, j, 0] = init[b, j] + x[b, 0, j]
+        for t in range(length - 1):
+            m = trans[g, t if per_step else 0]
+            new = work[b, 1 - cur]
+            for j in range(c):
+                new[j, :] = -np.inf
+                index[:] = -1
+                for i in range(c):
+                    for r in range(k):
+                        _insert(new[j], index, k, work[b, cur, i, r] + m[i, j], i * k + r)
+                for r in range(k):
+                    backptr[b, t + 1, j, r] = index[r]
+                    new[j, r] += x[b, t + 1, j]
+            cur = 1 - cur
+        best = np.full(k, -np.inf, x.dtype)
+        index[:] = -1
+        for j in range(c):
+            for r in range(k):
+                _insert(best, index, k, work[b, cur, j, r], j * k + r)
+        for r in range(k):
+            scores[r, b] = best[r]
+            paths[r, b, :] = -1
+            entry = index[r]
+            if entry < 0:
+                continue
+            for t in range(length - 1, -1, -1):
+                state = entry // k
+                paths[r, b, t] = state
+                if t > 0:
+                    entry = backptr[b, t, state, entry % k]
