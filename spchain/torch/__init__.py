@@ -6,6 +6,7 @@ explicitly (``import spchain.torch``); ``import spchain`` never imports torch.
 """
 
 from .blockdiag import BlockDiagonalLinear, GroupedLinear, block_diag_matmul, grouped_matmul
+from .crf import LinearChainCRF
 from .chain import chain_logsumexp, chain_marginals, viterbi
 from .paths import chain_entropy, chain_kbest, chain_path_score, chain_sample
 from .semiring import log_chain_product, logmatmul, maxmatmul
@@ -14,6 +15,7 @@ from .sparse import SparseLinear, prune, sddmm, sparse_linear, spmm
 __all__ = [
     "BlockDiagonalLinear",
     "GroupedLinear",
+    "LinearChainCRF",
     "SparseLinear",
     "block_diag_matmul",
     "chain_entropy",
