@@ -55,7 +55,7 @@ def entropy(chain):
             p = xp.where(xp.isfinite(after), xp.exp(alpha[:, :, t, :, None] + trans - after), 0)
             fwd4[:, :, t + 1] = _weighted(xp, p, fwd4[:, :, t, :, None] + trans).sum(axis=-2) + x[:, :, t + 1]
     mean = _expected_score(chain, pre, norm, fwd)
-    possible = log_partition > -np.inf
+    possible = log_partition != -np.inf  # NaN stays in
     value = xp.where(possible, log_partition - xp.where(possible, mean, 0), 0)
     return value, (pre, norm, fwd, mean, possible)
 

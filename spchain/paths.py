@@ -208,10 +208,13 @@ def _prepare_paths(x, log_trans, log_init, path, lengths, caller: str):
         raise ValueError(f"{caller}: the batch shapes of path {path.shape[:-1]} and x {x.shape[:-2]} "
                          f"do not broadcast") from None
     chain = _prepare(x, log_trans, log_init, lengths, caller)
-    if chain.batch_shape != np.broadcast_shapes(chain.batch_shape, batch):
-        xp = chain.xp
-        full = xp.broadcast_to(x, np.broadcast_shapes(chain.batch_shape, batch) + x.shape[-2:])
-        chain = _prepare(full, log_trans, log_init, lengths, caller)
+    full = np.broadcast_shapes(chain.batch_shape, batch)
+    if chain.batch_shape != full:  # x takes the paths' extra axes (per-step transitions keep theirs)
+        added = len(full) + 2 - x.ndim
+        if log_trans.ndim == x.ndim + 1:
+            log_trans = log_trans.reshape((1,) * added + log_trans.shape)
+        x = chain.xp.broadcast_to(x, full + x.shape[-2:])
+        chain = _prepare(x, log_trans, log_init, lengths, caller)
     try:
         return chain, _path_rows(chain, path, caller)
     except ValueError as exc:
