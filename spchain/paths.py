@@ -48,7 +48,7 @@ def _sample(chain, num_samples: int, seed):
         trans_t = xp.ascontiguousarray(chain.trans.swapaxes(-1, -2))
         possible = xp.isfinite(log_partition) & (c > 0)
         kernel = chain.backend.kernel("paths", "chain_sample")
-        kernel(alpha, trans_t, chain.group, chain.lengths, possible, xp.zeros(c, chain.x.dtype), uniforms, paths)
+        kernel(alpha, trans_t, chain.group, chain.lengths, possible, uniforms, paths)
     return paths
 
 

@@ -14,28 +14,29 @@ from .exp import exp_nonpositive
 
 
 @njit(cache=True)
-def draw(logits, trans_col, u):
-    """A state ``i`` drawn with probability ∝ ``exp(logits[i] + trans_col[i])``, by the
-    uniform ``u`` in [0, 1): the first ``i`` whose cumulative weight exceeds ``u`` times the total.
-    Returns -1 if no state has weight (or a weight is NaN)."""
-    c = logits.shape[0]
+def draw(alpha, b, t, trans_t, g, s, state, u):
+    """A state ``i`` drawn with probability ∝ ``exp(alpha[b, t, i] + trans_t[g, s, state, i])``
+    (no transition term for ``state < 0``) by the uniform ``u`` in [0, 1): the first ``i``
+    whose cumulative weight exceeds ``u`` times the total. -1 if no state has weight (or a
+    weight is NaN)."""
+    c = alpha.shape[2]
     top = -np.inf
     for i in range(c):
-        val = logits[i] + trans_col[i]
+        val = alpha[b, t, i] + (trans_t[g, s, state, i] if state >= 0 else 0.0)
         if val > top:
             top = val
     if not math.isfinite(top):
         return -1
     total = 0.0
     for i in range(c):
-        total += exp_nonpositive(logits[i] + trans_col[i] - top)
+        total += exp_nonpositive(alpha[b, t, i] + (trans_t[g, s, state, i] if state >= 0 else 0.0) - top)
     if total != total:
         return -1
     threshold = u * total
     last = -1
     cumulative = 0.0
     for i in range(c):
-        w = exp_nonpositive(logits[i] + trans_col[i] - top)
+        w = exp_nonpositive(alpha[b, t, i] + (trans_t[g, s, state, i] if state >= 0 else 0.0) - top)
         if w > 0.0:
             last = i
             cumulative += w
@@ -45,15 +46,15 @@ def draw(logits, trans_col, u):
 
 
 @njit(parallel=True, cache=True)
-def chain_sample(alpha, trans_t, group, lengths, possible, zeros, uniforms, paths):
+def chain_sample(alpha, trans_t, group, lengths, possible, uniforms, paths):
     """Backward sampling from the normalised forward messages: fills ``paths`` (N, B, v).
 
     ``alpha`` (B, v, c) holds the normalised forward messages â_t (log p(s_t | x_0..t) up to
     a constant), ``trans_t`` (G, S, c, c) the transposed transitions (``trans_t[g, s, j, i]``
     scores i → j), ``possible`` (B,) whether the row has a path of positive weight,
-    ``zeros`` (c,) zeros, ``uniforms`` (N, B, v) in [0, 1). The last state is drawn from
-    â_{L-1}, each earlier one from â_t[i] + trans[i, s_{t+1}]. Impossible rows get -1
-    everywhere. Parallel over the N * B samples; O(N * B * v * c) time.
+    ``uniforms`` (N, B, v) in [0, 1). The last state is drawn from â_{L-1}, each earlier one
+    from â_t[i] + trans[i, s_{t+1}]. Impossible rows get -1 everywhere. Parallel over the
+    N * B samples; O(N * B * v * c) time.
     """
     samples, rows, v = paths.shape
     per_step = trans_t.shape[1] > 1
@@ -65,12 +66,12 @@ def chain_sample(alpha, trans_t, group, lengths, possible, zeros, uniforms, path
         paths[n, b, :] = -1
         if not possible[b]:
             continue
-        state = draw(alpha[b, length - 1], zeros, uniforms[n, b, length - 1])
+        state = draw(alpha, b, length - 1, trans_t, g, 0, -1, uniforms[n, b, length - 1])
         paths[n, b, length - 1] = state
         for t in range(length - 2, -1, -1):
             if state < 0:
                 break
-            state = draw(alpha[b, t], trans_t[g, t if per_step else 0, state], uniforms[n, b, t])
+            state = draw(alpha, b, t, trans_t, g, t if per_step else 0, state, uniforms[n, b, t])
             paths[n, b, t] = state
         if state < 0:
             paths[n, b, :] = -1
@@ -110,7 +111,8 @@ def chain_kbest(x, trans, group, init, lengths, work, backptr, scores, paths):
     """Exact k-best Viterbi: the ``k`` best paths of each row, best first.
 
     Inputs as for ``chain.viterbi``; ``work`` (B, 2, c, k) is scratch, ``backptr``
-    (B, v, c, k, int64) holds ``i * k + r`` (the predecessor state ``i`` and its rank ``r``).
+    (B, v, c, k, int64) holds ``i * k + r`` (the predecessor state ``i`` and its rank ``r``;
+    ``backptr[b, 0, 0]`` is scratch for the final ranking).
     Every state keeps its ``k`` best partial paths; paths of score ``-inf`` are dropped, so
     fewer than ``k`` paths leave ``-inf`` scores and -1 paths. Ties go to the lower
     (state, rank), as in ``viterbi``. Overwrites ``scores`` (k, B) and ``paths`` (k, B, v).
@@ -122,7 +124,6 @@ def chain_kbest(x, trans, group, init, lengths, work, backptr, scores, paths):
     for b in prange(rows):
         g = b // group
         length = lengths[b]
-        index = np.empty(k, np.int64)
         cur = 0
         for j in range(c):
             work[b, 0, j, :] = -np.inf
@@ -132,15 +133,17 @@ def chain_kbest(x, trans, group, init, lengths, work, backptr, scores, paths):
             new = work[b, 1 - cur]
             for j in range(c):
                 new[j, :] = -np.inf
+                index = backptr[b, t + 1, j]
                 index[:] = -1
                 for i in range(c):
                     for r in range(k):
                         _insert(new[j], index, k, work[b, cur, i, r] + m[i, j], i * k + r)
                 for r in range(k):
-                    backptr[b, t + 1, j, r] = index[r]
                     new[j, r] += x[b, t + 1, j]
             cur = 1 - cur
-        best = np.full(k, -np.inf, x.dtype)
+        best = work[b, 1 - cur, 0]  # free scratch now, as is backptr[b, 0] (position 0 has none)
+        index = backptr[b, 0, 0]
+        best[:] = -np.inf
         index[:] = -1
         for j in range(c):
             for r in range(k):
