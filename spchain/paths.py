@@ -36,6 +36,18 @@ def _leading(chain, a):
     return xp.ascontiguousarray(xp.moveaxis(out, len(chain.batch_shape), 0))
 
 
+TINY = {np.dtype(np.float32): 1e-28, np.dtype(np.float64): 1e-250}
+"""The sampling kernel redoes a draw in log space where its largest scaled weight is below
+this: above it, weights that underflowed (below 1e-38 / 1e-308) are under 1e-10 / 1e-58 of
+the largest, less than the dtype's rounding."""
+
+
+def _scaled_exp(xp, a):
+    """``exp(a - max(a))`` over the last axis (0 where the maximum is not finite)."""
+    top = a.max(axis=-1, keepdims=True)
+    return xp.where(xp.isfinite(top), xp.exp(a - xp.where(xp.isfinite(top), top, 0)), 0)
+
+
 def _sample(chain, num_samples: int, seed):
     """``(num_samples, B, v)`` paths drawn from each row's posterior."""
     xp = chain.xp
@@ -48,7 +60,8 @@ def _sample(chain, num_samples: int, seed):
         trans_t = xp.ascontiguousarray(chain.trans.swapaxes(-1, -2))
         possible = xp.isfinite(log_partition) & (c > 0)
         kernel = chain.backend.kernel("paths", "chain_sample")
-        kernel(alpha, trans_t, chain.group, chain.lengths, possible, uniforms, paths)
+        kernel(alpha, _scaled_exp(xp, alpha), trans_t, _scaled_exp(xp, trans_t), TINY[chain.x.dtype], chain.group,
+               chain.lengths, possible, uniforms, paths)
     return paths
 
 

@@ -10,6 +10,7 @@ import pytest
 import reference
 from spchain.kernels.cpu import chain as cpu_chain
 from spchain.kernels.cpu import paths as cpu_paths
+from spchain.paths import TINY, _scaled_exp
 from test_kernels_chain import normalised_problem
 
 
@@ -29,7 +30,8 @@ def run_sample(module, prefix, x, trans, group, init, lengths, samples=6, seed=0
     uniforms = np.random.default_rng(seed).random((samples,) + x.shape[:2])
     paths = np.empty((samples,) + x.shape[:2], np.int64)
     trans_t = np.ascontiguousarray(trans.swapaxes(-1, -2))
-    getattr(module, prefix + "chain_sample")(alpha, trans_t, group, lengths, possible, uniforms, paths)
+    getattr(module, prefix + "chain_sample")(alpha, _scaled_exp(np, alpha), trans_t, _scaled_exp(np, trans_t),
+                                             TINY[x.dtype], group, lengths, possible, uniforms, paths)
     return paths
 
 
@@ -93,5 +95,6 @@ def test_cuda_path_kernels_skip_empty_launches(small_launch):
     cuda_paths.launch_chain_kbest(x, np.zeros((0, 2, 2, 2)), 1, np.zeros((0, 2)), np.zeros(0, np.int64),
                                   np.zeros((0, 2, 2, 1)), np.zeros((0, 3, 2, 1), np.int64), np.zeros((1, 0)),
                                   np.zeros((1, 0, 3), np.int64))
-    cuda_paths.launch_chain_sample(x, np.zeros((0, 2, 2, 2)), 1, np.zeros(0, np.int64), np.zeros(0, bool),
+    trans = np.zeros((0, 2, 2, 2))
+    cuda_paths.launch_chain_sample(x, x, trans, trans, 1e-250, 1, np.zeros(0, np.int64), np.zeros(0, bool),
                                    np.zeros((2, 0, 3)), np.zeros((2, 0, 3), np.int64))

@@ -183,3 +183,13 @@ def test_empty_batch():
     scores, paths = sc.chain_kbest(x, np.zeros((2, 2)), k=2)
     assert scores.shape == (2, 0) and paths.shape == (2, 0, 3)
     assert sc.chain_path_score(x, np.zeros((2, 2)), None, np.zeros((0, 3), np.int64)).shape == (0,)
+
+
+@pytest.mark.parametrize("dtype, scale", [(np.float32, 100.0), (np.float64, 700.0)])
+def test_samples_of_underflowing_weights_are_drawn_in_log_space(dtype, scale):
+    """Every weight of the draw at position 0 underflows once scaled: exp(-scale) and exp(-scale - 1)."""
+    x = np.array([[0.0, -scale], [0.0, -np.inf]], dtype)
+    trans = np.array([[-scale, 0.0], [-1.0, 0.0]], dtype)
+    paths = sc.chain_sample(x, trans, num_samples=20000, seed=0)
+    np.testing.assert_array_equal(paths[:, 1], 0)
+    assert abs((paths[:, 0] == 0).mean() - 1 / (1 + np.exp(-1))) < 0.01

@@ -14,11 +14,11 @@ from .exp import exp_nonpositive
 
 
 @njit(cache=True)
-def draw(alpha, b, t, trans_t, g, s, state, u):
+def draw_exact(alpha, b, t, trans_t, g, s, state, u):
     """A state ``i`` drawn with probability ∝ ``exp(alpha[b, t, i] + trans_t[g, s, state, i])``
-    (no transition term for ``state < 0``) by the uniform ``u`` in [0, 1): the first ``i``
-    whose cumulative weight exceeds ``u`` times the total. -1 if no state has weight (or a
-    weight is NaN)."""
+    (no transition term for ``state < 0``) by the uniform ``u`` in [0, 1), in log space: the
+    first ``i`` whose cumulative weight exceeds ``u`` times the total. -1 if no state has
+    weight (or a weight is NaN)."""
     c = alpha.shape[2]
     top = -np.inf
     for i in range(c):
@@ -45,33 +45,64 @@ def draw(alpha, b, t, trans_t, g, s, state, u):
     return last  # rounding: the cumulative sum fell short of the threshold
 
 
+@njit(cache=True)
+def draw(alpha, probs, b, t, trans_t, trans_probs, g, s, state, u, tiny):
+    """:func:`draw_exact`'s draw from the scaled weights ``probs[b, t, i] * trans_probs[g, s,
+    state, i]`` (products, no exponentials), redone in log space where the largest is below
+    ``tiny`` (chosen so that weights that underflowed are negligible next to it)."""
+    c = probs.shape[2]
+    top = 0.0
+    total = 0.0
+    for i in range(c):
+        w = probs[b, t, i] * (trans_probs[g, s, state, i] if state >= 0 else 1.0)
+        total += w
+        if w > top:
+            top = w
+    if not top >= tiny or total != total or total == np.inf:
+        return draw_exact(alpha, b, t, trans_t, g, s, state, u)
+    threshold = u * total
+    last = -1
+    cumulative = 0.0
+    for i in range(c):
+        w = probs[b, t, i] * (trans_probs[g, s, state, i] if state >= 0 else 1.0)
+        if w > 0.0:
+            last = i
+            cumulative += w
+            if cumulative > threshold:
+                return i
+    return last
+
+
 @njit(parallel=True, cache=True)
-def chain_sample(alpha, trans_t, group, lengths, possible, uniforms, paths):
+def chain_sample(alpha, probs, trans_t, trans_probs, tiny, group, lengths, possible, uniforms, paths):
     """Backward sampling from the normalised forward messages: fills ``paths`` (N, B, v).
 
     ``alpha`` (B, v, c) holds the normalised forward messages â_t (log p(s_t | x_0..t) up to
-    a constant), ``trans_t`` (G, S, c, c) the transposed transitions (``trans_t[g, s, j, i]``
-    scores i → j), ``possible`` (B,) whether the row has a path of positive weight,
-    ``uniforms`` (N, B, v) in [0, 1). The last state is drawn from â_{L-1}, each earlier one
-    from â_t[i] + trans[i, s_{t+1}]. Impossible rows get -1 everywhere. Parallel over the
-    N * B samples; O(N * B * v * c) time.
+    a constant) and ``probs`` their exponentials, shifted by each position's maximum;
+    ``trans_t`` (G, S, c, c) the transposed transitions (``trans_t[g, s, j, i]`` scores
+    i → j) and ``trans_probs`` their exponentials, shifted by each row's maximum. ``possible``
+    (B,) says whether the row has a path of positive weight, ``uniforms`` (N, B, v) are in
+    [0, 1), ``tiny`` is :func:`draw`'s. The last state is drawn from â_{L-1}, each earlier one from â_t[i] + trans[i,
+    s_{t+1}] (see :func:`draw`). Impossible rows get -1 everywhere. Parallel over the N * B
+    samples (those of one row in a run, sharing its messages in cache); O(N * B * v * c) time.
     """
     samples, rows, v = paths.shape
     per_step = trans_t.shape[1] > 1
-    for nb in prange(samples * rows):
-        n = nb // rows
-        b = nb % rows
+    for bn in prange(samples * rows):
+        b = bn // samples
+        n = bn % samples
         g = b // group
         length = lengths[b]
         paths[n, b, :] = -1
         if not possible[b]:
             continue
-        state = draw(alpha, b, length - 1, trans_t, g, 0, -1, uniforms[n, b, length - 1])
+        state = draw(alpha, probs, b, length - 1, trans_t, trans_probs, g, 0, -1, uniforms[n, b, length - 1], tiny)
         paths[n, b, length - 1] = state
         for t in range(length - 2, -1, -1):
             if state < 0:
                 break
-            state = draw(alpha, b, t, trans_t, g, t if per_step else 0, state, uniforms[n, b, t])
+            s = t if per_step else 0
+            state = draw(alpha, probs, b, t, trans_t, trans_probs, g, s, state, uniforms[n, b, t], tiny)
             paths[n, b, t] = state
         if state < 0:
             paths[n, b, :] = -1

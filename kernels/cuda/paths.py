@@ -11,8 +11,8 @@ from . import config
 
 
 @cuda.jit(device=True)
-def _draw(alpha, b, t, trans_t, g, s, state, u):
-    """The CPU twin's ``draw``, with ``math.exp``."""
+def _draw_exact(alpha, b, t, trans_t, g, s, state, u):
+    """The CPU twin's ``draw_exact``, with ``math.exp``."""
     c = alpha.shape[2]
     top = -math.inf
     for i in range(c):
@@ -39,40 +39,66 @@ def _draw(alpha, b, t, trans_t, g, s, state, u):
     return last
 
 
+@cuda.jit(device=True)
+def _draw(alpha, probs, b, t, trans_t, trans_probs, g, s, state, u, tiny):
+    """The CPU twin's ``draw``."""
+    c = probs.shape[2]
+    top = 0.0
+    total = 0.0
+    for i in range(c):
+        w = probs[b, t, i] * (trans_probs[g, s, state, i] if state >= 0 else 1.0)
+        total += w
+        if w > top:
+            top = w
+    if not top >= tiny or total != total or total == math.inf:
+        return _draw_exact(alpha, b, t, trans_t, g, s, state, u)
+    threshold = u * total
+    last = -1
+    cumulative = 0.0
+    for i in range(c):
+        w = probs[b, t, i] * (trans_probs[g, s, state, i] if state >= 0 else 1.0)
+        if w > 0.0:
+            last = i
+            cumulative += w
+            if cumulative > threshold:
+                return i
+    return last
+
+
 @cuda.jit
-def chain_sample_kernel(alpha, trans_t, group, lengths, possible, uniforms, paths):
+def chain_sample_kernel(alpha, probs, trans_t, trans_probs, tiny, group, lengths, possible, uniforms, paths):
     samples, rows, v = paths.shape
     per_step = trans_t.shape[1] > 1
-    start = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    for nb in range(start, samples * rows, stride):
-        n = nb // rows
-        b = nb % rows
+    for bn in range(cuda.grid(1), samples * rows, cuda.gridsize(1)):
+        b = bn // samples
+        n = bn % samples
         g = b // group
         length = lengths[b]
         for t in range(v):
             paths[n, b, t] = -1
         if not possible[b]:
             continue
-        state = _draw(alpha, b, length - 1, trans_t, g, 0, -1, uniforms[n, b, length - 1])
+        state = _draw(alpha, probs, b, length - 1, trans_t, trans_probs, g, 0, -1, uniforms[n, b, length - 1], tiny)
         paths[n, b, length - 1] = state
         for t in range(length - 2, -1, -1):
             if state < 0:
                 break
-            state = _draw(alpha, b, t, trans_t, g, t if per_step else 0, state, uniforms[n, b, t])
+            s = t if per_step else 0
+            state = _draw(alpha, probs, b, t, trans_t, trans_probs, g, s, state, uniforms[n, b, t], tiny)
             paths[n, b, t] = state
         if state < 0:
             for t in range(v):
                 paths[n, b, t] = -1
 
 
-def launch_chain_sample(alpha, trans_t, group, lengths, possible, uniforms, paths, stream=0):
+def launch_chain_sample(alpha, probs, trans_t, trans_probs, tiny, group, lengths, possible, uniforms, paths,
+                        stream=0):
     """Backward sampling; overwrites ``paths`` (see ``kernels.cpu.paths.chain_sample``)."""
     items = paths.shape[0] * paths.shape[1]
     if items == 0:
         return
     chain_sample_kernel[config.blocks_for(items), config.THREADS_PER_BLOCK, stream](
-        alpha, trans_t, group, lengths, possible, uniforms, paths)
+        alpha, probs, trans_t, trans_probs, tiny, group, lengths, possible, uniforms, paths)
 
 
 @cuda.jit(device=True)

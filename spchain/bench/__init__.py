@@ -25,6 +25,7 @@ WORKLOADS = {
     "logmatmul": "logmatmul",
     "viterbi": "viterbi",
     "grouped": "grouped",
+    "crf": "crf",
 }
 """Workload name → module (relative to this package) with ``CASES`` and ``make_case``."""
 
