@@ -70,7 +70,7 @@ def test_marginals_and_samples_are_the_posterior():
     for b, n in enumerate(lengths.tolist()):
         paths = torch.tensor(list(np.ndindex(*(3,) * n)))
         e = emissions[b:b + 1, :n].expand(len(paths), n, 3)
-        logp = ref(e, paths, reduction="none").detach()
+        logp = ref(e, paths, torch.ones(paths.shape, dtype=torch.bool), reduction="none").detach()
         p = logp.exp()
         want = torch.stack([torch.zeros(3, dtype=p.dtype).index_add(0, paths[:, t], p) for t in range(n)])
         torch.testing.assert_close(marginals[b, :n], want)
