@@ -215,25 +215,19 @@ def _prepare_paths(x, log_trans, log_init, path, lengths, caller: str):
     if x.ndim < 2 or path.ndim < 1 or path.shape[-1] != x.shape[-2]:
         raise ValueError(f"{caller}: path must have shape (..., v) with v = x.shape[-2], got path {path.shape} "
                          f"and x {x.shape}")
-    try:
-        batch = np.broadcast_shapes(x.shape[:-2], path.shape[:-1])
-    except ValueError:
-        raise ValueError(f"{caller}: the batch shapes of path {path.shape[:-1]} and x {x.shape[:-2]} "
-                         f"do not broadcast") from None
     chain = _prepare(x, log_trans, log_init, lengths, caller)
-    full = np.broadcast_shapes(chain.batch_shape, batch)
+    try:
+        full = np.broadcast_shapes(chain.batch_shape, path.shape[:-1])
+    except ValueError:
+        raise ValueError(f"{caller}: the batch shape of path {path.shape[:-1]} does not broadcast with the "
+                         f"chains' {chain.batch_shape}") from None
     if chain.batch_shape != full:  # x takes the paths' extra axes (per-step transitions keep theirs)
         added = len(full) + 2 - x.ndim
         if log_trans.ndim == x.ndim + 1:
             log_trans = log_trans.reshape((1,) * added + log_trans.shape)
         x = chain.xp.broadcast_to(x, full + x.shape[-2:])
         chain = _prepare(x, log_trans, log_init, lengths, caller)
-    try:
-        return chain, _path_rows(chain, path, caller)
-    except ValueError as exc:
-        if caller in str(exc):
-            raise
-        raise ValueError(f"{caller}: path {path.shape} does not broadcast to the batch {chain.batch_shape}") from None
+    return chain, _path_rows(chain, path, caller)
 
 
 def chain_path_score(x, log_trans, log_init, path, *, lengths=None):

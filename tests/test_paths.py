@@ -106,7 +106,7 @@ def test_path_score_broadcasts_paths_against_the_batch():
     (np.array([0, -1, 1]), ValueError, "path states must lie in 0..c-1"),
     (np.array([0, 1]), ValueError, "path must have shape"),
     (np.array([0.0, 1.0, 1.0]), TypeError, "path must be an integer array"),
-    (np.zeros((2, 3), np.int64), ValueError, "do not broadcast"),
+    (np.zeros((2, 3), np.int64), ValueError, "does not broadcast"),
 ])
 def test_bad_paths_are_errors(path, error, match):
     with pytest.raises(error, match=match):
@@ -193,3 +193,9 @@ def test_samples_of_underflowing_weights_are_drawn_in_log_space(dtype, scale):
     paths = sc.chain_sample(x, trans, num_samples=20000, seed=0)
     np.testing.assert_array_equal(paths[:, 1], 0)
     assert abs((paths[:, 0] == 0).mean() - 1 / (1 + np.exp(-1))) < 0.01
+
+
+def test_paths_that_do_not_broadcast_with_lengths_are_errors():
+    with pytest.raises(ValueError, match="does not broadcast with the chains' \\(2,\\)"):
+        sc.chain_path_score(np.zeros((3, 2)), np.zeros((2, 2)), None, np.zeros((3, 3), np.int64),
+                            lengths=np.array([1, 2]))
