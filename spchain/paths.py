@@ -36,16 +36,34 @@ def _leading(chain, a):
     return xp.ascontiguousarray(xp.moveaxis(out, len(chain.batch_shape), 0))
 
 
-TINY = {np.dtype(np.float32): 1e-28, np.dtype(np.float64): 1e-250}
-"""The sampling kernel redoes a draw in log space where its largest scaled weight is below
-this: above it, weights that underflowed (below 1e-38 / 1e-308) are under 1e-10 / 1e-58 of
-the largest, less than the dtype's rounding."""
+TINY = 1e-130
+"""The sampling kernel redoes a draw in log space where the sum of its scaled weights is
+below this. The scaled weights are float64 with entries below ``FLUSH`` set to 0 (so no
+product is subnormal, which is slow): the weights lost are under ``c · FLUSH``, below 1e-20
+of a sum of at least ``TINY`` for c up to 10⁴."""
+
+FLUSH = 1e-154
 
 
 def _scaled_exp(xp, a):
-    """``exp(a - max(a))`` over the last axis (0 where the maximum is not finite)."""
+    """``exp(a - max(a))`` over the last axis in float64, 0 below ``FLUSH`` and where the
+    maximum is not finite."""
+    a = a.astype(np.float64)
     top = a.max(axis=-1, keepdims=True)
-    return xp.where(xp.isfinite(top), xp.exp(a - xp.where(xp.isfinite(top), top, 0)), 0)
+    e = xp.exp(a - xp.where(xp.isfinite(top), top, 0))
+    return xp.where(xp.isfinite(top) & (e >= FLUSH), e, 0)
+
+
+def _draw_totals(chain, probs, trans_probs):
+    """``totals[b, t, j] = sum_i probs[b, t, i] * trans_probs[g, s, j, i]`` (B, v - 1, c):
+    one batched GEMM per step (BLAS / cuBLAS)."""
+    xp = chain.xp
+    rows, v, c = probs.shape
+    groups = chain.trans.shape[0]
+    by_step = probs.reshape(groups, chain.group, v, c)[:, :, :v - 1].transpose(0, 2, 1, 3)  # (G, v-1, group, c)
+    by_column = xp.ascontiguousarray(trans_probs.swapaxes(-1, -2))
+    totals = xp.matmul(xp.ascontiguousarray(by_step), by_column)  # (G, v-1, group, c)
+    return xp.ascontiguousarray(totals.transpose(0, 2, 1, 3)).reshape(rows, v - 1, c)
 
 
 def _sample(chain, num_samples: int, seed):
@@ -58,10 +76,11 @@ def _sample(chain, num_samples: int, seed):
     paths = xp.empty((num_samples, rows, v), np.int64)
     if num_samples and rows:
         trans_t = xp.ascontiguousarray(chain.trans.swapaxes(-1, -2))
+        probs, trans_probs = _scaled_exp(xp, alpha), _scaled_exp(xp, trans_t)
         possible = xp.isfinite(log_partition) & (c > 0)
         kernel = chain.backend.kernel("paths", "chain_sample")
-        kernel(alpha, _scaled_exp(xp, alpha), trans_t, _scaled_exp(xp, trans_t), TINY[chain.x.dtype], chain.group,
-               chain.lengths, possible, uniforms, paths)
+        kernel(alpha, probs, trans_t, trans_probs, _draw_totals(chain, probs, trans_probs), TINY,
+               chain.group, chain.lengths, possible, uniforms, paths)
     return paths
 
 

@@ -30,8 +30,13 @@ def run_sample(module, prefix, x, trans, group, init, lengths, samples=6, seed=0
     uniforms = np.random.default_rng(seed).random((samples,) + x.shape[:2])
     paths = np.empty((samples,) + x.shape[:2], np.int64)
     trans_t = np.ascontiguousarray(trans.swapaxes(-1, -2))
-    getattr(module, prefix + "chain_sample")(alpha, _scaled_exp(np, alpha), trans_t, _scaled_exp(np, trans_t),
-                                             TINY[x.dtype], group, lengths, possible, uniforms, paths)
+    probs, trans_probs = _scaled_exp(np, alpha), _scaled_exp(np, trans_t)
+    rows, v, c = x.shape
+    totals = np.empty((rows, v - 1, c))
+    for b, t in np.ndindex(rows, v - 1):
+        totals[b, t] = trans_probs[b // group, t if trans.shape[1] > 1 else 0] @ probs[b, t]
+    getattr(module, prefix + "chain_sample")(alpha, probs, trans_t, trans_probs, totals, TINY, group,
+                                             lengths, possible, uniforms, paths)
     return paths
 
 
@@ -96,5 +101,5 @@ def test_cuda_path_kernels_skip_empty_launches(small_launch):
                                   np.zeros((0, 2, 2, 1)), np.zeros((0, 3, 2, 1), np.int64), np.zeros((1, 0)),
                                   np.zeros((1, 0, 3), np.int64))
     trans = np.zeros((0, 2, 2, 2))
-    cuda_paths.launch_chain_sample(x, x, trans, trans, 1e-250, 1, np.zeros(0, np.int64), np.zeros(0, bool),
+    cuda_paths.launch_chain_sample(x, x, trans, trans, np.zeros((0, 2, 2)), 1e-250, 1, np.zeros(0, np.int64), np.zeros(0, bool),
                                    np.zeros((2, 0, 3)), np.zeros((2, 0, 3), np.int64))

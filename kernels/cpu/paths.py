@@ -12,6 +12,9 @@ from numba import njit, prange
 
 from .exp import exp_nonpositive
 
+WALK_CHUNK = 16
+"""States whose weights a draw sums at a time before walking through them one by one."""
+
 
 @njit(cache=True)
 def draw_exact(alpha, b, t, trans_t, g, s, state, u):
@@ -46,45 +49,49 @@ def draw_exact(alpha, b, t, trans_t, g, s, state, u):
 
 
 @njit(cache=True)
-def draw(alpha, probs, b, t, trans_t, trans_probs, g, s, state, u, tiny):
+def draw(alpha, probs, b, t, trans_t, trans_probs, g, s, state, u, tiny, total):
     """:func:`draw_exact`'s draw from the scaled weights ``probs[b, t, i] * trans_probs[g, s,
-    state, i]`` (products, no exponentials), redone in log space where the largest is below
-    ``tiny`` (chosen so that weights that underflowed are negligible next to it)."""
-    c = probs.shape[2]
-    top = 0.0
-    total = 0.0
-    for i in range(c):
-        w = probs[b, t, i] * (trans_probs[g, s, state, i] if state >= 0 else 1.0)
-        total += w
-        if w > top:
-            top = w
-    if not top >= tiny or total != total or total == np.inf:
+    state, i]`` (products, no exponentials) whose sum is ``total``; redone in log space where
+    ``total`` is below ``tiny`` (chosen so that weights that underflowed are negligible)."""
+    if not total >= tiny or total == np.inf:
         return draw_exact(alpha, b, t, trans_t, g, s, state, u)
+    c = probs.shape[2]
     threshold = u * total
-    last = -1
     cumulative = 0.0
-    for i in range(c):
-        w = probs[b, t, i] * (trans_probs[g, s, state, i] if state >= 0 else 1.0)
-        if w > 0.0:
-            last = i
+    for i0 in range(0, c, WALK_CHUNK):  # whole chunks while they stay below the threshold
+        i1 = i0 + WALK_CHUNK if i0 + WALK_CHUNK < c else c
+        chunk = 0.0
+        for i in range(i0, i1):
+            chunk += probs[b, t, i] * (trans_probs[g, s, state, i] if state >= 0 else 1.0)
+        if cumulative + chunk <= threshold:
+            cumulative += chunk
+            continue
+        for i in range(i0, i1):
+            w = probs[b, t, i] * (trans_probs[g, s, state, i] if state >= 0 else 1.0)
             cumulative += w
-            if cumulative > threshold:
+            if w > 0.0 and cumulative > threshold:
                 return i
-    return last
+    for i in range(c - 1, -1, -1):  # rounding: the sums fell short of the threshold
+        if probs[b, t, i] * (trans_probs[g, s, state, i] if state >= 0 else 1.0) > 0.0:
+            return i
+    return -1
 
 
 @njit(parallel=True, cache=True)
-def chain_sample(alpha, probs, trans_t, trans_probs, tiny, group, lengths, possible, uniforms, paths):
+def chain_sample(alpha, probs, trans_t, trans_probs, totals, tiny, group, lengths, possible, uniforms, paths):
     """Backward sampling from the normalised forward messages: fills ``paths`` (N, B, v).
 
     ``alpha`` (B, v, c) holds the normalised forward messages â_t (log p(s_t | x_0..t) up to
-    a constant) and ``probs`` their exponentials, shifted by each position's maximum;
+    a constant) and ``probs`` (float64) their exponentials, shifted by each position's maximum;
     ``trans_t`` (G, S, c, c) the transposed transitions (``trans_t[g, s, j, i]`` scores
-    i → j) and ``trans_probs`` their exponentials, shifted by each row's maximum. ``possible``
-    (B,) says whether the row has a path of positive weight, ``uniforms`` (N, B, v) are in
-    [0, 1), ``tiny`` is :func:`draw`'s. The last state is drawn from â_{L-1}, each earlier one from â_t[i] + trans[i,
-    s_{t+1}] (see :func:`draw`). Impossible rows get -1 everywhere. Parallel over the N * B
-    samples (those of one row in a run, sharing its messages in cache); O(N * B * v * c) time.
+    i → j) and ``trans_probs`` (float64) their exponentials, shifted by each row's maximum;
+    ``totals[b, t, j] = sum_i probs[b, t, i] * trans_probs[g, s, j, i]`` (B, v - 1, c), the
+    sums of the weights of each draw (one GEMM per step, computed by the caller).
+    ``possible`` (B,) says whether the row has a path of positive weight, ``uniforms``
+    (N, B, v) are in [0, 1), ``tiny`` is :func:`draw`'s. The last state is drawn from
+    â_{L-1}, each earlier one from â_t[i] + trans[i, s_{t+1}]. Impossible rows get -1
+    everywhere. Parallel over the N * B samples (those of one row in a run, sharing its
+    messages in cache); O(N * B * v * c) time, about c / 2 multiply-adds a draw.
     """
     samples, rows, v = paths.shape
     per_step = trans_t.shape[1] > 1
@@ -96,13 +103,18 @@ def chain_sample(alpha, probs, trans_t, trans_probs, tiny, group, lengths, possi
         paths[n, b, :] = -1
         if not possible[b]:
             continue
-        state = draw(alpha, probs, b, length - 1, trans_t, trans_probs, g, 0, -1, uniforms[n, b, length - 1], tiny)
+        total = 0.0
+        for i in range(probs.shape[2]):
+            total += probs[b, length - 1, i]
+        state = draw(alpha, probs, b, length - 1, trans_t, trans_probs, g, 0, -1, uniforms[n, b, length - 1], tiny,
+                     total)
         paths[n, b, length - 1] = state
         for t in range(length - 2, -1, -1):
             if state < 0:
                 break
             s = t if per_step else 0
-            state = draw(alpha, probs, b, t, trans_t, trans_probs, g, s, state, uniforms[n, b, t], tiny)
+            state = draw(alpha, probs, b, t, trans_t, trans_probs, g, s, state, uniforms[n, b, t], tiny,
+                         totals[b, t, state])
             paths[n, b, t] = state
         if state < 0:
             paths[n, b, :] = -1

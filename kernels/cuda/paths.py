@@ -9,6 +9,9 @@ from numba import cuda
 
 from . import config
 
+WALK_CHUNK = 16
+"""As in ``kernels/cpu/paths.py`` (the same sums, so the same draws)."""
+
 
 @cuda.jit(device=True)
 def _draw_exact(alpha, b, t, trans_t, g, s, state, u):
@@ -40,33 +43,34 @@ def _draw_exact(alpha, b, t, trans_t, g, s, state, u):
 
 
 @cuda.jit(device=True)
-def _draw(alpha, probs, b, t, trans_t, trans_probs, g, s, state, u, tiny):
+def _draw(alpha, probs, b, t, trans_t, trans_probs, g, s, state, u, tiny, total):
     """The CPU twin's ``draw``."""
-    c = probs.shape[2]
-    top = 0.0
-    total = 0.0
-    for i in range(c):
-        w = probs[b, t, i] * (trans_probs[g, s, state, i] if state >= 0 else 1.0)
-        total += w
-        if w > top:
-            top = w
-    if not top >= tiny or total != total or total == math.inf:
+    if not total >= tiny or total == math.inf:
         return _draw_exact(alpha, b, t, trans_t, g, s, state, u)
+    c = probs.shape[2]
     threshold = u * total
-    last = -1
     cumulative = 0.0
-    for i in range(c):
-        w = probs[b, t, i] * (trans_probs[g, s, state, i] if state >= 0 else 1.0)
-        if w > 0.0:
-            last = i
+    for i0 in range(0, c, WALK_CHUNK):  # whole chunks while they stay below the threshold
+        i1 = i0 + WALK_CHUNK if i0 + WALK_CHUNK < c else c
+        chunk = 0.0
+        for i in range(i0, i1):
+            chunk += probs[b, t, i] * (trans_probs[g, s, state, i] if state >= 0 else 1.0)
+        if cumulative + chunk <= threshold:
+            cumulative += chunk
+            continue
+        for i in range(i0, i1):
+            w = probs[b, t, i] * (trans_probs[g, s, state, i] if state >= 0 else 1.0)
             cumulative += w
-            if cumulative > threshold:
+            if w > 0.0 and cumulative > threshold:
                 return i
-    return last
+    for i in range(c - 1, -1, -1):  # rounding: the sums fell short of the threshold
+        if probs[b, t, i] * (trans_probs[g, s, state, i] if state >= 0 else 1.0) > 0.0:
+            return i
+    return -1
 
 
 @cuda.jit
-def chain_sample_kernel(alpha, probs, trans_t, trans_probs, tiny, group, lengths, possible, uniforms, paths):
+def chain_sample_kernel(alpha, probs, trans_t, trans_probs, totals, tiny, group, lengths, possible, uniforms, paths):
     samples, rows, v = paths.shape
     per_step = trans_t.shape[1] > 1
     for bn in range(cuda.grid(1), samples * rows, cuda.gridsize(1)):
@@ -78,27 +82,32 @@ def chain_sample_kernel(alpha, probs, trans_t, trans_probs, tiny, group, lengths
             paths[n, b, t] = -1
         if not possible[b]:
             continue
-        state = _draw(alpha, probs, b, length - 1, trans_t, trans_probs, g, 0, -1, uniforms[n, b, length - 1], tiny)
+        total = 0.0
+        for i in range(probs.shape[2]):
+            total += probs[b, length - 1, i]
+        state = _draw(alpha, probs, b, length - 1, trans_t, trans_probs, g, 0, -1, uniforms[n, b, length - 1], tiny,
+                     total)
         paths[n, b, length - 1] = state
         for t in range(length - 2, -1, -1):
             if state < 0:
                 break
             s = t if per_step else 0
-            state = _draw(alpha, probs, b, t, trans_t, trans_probs, g, s, state, uniforms[n, b, t], tiny)
+            state = _draw(alpha, probs, b, t, trans_t, trans_probs, g, s, state, uniforms[n, b, t], tiny,
+                         totals[b, t, state])
             paths[n, b, t] = state
         if state < 0:
             for t in range(v):
                 paths[n, b, t] = -1
 
 
-def launch_chain_sample(alpha, probs, trans_t, trans_probs, tiny, group, lengths, possible, uniforms, paths,
+def launch_chain_sample(alpha, probs, trans_t, trans_probs, totals, tiny, group, lengths, possible, uniforms, paths,
                         stream=0):
     """Backward sampling; overwrites ``paths`` (see ``kernels.cpu.paths.chain_sample``)."""
     items = paths.shape[0] * paths.shape[1]
     if items == 0:
         return
     chain_sample_kernel[config.blocks_for(items), config.THREADS_PER_BLOCK, stream](
-        alpha, probs, trans_t, trans_probs, tiny, group, lengths, possible, uniforms, paths)
+        alpha, probs, trans_t, trans_probs, totals, tiny, group, lengths, possible, uniforms, paths)
 
 
 @cuda.jit(device=True)
