@@ -25,6 +25,10 @@ _API = {
     "chain_logsumexp": "chain",
     "chain_marginals": "chain",
     "viterbi": "chain",
+    "chain_sample": "paths",
+    "chain_entropy": "paths",
+    "chain_kbest": "paths",
+    "chain_path_score": "paths",
     "block_diag_matmul": "blockdiag",
     "grouped_matmul": "blockdiag",
 }

@@ -286,3 +286,46 @@ def log_chain_product_and_grad(m, grad):
         _, g, grad_m[..., step, :, :] = log_matmul_and_grads(prefix[step - 1], m[..., step, :, :], g)
     grad_m[..., 0, :, :] = g
     return prefix[-1], grad_m
+
+
+def chain_entropy_by_paths(x, log_trans, log_init=None, length=None):
+    """The entropy of one chain's posterior over paths by enumeration (0 if it has none)."""
+    scores, _ = chain_paths(x, log_trans, log_init, length)
+    total = log_sum_exp(scores)
+    if total == -np.inf:
+        return 0.0
+    p = np.exp(scores - total)
+    with np.errstate(invalid="ignore"):
+        return float(-np.sum(np.where(p > 0, p * (scores - total), 0)))
+
+
+def chain_kbest_by_paths(x, log_trans, log_init=None, length=None, k=1):
+    """Brute force for one chain: the ``k`` best ``(scores, paths)``, best first, paths of
+    score ``-inf`` left out (padded with ``-inf`` / -1), ties to the lexicographically
+    smallest path read from the last position backwards."""
+    scores, paths = chain_paths(x, log_trans, log_init, length)
+    v = np.shape(x)[0]
+    order = np.lexsort(tuple(paths.T) + (-scores,))  # last key first: score, then s_{L-1}, ...
+    out_scores = np.full(k, -np.inf)
+    out_paths = np.full((k, v), -1, np.int64)
+    kept = [i for i in order if scores[i] > -np.inf][:k]
+    out_scores[:len(kept)] = scores[kept]
+    out_paths[:len(kept), :paths.shape[1]] = paths[kept]
+    return out_scores, out_paths
+
+
+def chain_entropy_torch(x, log_trans, log_init, length):
+    """The entropy of one chain's posterior by enumeration, in torch (differentiable; float64)."""
+    import torch
+
+    v, c = x.shape
+    paths = torch.tensor(list(np.ndindex(*(c,) * int(length))), dtype=torch.int64).reshape(-1, int(length))
+    scores = log_init[paths[:, 0]] + x[0, paths[:, 0]]
+    for t in range(1, int(length)):
+        step = log_trans[t - 1] if log_trans.ndim == 3 else log_trans
+        scores = scores + step[paths[:, t - 1], paths[:, t]] + x[t, paths[:, t]]
+    scores = scores[scores > -np.inf]  # paths of weight 0 add nothing (and no 0 * inf gradient)
+    if not len(scores):
+        return scores.sum()  # no path: 0, with a zero gradient
+    log_p = scores - torch.logsumexp(scores, 0)
+    return -(log_p.exp() * log_p).sum()

@@ -5,10 +5,11 @@ import importlib
 
 import pytest
 
-MODULES = ["spchain", "spchain._backend", "spchain._checks", "spchain.blockdiag", "spchain.chain", "spchain.semiring",
-           "spchain.sparse", "spchain.blocksparse"]
-TORCH_MODULES = ["spchain.torch._bridge", "spchain.torch.blockdiag", "spchain.torch.chain", "spchain.torch.semiring",
-                 "spchain.torch.sparse", "spchain.torch.blocksparse", "spchain.torch.pruning"]
+MODULES = ["spchain", "spchain._backend", "spchain._checks", "spchain.blockdiag", "spchain.blocksparse", "spchain.chain",
+           "spchain.paths", "spchain.semiring", "spchain.sparse"]
+TORCH_MODULES = ["spchain.torch._bridge", "spchain.torch.blockdiag", "spchain.torch.blocksparse", "spchain.torch.chain",
+                 "spchain.torch.crf", "spchain.torch.paths", "spchain.torch.pruning", "spchain.torch.semiring",
+                 "spchain.torch.sparse"]
 
 
 @pytest.mark.parametrize("name", MODULES + TORCH_MODULES)

@@ -11,6 +11,7 @@ from numba import cuda, types
 
 from spchain.kernels.cuda import blocksparse as cuda_blocksparse
 from spchain.kernels.cuda import chain as cuda_chain
+from spchain.kernels.cuda import paths as cuda_paths
 from spchain.kernels.cuda import semiring as cuda_semiring
 from spchain.kernels.cuda import sparse as cuda_sparse
 
@@ -49,6 +50,12 @@ def kernels(dtype):
          (x, trans, i64, lengths, arr(f, 3), arr(f, 2), arr(f, 3), arr(f, 1), arr(f, 4))),
         ("viterbi", cuda_chain._viterbi_kernel(np.dtype(dtype)),
          (x, trans, i64, i64, init, lengths, arr(f, 3), arr(types.int32, 3), arr(f, 1), arr(i64, 2))),
+        ("chain_sample", cuda_paths.chain_sample_kernel,
+         (arr(f, 3), arr(types.float64, 3), trans, arr(types.float64, 4), arr(types.float64, 3), types.float64, i64,
+          lengths, arr(types.boolean, 1),
+          arr(types.float64, 3), arr(i64, 3))),
+        ("chain_kbest", cuda_paths.chain_kbest_kernel,
+         (x, trans, i64, init, lengths, arr(f, 4), arr(i64, 4), arr(f, 2), arr(i64, 3))),
         ("max_matmul", cuda_semiring.max_matmul_kernel,
          (arr(f, 3), arr(f, 3), arr(i64, 1), arr(i64, 1), arr(f, 3), arr(i64, 3))),
         *((f"sddmm {index}", cuda_sparse.sddmm_kernel, (arr(index, 1), arr(index, 1), arr(f, 2), arr(f, 2), arr(f, 1)))

@@ -27,6 +27,7 @@ WORKLOADS = {
     "viterbi": "viterbi",
     "grouped": "grouped",
     "chains-at-scale": "dask",
+    "crf": "crf",
 }
 """Workload name → module (relative to this package) with ``CASES`` and ``make_case``."""
 

@@ -8,6 +8,8 @@ explicitly (``import spchain.torch``); ``import spchain`` never imports torch.
 from .blockdiag import BlockDiagonalLinear, GroupedLinear, block_diag_matmul, grouped_matmul
 from .blocksparse import block_sparse_linear
 from .chain import chain_logsumexp, chain_marginals, viterbi
+from .crf import LinearChainCRF
+from .paths import chain_entropy, chain_kbest, chain_path_score, chain_sample
 from .pruning import CosineDropFraction, GradualPruning, erk_densities, sparsify
 from .semiring import log_chain_product, logmatmul, maxmatmul
 from .sparse import SparseLinear, prune, sddmm, sparse_linear, spmm
@@ -17,11 +19,16 @@ __all__ = [
     "CosineDropFraction",
     "GradualPruning",
     "GroupedLinear",
+    "LinearChainCRF",
     "SparseLinear",
     "block_diag_matmul",
     "block_sparse_linear",
+    "chain_entropy",
+    "chain_kbest",
     "chain_logsumexp",
     "chain_marginals",
+    "chain_path_score",
+    "chain_sample",
     "erk_densities",
     "grouped_matmul",
     "log_chain_product",

@@ -1,0 +1,204 @@
+"""Paths of log-space chains, for the CPU: posterior sampling and k-best Viterbi.
+
+Shapes as in ``kernels/cpu/chain.py``: B rows, v positions, c states, row ``b`` uses
+``trans[b // group]`` (G, S, c, c), S = v - 1 per-step matrices or S = 1 shared.
+Paths are int64, -1 past each row's length.
+"""
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+from .exp import exp_nonpositive
+
+WALK_CHUNK = 16
+"""States whose weights a draw sums at a time before walking through them one by one."""
+
+
+@njit(cache=True)
+def draw_exact(alpha, b, t, trans_t, g, s, state, u):
+    """A state ``i`` drawn with probability ∝ ``exp(alpha[b, t, i] + trans_t[g, s, state, i])``
+    (no transition term for ``state < 0``) by the uniform ``u`` in [0, 1), in log space: the
+    first ``i`` whose cumulative weight exceeds ``u`` times the total. -1 if no state has
+    weight (or a weight is NaN)."""
+    c = alpha.shape[2]
+    top = -np.inf
+    for i in range(c):
+        val = alpha[b, t, i] + (trans_t[g, s, state, i] if state >= 0 else 0.0)
+        if val > top:
+            top = val
+    if not math.isfinite(top):
+        return -1
+    total = 0.0
+    for i in range(c):
+        total += exp_nonpositive(alpha[b, t, i] + (trans_t[g, s, state, i] if state >= 0 else 0.0) - top)
+    if total != total:
+        return -1
+    threshold = u * total
+    last = -1
+    cumulative = 0.0
+    for i in range(c):
+        w = exp_nonpositive(alpha[b, t, i] + (trans_t[g, s, state, i] if state >= 0 else 0.0) - top)
+        if w > 0.0:
+            last = i
+            cumulative += w
+            if cumulative > threshold:
+                return i
+    return last  # rounding: the cumulative sum fell short of the threshold
+
+
+@njit(cache=True)
+def draw(alpha, probs, b, t, trans_t, trans_probs, g, s, state, u, tiny, total):
+    """:func:`draw_exact`'s draw from the scaled weights ``probs[b, t, i] * trans_probs[g, s,
+    state, i]`` (products, no exponentials) whose sum is ``total``; redone in log space where
+    ``total`` is below ``tiny`` (chosen so that weights that underflowed are negligible)."""
+    if not total >= tiny or total == np.inf:
+        return draw_exact(alpha, b, t, trans_t, g, s, state, u)
+    c = probs.shape[2]
+    threshold = u * total
+    cumulative = 0.0
+    for i0 in range(0, c, WALK_CHUNK):  # whole chunks while they stay below the threshold
+        i1 = i0 + WALK_CHUNK if i0 + WALK_CHUNK < c else c
+        chunk = 0.0
+        for i in range(i0, i1):
+            chunk += probs[b, t, i] * (trans_probs[g, s, state, i] if state >= 0 else 1.0)
+        if cumulative + chunk <= threshold:
+            cumulative += chunk
+            continue
+        for i in range(i0, i1):
+            w = probs[b, t, i] * (trans_probs[g, s, state, i] if state >= 0 else 1.0)
+            cumulative += w
+            if w > 0.0 and cumulative > threshold:
+                return i
+    for i in range(c - 1, -1, -1):  # rounding: the sums fell short of the threshold
+        if probs[b, t, i] * (trans_probs[g, s, state, i] if state >= 0 else 1.0) > 0.0:
+            return i
+    return -1
+
+
+@njit(parallel=True, cache=True)
+def chain_sample(alpha, probs, trans_t, trans_probs, totals, tiny, group, lengths, possible, uniforms, paths):
+    """Backward sampling from the normalised forward messages: fills ``paths`` (N, B, v).
+
+    ``alpha`` (B, v, c) holds the normalised forward messages â_t (log p(s_t | x_0..t) up to
+    a constant) and ``probs`` (float64) their exponentials, shifted by each position's maximum;
+    ``trans_t`` (G, S, c, c) the transposed transitions (``trans_t[g, s, j, i]`` scores
+    i → j) and ``trans_probs`` (float64) their exponentials, shifted by each row's maximum;
+    ``totals[b, t, j] = sum_i probs[b, t, i] * trans_probs[g, s, j, i]`` (B, v - 1, c), the
+    sums of the weights of each draw (one GEMM per step, computed by the caller).
+    ``possible`` (B,) says whether the row has a path of positive weight, ``uniforms``
+    (N, B, v) are in [0, 1), ``tiny`` is :func:`draw`'s. The last state is drawn from
+    â_{L-1}, each earlier one from â_t[i] + trans[i, s_{t+1}]. Impossible rows get -1
+    everywhere. Parallel over the N * B samples (those of one row in a run, sharing its
+    messages in cache); O(N * B * v * c) time, about c / 2 multiply-adds a draw.
+    """
+    samples, rows, v = paths.shape
+    per_step = trans_t.shape[1] > 1
+    for bn in prange(samples * rows):
+        b = bn // samples
+        n = bn % samples
+        g = b // group
+        length = lengths[b]
+        paths[n, b, :] = -1
+        if not possible[b]:
+            continue
+        total = 0.0
+        for i in range(probs.shape[2]):
+            total += probs[b, length - 1, i]
+        state = draw(alpha, probs, b, length - 1, trans_t, trans_probs, g, 0, -1, uniforms[n, b, length - 1], tiny,
+                     total)
+        paths[n, b, length - 1] = state
+        for t in range(length - 2, -1, -1):
+            if state < 0:
+                break
+            s = t if per_step else 0
+            state = draw(alpha, probs, b, t, trans_t, trans_probs, g, s, state, uniforms[n, b, t], tiny,
+                         totals[b, t, state])
+            paths[n, b, t] = state
+        if state < 0:
+            paths[n, b, :] = -1
+
+
+@njit(cache=True)
+def _before(a, ia, b, ib):
+    """Whether candidate ``(a, ia)`` ranks before ``(b, ib)``: the higher score (NaN highest),
+    ties to the lower index."""
+    if a != a:
+        return b == b or ia < ib
+    if b != b:
+        return False
+    return a > b or (a == b and ia < ib)
+
+
+@njit(cache=True)
+def _insert(score, index, k, val, idx):
+    """Insert ``(val, idx)`` into the ranked list ``score``/``index`` of length ``k``
+    (-inf / -1 for empty slots); candidates arrive in increasing ``idx``."""
+    if val == -np.inf:
+        return
+    pos = k
+    while pos > 0 and (index[pos - 1] < 0 or _before(val, idx, score[pos - 1], index[pos - 1])):
+        pos -= 1
+    if pos == k:
+        return
+    for m in range(k - 1, pos, -1):
+        score[m] = score[m - 1]
+        index[m] = index[m - 1]
+    score[pos] = val
+    index[pos] = idx
+
+
+@njit(parallel=True, cache=True)
+def chain_kbest(x, trans, group, init, lengths, work, backptr, scores, paths):
+    """Exact k-best Viterbi: the ``k`` best paths of each row, best first.
+
+    Inputs as for ``chain.viterbi``; ``work`` (B, 2, c, k) is scratch, ``backptr``
+    (B, v, c, k, int64) holds ``i * k + r`` (the predecessor state ``i`` and its rank ``r``;
+    ``backptr[b, 0, 0]`` is scratch for the final ranking).
+    Every state keeps its ``k`` best partial paths; paths of score ``-inf`` are dropped, so
+    fewer than ``k`` paths leave ``-inf`` scores and -1 paths. Ties go to the lower
+    (state, rank), as in ``viterbi``. Overwrites ``scores`` (k, B) and ``paths`` (k, B, v).
+    O(B * v * c² * k²) time at worst; rows run in parallel.
+    """
+    rows, v, c = x.shape
+    k = scores.shape[0]
+    per_step = trans.shape[1] > 1
+    for b in prange(rows):
+        g = b // group
+        length = lengths[b]
+        cur = 0
+        for j in range(c):
+            work[b, 0, j, :] = -np.inf
+            work[b, 0, j, 0] = init[b, j] + x[b, 0, j]
+        for t in range(length - 1):
+            m = trans[g, t if per_step else 0]
+            new = work[b, 1 - cur]
+            for j in range(c):
+                new[j, :] = -np.inf
+                index = backptr[b, t + 1, j]
+                index[:] = -1
+                for i in range(c):
+                    for r in range(k):
+                        _insert(new[j], index, k, work[b, cur, i, r] + m[i, j], i * k + r)
+                for r in range(k):
+                    new[j, r] += x[b, t + 1, j]
+            cur = 1 - cur
+        best = work[b, 1 - cur, 0]  # free scratch now, as is backptr[b, 0] (position 0 has none)
+        index = backptr[b, 0, 0]
+        best[:] = -np.inf
+        index[:] = -1
+        for j in range(c):
+            for r in range(k):
+                _insert(best, index, k, work[b, cur, j, r], j * k + r)
+        for r in range(k):
+            scores[r, b] = best[r]
+            paths[r, b, :] = -1
+            entry = index[r]
+            if entry < 0:
+                continue
+            for t in range(length - 1, -1, -1):
+                state = entry // k
+                paths[r, b, t] = state
+                if t > 0:
+                    entry = backptr[b, t, state, entry % k]

@@ -1,0 +1,192 @@
+"""Paths of log-space chains for CUDA: the twins of ``kernels/cpu/paths.py`` (same arguments,
+same outputs). One thread per sample (``chain_sample``) or per row (``chain_kbest``),
+grid-stride loops; scratch lives in the arrays the launchers are given.
+"""
+
+import math
+
+from numba import cuda
+
+from . import config
+
+WALK_CHUNK = 16
+"""As in ``kernels/cpu/paths.py`` (the same sums, so the same draws)."""
+
+
+@cuda.jit(device=True)
+def _draw_exact(alpha, b, t, trans_t, g, s, state, u):
+    """The CPU twin's ``draw_exact``, with ``math.exp``."""
+    c = alpha.shape[2]
+    top = -math.inf
+    for i in range(c):
+        val = alpha[b, t, i] + (trans_t[g, s, state, i] if state >= 0 else 0.0)
+        if val > top:
+            top = val
+    if not (top > -math.inf and top < math.inf):
+        return -1
+    total = 0.0
+    for i in range(c):
+        total += math.exp(alpha[b, t, i] + (trans_t[g, s, state, i] if state >= 0 else 0.0) - top)
+    if total != total:
+        return -1
+    threshold = u * total
+    last = -1
+    cumulative = 0.0
+    for i in range(c):
+        w = math.exp(alpha[b, t, i] + (trans_t[g, s, state, i] if state >= 0 else 0.0) - top)
+        if w > 0.0:
+            last = i
+            cumulative += w
+            if cumulative > threshold:
+                return i
+    return last
+
+
+@cuda.jit(device=True)
+def _draw(alpha, probs, b, t, trans_t, trans_probs, g, s, state, u, tiny, total):
+    """The CPU twin's ``draw``."""
+    if not total >= tiny or total == math.inf:
+        return _draw_exact(alpha, b, t, trans_t, g, s, state, u)
+    c = probs.shape[2]
+    threshold = u * total
+    cumulative = 0.0
+    for i0 in range(0, c, WALK_CHUNK):  # whole chunks while they stay below the threshold
+        i1 = i0 + WALK_CHUNK if i0 + WALK_CHUNK < c else c
+        chunk = 0.0
+        for i in range(i0, i1):
+            chunk += probs[b, t, i] * (trans_probs[g, s, state, i] if state >= 0 else 1.0)
+        if cumulative + chunk <= threshold:
+            cumulative += chunk
+            continue
+        for i in range(i0, i1):
+            w = probs[b, t, i] * (trans_probs[g, s, state, i] if state >= 0 else 1.0)
+            cumulative += w
+            if w > 0.0 and cumulative > threshold:
+                return i
+    for i in range(c - 1, -1, -1):  # rounding: the sums fell short of the threshold
+        if probs[b, t, i] * (trans_probs[g, s, state, i] if state >= 0 else 1.0) > 0.0:
+            return i
+    return -1
+
+
+@cuda.jit
+def chain_sample_kernel(alpha, probs, trans_t, trans_probs, totals, tiny, group, lengths, possible, uniforms, paths):
+    samples, rows, v = paths.shape
+    per_step = trans_t.shape[1] > 1
+    for bn in range(cuda.grid(1), samples * rows, cuda.gridsize(1)):
+        b = bn // samples
+        n = bn % samples
+        g = b // group
+        length = lengths[b]
+        for t in range(v):
+            paths[n, b, t] = -1
+        if not possible[b]:
+            continue
+        total = 0.0
+        for i in range(probs.shape[2]):
+            total += probs[b, length - 1, i]
+        state = _draw(alpha, probs, b, length - 1, trans_t, trans_probs, g, 0, -1, uniforms[n, b, length - 1], tiny,
+                     total)
+        paths[n, b, length - 1] = state
+        for t in range(length - 2, -1, -1):
+            if state < 0:
+                break
+            s = t if per_step else 0
+            state = _draw(alpha, probs, b, t, trans_t, trans_probs, g, s, state, uniforms[n, b, t], tiny,
+                         totals[b, t, state])
+            paths[n, b, t] = state
+        if state < 0:
+            for t in range(v):
+                paths[n, b, t] = -1
+
+
+def launch_chain_sample(alpha, probs, trans_t, trans_probs, totals, tiny, group, lengths, possible, uniforms, paths,
+                        stream=0):
+    """Backward sampling; overwrites ``paths`` (see ``kernels.cpu.paths.chain_sample``)."""
+    items = paths.shape[0] * paths.shape[1]
+    if items == 0:
+        return
+    chain_sample_kernel[config.blocks_for(items), config.THREADS_PER_BLOCK, stream](
+        alpha, probs, trans_t, trans_probs, totals, tiny, group, lengths, possible, uniforms, paths)
+
+
+@cuda.jit(device=True)
+def _before(a, ia, b, ib):
+    if a != a:
+        return b == b or ia < ib
+    if b != b:
+        return False
+    return a > b or (a == b and ia < ib)
+
+
+@cuda.jit(device=True)
+def _insert(score, index, k, val, idx):
+    if val == -math.inf:
+        return
+    pos = k
+    while pos > 0 and (index[pos - 1] < 0 or _before(val, idx, score[pos - 1], index[pos - 1])):
+        pos -= 1
+    if pos == k:
+        return
+    for m in range(k - 1, pos, -1):
+        score[m] = score[m - 1]
+        index[m] = index[m - 1]
+    score[pos] = val
+    index[pos] = idx
+
+
+@cuda.jit
+def chain_kbest_kernel(x, trans, group, init, lengths, work, backptr, scores, paths):
+    rows, v, c = x.shape
+    k = scores.shape[0]
+    per_step = trans.shape[1] > 1
+    for b in range(cuda.grid(1), rows, cuda.gridsize(1)):
+        g = b // group
+        length = lengths[b]
+        cur = 0
+        for j in range(c):
+            for r in range(k):
+                work[b, 0, j, r] = -math.inf
+            work[b, 0, j, 0] = init[b, j] + x[b, 0, j]
+        for t in range(length - 1):
+            s = t if per_step else 0
+            for j in range(c):
+                new = work[b, 1 - cur, j]
+                index = backptr[b, t + 1, j]
+                for r in range(k):
+                    new[r] = -math.inf
+                    index[r] = -1
+                for i in range(c):
+                    for r in range(k):
+                        _insert(new, index, k, work[b, cur, i, r] + trans[g, s, i, j], i * k + r)
+                for r in range(k):
+                    new[r] += x[b, t + 1, j]
+            cur = 1 - cur
+        best = work[b, 1 - cur, 0]
+        index = backptr[b, 0, 0]
+        for r in range(k):
+            best[r] = -math.inf
+            index[r] = -1
+        for j in range(c):
+            for r in range(k):
+                _insert(best, index, k, work[b, cur, j, r], j * k + r)
+        for r in range(k):
+            scores[r, b] = best[r]
+            for t in range(v):
+                paths[r, b, t] = -1
+            entry = index[r]
+            if entry < 0:
+                continue
+            for t in range(length - 1, -1, -1):
+                state = entry // k
+                paths[r, b, t] = state
+                if t > 0:
+                    entry = backptr[b, t, state, entry % k]
+
+
+def launch_chain_kbest(x, trans, group, init, lengths, work, backptr, scores, paths, stream=0):
+    """k-best Viterbi; overwrites ``scores`` and ``paths`` (see ``kernels.cpu.paths.chain_kbest``)."""
+    if x.shape[0] == 0:
+        return
+    chain_kbest_kernel[config.blocks_for(x.shape[0]), config.THREADS_PER_BLOCK, stream](
+        x, trans, group, init, lengths, work, backptr, scores, paths)

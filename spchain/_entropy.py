@@ -1,0 +1,114 @@
+"""The entropy of a chain's posterior over paths and its exact gradient.
+
+With ``θ`` all the log-potentials (``x``, ``log_trans``, ``log_init``) and ``φ(path)`` the
+counts of each potential along a path, ``score = <θ, φ>``, ``A(θ) = log Z`` and the posterior
+mean ``μ = ∇A`` (marginals, expected transition counts), ``H = A - <θ, μ>`` and
+
+    dH/dθ = μ - μ - ∇²A θ = -Cov(φ, score),
+
+a Hessian-vector product. Per row, one forward and one backward pass in the expectation
+semiring give it exactly:
+
+- ``fwd[t, j] = E[score of positions 0..t | s_t = j]`` under the forward (filtering) posterior:
+  ``fwd[t+1, j] = sum_i p(i | j) (fwd[t, i] + T[i, j]) + x[t+1, j]`` with
+  ``p(i | j) = exp(â_t[i] + T[i, j] - pre[t+1, j])``;
+- ``bwd[t, i] = E[score of the steps after t | s_t = i]`` under the posterior:
+  ``bwd[t, i] = sum_j q(j | i) (T[i, j] + x[t+1, j] + bwd[t+1, j])`` with
+  ``q(j | i) = exp(T[i, j] + x[t+1, j] + beta[t+1, j] - norm[t+1] - beta[t, i])``;
+- ``E[score] = sum_j m_{L-1}[j] fwd[L-1, j]``, and
+  ``Cov(φ_{t,j}, score) = m_t[j] (fwd[t, j] + bwd[t, j] - E)``,
+  ``Cov(φ_{t,i→j}, score) = ξ_t[i, j] (fwd[t, i] + T[i, j] + x[t+1, j] + bwd[t+1, j] - E)``.
+
+Terms of probability 0 (a ``-inf`` potential never taken) count 0, never ``0 · -inf``. Each
+step works on (rows, c, c) arrays, one step at a time: O(batch · v · c) memory kept.
+"""
+
+import numpy as np
+
+from . import _logspace
+from .chain import _forward, _normalised
+
+
+def _grouped(chain, a):
+    """(B, ...) → (G, group, ...)."""
+    return a.reshape((chain.trans.shape[0], chain.group) + a.shape[1:])
+
+
+def _weighted(xp, p, value):
+    """``p * value`` with 0 where ``p`` is 0 (so ``0 · -inf`` is 0)."""
+    return xp.where(p > 0, p * value, 0)
+
+
+def entropy(chain):
+    """``(H (B,), saved)``: the entropies and what :func:`entropy_grads` needs."""
+    xp = chain.xp
+    rows, v, c = chain.x.shape
+    log_partition, pre, norm = _forward(chain)
+    fwd = xp.zeros((rows, v, c), chain.x.dtype)
+    if rows and c:
+        alpha = _grouped(chain, _normalised(xp, pre, chain.x, norm))
+        x, pre4, fwd4 = _grouped(chain, chain.x), _grouped(chain, pre), _grouped(chain, fwd)
+        fwd4[:, :, 0] = _grouped(chain, chain.init) + x[:, :, 0]
+        for t in range(chain.max_length - 1):
+            trans = chain.step_matrices(t)[:, None]
+            after = pre4[:, :, t + 1, None, :]
+            p = xp.where(xp.isfinite(after), xp.exp(alpha[:, :, t, :, None] + trans - after), 0)
+            fwd4[:, :, t + 1] = _weighted(xp, p, fwd4[:, :, t, :, None] + trans).sum(axis=-2) + x[:, :, t + 1]
+    mean = _expected_score(chain, pre, norm, fwd)
+    possible = log_partition != -np.inf  # NaN stays in
+    value = xp.where(possible, log_partition - xp.where(possible, mean, 0), 0)
+    return value, (pre, norm, fwd, mean, possible)
+
+
+def _expected_score(chain, pre, norm, fwd):
+    xp = chain.xp
+    rows, v, c = chain.x.shape
+    if not rows:
+        return xp.zeros(0, chain.x.dtype)
+    last = (chain.lengths - 1)[:, None, None]
+    alpha = xp.take_along_axis(_normalised(xp, pre, chain.x, norm), last, axis=1)[:, 0]
+    at_end = xp.take_along_axis(fwd, last, axis=1)[:, 0]
+    return _weighted(xp, xp.exp(alpha), at_end).sum(axis=-1)
+
+
+def entropy_grads(chain, saved, weight, trans_grad: bool = True):
+    """Gradients of ``sum(weight * H)``: ``(d x (B, v, c), d trans (G, S, c, c) or None)``;
+    ``d init`` is ``d x[:, 0]``."""
+    xp = chain.xp
+    pre, norm, fwd, mean, possible = saved
+    rows, v, c = chain.x.shape
+    grad_x = xp.zeros((rows, v, c), chain.x.dtype)
+    grad_trans = xp.zeros(chain.trans.shape, chain.x.dtype) if trans_grad else None
+    if not rows or not c:
+        return grad_x, grad_trans
+    shape = (chain.trans.shape[0], chain.group)
+    w = _grouped(chain, -xp.where(possible, weight, 0))[..., None]
+    e = _grouped(chain, mean)[..., None]
+    x, fwd4, norm3 = _grouped(chain, chain.x), _grouped(chain, fwd), _grouped(chain, norm)
+    alpha = _grouped(chain, _normalised(xp, pre, chain.x, norm))
+    last = _grouped(chain, chain.lengths - 1)[..., None]
+    gx = _grouped(chain, grad_x)
+    beta = xp.zeros(shape + (c,), chain.x.dtype)
+    bwd = xp.zeros(shape + (c,), chain.x.dtype)
+    for t in range(chain.max_length - 1, -1, -1):
+        beta = xp.where(last == t, 0, beta)
+        bwd = xp.where(last == t, 0, bwd)
+        active = t <= last
+        m = xp.where(active, xp.exp(alpha[:, :, t] + beta), 0)
+        gx[:, :, t] = w * _weighted(xp, m, fwd4[:, :, t] + bwd - e)
+        if t == 0:
+            break
+        trans = chain.step_matrices(t - 1)[:, None]
+        d = norm3[:, :, t, None]
+        later = (x[:, :, t] + beta - _logspace.finite_or_zero(xp, d))[..., None, :]
+        xi = xp.where(active[..., None] & xp.isfinite(d)[..., None], xp.exp(alpha[:, :, t - 1, :, None] + trans + later), 0)
+        gain = trans + (x[:, :, t] + bwd)[..., None, :]
+        if trans_grad:
+            step = t - 1 if chain.per_step else 0
+            counts = _weighted(xp, xi, fwd4[:, :, t - 1, :, None] + gain - e[..., None])
+            grad_trans[:, step] += (w[..., None] * counts).sum(axis=1)
+        new_beta = _logspace.logsumexp(xp, trans + later, axis=-1)
+        q = xp.where(xp.isfinite(new_beta)[..., None], xp.exp(trans + later - new_beta[..., None]), 0)
+        bwd = xp.where(active, _weighted(xp, q, gain).sum(axis=-1), 0)
+        beta = xp.where(active & xp.isfinite(d), new_beta, -np.inf)
+    return grad_x, grad_trans

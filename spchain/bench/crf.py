@@ -1,0 +1,84 @@
+"""The crf workload: a linear-chain CRF's negative log-likelihood, forward + backward, batch
+256, v 64, 50 tags, float32, ragged lengths. spchain's ``LinearChainCRF.nll`` beside
+pytorch-crf's ``CRF`` (PyPI ``pytorch-crf``, if installed) on the same parameters, and the
+plain PyTorch recursion a user would write (``torch.logsumexp`` a step, gold score by gathers).
+"""
+
+import torch
+
+from .. import torch as st
+from .core import Case
+
+CASES = ["nll forward + backward"]
+SIZES = {False: (256, 64, 50), True: (16, 10, 6)}  # (batch, v, tags) for full and quick runs
+
+
+def plain_nll(emissions, tags, mask, start, trans, end):
+    """The summed NLL by the sequential ``torch.logsumexp`` recursion, masked past each length."""
+    batch, v, _ = emissions.shape
+    rows = torch.arange(batch, device=emissions.device)
+    alpha = start + emissions[:, 0]
+    score = start[tags[:, 0]] + emissions[rows, 0, tags[:, 0]]
+    for t in range(1, v):
+        step = torch.logsumexp(alpha[:, :, None] + trans, dim=1) + emissions[:, t]
+        alpha = torch.where(mask[:, t, None], step, alpha)
+        gold = trans[tags[:, t - 1], tags[:, t]] + emissions[rows, t, tags[:, t]]
+        score = score + torch.where(mask[:, t], gold, torch.zeros_like(gold))
+    last = tags[rows, mask.sum(1) - 1]
+    return (torch.logsumexp(alpha + end, dim=-1) - score - end[last]).sum()
+
+
+def make_inputs(quick: bool, device: str, seed: int = 0):
+    """``(emissions, tags, lengths, mask)`` and a LinearChainCRF with random parameters."""
+    batch, v, tags = SIZES[quick]
+    g = torch.Generator().manual_seed(seed)
+    emissions = torch.randn(batch, v, tags, generator=g)
+    gold = torch.randint(tags, (batch, v), generator=g)
+    lengths = torch.randint(v // 2, v + 1, (batch,), generator=g)
+    lengths[0] = v
+    mask = torch.arange(v)[None, :] < lengths[:, None]
+    crf = st.LinearChainCRF(tags)
+    with torch.no_grad():
+        for p in crf.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    return [t.to(device) for t in (emissions, gold, lengths, mask)], crf.to(device)
+
+
+def make_case(name: str, quick: bool, device: str = "cpu") -> Case:
+    (emissions, tags, lengths, mask), crf = make_inputs(quick, device)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    emissions.requires_grad_()
+    params = [crf.start_transitions, crf.transitions, crf.end_transitions]
+
+    def timed(loss, leaves):
+        def run():
+            for t in leaves:
+                t.grad = None
+            out = loss()
+            out.backward()
+            sync()
+            return (out.detach(), *(t.grad for t in leaves))
+        return run
+
+    methods = {"spchain": timed(lambda: crf.nll(emissions, tags, lengths, reduction="sum"), [emissions, *params]),
+               "torch sequential logsumexp": timed(lambda: plain_nll(emissions, tags, mask, *params),
+                                                   [emissions, *params])}
+    try:
+        import torchcrf
+    except ImportError:
+        torchcrf = None
+    if torchcrf is not None:
+        ref = torchcrf.CRF(crf.num_tags, batch_first=True).to(device)
+        ref.load_state_dict(crf.state_dict())
+        ref_params = [ref.start_transitions, ref.transitions, ref.end_transitions]
+        methods["pytorch-crf CRF"] = timed(lambda: -ref(emissions, tags, mask, reduction="sum"),
+                                           [emissions, *ref_params])
+
+    def reference():
+        e = emissions.detach().double().requires_grad_()
+        leaves = [p.detach().double().requires_grad_() for p in params]
+        out = plain_nll(e, tags, mask, *leaves)
+        out.backward()
+        return (out.detach(), e.grad, *(p.grad for p in leaves))
+
+    return Case("crf", name, methods, reference, device)

@@ -1,0 +1,280 @@
+"""Paths of log-space chains: posterior samples, entropy, the k best paths and path scores.
+
+All take the chain arguments of :func:`spchain.chain_logsumexp` (``x`` (..., v, c),
+``log_trans``, ``log_init``, ``lengths``; leading axes broadcast) and return paths as int64
+arrays with -1 past each chain's length. A path's score is
+``init[s0] + x[0, s0] + sum_{t < length - 1} (log_trans[t][s_t, s_{t+1}] + x[t+1, s_{t+1}])``.
+
+- :func:`chain_sample`: forward filtering (the saved, normalised forward messages of
+  :func:`spchain.chain_logsumexp`), then backward sampling, one O(c) draw per position.
+- :func:`chain_entropy`: ``H = log Z - E[score]``, the expected score carried forward in the
+  expectation semiring (``_entropy.py`` also holds its gradient, an exact Hessian-vector product).
+- :func:`chain_kbest`: k-best Viterbi, every state keeping its k best partial paths.
+- :func:`chain_path_score`: gathers the scores along given paths.
+"""
+
+import numpy as np
+
+from . import _entropy
+from .chain import _forward, _normalised, _prepare
+
+_QUIET = {"divide": "ignore", "invalid": "ignore", "over": "ignore"}
+
+
+def _count(caller: str, name: str, value, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{caller}: {name} must be an int, got {type(value).__name__}")
+    if value < low:
+        raise ValueError(f"{caller}: {name} must be >= {low}, got {value}")
+    return int(value)
+
+
+def _leading(chain, a):
+    """(B, N, *tail) in row order → (N, *batch, *tail)."""
+    xp = chain.xp
+    out = chain.unrows(a)
+    return xp.ascontiguousarray(xp.moveaxis(out, len(chain.batch_shape), 0))
+
+
+TINY = 1e-130
+"""The sampling kernel redoes a draw in log space where the sum of its scaled weights is
+below this. The scaled weights are float64 with entries below ``FLUSH`` set to 0 (so no
+product is subnormal, which is slow): the weights lost are under ``c · FLUSH``, below 1e-20
+of a sum of at least ``TINY`` for c up to 10⁴."""
+
+FLUSH = 1e-154
+
+
+def _scaled_exp(xp, a):
+    """``exp(a - max(a))`` over the last axis in float64, 0 below ``FLUSH`` and where the
+    maximum is not finite."""
+    a = a.astype(np.float64)
+    top = a.max(axis=-1, keepdims=True)
+    e = xp.exp(a - xp.where(xp.isfinite(top), top, 0))
+    return xp.where(xp.isfinite(top) & (e >= FLUSH), e, 0)
+
+
+def _draw_totals(chain, probs, trans_probs):
+    """``totals[b, t, j] = sum_i probs[b, t, i] * trans_probs[g, s, j, i]`` (B, v - 1, c):
+    one batched GEMM per step (BLAS / cuBLAS)."""
+    xp = chain.xp
+    rows, v, c = probs.shape
+    groups = chain.trans.shape[0]
+    by_step = probs.reshape(groups, chain.group, v, c)[:, :, :v - 1].transpose(0, 2, 1, 3)  # (G, v-1, group, c)
+    by_column = xp.ascontiguousarray(trans_probs.swapaxes(-1, -2))
+    totals = xp.matmul(xp.ascontiguousarray(by_step), by_column)  # (G, v-1, group, c)
+    return xp.ascontiguousarray(totals.transpose(0, 2, 1, 3)).reshape(rows, v - 1, c)
+
+
+def _sample(chain, num_samples: int, seed):
+    """``(num_samples, B, v)`` paths drawn from each row's posterior."""
+    xp = chain.xp
+    rows, v, c = chain.x.shape
+    log_partition, pre, norm = _forward(chain)
+    alpha = xp.ascontiguousarray(_normalised(xp, pre, chain.x, norm))
+    uniforms = xp.random.default_rng(seed).random((num_samples, rows, v))
+    paths = xp.empty((num_samples, rows, v), np.int64)
+    if num_samples and rows:
+        trans_t = xp.ascontiguousarray(chain.trans.swapaxes(-1, -2))
+        probs, trans_probs = _scaled_exp(xp, alpha), _scaled_exp(xp, trans_t)
+        possible = xp.isfinite(log_partition) & (c > 0)
+        kernel = chain.backend.kernel("paths", "chain_sample")
+        kernel(alpha, probs, trans_t, trans_probs, _draw_totals(chain, probs, trans_probs), TINY,
+               chain.group, chain.lengths, possible, uniforms, paths)
+    return paths
+
+
+def chain_sample(x, log_trans, log_init=None, *, lengths=None, num_samples=1, seed=None):
+    """Paths drawn exactly from each chain's posterior ``p(path) = exp(score(path) - log Z)``.
+
+    Forward filtering, backward sampling: the forward messages of :func:`chain_logsumexp`,
+    then from the last position backwards one draw over ``c`` states per position.
+    O(batch · v · c²) for the messages plus O(num_samples · batch · v · c).
+
+    Parameters
+    ----------
+    x, log_trans, log_init, lengths
+        As for :func:`spchain.chain_logsumexp`.
+    num_samples : int
+        Paths to draw per chain.
+    seed : int or None
+        Seeds the generator of the uniforms (NumPy's or CuPy's ``default_rng``).
+
+    Returns
+    -------
+    int64 array (num_samples, *batch, v)
+        The states; -1 past each chain's length, and -1 everywhere on a chain whose
+        log-partition is not finite (no path of positive weight, or NaN / ``+inf`` inputs).
+
+    Examples
+    --------
+    >>> import numpy as np, spchain as sc
+    >>> stay = np.array([[0.0, -np.inf], [-np.inf, 0.0]])   # the state never changes
+    >>> sc.chain_sample(np.zeros((3, 2)), stay, num_samples=4, seed=0)[:, 1:] == \\
+    ...     sc.chain_sample(np.zeros((3, 2)), stay, num_samples=4, seed=0)[:, :-1]
+    array([[ True,  True],
+           [ True,  True],
+           [ True,  True],
+           [ True,  True]])
+    """
+    caller = "spchain.chain_sample"
+    num_samples = _count(caller, "num_samples", num_samples, 0)
+    chain = _prepare(x, log_trans, log_init, lengths, caller)
+    with np.errstate(**_QUIET), chain.backend.use():
+        return _leading(chain, _sample(chain, num_samples, seed).transpose(1, 0, 2))
+
+
+def chain_entropy(x, log_trans, log_init=None, *, lengths=None):
+    """The entropy of each chain's posterior over paths, ``log Z - E[score]`` (in nats).
+
+    The expected score is carried forward beside the forward messages (the expectation
+    semiring): O(batch · v · c²) time, O(batch · v · c) memory. Terms ``0 · -inf`` (a
+    transition or state of weight zero, never taken) count 0.
+
+    Takes the arguments of :func:`spchain.chain_logsumexp`; returns an array of the broadcast
+    batch shape, 0 where a chain has no path of positive weight.
+
+    Examples
+    --------
+    >>> import numpy as np, spchain as sc
+    >>> round(float(sc.chain_entropy(np.zeros((3, 2)), np.zeros((2, 2))) / np.log(2)), 6)   # 8 equal paths
+    3.0
+    """
+    chain = _prepare(x, log_trans, log_init, lengths, "spchain.chain_entropy")
+    with np.errstate(**_QUIET), chain.backend.use():
+        entropy, _ = _entropy.entropy(chain)
+        return chain.unrows(entropy)
+
+
+def _kbest(chain, k: int):
+    """``(scores (k, B), paths (k, B, v))``, best first."""
+    xp = chain.xp
+    rows, v, c = chain.x.shape
+    scores = xp.full((k, rows), -np.inf, chain.x.dtype)
+    paths = xp.full((k, rows, v), -1, np.int64)
+    if rows and c:
+        work = xp.empty((rows, 2, c, k), chain.x.dtype)
+        backptr = xp.empty((rows, v, c, k), np.int64)
+        kernel = chain.backend.kernel("paths", "chain_kbest")
+        kernel(chain.x, chain.trans, chain.group, chain.init, chain.lengths, work, backptr, scores, paths)
+    return scores, paths
+
+
+def chain_kbest(x, log_trans, log_init=None, *, k, lengths=None):
+    """The ``k`` best paths of each chain and their scores, best first (exact k-best Viterbi).
+
+    Every state keeps its ``k`` best partial paths, with back-pointers to a predecessor state
+    and rank: O(batch · v · c² · k²) time at worst, O(batch · v · c · k) memory.
+
+    Parameters
+    ----------
+    x, log_trans, log_init, lengths
+        As for :func:`spchain.chain_logsumexp`.
+    k : int
+        How many paths (>= 1).
+
+    Returns
+    -------
+    scores : array (k, *batch)
+        The scores, non-increasing; ``-inf`` where a chain has fewer than ``k`` paths of
+        positive weight (paths of score ``-inf`` are never listed).
+    paths : int64 array (k, *batch, v)
+        The paths (-1 past each length, and -1 everywhere for an unlisted path). Ties go to
+        the lower state, from the last position backwards, so ``k = 1`` gives
+        :func:`spchain.viterbi`'s path wherever its score is above ``-inf``.
+
+    Examples
+    --------
+    >>> import numpy as np, spchain as sc
+    >>> x = np.log(np.array([[0.9, 0.1], [0.2, 0.8]]))
+    >>> scores, paths = sc.chain_kbest(x, np.zeros((2, 2)), k=2)
+    >>> paths, np.exp(scores).round(2)
+    (array([[0, 1],
+           [0, 0]]), array([0.72, 0.18]))
+    """
+    caller = "spchain.chain_kbest"
+    k = _count(caller, "k", k, 1)
+    chain = _prepare(x, log_trans, log_init, lengths, caller)
+    with np.errstate(**_QUIET), chain.backend.use():
+        scores, paths = _kbest(chain, k)
+        return _leading(chain, scores.T[..., None])[..., 0], _leading(chain, paths.transpose(1, 0, 2))
+
+
+def _path_rows(chain, path, caller: str):
+    """``path`` in row order (B, v), checked, -1 past each length."""
+    xp = chain.xp
+    rows, v, c = chain.x.shape
+    path = chain.rows(path, (v,))
+    inside = xp.arange(v)[None, :] < chain.lengths[:, None]
+    if rows and bool(((path < 0) | (path >= c))[inside].any()):
+        raise ValueError(f"{caller}: path states must lie in 0..c-1 = 0..{c - 1} within each chain's length")
+    return xp.where(inside, path, -1)
+
+
+def _path_score(chain, path):
+    """The scores (B,) of row-ordered paths (B, v) (-1 past each length)."""
+    xp = chain.xp
+    rows, v, c = chain.x.shape
+    inside = path >= 0
+    state = xp.where(inside, path, 0)
+    r = xp.arange(rows)[:, None]
+    terms = xp.where(inside, chain.x[r, xp.arange(v)[None, :], state], 0).astype(np.float64)
+    score = terms.sum(axis=1) + chain.init[xp.arange(rows), state[:, 0]]
+    if v > 1:
+        steps = xp.arange(v - 1)[None, :] if chain.per_step else xp.zeros((1, v - 1), np.int64)
+        moves = chain.trans[r // chain.group, steps, state[:, :-1], state[:, 1:]]
+        score = score + xp.where(inside[:, 1:], moves, 0).sum(axis=1, dtype=np.float64)
+    return score.astype(chain.x.dtype)
+
+
+def _prepare_paths(x, log_trans, log_init, path, lengths, caller: str):
+    """The chain of ``x`` broadcast against ``path``'s batch axes, and the rows of ``path``."""
+    if not hasattr(path, "dtype") or not np.issubdtype(np.dtype(path.dtype), np.integer):
+        raise TypeError(f"{caller}: path must be an integer array, got {getattr(path, 'dtype', type(path).__name__)}")
+    if x.ndim < 2 or path.ndim < 1 or path.shape[-1] != x.shape[-2]:
+        raise ValueError(f"{caller}: path must have shape (..., v) with v = x.shape[-2], got path {path.shape} "
+                         f"and x {x.shape}")
+    chain = _prepare(x, log_trans, log_init, lengths, caller)
+    try:
+        full = np.broadcast_shapes(chain.batch_shape, path.shape[:-1])
+    except ValueError:
+        raise ValueError(f"{caller}: the batch shape of path {path.shape[:-1]} does not broadcast with the "
+                         f"chains' {chain.batch_shape}") from None
+    if chain.batch_shape != full:  # x takes the paths' extra axes (per-step transitions keep theirs)
+        added = len(full) + 2 - x.ndim
+        if log_trans.ndim == x.ndim + 1:
+            log_trans = log_trans.reshape((1,) * added + log_trans.shape)
+        x = chain.xp.broadcast_to(x, full + x.shape[-2:])
+        chain = _prepare(x, log_trans, log_init, lengths, caller)
+    return chain, _path_rows(chain, path, caller)
+
+
+def chain_path_score(x, log_trans, log_init, path, *, lengths=None):
+    """The log-score of given paths: ``init[s0] + x[0, s0] + sum_t (log_trans[t][s_{t-1}, s_t] + x[t, s_t])``
+    over each chain's length.
+
+    A CRF's negative log-likelihood is ``chain_logsumexp(...) - chain_path_score(...)``.
+
+    Parameters
+    ----------
+    x, log_trans, log_init, lengths
+        As for :func:`spchain.chain_logsumexp` (``log_init`` may be ``None``: zeros).
+    path : int array (..., v)
+        States in 0..c-1 at the positions within each chain's length (any value past it).
+        Its leading axes broadcast with the chains' batch.
+
+    Returns
+    -------
+    array
+        The scores, of the broadcast batch shape.
+
+    Examples
+    --------
+    >>> import numpy as np, spchain as sc
+    >>> x = np.log(np.array([[0.9, 0.1], [0.2, 0.8]]))
+    >>> np.exp(sc.chain_path_score(x, np.zeros((2, 2)), None, np.array([0, 1]))).round(2)
+    np.float64(0.72)
+    """
+    chain, rows = _prepare_paths(x, log_trans, log_init, path, lengths, "spchain.chain_path_score")
+    with np.errstate(**_QUIET), chain.backend.use():
+        return chain.unrows(_path_score(chain, rows))

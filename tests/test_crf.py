@@ -1,0 +1,110 @@
+"""spchain.torch.LinearChainCRF (spchain/torch/crf.py) against pytorch-crf's CRF on the same parameters."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+torchcrf = pytest.importorskip("torchcrf")
+
+import spchain.torch as st  # noqa: E402
+
+
+def pair(num_tags, seed=0, dtype=torch.float64):
+    """A pytorch-crf CRF with random parameters and a LinearChainCRF loaded with them."""
+    torch.manual_seed(seed)
+    ref = torchcrf.CRF(num_tags, batch_first=True).to(dtype)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_()
+    crf = st.LinearChainCRF(num_tags).to(dtype)
+    crf.load_state_dict(ref.state_dict())
+    return crf, ref
+
+
+def batch(num_tags, lengths, dtype=torch.float64, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor(lengths)
+    v = int(lengths.max())
+    emissions = torch.randn(len(lengths), v, num_tags, dtype=dtype, generator=gen)
+    tags = torch.randint(num_tags, (len(lengths), v), generator=gen)
+    mask = torch.arange(v)[None, :] < lengths[:, None]
+    return emissions, tags, lengths, mask
+
+
+@pytest.mark.parametrize("num_tags, lengths", [(1, [3, 1]), (4, [7, 3, 1, 5, 7]), (6, [2, 2]), (3, [9])])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_nll_and_gradients_match_pytorch_crf(num_tags, lengths, reduction):
+    crf, ref = pair(num_tags)
+    emissions, tags, lengths, mask = batch(num_tags, lengths)
+    emissions.requires_grad_()
+    got = crf.nll(emissions, tags, lengths, reduction=reduction)
+    want = -ref(emissions, tags, mask, reduction=reduction)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    got_grads = torch.autograd.grad(got.sum(), [emissions, *crf.parameters()])
+    want_grads = torch.autograd.grad(want.sum(), [emissions, *ref.parameters()])
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+
+
+def test_nll_float32_without_lengths():
+    crf, ref = pair(5, dtype=torch.float32)
+    emissions, tags, _, mask = batch(5, [6, 6, 6], dtype=torch.float32)
+    torch.testing.assert_close(crf.nll(emissions, tags), -ref(emissions, tags, mask, reduction="mean"))
+
+
+@pytest.mark.parametrize("num_tags, lengths", [(4, [7, 3, 1, 5, 7]), (2, [4, 4]), (5, [1])])
+def test_decode_matches_pytorch_crf(num_tags, lengths):
+    crf, ref = pair(num_tags, seed=2)
+    emissions, _, lengths, mask = batch(num_tags, lengths, seed=3)
+    got = crf.decode(emissions, lengths)
+    want = ref.decode(emissions, mask)
+    assert [row[:n].tolist() for row, n in zip(got, lengths)] == want
+    assert all((row[n:] == -1).all() for row, n in zip(got, lengths))
+
+
+def test_marginals_and_samples_are_the_posterior():
+    crf, ref = pair(3, seed=4)
+    emissions, _, lengths, mask = batch(3, [4, 2], seed=5)
+    marginals = crf.marginals(emissions, lengths)
+    # the brute-force posterior of pytorch-crf's scores
+    for b, n in enumerate(lengths.tolist()):
+        paths = torch.tensor(list(np.ndindex(*(3,) * n)))
+        e = emissions[b:b + 1, :n].expand(len(paths), n, 3)
+        logp = ref(e, paths, torch.ones(paths.shape, dtype=torch.bool), reduction="none").detach()
+        p = logp.exp()
+        want = torch.stack([torch.zeros(3, dtype=p.dtype).index_add(0, paths[:, t], p) for t in range(n)])
+        torch.testing.assert_close(marginals[b, :n], want)
+        assert (marginals[b, n:] == 0).all()
+    samples = crf.sample(emissions, lengths, num_samples=4000, seed=0)
+    assert samples.shape == (4000, 2, 4)
+    frequencies = torch.stack([torch.bincount(samples[:, 0, t], minlength=3) for t in range(4)]).double() / 4000
+    torch.testing.assert_close(frequencies, marginals[0], atol=0.03, rtol=0)
+
+
+def test_state_dict_and_gradients_flow_to_parameters():
+    crf = st.LinearChainCRF(4)
+    assert set(crf.state_dict()) == {"start_transitions", "end_transitions", "transitions"}
+    emissions, tags, lengths, _ = batch(4, [5, 3], dtype=torch.float32)
+    crf.nll(emissions, tags, lengths).backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in crf.parameters())
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda crf: crf.nll(torch.zeros(2, 3, 5), torch.zeros(2, 3, dtype=torch.int64)), ValueError, "emissions must have shape"),
+    (lambda crf: crf.nll(torch.zeros(2, 3, 4), torch.zeros(2, 2, dtype=torch.int64)), ValueError, "tags must be"),
+    (lambda crf: crf.nll(torch.zeros(2, 3, 4), torch.zeros(2, 3, dtype=torch.int64), reduction="avg"), ValueError,
+     "reduction must be one of"),
+    (lambda crf: crf.decode(torch.zeros(2, 3, 4), torch.tensor([3, 4])), ValueError, "lengths must lie in"),
+    (lambda crf: crf.decode(torch.zeros(2, 3, 4), torch.tensor([3])), ValueError, "lengths must have shape"),
+    (lambda crf: crf.nll(torch.zeros(1, 2, 4), torch.tensor([[0, 4]])), ValueError, "path states must lie"),
+])
+def test_bad_inputs_are_errors(call, error, match):
+    with pytest.raises(error, match=match):
+        call(st.LinearChainCRF(4))
+
+
+def test_sparse_transitions_are_not_implemented_yet():
+    with pytest.raises(NotImplementedError, match="sparse_transitions is not implemented yet"):
+        st.LinearChainCRF(4, sparse_transitions=object())
+    with pytest.raises(ValueError, match="num_tags must be a positive int"):
+        st.LinearChainCRF(0)

@@ -1,0 +1,201 @@
+"""chain_sample, chain_entropy, chain_kbest and chain_path_score (spchain/paths.py) against
+brute-force enumeration over all paths (tests/reference.py)."""
+
+import numpy as np
+import pytest
+from scipy import stats
+
+import reference
+import spchain as sc
+from spchain import chain
+
+
+@pytest.fixture(params=["gemm", "kernel"])
+def algorithm(request, monkeypatch):
+    """The forward messages come from either exact sweep."""
+    monkeypatch.setattr(chain, "ALGORITHM", request.param)
+    return request.param
+
+
+def problem(seed, v, c, batch=4, per_step=True, holes=True, dtype=np.float64):
+    """A batch of small chains with ``-inf`` transitions and emissions, ragged lengths and one
+    impossible chain (row 1: every state of position 0 is ``-inf``)."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(batch, v, c))
+    trans = rng.normal(size=((1, v - 1) if per_step else ()) + (c, c))
+    init = rng.normal(size=c)
+    if holes:
+        trans[rng.random(trans.shape) < 0.25] = -np.inf
+        x[rng.random(x.shape) < 0.15] = -np.inf
+        x[1, 0] = -np.inf
+    lengths = rng.integers(1, v + 1, size=batch)
+    lengths[0] = v
+    return x.astype(dtype), trans.astype(dtype), init.astype(dtype), lengths
+
+
+def chain_of(row, x, trans, init, lengths):
+    """The arguments of the references for one row."""
+    return x[row], trans[0] if trans.ndim == 4 else trans, init, lengths[row]
+
+
+CASES = [(seed, v, c, per_step) for seed, (v, c) in enumerate([(1, 1), (1, 3), (2, 2), (3, 3), (4, 2), (5, 3), (7, 2)])
+         for per_step in (True, False)]
+
+
+@pytest.mark.parametrize("seed, v, c, per_step", CASES)
+def test_entropy_matches_enumeration(seed, v, c, per_step, algorithm):
+    x, trans, init, lengths = problem(seed, v, c, per_step=per_step)
+    got = sc.chain_entropy(x, trans, init, lengths=lengths)
+    want = [reference.chain_entropy_by_paths(*chain_of(b, x, trans, init, lengths)) for b in range(len(x))]
+    np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-10)
+    assert got[1] == 0.0, "a chain without paths has entropy 0"
+
+
+@pytest.mark.parametrize("seed, v, c, per_step", CASES)
+@pytest.mark.parametrize("k", [1, 3, 20])
+def test_kbest_matches_enumeration(seed, v, c, per_step, k):
+    x, trans, init, lengths = problem(seed, v, c, per_step=per_step)
+    scores, paths = sc.chain_kbest(x, trans, init, k=k, lengths=lengths)
+    assert scores.shape == (k, len(x)) and paths.shape == (k, len(x), v) and paths.dtype == np.int64
+    for b in range(len(x)):
+        want_scores, want_paths = reference.chain_kbest_by_paths(*chain_of(b, x, trans, init, lengths), k=k)
+        np.testing.assert_allclose(scores[:, b], want_scores, rtol=1e-12)
+        np.testing.assert_array_equal(paths[:, b], want_paths)
+
+
+def test_kbest_ties_follow_viterbi():
+    x = np.zeros((5, 3))  # every path ties
+    scores, paths = sc.chain_kbest(x, np.zeros((3, 3)), k=4)
+    np.testing.assert_array_equal(paths, [[0, 0, 0, 0, 0], [1, 0, 0, 0, 0], [2, 0, 0, 0, 0], [0, 1, 0, 0, 0]])
+    score, path = sc.viterbi(x, np.zeros((3, 3)))
+    np.testing.assert_array_equal(paths[0], path)
+    assert scores[0] == score
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_kbest_with_k_1_is_viterbi(seed):
+    x, trans, init, lengths = problem(seed, 6, 5, batch=8, holes=False, dtype=np.float32)
+    scores, paths = sc.chain_kbest(x, trans, init, k=1, lengths=lengths)
+    score, path = sc.viterbi(x, trans, init, lengths=lengths)
+    np.testing.assert_array_equal(paths[0], path)
+    np.testing.assert_array_equal(scores[0], score)
+
+
+@pytest.mark.parametrize("seed, v, c, per_step", CASES)
+def test_path_score_matches_enumeration(seed, v, c, per_step):
+    x, trans, init, lengths = problem(seed, v, c, per_step=per_step)
+    for b in range(len(x)):
+        want, paths = reference.chain_paths(*chain_of(b, x, trans, init, lengths))
+        padded = np.pad(paths, ((0, 0), (0, v - paths.shape[1])), constant_values=-1)
+        got = sc.chain_path_score(x[b], trans[0] if per_step else trans, init, padded, lengths=lengths[b])
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-14)
+
+
+def test_path_score_broadcasts_paths_against_the_batch():
+    x, trans, init, lengths = problem(0, 4, 3, batch=2, holes=False)
+    paths = np.array([[0, 1, 2, 0], [2, 2, 1, 0], [1, 0, 0, 2]])[:, None, :]  # (3, 1, v)
+    got = sc.chain_path_score(x, trans, init, paths, lengths=lengths)
+    assert got.shape == (3, 2)
+    for n in range(3):
+        np.testing.assert_array_equal(got[n], sc.chain_path_score(x, trans, init, np.repeat(paths[n], 2, 0),
+                                                                  lengths=lengths))
+
+
+@pytest.mark.parametrize("path, error, match", [
+    (np.array([0, 3, 1]), ValueError, "path states must lie in 0..c-1"),
+    (np.array([0, -1, 1]), ValueError, "path states must lie in 0..c-1"),
+    (np.array([0, 1]), ValueError, "path must have shape"),
+    (np.array([0.0, 1.0, 1.0]), TypeError, "path must be an integer array"),
+    (np.zeros((2, 3), np.int64), ValueError, "does not broadcast"),
+])
+def test_bad_paths_are_errors(path, error, match):
+    with pytest.raises(error, match=match):
+        sc.chain_path_score(np.zeros((3, 3, 3)), np.zeros((3, 3)), None, path)
+
+
+def test_states_past_the_length_are_ignored():
+    x, trans, init, _ = problem(1, 4, 3, batch=1, holes=False)
+    a = sc.chain_path_score(x, trans, init, np.array([[1, 2, 7, -5]]), lengths=np.array([2]))
+    b = sc.chain_path_score(x, trans, init, np.array([[1, 2, 0, 0]]), lengths=np.array([2]))
+    assert a == b
+
+
+def sample_frequencies(paths, all_paths):
+    index = {tuple(p): i for i, p in enumerate(all_paths)}
+    counts = np.zeros(len(all_paths))
+    for p in paths:
+        counts[index[tuple(p[:all_paths.shape[1]])]] += 1
+    return counts
+
+
+@pytest.mark.parametrize("seed, v, c, per_step", [(0, 3, 3, True), (1, 4, 2, False), (2, 1, 4, True), (3, 5, 2, True)])
+def test_samples_follow_the_posterior(seed, v, c, per_step, algorithm):
+    x, trans, init, lengths = problem(seed, v, c, per_step=per_step)
+    n = 4000
+    paths = sc.chain_sample(x, trans, init, lengths=lengths, num_samples=n, seed=seed)
+    assert paths.shape == (n, len(x), v) and paths.dtype == np.int64
+    np.testing.assert_array_equal(paths[:, 1], -1)  # the impossible chain
+    for b in (0, 2, 3):
+        scores, all_paths = reference.chain_paths(*chain_of(b, x, trans, init, lengths))
+        np.testing.assert_array_equal(paths[:, b, lengths[b]:], -1)
+        if reference.log_sum_exp(scores) == -np.inf:
+            np.testing.assert_array_equal(paths[:, b], -1)
+            continue
+        counts = sample_frequencies(paths[:, b], all_paths)
+        p = np.exp(scores - reference.log_sum_exp(scores))
+        assert counts[p == 0].sum() == 0, "a path of weight 0 was drawn"
+        if (p > 0).sum() > 1:
+            assert stats.chisquare(counts[p > 0], p[p > 0] * n).pvalue > 1e-3
+
+
+def test_samples_are_reproducible_and_broadcast():
+    x, trans, init, lengths = problem(5, 4, 3, batch=3, per_step=False, holes=False, dtype=np.float32)
+    a = sc.chain_sample(x[:, None], trans, init, lengths=lengths[:, None], num_samples=3, seed=7)
+    b = sc.chain_sample(x[:, None], trans, init, lengths=lengths[:, None], num_samples=3, seed=7)
+    assert a.shape == (3, 3, 1, 4)
+    np.testing.assert_array_equal(a, b)
+    assert sc.chain_sample(x, trans, init, num_samples=0).shape == (0, 3, 4)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: sc.chain_sample(np.zeros((2, 2)), np.zeros((2, 2)), num_samples=-1), "num_samples must be >= 0"),
+    (lambda: sc.chain_sample(np.zeros((2, 2)), np.zeros((2, 2)), num_samples=1.5), "num_samples must be an int"),
+    (lambda: sc.chain_kbest(np.zeros((2, 2)), np.zeros((2, 2)), k=0), "k must be >= 1"),
+    (lambda: sc.chain_entropy(np.zeros((2, 2)), np.zeros((3, 3))), "log_trans must end in"),
+])
+def test_bad_arguments_are_errors(call, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        call()
+
+
+def test_nan_propagates():
+    x = np.zeros((2, 3, 2))
+    x[0, 1, 1] = np.nan
+    h = sc.chain_entropy(x, np.zeros((2, 2)))
+    assert np.isnan(h[0]) and h[1] == pytest.approx(3 * np.log(2))
+    np.testing.assert_array_equal(sc.chain_sample(x, np.zeros((2, 2)), seed=0)[0, 0], -1)
+
+
+def test_empty_batch():
+    x = np.zeros((0, 3, 2))
+    assert sc.chain_entropy(x, np.zeros((2, 2))).shape == (0,)
+    assert sc.chain_sample(x, np.zeros((2, 2)), num_samples=2).shape == (2, 0, 3)
+    scores, paths = sc.chain_kbest(x, np.zeros((2, 2)), k=2)
+    assert scores.shape == (2, 0) and paths.shape == (2, 0, 3)
+    assert sc.chain_path_score(x, np.zeros((2, 2)), None, np.zeros((0, 3), np.int64)).shape == (0,)
+
+
+@pytest.mark.parametrize("dtype, scale", [(np.float32, 100.0), (np.float64, 700.0)])
+def test_samples_of_underflowing_weights_are_drawn_in_log_space(dtype, scale):
+    """Every weight of the draw at position 0 underflows once scaled: exp(-scale) and exp(-scale - 1)."""
+    x = np.array([[0.0, -scale], [0.0, -np.inf]], dtype)
+    trans = np.array([[-scale, 0.0], [-1.0, 0.0]], dtype)
+    paths = sc.chain_sample(x, trans, num_samples=20000, seed=0)
+    np.testing.assert_array_equal(paths[:, 1], 0)
+    assert abs((paths[:, 0] == 0).mean() - 1 / (1 + np.exp(-1))) < 0.01
+
+
+def test_paths_that_do_not_broadcast_with_lengths_are_errors():
+    with pytest.raises(ValueError, match="does not broadcast with the chains' \\(2,\\)"):
+        sc.chain_path_score(np.zeros((3, 2)), np.zeros((2, 2)), None, np.zeros((3, 3), np.int64),
+                            lengths=np.array([1, 2]))

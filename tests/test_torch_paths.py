@@ -1,0 +1,80 @@
+"""spchain.torch's path functions (spchain/torch/paths.py): values as the array API, float64
+gradchecks, and gradients against autograd through brute-force enumeration."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import reference  # noqa: E402
+import spchain as sc  # noqa: E402
+import spchain.torch as st  # noqa: E402
+
+
+def problem(seed, batch, v, c, per_step, holes=True):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, v, c, dtype=torch.float64, generator=gen)
+    trans = torch.randn(((1, v - 1) if per_step else ()) + (c, c), dtype=torch.float64, generator=gen)
+    init = torch.randn(c, dtype=torch.float64, generator=gen)
+    if holes:
+        trans = trans.masked_fill(torch.rand(trans.shape, generator=gen) < 0.2, -torch.inf)
+        x = x.masked_fill(torch.rand(x.shape, generator=gen) < 0.15, -torch.inf)
+    lengths = torch.randint(1, v + 1, (batch,), generator=gen)
+    return x, trans, init, lengths
+
+
+@pytest.mark.parametrize("seed, v, c, per_step", [(0, 1, 3, False), (1, 3, 3, True), (2, 4, 2, False),
+                                                  (3, 5, 3, True), (4, 6, 2, True), (5, 2, 1, False)])
+def test_entropy_gradient_matches_autograd_through_enumeration(seed, v, c, per_step):
+    x, trans, init, lengths = problem(seed, 3, v, c, per_step)
+    inputs = [t.requires_grad_() for t in (x, trans, init)]
+    weight = torch.randn(3, dtype=torch.float64)
+    got = st.chain_entropy(x, trans, init, lengths=lengths)
+    want = torch.stack([reference.chain_entropy_torch(x[b], trans[0] if per_step else trans, init, lengths[b])
+                        for b in range(3)])
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    grads = torch.autograd.grad((weight * got).sum(), inputs)
+    wants = torch.autograd.grad((weight * want).sum(), inputs, allow_unused=True)
+    for g, w in zip(grads, wants):
+        torch.testing.assert_close(g, torch.zeros_like(g) if w is None else w, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("per_step", [True, False])
+def test_entropy_gradcheck(per_step):
+    x, trans, init, lengths = problem(7, 2, 4, 3, per_step, holes=False)
+    inputs = [t.requires_grad_() for t in (x, trans, init)]
+    assert torch.autograd.gradcheck(lambda *a: st.chain_entropy(*a, lengths=lengths), inputs)
+
+
+@pytest.mark.parametrize("per_step", [True, False])
+def test_path_score_gradcheck_and_values(per_step):
+    x, trans, init, lengths = problem(8, 3, 5, 3, per_step, holes=False)
+    path = torch.randint(3, (2, 3, 5), generator=torch.Generator().manual_seed(1))
+    inputs = [t.requires_grad_() for t in (x, trans, init)]
+    assert torch.autograd.gradcheck(lambda *a: st.chain_path_score(*a, path, lengths=lengths), inputs)
+    got = st.chain_path_score(x, trans, init, path, lengths=lengths)
+    want = sc.chain_path_score(x.detach().numpy(), trans.detach().numpy(), init.detach().numpy(), path.numpy(),
+                               lengths=lengths.numpy())
+    np.testing.assert_array_equal(got.detach().numpy(), want)
+
+
+def test_path_score_without_init_and_bad_paths():
+    x = torch.zeros(3, 2, requires_grad=True)
+    score = st.chain_path_score(x, torch.zeros(2, 2), None, torch.tensor([0, 1, 1]))
+    score.backward()
+    torch.testing.assert_close(x.grad, torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 1.0]]))
+    with pytest.raises(ValueError, match="path states must lie in 0..c-1"):
+        st.chain_path_score(x, torch.zeros(2, 2), None, torch.tensor([0, 2, 1]))
+
+
+def test_kbest_and_sample_match_the_array_api():
+    x, trans, init, lengths = problem(9, 4, 5, 3, True)
+    arrays = [t.numpy() for t in (x, trans, init)]
+    scores, paths = st.chain_kbest(x, trans, init, k=4, lengths=lengths)
+    want_scores, want_paths = sc.chain_kbest(*arrays, k=4, lengths=lengths.numpy())
+    np.testing.assert_array_equal(scores.numpy(), want_scores)
+    np.testing.assert_array_equal(paths.numpy(), want_paths)
+    samples = st.chain_sample(x.requires_grad_(), trans, init, lengths=lengths.tolist(), num_samples=5, seed=3)
+    np.testing.assert_array_equal(samples.numpy(), sc.chain_sample(*arrays, lengths=lengths.numpy(),
+                                                                   num_samples=5, seed=3))
+    assert samples.dtype == torch.int64 and not samples.requires_grad
