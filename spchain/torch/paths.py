@@ -8,7 +8,7 @@ from .. import _entropy
 from .. import paths as _paths
 from ..chain import _prepare, _viterbi_grads
 from ._bridge import check_same_device, on_device, to_array, to_tensor
-from .chain import _QUIET, _arrays, _as_lengths, _input_grads
+from .chain import _QUIET, _arrays, _input_grads, _tensors
 
 
 class _ChainEntropy(torch.autograd.Function):
@@ -83,7 +83,7 @@ def chain_sample(x, log_trans, log_init=None, *, lengths=None, num_samples=1, se
     >>> st.chain_sample(torch.zeros(4, 3), torch.zeros(3, 3), num_samples=2, seed=0).shape
     torch.Size([2, 4])
     """
-    lengths = _as_lengths(lengths, x.device)
+    x, log_trans, log_init, lengths = _tensors("spchain.torch.chain_sample", x, log_trans, log_init, lengths)
     device = check_same_device("spchain.torch.chain_sample", x=x, log_trans=log_trans, log_init=log_init,
                                lengths=lengths)
     with on_device(device):
@@ -104,7 +104,8 @@ def chain_entropy(x, log_trans, log_init=None, *, lengths=None):
     >>> h.backward(); h.item() / 0.6931471805599453, x.grad.abs().max().item()   # 8 paths, a maximum
     (3.0, 0.0)
     """
-    return _ChainEntropy.apply(x, log_trans, _init_like(x, log_trans, log_init), _as_lengths(lengths, x.device))
+    x, log_trans, log_init, lengths = _tensors("spchain.torch.chain_entropy", x, log_trans, log_init, lengths)
+    return _ChainEntropy.apply(x, log_trans, _init_like(x, log_trans, log_init), lengths)
 
 
 def chain_kbest(x, log_trans, log_init=None, *, k, lengths=None):
@@ -120,7 +121,7 @@ def chain_kbest(x, log_trans, log_init=None, *, k, lengths=None):
             [1, 1],
             [0, 0]]))
     """
-    lengths = _as_lengths(lengths, x.device)
+    x, log_trans, log_init, lengths = _tensors("spchain.torch.chain_kbest", x, log_trans, log_init, lengths)
     device = check_same_device("spchain.torch.chain_kbest", x=x, log_trans=log_trans, log_init=log_init,
                                lengths=lengths)
     with on_device(device):
@@ -143,6 +144,6 @@ def chain_path_score(x, log_trans, log_init, path, *, lengths=None):
     (tensor(3., grad_fn=<_ChainPathScoreBackward>), tensor([[1., 0.],
             [0., 1.]]))
     """
+    x, log_trans, log_init, lengths = _tensors("spchain.torch.chain_path_score", x, log_trans, log_init, lengths)
     path = torch.as_tensor(path, device=x.device)
-    return _ChainPathScore.apply(x, log_trans, _init_like(x, log_trans, log_init), path,
-                                 _as_lengths(lengths, x.device))
+    return _ChainPathScore.apply(x, log_trans, _init_like(x, log_trans, log_init), path, lengths)
