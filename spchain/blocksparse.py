@@ -325,6 +325,8 @@ def linear_backward(backend, bsr: Bsr, transpose, values, grad_yt, xt, dtype, ne
     if need_x:
         weight = Bsr(bsr.indptr, bsr.indices, values, bsr.shape, bsr.blocksize)
         grad_x = matmul(backend, weight, grad_yt, dtype, transpose=transpose).T
+        if not backend.on_gpu:  # rows for torch by the parallel transpose kernel, not a one-thread copy
+            grad_x = _sparse.contiguous(backend, grad_x)
     if need_values:
         grad_values = sampled(backend, bsr, grad_yt, xt, dtype)
     return grad_x, grad_values

@@ -25,7 +25,7 @@ def random_bsr(rng, grid, blocksize, density, dtype, index_dtype):
 
 
 @pytest.mark.parametrize("target", TARGETS)
-@pytest.mark.parametrize("blocksize", [(2, 3), (3, 9), (1, 1)])
+@pytest.mark.parametrize("blocksize", [(2, 3), (3, 9), (1, 1), (5, 7), (8, 4)])  # 4 x 4 register tiles and leftovers
 @pytest.mark.parametrize("index_dtype", [np.int32, np.int64])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_spmm_matches_the_dense_product_with_bias(rng, small_launch, target, blocksize, index_dtype, dtype):
@@ -41,17 +41,19 @@ def test_spmm_matches_the_dense_product_with_bias(rng, small_launch, target, blo
 
 
 @pytest.mark.parametrize("target", TARGETS)
-def test_spmm_by_the_transpose_reads_transposed_blocks_through_slots(rng, small_launch, target):
-    indptr, indices, data = random_bsr(rng, (4, 3), (2, 5), 0.6, np.float64, np.int64)
-    w = reference.bsr_dense(data, indices, indptr, (8, 15))
+@pytest.mark.parametrize("blocksize", [(2, 5), (9, 6)])
+def test_spmm_by_the_transpose_reads_transposed_blocks_through_slots(rng, small_launch, target, blocksize):
+    r, c = blocksize
+    indptr, indices, data = random_bsr(rng, (4, 3), blocksize, 0.6, np.float64, np.int64)
+    w = reference.bsr_dense(data, indices, indptr, (4 * r, 3 * c))
     rows = np.repeat(np.arange(4), np.diff(indptr))
     order = np.argsort(indices, kind="stable")
     t_indptr = np.concatenate([[0], np.cumsum(np.bincount(indices, minlength=3))])
-    b = rng.standard_normal((8, 2))
-    out = np.empty((15, 2))
+    b = rng.standard_normal((4 * r, 2))
+    out = np.empty((3 * c, 2))
     blocks = data.transpose(0, 2, 1)  # the CPU kernel reads the view; CUDA gets a contiguous copy
     blocks = blocks if target == "cpu" else np.ascontiguousarray(blocks)
-    kernel(target, "spmm")(t_indptr, rows[order], order, blocks, b, np.zeros(15), out)
+    kernel(target, "spmm")(t_indptr, rows[order], order, blocks, b, np.zeros(3 * c), out)
     np.testing.assert_allclose(out, w.T @ b, rtol=1e-12, atol=1e-12)
 
 

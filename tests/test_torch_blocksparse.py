@@ -30,9 +30,10 @@ def test_gradcheck_float64_for_x_values_and_bias(rng, blocksize):
                                     (x, values, bias), eps=1e-6, atol=1e-9, rtol=1e-7)
 
 
+@pytest.mark.parametrize("blocksize", [(3, 2), (5, 6)])  # (5, 6): 4 x 4 register tiles and leftovers, both ways
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_forward_and_gradients_match_the_dense_masked_layer(rng, dtype):
-    values, indptr, indices, shape, dense = random_weight(rng, (7, 4), (3, 2), 0.4, dtype)
+def test_forward_and_gradients_match_the_dense_masked_layer(rng, dtype, blocksize):
+    values, indptr, indices, shape, dense = random_weight(rng, (7, 4), blocksize, 0.4, dtype)
     values.requires_grad_()
     x = torch.randn(3, 5, shape[1], dtype=dtype)[:, ::2].requires_grad_()  # non-contiguous, 3-D
     bias = torch.randn(shape[0], dtype=dtype, requires_grad=True)

@@ -6,9 +6,9 @@ the block column of each stored block) and ``data`` (nnzb, R, C). Every kernel t
 at 0, never decreases and ends at nnzb, and every block index is in range. Blocks may come in
 any order within a block row, repeat (duplicates add up) or hold zeros.
 
-The dense tiles are multiplied as small GEMMs vectorised along the dense operand's contiguous
-axis, with eight block columns jammed into each pass over an output row, so that each output
-vector is loaded and stored once for eight fused multiply-adds.
+The dense tiles are multiplied as register-blocked micro-GEMMs vectorised along the dense
+operand's contiguous axis: four output rows by four block columns per pass, so that each
+loaded vector feeds four fused multiply-adds.
 """
 
 from numba import njit, prange
@@ -19,33 +19,47 @@ _FAST = {"reassoc", "contract"}  # lets the loops vectorise; never assumes no in
 def _tile(a, b, o):
     """``o += a @ b`` for one (R, C) block ``a`` (any strides), ``b`` (C, n) and ``o`` (R, n).
 
-    One output row at a time (a single stored-to row keeps the loop free of aliasing checks,
-    so it vectorises), eight block columns at a time, then four, then one.
+    A register-blocked micro-GEMM: four output rows by four block columns at a time (sixteen
+    block values held in registers, each loaded vector of ``b`` used four times, each output
+    vector loaded and stored once for four fused multiply-adds), vectorised along ``n``; then
+    the leftover columns, then the leftover rows one at a time.
     """
     rows, cols = a.shape
     n = b.shape[1]
-    for r in range(rows):
-        o0 = o[r]
+    r = 0
+    while r + 4 <= rows:
+        o0, o1, o2, o3 = o[r], o[r + 1], o[r + 2], o[r + 3]
         c = 0
-        while c + 8 <= cols:
-            v0, v1, v2, v3 = a[r, c], a[r, c + 1], a[r, c + 2], a[r, c + 3]
-            v4, v5, v6, v7 = a[r, c + 4], a[r, c + 5], a[r, c + 6], a[r, c + 7]
-            b0, b1, b2, b3, b4, b5, b6, b7 = b[c], b[c + 1], b[c + 2], b[c + 3], b[c + 4], b[c + 5], b[c + 6], b[c + 7]
-            for t in range(n):
-                o0[t] += (v0 * b0[t] + v1 * b1[t] + v2 * b2[t] + v3 * b3[t]) + (
-                    v4 * b4[t] + v5 * b5[t] + v6 * b6[t] + v7 * b7[t])
-            c += 8
-        if c + 4 <= cols:
-            v0, v1, v2, v3 = a[r, c], a[r, c + 1], a[r, c + 2], a[r, c + 3]
+        while c + 4 <= cols:
             b0, b1, b2, b3 = b[c], b[c + 1], b[c + 2], b[c + 3]
+            a00, a01, a02, a03 = a[r, c], a[r, c + 1], a[r, c + 2], a[r, c + 3]
+            a10, a11, a12, a13 = a[r + 1, c], a[r + 1, c + 1], a[r + 1, c + 2], a[r + 1, c + 3]
+            a20, a21, a22, a23 = a[r + 2, c], a[r + 2, c + 1], a[r + 2, c + 2], a[r + 2, c + 3]
+            a30, a31, a32, a33 = a[r + 3, c], a[r + 3, c + 1], a[r + 3, c + 2], a[r + 3, c + 3]
             for t in range(n):
-                o0[t] += v0 * b0[t] + v1 * b1[t] + v2 * b2[t] + v3 * b3[t]
+                x0, x1, x2, x3 = b0[t], b1[t], b2[t], b3[t]
+                o0[t] += a00 * x0 + a01 * x1 + a02 * x2 + a03 * x3
+                o1[t] += a10 * x0 + a11 * x1 + a12 * x2 + a13 * x3
+                o2[t] += a20 * x0 + a21 * x1 + a22 * x2 + a23 * x3
+                o3[t] += a30 * x0 + a31 * x1 + a32 * x2 + a33 * x3
             c += 4
         while c < cols:
-            v0, b0 = a[r, c], b[c]
+            a00, a10, a20, a30, b0 = a[r, c], a[r + 1, c], a[r + 2, c], a[r + 3, c], b[c]
             for t in range(n):
-                o0[t] += v0 * b0[t]
+                x0 = b0[t]
+                o0[t] += a00 * x0
+                o1[t] += a10 * x0
+                o2[t] += a20 * x0
+                o3[t] += a30 * x0
             c += 1
+        r += 4
+    while r < rows:
+        o0 = o[r]
+        for c in range(cols):
+            v, b0 = a[r, c], b[c]
+            for t in range(n):
+                o0[t] += v * b0[t]
+        r += 1
 
 
 @njit(parallel=True, cache=True, fastmath=_FAST)
