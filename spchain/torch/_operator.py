@@ -90,7 +90,9 @@ class Operator:
             f"spchain::{name}_backward", self._backward_op, mutates_args=(),
             schema=f"({arguments}, Tensor[] results, Tensor?[] grads, bool[] needs) -> Tensor[]")
         backward_op.register_fake(self._backward_fake)
-        backward_op.register_vmap(_batch_rule(backward_op._opoverload, tuple(leading_batch) + (-3, -2)))
+        # results and incoming gradients lead with the batch only where the arguments do
+        backward_leading = tuple(leading_batch) + (-3, -2) if leading_batch else ()
+        backward_op.register_vmap(_batch_rule(backward_op._opoverload, backward_leading))
         self._eager = _eager_function(self)
         self._transform = _transform_function(self.name, self.op, backward_op._opoverload, outputs,
                                               self.differentiable)
