@@ -25,6 +25,7 @@ _API = {
     "chain_logsumexp": "chain",
     "chain_marginals": "chain",
     "viterbi": "chain",
+    "chain_sweep": "chain",
     "block_diag_matmul": "blockdiag",
     "grouped_matmul": "blockdiag",
 }

@@ -5,7 +5,8 @@ import importlib
 
 import pytest
 
-MODULES = ["spchain", "spchain._backend", "spchain._checks", "spchain.blockdiag", "spchain.chain", "spchain.semiring",
+MODULES = ["spchain", "spchain._backend", "spchain._checks", "spchain.blockdiag", "spchain.chain", "spchain._chain_layout",
+           "spchain._chain_sweep", "spchain.semiring",
            "spchain.sparse", "spchain.blocksparse"]
 TORCH_MODULES = ["spchain.torch._bridge", "spchain.torch.blockdiag", "spchain.torch.chain", "spchain.torch.semiring",
                  "spchain.torch.sparse", "spchain.torch.blocksparse", "spchain.torch.pruning"]

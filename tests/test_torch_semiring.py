@@ -162,16 +162,16 @@ def test_log_chain_product_gradient_is_scaled_per_batch_element(dtype):
     assert (got[0] != 0).all()
 
 
-def test_chain_gemm_sweep_transition_gradient_is_scaled_per_group(monkeypatch):
-    import spchain.chain
+def test_chain_gemm_sweep_transition_gradient_is_scaled_per_group():
+    import spchain
 
-    monkeypatch.setattr(spchain.chain, "ALGORITHM", "gemm")
-    x = randn(2, 5, 3).requires_grad_()
-    trans = randn(2, 4, 3, 3, seed=1).requires_grad_()  # one set of transitions per chain
-    [(got_x, want_x), (got_t, want_t)], scales = grad_with_scales(st.chain_logsumexp, (x, trans), (2,), torch.float64, 0)
-    torch.testing.assert_close(got_t, want_t * scales[:, None, None, None], rtol=1e-12, atol=0)
-    assert (got_t[0] != 0).all()
-    torch.testing.assert_close(got_x, want_x * scales[:, None, None], rtol=1e-12, atol=0)
+    with spchain.chain_sweep("gemm"):
+        x = randn(2, 5, 3).requires_grad_()
+        trans = randn(2, 4, 3, 3, seed=1).requires_grad_()  # one set of transitions per chain
+        [(got_x, want_x), (got_t, want_t)], scales = grad_with_scales(st.chain_logsumexp, (x, trans), (2,), torch.float64, 0)
+        torch.testing.assert_close(got_t, want_t * scales[:, None, None, None], rtol=1e-12, atol=0)
+        assert (got_t[0] != 0).all()
+        torch.testing.assert_close(got_x, want_x * scales[:, None, None], rtol=1e-12, atol=0)
 
 
 # +inf and -inf (the rule of README "Log space") -----------------------------------------------

@@ -103,6 +103,8 @@ class Operator:
         low = next((t.dtype for t in tensors if t.dtype in _LOW), None)
         if low is not None:
             args = [a.float() if isinstance(a, torch.Tensor) and a.dtype in _LOW else a for a in args]
+        if self.backward is None:  # results without a graph, also where compile traces the joint graph
+            args = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
         grad = self.backward is not None and torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
         if plain_eager(tensors):
             results = self._eager.apply(*args) if grad else self._run(args)
@@ -135,7 +137,8 @@ class Operator:
 
     def _backward_fake(self, *args):
         *args, results, grads, needs = args
-        return [torch.empty_like(args[k]) if need else args[k].new_empty(0)
+        like = args[self.differentiable[0]]  # an optional argument may be None
+        return [torch.empty_like(args[k]) if need else like.new_empty(0)
                 for k, need in zip(self.differentiable, needs)]
 
 
