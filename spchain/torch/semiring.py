@@ -50,7 +50,7 @@ def _dense(caller, **tensors):
     """``TypeError`` for arguments that are no dense tensors, ``ValueError`` for tensors on
     different devices."""
     check_same_device(caller, **tensors)
-    if any(t.layout != torch.strided for t in tensors.values()):  # the message names the layout
+    if any(t is None or t.layout != torch.strided for t in tensors.values()):  # its message names them
         _checks.dense(caller, **tensors)
 
 
