@@ -110,8 +110,9 @@ class Operator:
             results = self._eager.apply(*args) if grad else self._run(args)
         else:
             results = self._transform.apply(*args) if grad else self.op(*args)
-        results = results if isinstance(results, tuple) else (results,)
-        public = tuple(r.to(low) if low is not None and r.is_floating_point() else r for r in results[:self.outputs])
+        public = results[:self.outputs] if isinstance(results, tuple) else (results,)
+        if low is not None:
+            public = tuple(r.to(low) if r.is_floating_point() else r for r in public)
         return public if self.outputs > 1 else public[0]
 
     def _run(self, args):
