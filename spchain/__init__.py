@@ -25,6 +25,7 @@ _API = {
     "chain_logsumexp": "chain",
     "chain_marginals": "chain",
     "viterbi": "chain",
+    "chain_sweep": "chain",
     "chain_sample": "paths",
     "chain_entropy": "paths",
     "chain_kbest": "paths",

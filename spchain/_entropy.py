@@ -26,7 +26,8 @@ step works on (rows, c, c) arrays, one step at a time: O(batch · v · c) memory
 import numpy as np
 
 from . import _logspace
-from .chain import _forward, _normalised
+from ._chain_limits import forward as _forward
+from ._chain_sweep import normalised as _normalised
 
 
 def _grouped(chain, a):

@@ -16,7 +16,9 @@ arrays with -1 past each chain's length. A path's score is
 import numpy as np
 
 from . import _entropy
-from .chain import _forward, _normalised, _prepare
+from ._chain_layout import prepare as _prepare
+from ._chain_limits import forward as _forward
+from ._chain_sweep import normalised as _normalised
 
 _QUIET = {"divide": "ignore", "invalid": "ignore", "over": "ignore"}
 

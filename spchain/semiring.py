@@ -15,21 +15,39 @@ CHAIN_CHUNK_BYTES = 1 << 28
 """Bytes of input that ``log_chain_product`` reduces at a time (bounds its working memory)."""
 
 
+def product_shape(caller: str, a_shape: tuple, b_shape: tuple) -> tuple:
+    """The result shape of a product over the last two axes of operands of these shapes
+    (leading axes broadcast); ``ValueError`` where they do not fit. The one shape rule of
+    :func:`logmatmul` and :func:`maxmatmul`, which ``spchain.torch``'s fakes share.
+
+    >>> product_shape("f", (2, 3, 4), (4, 5))
+    (2, 3, 5)
+    """
+    if len(a_shape) < 2 or len(b_shape) < 2:
+        raise ValueError(f"{caller}: a and b must have at least two axes, got shapes {a_shape} and {b_shape}")
+    if a_shape[-1] != b_shape[-2]:
+        raise ValueError(f"{caller}: shapes {a_shape} and {b_shape} do not match: "
+                         f"a has {a_shape[-1]} columns but b has {b_shape[-2]} rows")
+    try:
+        batch_shape = np.broadcast_shapes(a_shape[:-2], b_shape[:-2])
+    except ValueError:
+        raise ValueError(f"{caller}: batch shapes of {a_shape} and {b_shape} do not broadcast") from None
+    return tuple(batch_shape) + (a_shape[-2], b_shape[-1])
+
+
 def _operands(a, b, caller: str):
     """Validated ``(backend, a, b, batch_shape)`` of a product over the last two axes."""
     a, b = _checks.dense(caller, a=a, b=b)
     backend = _backend.backend_of(a, b, caller=caller)
     dtype = _checks.float_dtype(caller, a=a, b=b)
-    if a.ndim < 2 or b.ndim < 2:
-        raise ValueError(f"{caller}: a and b must have at least two axes, got shapes {a.shape} and {b.shape}")
-    if a.shape[-1] != b.shape[-2]:
-        raise ValueError(f"{caller}: shapes {a.shape} and {b.shape} do not match: "
-                         f"a has {a.shape[-1]} columns but b has {b.shape[-2]} rows")
-    try:
-        batch_shape = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
-    except ValueError:
-        raise ValueError(f"{caller}: batch shapes of {a.shape} and {b.shape} do not broadcast") from None
+    batch_shape = product_shape(caller, tuple(a.shape), tuple(b.shape))[:-2]
     return backend, a.astype(dtype, copy=False), b.astype(dtype, copy=False), batch_shape
+
+
+def _trusted(a, b):
+    """``(xp, a, b)`` of operands that a forward has validated, in their common dtype."""
+    dtype = np.promote_types(a.dtype, b.dtype)
+    return _backend.backend_of(a, b).xp, a.astype(dtype, copy=False), b.astype(dtype, copy=False)
 
 
 @scales_out
@@ -51,9 +69,30 @@ def logmatmul(a, b):
     array([[1., 4.],
            [0., 1.]])
     """
-    backend, a, b, _ = _operands(a, b, "spchain.logmatmul")
+    return logmatmul_forward(a, b)
+
+
+def logmatmul_forward(a, b, caller: str = "spchain.logmatmul"):
+    """:func:`logmatmul` with its checks naming ``caller``; the result is also the only
+    residual :func:`logmatmul_backward` needs."""
+    backend, a, b, _ = _operands(a, b, caller)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"), backend.use():
         return _logspace.log_matmul(backend.xp, a, b)
+
+
+def logmatmul_backward(inputs, results, grads, needs):
+    """Gradients ``(d a, d b)`` of ``sum(grad * logmatmul(a, b))`` (``None`` where ``needs``
+    is false), from ``inputs = (a, b)``, ``results = (out,)`` of :func:`logmatmul_forward`
+    and ``grads = (grad,)``: the softmax weights rebuilt from the max shifts by GEMMs (as
+    genbmm does), never an (m, k, n) array; a ``+inf`` output's gradient goes in equal shares
+    to its ``+inf`` terms. The inputs are trusted (no second validation).
+    """
+    (a, b), (out,), (grad,) = inputs, results, grads
+    xp, a_, b_ = _trusted(a, b)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        grad_a, grad_b = _logspace.log_matmul_grads(xp, a_, b_, out, grad.astype(a_.dtype, copy=False), *needs)
+    return (_logspace.reduce_to(grad_a, a.shape) if needs[0] else None,
+            _logspace.reduce_to(grad_b, b.shape) if needs[1] else None)
 
 
 @scales_out
@@ -78,7 +117,13 @@ def maxmatmul(a, b):
     >>> values, argmax
     (array([[3.]]), array([[1]]))
     """
-    backend, a, b, batch_shape = _operands(a, b, "spchain.maxmatmul")
+    return maxmatmul_forward(a, b)
+
+
+def maxmatmul_forward(a, b, caller: str = "spchain.maxmatmul"):
+    """:func:`maxmatmul` with its checks naming ``caller``: ``(values, argmax)``, which are
+    also what :func:`maxmatmul_backward` needs besides ``a`` and ``b``."""
+    backend, a, b, batch_shape = _operands(a, b, caller)
     xp = backend.xp
     m, n = a.shape[-2], b.shape[-1]
     with backend.use():
@@ -88,6 +133,18 @@ def maxmatmul(a, b):
         if values.size:
             backend.kernel("semiring", "max_matmul")(a3, b3, a_index, b_index, values, argmax)
         return values.reshape(batch_shape + (m, n)), argmax.reshape(batch_shape + (m, n))
+
+
+def maxmatmul_backward(inputs, results, grads, needs):
+    """Sub-gradients ``(d a, d b)`` of ``sum(grad * values)`` from ``inputs = (a, b)``,
+    ``results = (values, argmax)`` of :func:`maxmatmul_forward` and ``grads = (grad, _)``
+    (see :func:`maxmatmul_grads`); both are computed, whatever ``needs`` says."""
+    (a, b), (values, argmax), grad = inputs, results, grads[0]
+    xp, a_, b_ = _trusted(a, b)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        infinite = _logspace.PosInf(xp, a_, b_) if bool(xp.isposinf(values).any()) else None
+        return maxmatmul_grads(xp, a.shape, b.shape, values, argmax, grad.astype(values.dtype, copy=False),
+                               infinite)
 
 
 def maxmatmul_grads(xp, a_shape, b_shape, values, argmax, grad, infinite=None):
@@ -149,7 +206,13 @@ def log_chain_product(m):
     array([[1., 3.],
            [0., 1.]])
     """
-    backend, m = _chain_operand(m, "spchain.log_chain_product")
+    return log_chain_product_forward(m)
+
+
+def log_chain_product_forward(m, caller: str = "spchain.log_chain_product"):
+    """:func:`log_chain_product` with its checks naming ``caller``; no residual (the backward
+    recomputes the prefix products from ``m``)."""
+    backend, m = _chain_operand(m, caller)
     xp = backend.xp
     length, c = m.shape[-3], m.shape[-1]
     flat = _logspace.flat_batch(m, 3)
@@ -167,6 +230,15 @@ def log_chain_product(m):
                 level = half + level % 2
             out[rows_slice] = buf[:, 0]
     return out.reshape(m.shape[:-3] + (c, c))
+
+
+def log_chain_product_backward(inputs, results, grads, needs):
+    """``(d m,)`` of ``sum(grad * log_chain_product(m))`` from ``inputs = (m,)`` and
+    ``grads = (grad,)`` (see :func:`log_chain_product_grad`); ``m`` is trusted."""
+    (m,), (grad,) = inputs, grads
+    xp = _backend.backend_of(m).xp
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        return (log_chain_product_grad(xp, m, grad.astype(m.dtype, copy=False)),)
 
 
 def log_chain_product_grad(xp, m, grad):

@@ -12,14 +12,13 @@ from hypothesis.extra import numpy as hnp
 
 import reference
 import spchain as sc
-from spchain import chain
 
 
 @pytest.fixture(params=["gemm", "kernel"])
-def algorithm(request, monkeypatch):
+def algorithm(request):
     """Every test runs both exact sweeps: the scaled GEMM one and the Numba log-space one."""
-    monkeypatch.setattr(chain, "ALGORITHM", request.param)
-    return request.param
+    with sc.chain_sweep(request.param):
+        yield request.param
 
 
 def random_chain(rng, batch, v, c, *, per_step=True, trans_batch=None, dtype=np.float64, scale=1.0):
@@ -201,15 +200,15 @@ def test_long_float32_chain_marginals_do_not_drift(algorithm, rng, per_step):
 
 
 @pytest.mark.parametrize("dtype, gap", [(np.float32, -200.0), (np.float64, -1000.0)])
-def test_scaled_gemm_underflow_is_recomputed_exactly(monkeypatch, dtype, gap):
+def test_scaled_gemm_underflow_is_recomputed_exactly(dtype, gap):
     # state 1 starts `gap` nats below state 0, the states never change, and only state 1 is
     # allowed at the end: the scaled product for state 1 underflows to 0 (the row's maximum
     # sits at state 0) while the answer, `gap`, is finite; the GEMM sweep must recompute it
-    monkeypatch.setattr(chain, "ALGORITHM", "gemm")
-    trans = np.array([[0.0, -np.inf], [-np.inf, 0.0]], dtype)
-    x = np.array([[[0.0, gap], [-np.inf, 0.0]]] * 4, dtype)
-    assert_close(sc.chain_logsumexp(x, trans), np.full(4, gap), rtol=1e-7, atol=0)
-    assert_close(sc.chain_marginals(x, trans), np.array([[[0.0, 1.0], [0.0, 1.0]]] * 4))
+    with sc.chain_sweep("gemm"):
+        trans = np.array([[0.0, -np.inf], [-np.inf, 0.0]], dtype)
+        x = np.array([[[0.0, gap], [-np.inf, 0.0]]] * 4, dtype)
+        assert_close(sc.chain_logsumexp(x, trans), np.full(4, gap), rtol=1e-7, atol=0)
+        assert_close(sc.chain_marginals(x, trans), np.array([[[0.0, 1.0], [0.0, 1.0]]] * 4))
 
 
 def test_mixed_float32_and_float64_compute_in_float64(algorithm, rng):
@@ -342,12 +341,9 @@ def test_random_shapes_and_minus_inf_match_reference(data, batch, v, c, per_step
     if per_step:
         trans = trans[None]
     init = data.draw(hnp.arrays(np.float64, (c,), elements=log_values))
-    chain.ALGORITHM = algorithm
-    try:
+    with sc.chain_sweep(algorithm):
         got = sc.chain_logsumexp(x, trans, init)
         marg = sc.chain_marginals(x, trans, init)
-    finally:
-        chain.ALGORITHM = "auto"
     want = reference.chain_logsumexp(x, trans, init)
     np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-9)
     assert not np.isnan(marg).any()
@@ -451,3 +447,20 @@ def test_plus_inf_leaves_other_rows_and_nan_alone(algorithm, rng):
     marg = sc.chain_marginals(x, np.zeros((2, 2), np.float32))
     assert_close(marg[1, 2], [0, 1])
     assert np.isfinite(marg[:2]).all()
+
+
+def test_chain_sweep_forces_a_sweep_and_restores_the_previous_one(monkeypatch):
+    from spchain import _chain_sweep
+
+    used = []
+    monkeypatch.setattr(_chain_sweep, "_forward_gemm", lambda *args: used.append("gemm") or None)
+    x, trans = np.zeros((2, 3, 4)), np.full((4, 4), -np.log(4))
+    with sc.chain_sweep("gemm"):
+        sc.chain_logsumexp(x, trans)
+        with sc.chain_sweep("kernel"):
+            assert sc.chain_logsumexp(x, trans) == pytest.approx(np.log(4))
+        sc.chain_logsumexp(x, trans)
+    assert used == ["gemm", "gemm"]
+    with pytest.raises(ValueError, match="sweep must be one of"):
+        with sc.chain_sweep("fast"):
+            pass

@@ -7,14 +7,13 @@ from scipy import stats
 
 import reference
 import spchain as sc
-from spchain import chain
 
 
 @pytest.fixture(params=["gemm", "kernel"])
-def algorithm(request, monkeypatch):
+def algorithm(request):
     """The forward messages come from either exact sweep."""
-    monkeypatch.setattr(chain, "ALGORITHM", request.param)
-    return request.param
+    with sc.chain_sweep(request.param):
+        yield request.param
 
 
 def problem(seed, v, c, batch=4, per_step=True, holes=True, dtype=np.float64):

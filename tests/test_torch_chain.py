@@ -9,13 +9,12 @@ torch = pytest.importorskip("torch")
 import reference  # noqa: E402
 import spchain as sc  # noqa: E402
 import spchain.torch as st  # noqa: E402
-from spchain import chain  # noqa: E402
 
 
 @pytest.fixture(params=["gemm", "kernel"])
-def algorithm(request, monkeypatch):
-    monkeypatch.setattr(chain, "ALGORITHM", request.param)
-    return request.param
+def algorithm(request):
+    with sc.chain_sweep(request.param):
+        yield request.param
 
 
 def inputs(batch, v, c, *, per_step=True, trans_batch=None, dtype=torch.float64, seed=0):
@@ -78,14 +77,14 @@ def test_float32_gradients_are_close_to_float64(algorithm):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_underflowed_gemm_entries_get_exact_transition_gradients(monkeypatch):
+def test_underflowed_gemm_entries_get_exact_transition_gradients():
     # see test_chain.py::test_scaled_gemm_underflow_is_recomputed_exactly: the one path runs
     # through trans[1, 1] from a state 200 nats below the row's maximum
-    monkeypatch.setattr(chain, "ALGORITHM", "gemm")
-    trans = torch.tensor([[0.0, -math.inf], [-math.inf, 0.0]], requires_grad=True)
-    x = torch.tensor([[[0.0, -200.0], [-math.inf, 0.0]]] * 4, requires_grad=True)
-    st.chain_logsumexp(x, trans).sum().backward()
-    torch.testing.assert_close(trans.grad, torch.tensor([[0.0, 0.0], [0.0, 4.0]]))
+    with sc.chain_sweep("gemm"):
+        trans = torch.tensor([[0.0, -math.inf], [-math.inf, 0.0]], requires_grad=True)
+        x = torch.tensor([[[0.0, -200.0], [-math.inf, 0.0]]] * 4, requires_grad=True)
+        st.chain_logsumexp(x, trans).sum().backward()
+        torch.testing.assert_close(trans.grad, torch.tensor([[0.0, 0.0], [0.0, 4.0]]))
 
 
 def test_marginals_equal_the_gradient_and_carry_no_graph(algorithm):
@@ -137,10 +136,18 @@ def test_devices_must_match():
         st.chain_logsumexp(x, trans.to("meta"))
 
 
-def test_bfloat16_is_a_type_error():
-    x, trans, _ = inputs((2,), 3, 2)
-    with pytest.raises(TypeError, match="bfloat16"):
-        st.chain_logsumexp(x.bfloat16(), trans)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_computes_in_float32_and_returns_the_input_dtype(dtype):
+    x, trans, init = (t.to(dtype) for t in inputs((2,), 3, 2))
+    leaves = [t.clone().requires_grad_() for t in (x, trans, init)]
+    out = st.chain_logsumexp(*leaves)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, st.chain_logsumexp(x.float(), trans.float(), init.float()).to(dtype))
+    out.float().sum().backward()
+    assert all(t.grad.dtype == dtype for t in leaves)
+    score, path = st.viterbi(x, trans, init)
+    assert score.dtype == dtype and path.dtype == torch.int64
+    assert st.chain_marginals(x, trans, init).dtype == dtype
 
 
 def test_lengths_as_a_list():
@@ -325,17 +332,17 @@ def test_plus_inf_gradients_go_to_the_plus_inf_terms(algorithm):
     assert score[0] == math.inf and path[0, 0] == 0 and torch.isfinite(x.grad).all()
 
 
-def test_kernel_sweep_scales_each_rows_gradient_on_its_own(monkeypatch):
+def test_kernel_sweep_scales_each_rows_gradient_on_its_own():
     """Incoming gradients 1e-200 and 1e200 in one batch: neither underflows nor overflows."""
-    monkeypatch.setattr(chain, "ALGORITHM", "kernel")
-    x, trans, init = inputs((2,), 5, 3, trans_batch=(2,))
-    args = [t.requires_grad_() for t in (x, trans, init)]
-    weight = torch.tensor([1e-200, 1e200], dtype=torch.float64)
-    (st.chain_logsumexp(*args) * weight).sum().backward()
-    grads = [t.grad.clone() for t in args]
-    for t in args:
-        t.grad = None
-    st.chain_logsumexp(*args).sum().backward()
-    for got, ones, scaled in zip(grads, [t.grad for t in args], [True, True, False]):
-        if scaled:  # x and the per-row transitions: row b's gradient is weight[b] times the unit one
-            torch.testing.assert_close(got, ones * weight.reshape((2,) + (1,) * (ones.dim() - 1)), rtol=1e-12, atol=0)
+    with sc.chain_sweep("kernel"):
+        x, trans, init = inputs((2,), 5, 3, trans_batch=(2,))
+        args = [t.requires_grad_() for t in (x, trans, init)]
+        weight = torch.tensor([1e-200, 1e200], dtype=torch.float64)
+        (st.chain_logsumexp(*args) * weight).sum().backward()
+        grads = [t.grad.clone() for t in args]
+        for t in args:
+            t.grad = None
+        st.chain_logsumexp(*args).sum().backward()
+        for got, ones, scaled in zip(grads, [t.grad for t in args], [True, True, False]):
+            if scaled:  # x and the per-row transitions: row b's gradient is weight[b] times the unit one
+                torch.testing.assert_close(got, ones * weight.reshape((2,) + (1,) * (ones.dim() - 1)), rtol=1e-12, atol=0)

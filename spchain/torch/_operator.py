@@ -90,7 +90,9 @@ class Operator:
             f"spchain::{name}_backward", self._backward_op, mutates_args=(),
             schema=f"({arguments}, Tensor[] results, Tensor?[] grads, bool[] needs) -> Tensor[]")
         backward_op.register_fake(self._backward_fake)
-        backward_op.register_vmap(_batch_rule(backward_op._opoverload, tuple(leading_batch) + (-3, -2)))
+        # results and incoming gradients lead with the batch only where the arguments do
+        backward_leading = tuple(leading_batch) + (-3, -2) if leading_batch else ()
+        backward_op.register_vmap(_batch_rule(backward_op._opoverload, backward_leading))
         self._eager = _eager_function(self)
         self._transform = _transform_function(self.name, self.op, backward_op._opoverload, outputs,
                                               self.differentiable)
@@ -101,13 +103,16 @@ class Operator:
         low = next((t.dtype for t in tensors if t.dtype in _LOW), None)
         if low is not None:
             args = [a.float() if isinstance(a, torch.Tensor) and a.dtype in _LOW else a for a in args]
+        if self.backward is None:  # results without a graph, also where compile traces the joint graph
+            args = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
         grad = self.backward is not None and torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
         if plain_eager(tensors):
             results = self._eager.apply(*args) if grad else self._run(args)
         else:
             results = self._transform.apply(*args) if grad else self.op(*args)
-        results = results if isinstance(results, tuple) else (results,)
-        public = tuple(r.to(low) if low is not None and r.is_floating_point() else r for r in results[:self.outputs])
+        public = results[:self.outputs] if isinstance(results, tuple) else (results,)
+        if low is not None:
+            public = tuple(r.to(low) if r.is_floating_point() else r for r in public)
         return public if self.outputs > 1 else public[0]
 
     def _run(self, args):
@@ -133,7 +138,8 @@ class Operator:
 
     def _backward_fake(self, *args):
         *args, results, grads, needs = args
-        return [torch.empty_like(args[k]) if need else args[k].new_empty(0)
+        like = args[self.differentiable[0]]  # an optional argument may be None
+        return [torch.empty_like(args[k]) if need else like.new_empty(0)
                 for k, need in zip(self.differentiable, needs)]
 
 

@@ -1,17 +1,16 @@
-"""chain_logsumexp and chain_marginals for torch tensors, with a forward-backward gradient."""
+"""chain_logsumexp, chain_marginals and viterbi for torch tensors: the operators
+``spchain::chain_logsumexp`` (its gradient the forward-backward algorithm), ``spchain::chain_marginals``
+and ``spchain::viterbi`` over the array-level pairs of :mod:`spchain.chain` (see
+:class:`._operator.Operator`)."""
 
-import numpy as np
+import functools
+
 import torch
 
-from .. import _logspace
+from .. import _chain_layout
 from .. import chain as _chain
-from ._bridge import check_same_device, first_order, on_device, to_array, to_tensor
-
-_QUIET = {"divide": "ignore", "invalid": "ignore", "over": "ignore"}
-
-
-def _arrays(*tensors):
-    return tuple(None if t is None else to_array(t) for t in tensors)
+from ._bridge import check_same_device
+from ._operator import Operator
 
 
 def _tensors(caller, x, log_trans, log_init, lengths):
@@ -39,77 +38,50 @@ def _tensors(caller, x, log_trans, log_init, lengths):
         else:
             raise TypeError(f"{caller}: {name} must be a tensor (or a list or a number), not {type(t).__name__}")
         out.append(t)
+    check_same_device(caller, **dict(zip(named, out)))
     return out
 
 
-def _input_grads(chain, needs, x, log_trans, log_init, grad_x, grad_trans):
-    """The gradients of the inputs that need one, from the sweeps' (B, v, c) / (G, S, c, c) ones."""
-    need_x, need_trans, need_init = needs[:3]
-    grads = [None, None, None, None]
-    if need_x:
-        grads[0] = to_tensor(_logspace.reduce_to(chain.unrows(grad_x), x.shape)).to(x.dtype)
-    if need_trans:
-        grads[1] = to_tensor(grad_trans.reshape(log_trans.shape)).to(log_trans.dtype)
-    if need_init:
-        grads[2] = to_tensor(_logspace.reduce_to(chain.unrows(grad_x[:, 0]), log_init.shape)).to(log_init.dtype)
-    return tuple(grads)
+def _chain_fake(caller):
+    """The shapes of the results of the chain functions, by the array level's one rule."""
+    def fake(x, log_trans, log_init, lengths):
+        batch_shape, _ = _chain_layout.layout(caller, tuple(x.shape), tuple(log_trans.shape),
+                                       None if log_init is None else tuple(log_init.shape),
+                                       None if lengths is None else tuple(lengths.shape))
+        dtype = functools.reduce(torch.promote_types, [t.dtype for t in (x, log_trans, log_init) if t is not None])
+        return batch_shape, tuple(x.shape[-2:]), x.new_empty(0, dtype=dtype)
+    return fake
 
 
-class _ChainLogSumExp(torch.autograd.Function):
-    """Forward: the normalised forward sweep, saving its messages (O(batch · v · c)).
-    Backward: the backward sweep by the same kernels; d x = marginals, d trans = expected
-    transition counts, d init = first marginals, each times the incoming gradient."""
-
-    @staticmethod
-    def forward(ctx, x, log_trans, log_init, lengths):
-        caller = "spchain.torch.chain_logsumexp"
-        device = check_same_device(caller, x=x, log_trans=log_trans, log_init=log_init, lengths=lengths)
-        with on_device(device), np.errstate(**_QUIET):
-            chain = _chain._prepare(*_arrays(x, log_trans, log_init, lengths), caller)
-            log_partition, pre, norm = _chain._forward(chain)
-            out = to_tensor(chain.unrows(log_partition))
-        if any(ctx.needs_input_grad):
-            ctx.save_for_backward(x, log_trans, log_init, lengths, to_tensor(pre), to_tensor(norm))
-        return out
-
-    @staticmethod
-    @first_order("spchain.torch.chain_logsumexp")
-    def backward(ctx, grad):
-        x, log_trans, log_init, lengths, pre, norm = ctx.saved_tensors
-        with on_device(grad.device), np.errstate(**_QUIET):
-            chain = _chain._prepare(*_arrays(x, log_trans, log_init, lengths), "spchain.torch.chain_logsumexp")
-            weight = chain.rows(to_array(grad).astype(chain.x.dtype, copy=False))
-            grad_x, grad_trans = _chain._backward(chain, to_array(pre), to_array(norm), weight,
-                                                  trans_grad=ctx.needs_input_grad[1])
-            return _input_grads(chain, ctx.needs_input_grad, x, log_trans, log_init, grad_x, grad_trans)
+def _logsumexp_fake(*args):
+    batch_shape, (v, c), like = _chain_fake("spchain.torch.chain_logsumexp")(*args)
+    return like.new_empty(batch_shape), like.new_empty(batch_shape + (v, c)), like.new_empty(batch_shape + (v,))
 
 
-class _Viterbi(torch.autograd.Function):
-    """Forward: the max-product sweep and backtracking. Backward: the incoming gradient on
-    every step of the best path (the sub-gradient of the score)."""
+def _marginals_fake(*args):
+    _, _, like = _chain_fake("spchain.torch.chain_marginals")(*args)
+    return like.new_empty(args[0].shape)
 
-    @staticmethod
-    def forward(ctx, x, log_trans, log_init, lengths):
-        caller = "spchain.torch.viterbi"
-        device = check_same_device(caller, x=x, log_trans=log_trans, log_init=log_init, lengths=lengths)
-        with on_device(device):
-            chain = _chain._prepare(*_arrays(x, log_trans, log_init, lengths), caller)
-            score, path = _chain._viterbi(chain)
-            outs = to_tensor(chain.unrows(score)), to_tensor(chain.unrows(path))
-        ctx.mark_non_differentiable(outs[1])
-        if any(ctx.needs_input_grad):
-            ctx.save_for_backward(x, log_trans, log_init, lengths, to_tensor(path))
-        return outs
 
-    @staticmethod
-    @first_order("spchain.torch.viterbi")
-    def backward(ctx, grad, _):
-        x, log_trans, log_init, lengths, path = ctx.saved_tensors
-        with on_device(grad.device):
-            chain = _chain._prepare(*_arrays(x, log_trans, log_init, lengths), "spchain.torch.viterbi")
-            weight = chain.rows(to_array(grad).astype(chain.x.dtype, copy=False))
-            grad_x, grad_trans = _chain._viterbi_grads(chain, to_array(path), weight, ctx.needs_input_grad[1])
-            return _input_grads(chain, ctx.needs_input_grad, x, log_trans, log_init, grad_x, grad_trans)
+def _viterbi_fake(*args):
+    batch_shape, (v, _), like = _chain_fake("spchain.torch.viterbi")(*args)
+    return like.new_empty(batch_shape), like.new_empty(batch_shape + (v,), dtype=torch.int64)
+
+
+_SCHEMA = "(Tensor x, Tensor log_trans, Tensor? log_init, Tensor? lengths)"
+# vmap makes a call a slice: with the batch leading, x alone would gain an axis and turn
+# per-step transitions (one more axis than x) into shared ones.
+_CHAIN_LOGSUMEXP = Operator(
+    "chain_logsumexp", f"{_SCHEMA} -> (Tensor, Tensor, Tensor)",
+    functools.partial(_chain.chain_logsumexp_forward, caller="spchain.torch.chain_logsumexp"), _logsumexp_fake,
+    backward=_chain.chain_logsumexp_backward, differentiable=(0, 1, 2))
+_CHAIN_MARGINALS = Operator(
+    "chain_marginals", f"{_SCHEMA} -> Tensor",
+    functools.partial(_chain.chain_marginals_forward, caller="spchain.torch.chain_marginals"), _marginals_fake)
+_VITERBI = Operator(
+    "viterbi", f"{_SCHEMA} -> (Tensor, Tensor)",
+    functools.partial(_chain.viterbi_forward, caller="spchain.torch.viterbi"), _viterbi_fake,
+    outputs=2, backward=_chain.viterbi_backward, differentiable=(0, 1, 2))
 
 
 def chain_logsumexp(x, log_trans, log_init=None, *, lengths=None):
@@ -125,7 +97,7 @@ def chain_logsumexp(x, log_trans, log_init=None, *, lengths=None):
     tensor([[1., 1., 1.],
             [1., 1., 1.]])
     """
-    return _ChainLogSumExp.apply(*_tensors("spchain.torch.chain_logsumexp", x, log_trans, log_init, lengths))
+    return _CHAIN_LOGSUMEXP(*_tensors("spchain.torch.chain_logsumexp", x, log_trans, log_init, lengths))
 
 
 def chain_marginals(x, log_trans, log_init=None, *, lengths=None):
@@ -141,11 +113,7 @@ def chain_marginals(x, log_trans, log_init=None, *, lengths=None):
             [0.5000, 0.5000],
             [0.5000, 0.5000]])
     """
-    caller = "spchain.torch.chain_marginals"
-    x, log_trans, log_init, lengths = _tensors(caller, x, log_trans, log_init, lengths)
-    device = check_same_device(caller, x=x, log_trans=log_trans, log_init=log_init, lengths=lengths)
-    with on_device(device):
-        return to_tensor(_chain.chain_marginals(*_arrays(x, log_trans, log_init), lengths=_arrays(lengths)[0]))
+    return _CHAIN_MARGINALS(*_tensors("spchain.torch.chain_marginals", x, log_trans, log_init, lengths))
 
 
 def viterbi(x, log_trans, log_init=None, *, lengths=None):
@@ -162,4 +130,4 @@ def viterbi(x, log_trans, log_init=None, *, lengths=None):
     (tensor([1, 0]), tensor([[0., 1.],
             [1., 0.]]))
     """
-    return _Viterbi.apply(*_tensors("spchain.torch.viterbi", x, log_trans, log_init, lengths))
+    return _VITERBI(*_tensors("spchain.torch.viterbi", x, log_trans, log_init, lengths))

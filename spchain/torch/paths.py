@@ -6,9 +6,23 @@ from torch.autograd.function import once_differentiable
 
 from .. import _entropy
 from .. import paths as _paths
-from ..chain import _prepare, _viterbi_grads
+from .. import chain as _chain
+from .._chain_layout import prepare as _prepare
+from ..chain import _viterbi_grads
 from ._bridge import check_same_device, on_device, to_array, to_tensor
-from .chain import _QUIET, _arrays, _input_grads, _tensors
+from .chain import _tensors
+
+_QUIET = {"divide": "ignore", "invalid": "ignore", "over": "ignore"}
+
+
+def _arrays(*tensors):
+    return tuple(None if t is None else to_array(t) for t in tensors)
+
+
+def _input_grads(chain, needs, x, log_trans, log_init, grad_x, grad_trans):
+    """The input gradients as tensors of the inputs' dtypes (``None`` for ``lengths``)."""
+    grads = _chain._input_grads(chain, needs[:3], (x, log_trans, log_init, None), grad_x, grad_trans)
+    return tuple(None if g is None else to_tensor(g).to(t.dtype) for g, t in zip(grads, (x, log_trans, log_init))) + (None,)
 
 
 class _ChainEntropy(torch.autograd.Function):

@@ -1,94 +1,57 @@
-"""logmatmul, maxmatmul and log_chain_product for torch tensors, with autograd."""
+"""logmatmul, maxmatmul and log_chain_product for torch tensors: the operators
+``spchain::logmatmul``, ``spchain::maxmatmul`` and ``spchain::log_chain_product`` over the
+array-level pairs of :mod:`spchain.semiring` (see :class:`._operator.Operator`)."""
 
-import numpy as np
+import functools
+
 import torch
 
-from .. import _backend, _checks, _logspace
+from .. import _checks
 from .. import semiring as _semiring
-from ._bridge import check_same_device, first_order, on_device, to_array, to_tensor
-
-_QUIET = {"divide": "ignore", "invalid": "ignore", "over": "ignore"}
-
-
-class _LogMatmul(torch.autograd.Function):
-    """Saves a, b and the result; the backward rebuilds the softmax weights from the max
-    shifts by GEMMs (as genbmm does), never an (m, k, n) tensor."""
-
-    @staticmethod
-    def forward(ctx, a, b):
-        device = check_same_device("spchain.torch.logmatmul", a=a, b=b)
-        _checks.dense("spchain.torch.logmatmul", a=a, b=b)
-        with on_device(device):
-            out = to_tensor(_semiring.logmatmul(to_array(a), to_array(b)))
-        ctx.save_for_backward(a, b, out)
-        return out
-
-    @staticmethod
-    @first_order("spchain.torch.logmatmul")
-    def backward(ctx, grad):
-        a, b, out = ctx.saved_tensors
-        need_a, need_b = ctx.needs_input_grad
-        with on_device(grad.device), np.errstate(**_QUIET):
-            backend, a_, b_, _ = _semiring._operands(to_array(a), to_array(b), "spchain.torch.logmatmul")
-            xp = backend.xp
-            grad_a, grad_b = _logspace.log_matmul_grads(
-                xp, a_, b_, to_array(out), to_array(grad).astype(a_.dtype, copy=False), need_a, need_b)
-            return (to_tensor(_logspace.reduce_to(grad_a, a.shape)).to(a.dtype) if need_a else None,
-                    to_tensor(_logspace.reduce_to(grad_b, b.shape)).to(b.dtype) if need_b else None)
+from ._bridge import check_same_device
+from ._operator import Operator
 
 
-class _MaxMatmul(torch.autograd.Function):
-    """Saves the argmax and the values, and ``a`` and ``b`` only if a value is ``+inf`` (the
-    backward then shares its gradient among the ``+inf`` terms)."""
-
-    @staticmethod
-    def forward(ctx, a, b):
-        device = check_same_device("spchain.torch.maxmatmul", a=a, b=b)
-        _checks.dense("spchain.torch.maxmatmul", a=a, b=b)
-        with on_device(device):
-            values, argmax = (to_tensor(r) for r in _semiring.maxmatmul(to_array(a), to_array(b)))
-        ctx.mark_non_differentiable(argmax)
-        ctx.save_for_backward(values, argmax, *((a, b) if bool(torch.isposinf(values).any()) else ()))
-        ctx.shapes = a.shape, b.shape
-        return values, argmax
-
-    @staticmethod
-    @first_order("spchain.torch.maxmatmul")
-    def backward(ctx, grad, _):
-        values, argmax, *operands = ctx.saved_tensors
-        a_shape, b_shape = ctx.shapes
-        with on_device(grad.device), np.errstate(**_QUIET):
-            g = to_array(grad).astype(to_array(values).dtype, copy=False)
-            xp = _backend.backend_of(g).xp
-            infinite = None
-            if operands:
-                _, a, b, _ = _semiring._operands(*(to_array(t) for t in operands), "spchain.torch.maxmatmul")
-                infinite = _logspace.PosInf(xp, a, b)
-            grad_a, grad_b = _semiring.maxmatmul_grads(
-                xp, a_shape, b_shape, to_array(values), to_array(argmax), g, infinite)
-            return to_tensor(grad_a), to_tensor(grad_b)
+def _product_fake(caller):
+    def fake(a, b):
+        shape = _semiring.product_shape(caller, tuple(a.shape), tuple(b.shape))
+        return a.new_empty(shape, dtype=torch.promote_types(a.dtype, b.dtype))
+    return fake
 
 
-class _LogChainProduct(torch.autograd.Function):
-    """Saves only ``m``; the backward recomputes the prefix products, a chunk at a time."""
+def _maxmatmul_fake(a, b):
+    values = _product_fake("spchain.torch.maxmatmul")(a, b)
+    return values, torch.empty_like(values, dtype=torch.int64)
 
-    @staticmethod
-    def forward(ctx, m):
-        device = check_same_device("spchain.torch.log_chain_product", m=m)
-        _checks.dense("spchain.torch.log_chain_product", m=m)
-        with on_device(device):
-            out = to_tensor(_semiring.log_chain_product(to_array(m)))
-        ctx.save_for_backward(m)
-        return out
 
-    @staticmethod
-    @first_order("spchain.torch.log_chain_product")
-    def backward(ctx, grad):
-        (m,) = ctx.saved_tensors
-        with on_device(grad.device), np.errstate(**_QUIET):
-            backend, m_ = _semiring._chain_operand(to_array(m), "spchain.torch.log_chain_product")
-            grad_m = _semiring.log_chain_product_grad(backend.xp, m_, to_array(grad).astype(m_.dtype, copy=False))
-            return to_tensor(grad_m).to(m.dtype)
+def _log_chain_product_fake(m):
+    return m.new_empty(m.shape[:-3] + m.shape[-2:])
+
+
+# vmap: a call a slice for the products (one call with the batch leading would misalign the
+# broadcast of operands with different numbers of batch axes); one call for the chain product.
+_LOGMATMUL = Operator(
+    "logmatmul", "(Tensor a, Tensor b) -> Tensor",
+    functools.partial(_semiring.logmatmul_forward, caller="spchain.torch.logmatmul"),
+    _product_fake("spchain.torch.logmatmul"),
+    backward=_semiring.logmatmul_backward, differentiable=(0, 1))
+_MAXMATMUL = Operator(
+    "maxmatmul", "(Tensor a, Tensor b) -> (Tensor, Tensor)",
+    functools.partial(_semiring.maxmatmul_forward, caller="spchain.torch.maxmatmul"), _maxmatmul_fake,
+    outputs=2, backward=_semiring.maxmatmul_backward, differentiable=(0, 1))
+_LOG_CHAIN_PRODUCT = Operator(
+    "log_chain_product", "(Tensor m) -> Tensor",
+    functools.partial(_semiring.log_chain_product_forward, caller="spchain.torch.log_chain_product"),
+    _log_chain_product_fake,
+    backward=_semiring.log_chain_product_backward, differentiable=(0,), leading_batch=(0,))
+
+
+def _dense(caller, **tensors):
+    """``TypeError`` for arguments that are no dense tensors, ``ValueError`` for tensors on
+    different devices."""
+    check_same_device(caller, **tensors)
+    if any(t is None or t.layout != torch.strided for t in tensors.values()):  # its message names them
+        _checks.dense(caller, **tensors)
 
 
 def logmatmul(a, b):
@@ -103,7 +66,8 @@ def logmatmul(a, b):
     tensor([[0.6667, 0.6667, 0.6667],
             [0.6667, 0.6667, 0.6667]])
     """
-    return _LogMatmul.apply(a, b)
+    _dense("spchain.torch.logmatmul", a=a, b=b)
+    return _LOGMATMUL(a, b)
 
 
 def maxmatmul(a, b):
@@ -119,7 +83,8 @@ def maxmatmul(a, b):
     >>> a.grad
     tensor([[0., 1.]])
     """
-    return _MaxMatmul.apply(a, b)
+    _dense("spchain.torch.maxmatmul", a=a, b=b)
+    return _MAXMATMUL(a, b)
 
 
 def log_chain_product(m):
@@ -133,4 +98,5 @@ def log_chain_product(m):
     tensor([[16., 16.],
             [16., 16.]])
     """
-    return _LogChainProduct.apply(m)
+    _dense("spchain.torch.log_chain_product", m=m)
+    return _LOG_CHAIN_PRODUCT(m)

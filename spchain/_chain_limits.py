@@ -1,0 +1,82 @@
+"""``+inf`` inputs of a chain: ``+inf`` out, never NaN, with limit gradients.
+
+:func:`forward`, :func:`backward` and :func:`viterbi` are the sweeps of
+``spchain._chain_sweep`` for any input: rows whose log-partition is ``+inf`` (a possible path
+goes through a ``+inf`` term) are found by a max-plus sweep over ``+inf`` marks and set apart;
+their gradient is the limit as the ``+inf`` terms grow together.
+"""
+
+import dataclasses
+
+import numpy as np
+
+from ._chain_layout import Chain
+from ._chain_sweep import backward_finite, forward_finite, viterbi_finite
+
+LIMIT = 2.0**20
+"""What ``+inf`` becomes, in float64, for the gradient of a chain whose log-partition is ``+inf``:
+paths through fewer ``+inf`` terms then weigh ``exp(-2**20) = 0`` relative to the others, as
+in the limit, and ``2**20 * k`` stays exact to 1e-10 in float64."""
+
+
+def _with(chain: Chain, f) -> Chain:
+    """``chain`` with ``f`` applied to its x, transitions and init."""
+    return dataclasses.replace(chain, x=f(chain.x), trans=f(chain.trans), init=f(chain.init))
+
+
+def _plus_inf_rows(chain: Chain):
+    """``(None, None)`` where no input holds ``+inf``; else ``(infinite (B,) bool, path (B, v))``:
+    the rows whose log-partition is ``+inf`` (a path with no ``-inf`` or NaN term goes through
+    a ``+inf`` one) and, for those, such a path (the most ``+inf`` terms; Viterbi's ties)."""
+    xp = chain.xp
+    if not any(bool(xp.isposinf(a).any()) for a in (chain.x, chain.trans, chain.init)):
+        return None, None
+    marks = _with(chain, lambda a: xp.where(xp.isposinf(a), 1, xp.where(xp.isfinite(a), 0, a)).astype(a.dtype))
+    score, path = viterbi_finite(marks)
+    return score >= 1, path
+
+
+def _without_plus_inf(chain: Chain) -> Chain:
+    """``+inf`` replaced by ``-inf``: exact for the rows whose ``+inf`` terms all lie on
+    impossible paths, and harmless for the others, whose outputs are set apart."""
+    return _with(chain, lambda a: chain.xp.where(chain.xp.isposinf(a), -np.inf, a))
+
+
+def forward(chain: Chain):
+    """:func:`forward_finite`, with ``+inf`` where a possible path goes through a ``+inf``."""
+    infinite, _ = _plus_inf_rows(chain)
+    if infinite is None:
+        return forward_finite(chain)
+    log_partition, pre, norm = forward_finite(_without_plus_inf(chain))
+    return chain.xp.where(infinite, np.inf, log_partition).astype(chain.x.dtype), pre, norm
+
+
+def backward(chain: Chain, pre, norm, weight, trans_grad: bool = True):
+    """:func:`backward_finite` for the outputs of :func:`forward`. A row with a ``+inf``
+    log-partition gets the limit of its gradient as its ``+inf`` terms grow together: the
+    posterior of the paths with the most ``+inf`` terms."""
+    xp = chain.xp
+    infinite, _ = _plus_inf_rows(chain)
+    if infinite is None:
+        return backward_finite(chain, pre, norm, weight, trans_grad)
+    grad_x, grad_trans = backward_finite(_without_plus_inf(chain), pre, norm, xp.where(infinite, 0, weight),
+                                         trans_grad)
+    limit = _with(chain, lambda a: xp.where(xp.isposinf(a), LIMIT, a).astype(np.float64))
+    _, limit_pre, limit_norm = forward_finite(limit)
+    limit_x, limit_trans = backward_finite(limit, limit_pre, limit_norm,
+                                           xp.where(infinite, weight, 0).astype(np.float64), trans_grad)
+    grad_x = xp.where(infinite[:, None, None], limit_x.astype(chain.x.dtype), grad_x)
+    if trans_grad:
+        grad_trans = grad_trans + limit_trans.astype(chain.x.dtype)
+    return grad_x, grad_trans
+
+
+def viterbi(chain: Chain):
+    """:func:`viterbi_finite`, with score ``+inf`` and a path through ``+inf`` terms where a
+    possible path goes through one."""
+    infinite, marked_path = _plus_inf_rows(chain)
+    if infinite is None:
+        return viterbi_finite(chain)
+    score, path = viterbi_finite(_without_plus_inf(chain))
+    xp = chain.xp
+    return xp.where(infinite, np.inf, score).astype(chain.x.dtype), xp.where(infinite[:, None], marked_path, path)
