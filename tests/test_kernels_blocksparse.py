@@ -41,6 +41,19 @@ def test_spmm_matches_the_dense_product_with_bias(rng, small_launch, target, blo
 
 
 @pytest.mark.parametrize("target", TARGETS)
+def test_float32_spmm_over_long_block_rows_is_within_1e_5(rng, target):
+    """The CUDA kernel accumulates in float32 (the CPU one in float64): ~500 terms an output,
+    error relative to the sum of the terms' magnitudes."""
+    indptr, indices, data = random_bsr(rng, (2, 64), (2, 16), 0.5, np.float32, np.int64)
+    b = rng.standard_normal((64 * 16, 2)).astype(np.float32)
+    out = np.empty((4, 2), np.float32)
+    kernel(target, "spmm")(indptr, indices, np.arange(indices.size), data, b, np.zeros(4, np.float32), out)
+    w = reference.bsr_dense(data, indices, indptr, (4, 64 * 16))
+    scale = np.abs(w) @ np.abs(b.astype(np.float64))
+    assert np.abs(out - w @ b.astype(np.float64)).max() <= 1e-5 * scale.min()
+
+
+@pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("blocksize", [(2, 5), (9, 6)])
 def test_spmm_by_the_transpose_reads_transposed_blocks_through_slots(rng, small_launch, target, blocksize):
     r, c = blocksize

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from numba import cuda
+from numba import cuda, njit, types
 
 import reference
 from spchain.kernels.cpu import logspace as cpu_logspace
@@ -61,6 +61,67 @@ def test_all_minus_inf_gives_minus_inf_not_nan():
     module = cpu_logspace
     assert fold(module, [-math.inf] * 5) == -math.inf
     assert module.log_add_exp(-math.inf, -math.inf) == -math.inf
+
+
+@pytest.mark.parametrize("helper, arity", [("log_add_exp", 2), ("lse_push", 3), ("lse_merge", 4), ("lse_value", 2)])
+def test_helpers_compute_in_the_type_of_their_inputs(helper, arity):
+    """float32 in, float32 state out (no float64 literal promotes it); float64 unchanged."""
+    dispatcher = getattr(cpu_logspace, helper)
+    for numba_type in (types.float32, types.float64):
+        signature = (numba_type,) * arity
+        dispatcher.compile(signature)
+        returned = dispatcher.overloads[signature].signature.return_type
+        assert set(getattr(returned, "types", [returned])) == {numba_type}
+
+
+@njit
+def fold_in_input_type(values):
+    m, s = values.dtype.type(-np.inf), values.dtype.type(0)
+    for v in values:
+        m, s = cpu_logspace.lse_push(m, s, v)
+    return cpu_logspace.lse_value(m, s)
+
+
+@njit
+def forward_in_input_type(x, trans, init):
+    """The recursion of the CUDA forward kernel for one row (``pre`` messages normalised by
+    the previous step's log-sum-exp ``d``), in the input's type: returns the ``norm`` of each step."""
+    v, c = x.shape
+    zero = x.dtype.type(0)
+    norm = np.empty(v, x.dtype)
+    msg = init + x[0]
+    norm[0] = fold_in_input_type(msg)
+    for t in range(v - 1):
+        msg = msg - norm[t]
+        pre = np.empty(c, x.dtype)
+        for j in range(c):
+            m, s = x.dtype.type(-np.inf), zero
+            for i in range(c):
+                m, s = cpu_logspace.lse_push(m, s, msg[i] + trans[i, j])
+            pre[j] = cpu_logspace.lse_value(m, s)
+        msg = pre + x[t + 1]
+        norm[t + 1] = fold_in_input_type(msg)
+    return norm
+
+
+def test_float32_running_log_sum_exp_of_many_terms_is_within_1e_5(rng):
+    values = rng.normal(scale=20.0, size=100_000).astype(np.float32)
+    values[::7] = -np.inf
+    got = fold_in_input_type(values)
+    want = reference.log_sum_exp(values.astype(np.float64))
+    assert abs(got - want) <= 1e-5 * abs(want)
+
+
+@pytest.mark.parametrize("v, c", [(40, 500), (10_000, 4)])
+def test_float32_state_keeps_chain_log_partitions_within_1e_5(rng, v, c):
+    """Benchmark-like (a step of 500 states) and long (10⁴ steps) chains, float32 inputs,
+    float32 state throughout, against the float64 forward algorithm on the same inputs."""
+    x = rng.normal(scale=2.0, size=(v, c)).astype(np.float32)
+    trans = np.log(rng.dirichlet(np.ones(c), size=c)).astype(np.float32)
+    init = np.log(rng.dirichlet(np.ones(c))).astype(np.float32)
+    got = forward_in_input_type(x, trans, init).sum()
+    want = reference.chain_logsumexp(x, trans, init)
+    assert abs(got - want) <= 1e-5 * abs(want)
 
 
 # Wrapper kernels live at module level: the simulator swaps the `cuda` module only in globals.

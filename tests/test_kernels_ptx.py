@@ -3,6 +3,7 @@ without a GPU, wherever a CUDA toolkit's NVVM is installed (the simulator checks
 conftest.py leaves this module out under it).
 """
 
+import re
 from types import SimpleNamespace
 
 import numpy as np
@@ -84,3 +85,32 @@ def test_every_kernel_compiles(sm90, dtype):
     for name, kernel, signature in kernels(dtype):
         ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=(9, 0))
         assert ".entry" in ptx, name
+
+
+FP64 = re.compile(r"^\s*(?:@!?%\w+\s+)?[a-z]+(?:\.\w+)*\.f64\b.*$", re.M)
+"""A PTX instruction that works on a double: arithmetic, compares, moves and conversions
+(``add.f64``, ``fma.rn.f64``, ``setp.lt.f64``, ``cvt.f64.f32``, ``cvt.rn.f32.f64``, ...)."""
+
+FLOAT64_BY_DESIGN = {"chain_sample"}
+"""Its probabilities, totals and uniforms are float64 for every input dtype (``spchain.paths``:
+the same draws as the CPU, and ``TINY`` = 1e-130 is below float32's range)."""
+
+
+def test_fp64_pattern_finds_double_instructions():
+    ptx = "\tadd.f64 \t%fd1, %fd2, %fd3;\n\t@%p1 cvt.rn.f32.f64 %f1, %fd1;\n\tadd.f32 %f1, %f2, %f3;\n"
+    assert len(FP64.findall(ptx)) == 2
+
+
+@pytest.mark.parametrize("name", [name for name, _, _ in kernels(np.float32) if name not in FLOAT64_BY_DESIGN])
+def test_float32_kernels_have_no_fp64_instructions(sm90, name):
+    """A float64 literal in a float32 kernel promotes what it meets: double ``exp`` and
+    compares, at a fraction of float32's rate on a GPU."""
+    [(kernel, signature)] = [(k, sig) for n, k, sig in kernels(np.float32) if n == name]
+    ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=(9, 0))
+    assert FP64.findall(ptx) == []
+
+
+def test_float64_kernels_still_compute_in_float64(sm90):
+    for name, kernel, signature in kernels(np.float64):
+        ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=(9, 0))
+        assert FP64.search(ptx), name

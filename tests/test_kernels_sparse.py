@@ -74,6 +74,20 @@ def test_sddmm_matches_dense_product_sampled_at_the_pattern(rng, small_launch, t
 
 
 @pytest.mark.parametrize("target", TARGETS)
+def test_float32_sddmm_over_a_long_inner_dimension_is_within_1e_5(rng, target):
+    """The CUDA kernel accumulates in float32 (the CPU one in float64): benchmark-like dot
+    products of 1024 terms, error relative to the sum of the terms' magnitudes."""
+    indptr, indices, _ = random_csr(rng, 6, 5, 0.5)
+    a = rng.standard_normal((6, 1024)).astype(np.float32)
+    b = rng.standard_normal((5, 1024)).astype(np.float32)
+    out = np.empty(indices.size, np.float32)
+    sddmm(target, indptr, indices, a, b, out)
+    rows, cols = reference.entries(indptr, indices)
+    scale = reference.sampled_product(rows, cols, np.abs(a), np.abs(b))
+    assert np.abs(out - reference.sampled_product(rows, cols, a, b)).max() <= 1e-5 * scale.min()
+
+
+@pytest.mark.parametrize("target", TARGETS)
 def test_sddmm_finds_rows_past_empty_ones(small_launch, target):
     indptr = np.array([0, 0, 2, 2, 2, 3, 3], np.int64)  # rows 0, 2, 3 and 5 are empty
     indices = np.array([1, 0, 1], np.int64)

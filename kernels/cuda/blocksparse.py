@@ -17,14 +17,14 @@ def spmm_kernel(indptr, indices, slots, data, b, bias, out):
     """``out[row, col] = bias[row] + sum(data[slots[p]][r, c] * b[indices[p] * C + c, col])`` over
     the blocks ``p`` of ``row``'s block row (``r = row % R``).
 
-    Grid-stride over the M * n outputs, accumulated in float64. Overwrites ``out`` (M, n).
+    Grid-stride over the M * n outputs, accumulated in the dtype of ``out``. Overwrites ``out`` (M, n).
     """
     rows, cols = data.shape[1], data.shape[2]
     n = out.shape[1]
     for q in range(cuda.grid(1), out.shape[0] * n, cuda.gridsize(1)):
         row, col = q // n, q % n
         i, r = row // rows, row % rows
-        acc = 0.0
+        acc = out.dtype.type(0)
         for p in range(indptr[i], indptr[i + 1]):
             s, j = slots[p], indices[p] * cols
             for c in range(cols):
@@ -43,7 +43,7 @@ def sddmm_kernel(indptr, indices, a, b, out):
     """``out[p, r, c] = a[i * R + r, :] . b[indices[p] * C + c, :]`` for block ``p`` of block row ``i``.
 
     Grid-stride over the nnzb * R * C outputs; each finds its block row by binary search in
-    ``indptr`` (empty block rows included) and accumulates in float64. Overwrites ``out``.
+    ``indptr`` (empty block rows included) and accumulates in the dtype of ``out``. Overwrites ``out``.
     """
     rows, cols = out.shape[1], out.shape[2]
     n_rows = indptr.shape[0] - 1
@@ -58,7 +58,7 @@ def sddmm_kernel(indptr, indices, a, b, out):
             else:
                 hi = mid
         row, col = lo * rows + r, indices[p] * cols + c
-        acc = 0.0
+        acc = out.dtype.type(0)
         for t in range(a.shape[1]):
             acc += a[row, t] * b[col, t]
         out[p, r, c] = acc

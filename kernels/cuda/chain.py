@@ -16,6 +16,7 @@ import numpy as np
 from numba import cuda
 
 from . import config
+from ..logspace import like
 from .logspace import lse_merge, lse_push, lse_value
 
 
@@ -40,7 +41,7 @@ def _block_log_sum_exp(m, s, red_m, red_s):
 
 @cuda.jit(device=True)
 def _finite(v):
-    return v == v and v != math.inf and v != -math.inf
+    return v == v and v != like(v, math.inf) and v != like(v, -math.inf)
 
 
 @functools.cache
@@ -57,10 +58,11 @@ def _forward_kernel(dtype):
         msg = buf[:chunk]
         red_m = buf[chunk:chunk + threads]
         red_s = buf[chunk + threads:chunk + 2 * threads]
+        neg_inf, zero = x.dtype.type(-math.inf), x.dtype.type(0)
         for b in range(cuda.blockIdx.x, rows, cuda.gridDim.x):
             g = b // group
             length = lengths[b]
-            m, s = -math.inf, 0.0
+            m, s = neg_inf, zero
             for j in range(tid, c, threads):
                 pre[b, 0, j] = init[b, j]
                 m, s = lse_push(m, s, init[b, j] + x[b, 0, j])
@@ -69,10 +71,10 @@ def _forward_kernel(dtype):
                 norm[b, 0] = d
             for t in range(length - 1):
                 step = t if per_step else 0
-                offset = d if _finite(d) else 0.0
+                offset = d if _finite(d) else zero
                 for j0 in range(0, c, threads):
                     j = j0 + tid
-                    m, s = -math.inf, 0.0
+                    m, s = neg_inf, zero
                     for i0 in range(0, c, chunk):
                         width = chunk if chunk < c - i0 else c - i0
                         cuda.syncthreads()
@@ -85,7 +87,7 @@ def _forward_kernel(dtype):
                     if j < c:
                         pre[b, t + 1, j] = lse_value(m, s)
                 cuda.syncthreads()
-                m, s = -math.inf, 0.0
+                m, s = neg_inf, zero
                 for j in range(tid, c, threads):
                     m, s = lse_push(m, s, pre[b, t + 1, j] + x[b, t + 1, j])
                 d = _block_log_sum_exp(m, s, red_m, red_s)
@@ -93,9 +95,9 @@ def _forward_kernel(dtype):
                     norm[b, t + 1] = d
             for t in range(length, v):
                 for j in range(tid, c, threads):
-                    pre[b, t, j] = -math.inf
+                    pre[b, t, j] = neg_inf
                 if tid == 0:
-                    norm[b, t] = 0.0
+                    norm[b, t] = zero
             cuda.syncthreads()
 
     return chain_forward_kernel
@@ -112,18 +114,19 @@ def _backward_kernel(dtype):
         tid = cuda.threadIdx.x
         threads = cuda.blockDim.x
         msg = cuda.shared.array(0, dtype)[:chunk]
+        neg_inf, zero = x.dtype.type(-math.inf), x.dtype.type(0)
         for b in range(cuda.blockIdx.x, rows, cuda.gridDim.x):
             g = b // group
             length = lengths[b]
             for t in range(length - 1, v):
                 for i in range(tid, c, threads):
-                    beta[b, t, i] = 0.0 if t == length - 1 else -math.inf
+                    beta[b, t, i] = zero if t == length - 1 else neg_inf
             for t in range(length - 2, -1, -1):
                 step = t if per_step else 0
                 d = norm[b, t + 1]
                 for i0 in range(0, c, threads):
                     i = i0 + tid
-                    m, s = -math.inf, 0.0
+                    m, s = neg_inf, zero
                     for j0 in range(0, c, chunk):
                         width = chunk if chunk < c - j0 else c - j0
                         cuda.syncthreads()
@@ -134,7 +137,7 @@ def _backward_kernel(dtype):
                             for k in range(width):
                                 m, s = lse_push(m, s, trans[g, step, i, j0 + k] + msg[k])
                     if i < c:
-                        beta[b, t, i] = -math.inf if d == -math.inf else lse_value(m, s) - d
+                        beta[b, t, i] = neg_inf if d == neg_inf else lse_value(m, s) - d
                 cuda.syncthreads()
 
     return chain_backward_kernel
@@ -145,12 +148,13 @@ def chain_transition_grad_kernel(x, trans, group, lengths, pre, norm, marg, weig
     groups, steps, c, _ = trans.shape
     per_step = steps > 1
     threads = cuda.blockDim.x
+    neg_inf, zero = x.dtype.type(-math.inf), x.dtype.type(0)
     for gsi in range(cuda.blockIdx.x, groups * steps * c, cuda.gridDim.x):
         g = gsi // (steps * c)
         s = (gsi // c) % steps
         i = gsi % c
         for j in range(cuda.threadIdx.x, c, threads):
-            acc = 0.0
+            acc = zero
             tr = trans[g, s, i, j]
             for b in range(g * group, (g + 1) * group):
                 w = weight[b]
@@ -164,7 +168,7 @@ def chain_transition_grad_kernel(x, trans, group, lengths, pre, norm, marg, weig
                     if _finite(d):
                         a -= d
                     gm = marg[b, t + 1, j]
-                    if a != -math.inf and gm != 0.0:
+                    if a != neg_inf and gm != zero:
                         acc += w * gm * math.exp(a + tr - pre[b, t + 1, j])
             grad[g, s, i, j] = acc
 
@@ -180,6 +184,7 @@ def _viterbi_kernel(dtype):
         tid = cuda.threadIdx.x
         threads = cuda.blockDim.x
         msg = cuda.shared.array(0, dtype)[:chunk]
+        neg_inf = x.dtype.type(-math.inf)
         for b in range(cuda.blockIdx.x, rows, cuda.gridDim.x):
             g = b // group
             length = lengths[b]
@@ -190,7 +195,7 @@ def _viterbi_kernel(dtype):
                 step = t if per_step else 0
                 for j0 in range(0, c, threads):
                     j = j0 + tid
-                    best = -math.inf
+                    best = neg_inf
                     arg = 0
                     for i0 in range(0, c, chunk):
                         width = chunk if chunk < c - i0 else c - i0
@@ -215,7 +220,7 @@ def _viterbi_kernel(dtype):
                     if work[b, cur, j] > work[b, cur, best] or (
                             work[b, cur, j] != work[b, cur, j] and work[b, cur, best] == work[b, cur, best]):
                         best = j
-                score[b] = work[b, cur, best] if c > 0 else -math.inf
+                score[b] = work[b, cur, best] if c > 0 else neg_inf
                 for t in range(v):
                     path[b, t] = -1
                 if c > 0:

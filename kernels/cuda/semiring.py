@@ -12,16 +12,17 @@ def max_matmul_kernel(a, b, a_index, b_index, values, argmax):
     batches, m, n = values.shape
     k = a.shape[2]
     start, step = cuda.grid(1), cuda.gridsize(1)
+    neg_inf = values.dtype.type(-math.inf)
     for flat in range(start, batches * m * n, step):
         p = flat // (m * n)
         i = (flat // n) % m
         j = flat % n
-        best = -math.inf
+        best = neg_inf
         arg = 0
         for kk in range(k):
             left, right = a[a_index[p], i, kk], b[b_index[p], kk, j]
-            if (left == -math.inf and right == right) or (right == -math.inf and left == left):
-                val = -math.inf  # also beside +inf, as on the CPU (never computing inf - inf)
+            if (left == neg_inf and right == right) or (right == neg_inf and left == left):
+                val = neg_inf  # also beside +inf, as on the CPU (never computing inf - inf)
             else:
                 val = left + right
             if val > best or (val != val and best == best):

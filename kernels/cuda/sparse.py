@@ -14,7 +14,7 @@ def sddmm_kernel(indptr, indices, a, b, out):
     """``out[p] = a[i, :] . b[indices[p], :]`` for entry ``p`` of row ``i``, one thread an entry.
 
     Grid-stride over entries; each finds its row by binary search in ``indptr`` (empty rows
-    included) and accumulates its dot product in float64. Overwrites ``out`` (nnz).
+    included) and accumulates its dot product in the dtype of ``out``. Overwrites ``out`` (nnz).
     """
     n_rows = indptr.shape[0] - 1
     for p in range(cuda.grid(1), out.shape[0], cuda.gridsize(1)):
@@ -26,7 +26,7 @@ def sddmm_kernel(indptr, indices, a, b, out):
             else:
                 hi = mid
         j = indices[p]
-        acc = 0.0
+        acc = out.dtype.type(0)
         for c in range(a.shape[1]):
             acc += a[lo, c] * b[j, c]
         out[p] = acc
