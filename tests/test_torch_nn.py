@@ -115,3 +115,16 @@ def test_prune_and_regrow_keeps_distributed_replicas_identical(regrow):
         first, second = (torch.load(f"{out}.{r}") for r in (0, 1))
     for name in ("indptr", "indices", "weight_values"):
         assert torch.equal(first[name], second[name]), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_sparse_linear_holds_half_precision_values(dtype):
+    layer = _layer(dtype=dtype)
+    assert layer.weight_values.dtype == dtype and _layer().to(dtype).weight_values.dtype == dtype
+    x = torch.randn(3, 12, dtype=dtype, requires_grad=True)
+    y = layer(x)
+    assert y.dtype == dtype
+    reference = x.double() @ layer.weight.double().T + layer.bias.double()
+    torch.testing.assert_close(y.double(), reference, rtol=2e-2, atol=2e-2)
+    y.sum().backward()
+    assert layer.weight_values.grad.dtype == dtype and x.grad.dtype == dtype

@@ -322,15 +322,12 @@ def valid_args(rng):
         (lambda a: a.update(shape=(2, True)), TypeError, r"shape\[1\] must be an int, not a bool"),
         (lambda a: a.update(shape=None), ValueError, r"shape must be a pair of ints, got None"),
         (lambda a: a.update(bias=torch.randn(3)), ValueError, r"bias has shape \(3,\); expected \(2,\)"),
-        (lambda a: a.update(x=torch.randn(4, 3, dtype=torch.bfloat16)), TypeError, "bfloat16"),
-        (lambda a: a.update(values=torch.randn(3).half()), TypeError, "float16"),
         (lambda a: a.update(x=torch.ones(4, 3, dtype=torch.int64)), TypeError, "int64"),
         (lambda a: a.update(values=torch.randn(3, device="meta")), ValueError, r"x is on cpu but values is on meta"),
     ],
     ids=["indptr-decreasing", "indptr-length", "indptr-start", "indptr-end", "index-too-large", "index-negative",
          "float-indices", "bool-indices", "values-length", "x-shape", "bad-shape", "float-shape",
-         "bool-shape", "no-shape", "bias-shape", "bfloat16",
-         "float16", "int-x", "devices"],
+         "bool-shape", "no-shape", "bias-shape", "int-x", "devices"],
 )
 def test_sparse_linear_bad_input(rng, change, error, message):
     x, values, indptr, indices, shape = valid_args(rng)
@@ -714,3 +711,24 @@ def test_sparse_linear_module_on_cuda_matches_cpu():
     torch.testing.assert_close(cuda.weight_values.grad.cpu(), layer.weight_values.grad, rtol=1e-5, atol=1e-5)
     cuda.prune_and_regrow(0.3, regrow="gradient")
     assert cuda.nnz == layer.nnz
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float16, 2e-3), (torch.bfloat16, 1.6e-2)])
+@pytest.mark.parametrize("low", ["x", "values", "all"])
+def test_sparse_linear_half_precision_computes_in_float32_and_returns_the_low_dtype(rng, dtype, tol, low):
+    x, values, indptr, indices, shape = valid_args(rng)
+    bias = torch.randn(shape[0])
+    cast = {"x": (dtype, torch.float32, torch.float32), "values": (torch.float32, dtype, torch.float32),
+            "all": (dtype, dtype, dtype)}[low]
+    x, values, bias = (t.to(c).requires_grad_() for t, c in zip((x, values, bias), cast))
+    y = st.sparse_linear(x, values, indptr, indices, shape, bias)
+    assert y.dtype == dtype
+    args64 = [t.detach().double().requires_grad_() for t in (x, values, bias)]
+    y64 = st.sparse_linear(args64[0], args64[1], indptr, indices, shape, args64[2])
+    torch.testing.assert_close(y.double(), y64, rtol=tol, atol=tol)
+    grad = torch.randn(y.shape)
+    y.backward(grad.to(dtype))
+    y64.backward(grad.to(dtype).double())
+    for t, t64 in zip((x, values, bias), args64):
+        assert t.grad.dtype == t.dtype
+        torch.testing.assert_close(t.grad.double(), t64.grad, rtol=4 * tol, atol=4 * tol)

@@ -25,6 +25,7 @@ from ._bridge import check_same_device, first_order, on_device, to_array, to_ten
 
 __all__ = ["spmm", "sddmm", "prune", "sparse_linear"]
 
+_LOW = (torch.float16, torch.bfloat16)
 _FORMATS = {torch.sparse_coo: "coo", torch.sparse_csr: "csr", torch.sparse_csc: "csc"}
 
 
@@ -357,13 +358,16 @@ def sparse_linear(x, values, indptr, indices, shape, bias=None):
     Returns
     -------
     torch.Tensor, shape (..., out_features)
-        float32 if every float input is float32, else float64. On the CPU it is a transposed
-        view of the kernel's feature-major output (call ``.contiguous()`` if you need rows).
+        float32 if every float input is float32, float64 if one is float64; float16 or
+        bfloat16 if an input is (computed in float32 and rounded once, so within that dtype's
+        rounding of the float32 result; gradients come back in each input's dtype). On the
+        CPU a float32/float64 result is a transposed view of the kernel's feature-major
+        output (call ``.contiguous()`` if you need rows).
 
     Raises
     ------
     TypeError
-        Non-float values or inputs (bfloat16, float16, ints), non-integer indices.
+        Non-float values or inputs (ints, bools), non-integer indices.
     ValueError
         A malformed structure (see :func:`spchain.spmm`), shapes that do not match, tensors
         on different devices.
@@ -404,6 +408,11 @@ def sparse_linear(x, values, indptr, indices, shape, bias=None):
                          "must be 1-D and of one length (nnz)")
     if bias is not None and tuple(bias.shape) != (shape[0],):
         raise ValueError(f"{caller}: bias has shape {tuple(bias.shape)}; expected ({shape[0]},)")
+    low = next((t.dtype for t in (x, values, bias) if t is not None and t.dtype in _LOW), None)
+    if low is not None:  # computed in float32, returned in the low precision (autograd casts the gradients)
+        x, values, bias = (t if t is None or t.dtype not in _LOW else t.float() for t in (x, values, bias))
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, values, bias)):
-        return _SparseLinear.apply(x, values, bias, indptr, indices, shape)
-    return _linear(x, values, bias, indptr, indices, shape)[0]  # inference: no autograd node
+        y = _SparseLinear.apply(x, values, bias, indptr, indices, shape)
+    else:
+        y = _linear(x, values, bias, indptr, indices, shape)[0]  # inference: no autograd node
+    return y if low is None else y.to(low)
