@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import reference
 import spchain as sc
-from spchain import _backend
+from spchain import _backend, _selection
 from spchain import sparse as sparse_module
 
 FORMATS = ["csr", "csc", "coo"]
@@ -455,7 +455,7 @@ def test_drop_and_grow_keeps_nnz_drops_the_smallest_and_grows_at_free_positions(
 
 
 def test_drop_and_grow_by_gradient_picks_the_largest_dense_gradient_outside_the_kept_entries(rng, monkeypatch):
-    monkeypatch.setattr(sparse_module, "_SCORE_BLOCK", 37)  # several row blocks
+    monkeypatch.setattr(_selection, "_SCORE_BLOCK", 37)  # several row blocks
     csr, values = canonical(rng, 12, 9, 0.3)
     grad_y, x = rng.standard_normal((5, 12)), rng.standard_normal((5, 9))
     n_move = 6

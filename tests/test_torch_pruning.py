@@ -44,7 +44,7 @@ def test_sparsify_uniform_keeps_the_largest_weights_of_each_layer():
     for name in names:
         layer = model.get_submodule(name)
         w = weights[name]
-        assert layer.nnz == w.numel() - round(0.75 * w.numel()) and layer.values.dtype == torch.float32
+        assert layer.nnz == w.numel() - round(0.75 * w.numel()) and layer.weight_values.dtype == torch.float32
         dense = layer.to_dense().weight.detach()
         kept = dense != 0
         assert torch.equal(dense[kept], w[kept])
@@ -120,7 +120,7 @@ def test_gradual_pruning_keeps_the_largest_weights_and_optimizer_state_follows_t
     model = torch.nn.Sequential(torch.nn.Linear(16, 8, dtype=torch.float64))
     st.sparsify(model, 0.25)
     layer = model[0]
-    parameter = layer.values
+    parameter = layer.weight_values
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     for _ in range(2):
         optimizer.zero_grad()
@@ -136,12 +136,12 @@ def test_gradual_pruning_keeps_the_largest_weights_and_optimizer_state_follows_t
     schedule = st.GradualPruning(model, 0.75, start=0, steps=1, optimizer=optimizer)
     schedule.step()
     schedule.step()
-    assert layer.values is parameter and layer.nnz == 32
+    assert layer.weight_values is parameter and layer.nnz == 32
     rows = torch.repeat_interleave(torch.arange(8), layer.indptr.diff())
     positions = rows * 16 + layer.indices
     assert torch.all(positions[1:] > positions[:-1])  # canonical CSR
     kept = torch.isin(positions_before, positions)
-    assert layer.values.detach().abs().min() >= (dense_before.view(-1)[positions_before][~kept]).abs().max()
+    assert layer.weight_values.detach().abs().min() >= (dense_before.view(-1)[positions_before][~kept]).abs().max()
     for key in ("exp_avg", "exp_avg_sq"):
         assert state[key].shape == (32,)
         assert torch.equal(state[key], before[key][kept])
@@ -150,7 +150,7 @@ def test_gradual_pruning_keeps_the_largest_weights_and_optimizer_state_follows_t
     optimizer.zero_grad()
     model(torch.randn(5, 16, dtype=torch.float64)).sum().backward()
     optimizer.step()  # Adam runs on the shrunk state
-    assert layer.values.shape == (32,)
+    assert layer.weight_values.shape == (32,)
 
 
 def test_gradual_pruning_bad_input():
@@ -168,9 +168,9 @@ def test_gradual_pruning_bad_input():
 
 def test_prune_to_never_grows_a_layer():
     layer = st.SparseLinear(6, 4, sparsity=0.5)
-    before = layer.values.detach().clone()
+    before = layer.weight_values.detach().clone()
     pruning.prune_to(layer, 100)
-    assert torch.equal(layer.values.detach(), before)
+    assert torch.equal(layer.weight_values.detach(), before)
 
 
 def test_cosine_drop_fraction():

@@ -254,7 +254,7 @@ def test_inputs_changed_in_place_before_backward_raise_as_nn_linear_does(rng, la
          "3-d": torch.randn(2, 3, 4)}[layout].requires_grad_()
     y = layer(x)
     with torch.no_grad():
-        {"x": x, "values": layer.values, "indices": layer.indices, "indptr": layer.indptr}[changed].mul_(1)
+        {"x": x, "values": layer.weight_values, "indices": layer.indices, "indptr": layer.indptr}[changed].mul_(1)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.sum().backward()
 
@@ -289,7 +289,7 @@ def test_many_forward_backward_calls_keep_memory_bounded(rss_growth):
     x = torch.randn(64, 256, requires_grad=True)
 
     def step():
-        x.grad = layer.values.grad = layer.bias.grad = None
+        x.grad = layer.weight_values.grad = layer.bias.grad = None
         layer(x).square().mean().backward()
 
     assert rss_growth(step, 300) < 16 * 2**20  # 300 steps would leak far more than this if anything stayed
@@ -322,15 +322,12 @@ def valid_args(rng):
         (lambda a: a.update(shape=(2, True)), TypeError, r"shape\[1\] must be an int, not a bool"),
         (lambda a: a.update(shape=None), ValueError, r"shape must be a pair of ints, got None"),
         (lambda a: a.update(bias=torch.randn(3)), ValueError, r"bias has shape \(3,\); expected \(2,\)"),
-        (lambda a: a.update(x=torch.randn(4, 3, dtype=torch.bfloat16)), TypeError, "bfloat16"),
-        (lambda a: a.update(values=torch.randn(3).half()), TypeError, "float16"),
         (lambda a: a.update(x=torch.ones(4, 3, dtype=torch.int64)), TypeError, "int64"),
         (lambda a: a.update(values=torch.randn(3, device="meta")), ValueError, r"x is on cpu but values is on meta"),
     ],
     ids=["indptr-decreasing", "indptr-length", "indptr-start", "indptr-end", "index-too-large", "index-negative",
          "float-indices", "bool-indices", "values-length", "x-shape", "bad-shape", "float-shape",
-         "bool-shape", "no-shape", "bias-shape", "bfloat16",
-         "float16", "int-x", "devices"],
+         "bool-shape", "no-shape", "bias-shape", "int-x", "devices"],
 )
 def test_sparse_linear_bad_input(rng, change, error, message):
     x, values, indptr, indices, shape = valid_args(rng)
@@ -487,9 +484,9 @@ def test_torch_prune_matches_the_array_level_and_keeps_the_largest(rng):
 def test_sparse_linear_module_layout_and_parameters():
     torch.manual_seed(0)
     layer = st.SparseLinear(50, 40, sparsity=0.9)
-    assert layer.nnz == 2000 - 1800 and [n for n, _ in layer.named_parameters()] == ["values", "bias"]
-    assert set(layer.state_dict()) == {"values", "indptr", "indices", "bias"}
-    assert layer.indices.dtype == torch.int32 and layer.values.shape == (200,)
+    assert layer.nnz == 2000 - 1800 and [n for n, _ in layer.named_parameters()] == ["weight_values", "bias"]
+    assert set(layer.state_dict()) == {"weight_values", "indptr", "indices", "bias"}
+    assert layer.indices.dtype == torch.int32 and layer.weight_values.shape == (200,)
     assert abs(layer.sparsity - 0.9) < 1e-12
     assert repr(layer) == "SparseLinear(in_features=50, out_features=40, bias=True, nnz=200, sparsity=0.9)"
     rows, cols = reference.entries(layer.indptr.numpy(), layer.indices.numpy())
@@ -523,7 +520,7 @@ def test_from_dense_to_dense_and_weight_csr(rng):
     x = torch.randn(5, 12)
     torch.testing.assert_close(layer(x), back(x))
     csr = layer.weight_csr()
-    assert csr.values().data_ptr() == layer.values.data_ptr() and csr.col_indices().data_ptr() == layer.indices.data_ptr()
+    assert csr.values().data_ptr() == layer.weight_values.data_ptr() and csr.col_indices().data_ptr() == layer.indices.data_ptr()
     torch.testing.assert_close(csr.to_dense(), back.weight)
     assert st.SparseLinear.from_dense(torch.nn.Linear(4, 4, bias=False), 0.5, method="random").bias is None
 
@@ -535,7 +532,7 @@ def test_state_dict_round_trip_and_dtype_moves():
     x = torch.randn(3, 10)
     torch.testing.assert_close(other(x), layer(x))
     layer64 = layer.to(torch.float64)
-    assert layer64.values.dtype == torch.float64 and layer64.indices.dtype == torch.int32
+    assert layer64.weight_values.dtype == torch.float64 and layer64.indices.dtype == torch.int32
     torch.testing.assert_close(layer64(x.double()), layer(x).double(), rtol=1e-6, atol=1e-6)
 
 
@@ -590,10 +587,10 @@ def test_prune_and_regrow_moves_weights_and_adam_state_with_them(regrow):
         train_step(layer, optimizer, x)
         optimizer.step()
     train_step(layer, optimizer, x)
-    before_pos, before_values = positions(layer), layer.values.detach().clone()
-    state = optimizer.state[layer.values]
+    before_pos, before_values = positions(layer), layer.weight_values.detach().clone()
+    state = optimizer.state[layer.weight_values]
     before_state = {k: v.clone() for k, v in state.items()}
-    before_grad = layer.values.grad.clone()
+    before_grad = layer.weight_values.grad.clone()
     n_move = round(0.25 * layer.nnz)
     layer.prune_and_regrow(0.25, regrow=regrow, optimizer=optimizer)
     after_pos = positions(layer)
@@ -601,7 +598,7 @@ def test_prune_and_regrow_moves_weights_and_adam_state_with_them(regrow):
     survivors = reference.largest_positions(before_values.numpy(), layer.nnz - n_move)  # the smallest |values| go
     slot = {p: s for s, p in enumerate(after_pos)}
     new_slots = np.array([slot[p] for p in before_pos[survivors]])
-    for after, before in [(layer.values.detach(), before_values), (layer.values.grad, before_grad),
+    for after, before in [(layer.weight_values.detach(), before_values), (layer.weight_values.grad, before_grad),
                           (state["exp_avg"], before_state["exp_avg"]), (state["exp_avg_sq"], before_state["exp_avg_sq"])]:
         torch.testing.assert_close(after[new_slots], before[survivors])
         fresh = np.setdiff1d(np.arange(layer.nnz), new_slots)
@@ -620,7 +617,7 @@ def test_regrow_by_gradient_picks_the_largest_dense_gradient():
     dense(x).pow(3).mean().backward()
     before = positions(layer)
     n_move = round(0.5 * layer.nnz)
-    survivors = reference.largest_positions(np.abs(layer.values.detach().numpy()), layer.nnz - n_move)
+    survivors = reference.largest_positions(np.abs(layer.weight_values.detach().numpy()), layer.nnz - n_move)
     kept = before[survivors]
     scores = dense.weight.grad.numpy().ravel()
     free = np.setdiff1d(np.arange(scores.size), kept)
@@ -637,7 +634,7 @@ def test_prune_and_regrow_bad_input():
         layer.prune_and_regrow(0.2, regrow="magnitude")
     with pytest.raises(ValueError, match=r"fraction must be in \[0, 1\]"):
         layer.prune_and_regrow(-0.1)
-    with pytest.raises(ValueError, match="does not hold this layer's values"):
+    with pytest.raises(ValueError, match="does not hold this layer's weight_values"):
         layer.prune_and_regrow(0.2, optimizer=torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1.0))
     layer.prune_and_regrow(0.0)
     layer.prune_and_regrow(1.0)
@@ -711,6 +708,27 @@ def test_sparse_linear_module_on_cuda_matches_cpu():
     layer(x).square().sum().backward()
     cuda(xc).square().sum().backward()
     torch.testing.assert_close(xc.grad.cpu(), x.grad, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(cuda.values.grad.cpu(), layer.values.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cuda.weight_values.grad.cpu(), layer.weight_values.grad, rtol=1e-5, atol=1e-5)
     cuda.prune_and_regrow(0.3, regrow="gradient")
     assert cuda.nnz == layer.nnz
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float16, 2e-3), (torch.bfloat16, 1.6e-2)])
+@pytest.mark.parametrize("low", ["x", "values", "all"])
+def test_sparse_linear_half_precision_computes_in_float32_and_returns_the_low_dtype(rng, dtype, tol, low):
+    x, values, indptr, indices, shape = valid_args(rng)
+    bias = torch.randn(shape[0])
+    cast = {"x": (dtype, torch.float32, torch.float32), "values": (torch.float32, dtype, torch.float32),
+            "all": (dtype, dtype, dtype)}[low]
+    x, values, bias = (t.to(c).requires_grad_() for t, c in zip((x, values, bias), cast))
+    y = st.sparse_linear(x, values, indptr, indices, shape, bias)
+    assert y.dtype == dtype
+    args64 = [t.detach().double().requires_grad_() for t in (x, values, bias)]
+    y64 = st.sparse_linear(args64[0], args64[1], indptr, indices, shape, args64[2])
+    torch.testing.assert_close(y.double(), y64, rtol=tol, atol=tol)
+    grad = torch.randn(y.shape)
+    y.backward(grad.to(dtype))
+    y64.backward(grad.to(dtype).double())
+    for t, t64 in zip((x, values, bias), args64):
+        assert t.grad.dtype == t.dtype
+        torch.testing.assert_close(t.grad.double(), t64.grad, rtol=4 * tol, atol=4 * tol)

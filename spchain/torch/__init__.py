@@ -12,7 +12,8 @@ from .crf import LinearChainCRF
 from .paths import chain_entropy, chain_kbest, chain_path_score, chain_sample
 from .pruning import CosineDropFraction, GradualPruning, erk_densities, sparsify
 from .semiring import log_chain_product, logmatmul, maxmatmul
-from .sparse import SparseLinear, prune, sddmm, sparse_linear, spmm
+from .nn import SparseLinear
+from .sparse import prune, sddmm, sparse_linear, spmm
 
 __all__ = [
     "BlockDiagonalLinear",

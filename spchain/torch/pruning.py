@@ -21,7 +21,7 @@ import torch
 from .. import _backend
 from .. import sparse as _sparse
 from ._bridge import to_array, to_tensor
-from .sparse import SparseLinear
+from .nn import SparseLinear
 
 __all__ = ["sparsify", "erk_densities", "GradualPruning", "CosineDropFraction"]
 
@@ -133,7 +133,7 @@ def sparsify(model: torch.nn.Module, sparsity, *, method="magnitude", distributi
 
 def _weights(layer: SparseLinear) -> torch.nn.Parameter:
     """The stored-weights parameter of a ``SparseLinear`` (1-D, nnz long)."""
-    return layer.values
+    return layer.weight_values
 
 
 def prune_to(layer: SparseLinear, nnz: int, optimizer=None) -> None:

@@ -1,0 +1,112 @@
+"""Entry selection of the sparse layer: the largest scores, random positions, positions to
+CSR, and the drop-and-grow step of dynamic sparsity (SET, RigL)."""
+
+import numpy as np
+
+from . import _backend
+from ._csr import _INT32_MAX, Csr, row_of_entries
+
+_SCORE_BLOCK = 1 << 20
+"""Dense gradient entries scored at a time when regrowing by gradient (bounds its memory)."""
+
+def largest(backend, scores, count: int):
+    """Sorted positions of the ``count`` largest ``scores`` (1-D); NaN counts as the largest
+    value, and ties go to the lower position. O(len(scores)) (a partition, not a sort)."""
+    xp = backend.xp
+    size = scores.shape[0]
+    if count >= size:
+        return xp.arange(size, dtype=np.int64)
+    if count == 0:
+        return xp.empty(0, np.int64)
+    key = xp.where(xp.isnan(scores), xp.inf, scores)
+    threshold = xp.partition(key, size - count)[size - count]
+    above = xp.flatnonzero(key > threshold)
+    tied = xp.flatnonzero(key == threshold)[: count - above.shape[0]]
+    return xp.sort(xp.concatenate([above, tied]))
+
+
+def random_positions(backend, total: int, count: int, taken=None, seed=None):
+    """``count`` sorted flat positions in ``0 .. total - 1`` drawn uniformly without replacement,
+    avoiding the sorted positions ``taken``.
+
+    Memory is O(count + len(taken)) when the free positions are plentiful (rejection sampling),
+    else O(total), which is then O(count + len(taken)) as well.
+    """
+    rng = np.random.default_rng(seed)
+    taken = np.empty(0, np.int64) if taken is None else backend.to_host(taken)
+    free = total - taken.shape[0]
+    if taken.shape[0] == 0:
+        chosen = rng.choice(total, count, replace=False)
+    elif 2 * count <= free and 2 * free >= total:
+        chosen = np.empty(0, np.int64)
+        while chosen.shape[0] < count:
+            draws = np.concatenate([chosen, rng.integers(0, total, 2 * (count - chosen.shape[0]) + 16)])
+            first = np.sort(np.unique(draws, return_index=True)[1])  # first draws of each value, in order
+            fresh = draws[first]
+            chosen = fresh[~np.isin(fresh, taken, assume_unique=True)][:count]
+    else:
+        chosen = rng.choice(np.setdiff1d(np.arange(total), taken, assume_unique=True), count, replace=False)
+    return backend.xp.asarray(np.sort(chosen).astype(np.int64))
+
+
+def positions_to_csr(backend, positions, shape):
+    """``(indptr, indices)`` of the sorted flat (row-major) ``positions`` in an ``shape`` matrix."""
+    xp = backend.xp
+    m, n = shape
+    dtype = np.int32 if max(m, n, positions.shape[0]) <= _INT32_MAX else np.int64
+    if positions.shape[0] == 0:
+        return xp.zeros(m + 1, dtype), xp.empty(0, dtype)
+    rows, cols = xp.divmod(positions, n)
+    indptr = xp.searchsorted(rows, xp.arange(m + 1), side="left")
+    return indptr.astype(dtype), cols.astype(dtype)
+
+
+def drop_and_grow(backend, csr: Csr, values, n_move: int, *, grad_y=None, x=None, seed=None, caller: str):
+    """A new structure of the same size with ``n_move`` entries moved.
+
+    Drops the ``n_move`` stored entries of smallest ``|values|`` (among equal magnitudes the
+    later ones) and grows as many at positions not stored after the drop: where
+    ``|grad_y.T @ x|``, the dense weight gradient of one batch, is largest (RigL; ``grad_y``
+    (batch, out), ``x`` (batch, in); scored in row blocks, so it never holds the dense
+    gradient), or uniformly at random (``seed``) if ``grad_y`` is None. A just-dropped position
+    may be grown again.
+
+    Returns ``(indptr, indices, old_slots, new_slots)``: the surviving entry in slot
+    ``old_slots[t]`` sits in slot ``new_slots[t]`` of the new structure; the other new slots
+    are the grown connections. ``csr`` must be canonical (sorted, no duplicates).
+    """
+    xp = backend.xp
+    m, n = csr.shape
+    positions = row_of_entries(backend, csr).astype(np.int64) * n + csr.indices
+    if positions.shape[0] > 1 and bool((positions[1:] <= positions[:-1]).any()):
+        raise ValueError(f"{caller} needs a canonical structure: indices sorted within rows, no duplicates")
+    old_slots = largest(backend, xp.abs(values), csr.nnz - n_move)
+    kept = positions[old_slots]
+    if grad_y is None:
+        grown = random_positions(backend, m * n, n_move, taken=kept, seed=seed)
+    else:
+        grown = _largest_gradients(backend, grad_y, x, n_move, kept)
+    new_positions = xp.sort(xp.concatenate([kept, grown]))
+    indptr, indices = positions_to_csr(backend, new_positions, (m, n))
+    return indptr, indices, old_slots, xp.searchsorted(new_positions, kept)
+
+
+def _largest_gradients(backend, grad_y, x, count: int, taken):
+    """Sorted positions of the ``count`` largest ``|grad_y.T @ x|`` outside ``taken`` (sorted)."""
+    xp = backend.xp
+    m, n = grad_y.shape[1], x.shape[1]
+    best_scores, best_positions = xp.empty(0, grad_y.dtype), xp.empty(0, np.int64)
+    rows = max(1, _SCORE_BLOCK // max(n, 1))
+    for r0 in range(0, m, rows):
+        r1 = min(m, r0 + rows)
+        scores = xp.abs(_backend.matmul(xp, grad_y[:, r0:r1].T, x)).ravel()
+        free = xp.ones(scores.shape[0], bool)
+        lo, hi = (int(i) for i in xp.searchsorted(taken, xp.asarray([r0 * n, r1 * n])))
+        free[taken[lo:hi] - r0 * n] = False
+        candidates = xp.flatnonzero(free)
+        pick = largest(backend, scores[candidates], count)
+        best_scores = xp.concatenate([best_scores, scores[candidates[pick]]])
+        best_positions = xp.concatenate([best_positions, candidates[pick] + r0 * n])
+        keep = largest(backend, best_scores, count)
+        best_scores, best_positions = best_scores[keep], best_positions[keep]
+    return best_positions

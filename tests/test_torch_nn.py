@@ -1,0 +1,130 @@
+"""spchain.torch.nn (spchain/torch/nn.py): SparseLinear with torch's utilities (parametrize,
+nn.utils.prune, ao.pruning), its dense ``weight`` copy, meta-device construction and
+``prune_and_regrow`` under torch.distributed."""
+
+import os
+import tempfile
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import spchain.torch as st  # noqa: E402
+
+
+def _layer(seed=0, **kwargs):
+    torch.manual_seed(seed)
+    return st.SparseLinear(12, 6, sparsity=0.5, **kwargs)
+
+
+def test_weight_is_a_fresh_dense_copy_differentiable_in_weight_values():
+    layer = _layer()
+    weight = layer.weight
+    torch.testing.assert_close(weight, layer.to_dense().weight.detach())
+    x = torch.randn(4, 12)
+    torch.testing.assert_close(layer(x), x @ weight.T + layer.bias)
+    weight.sum().backward()
+    assert torch.equal(layer.weight_values.grad, torch.ones(layer.nnz))
+    with torch.no_grad():
+        layer.weight.zero_()  # a copy: the layer keeps its weights
+    torch.testing.assert_close(layer.weight, weight)
+    with pytest.raises(AttributeError):
+        layer.weight = torch.zeros(6, 12)
+
+
+def test_parametrize_accepts_weight_values():
+    class Double(torch.nn.Module):
+        def forward(self, v):
+            return 2 * v
+
+    layer = _layer()
+    x = torch.randn(3, 12)
+    before = layer(x) - layer.bias
+    torch.nn.utils.parametrize.register_parametrization(layer, "weight_values", Double())
+    torch.testing.assert_close(layer(x) - layer.bias, 2 * before)
+    layer(x).sum().backward()
+    assert layer.parametrizations.weight_values.original.grad is not None
+
+
+def test_nn_utils_prune_masks_weight_values():
+    from torch.nn.utils import prune
+
+    layer = _layer()
+    prune.l1_unstructured(layer, "weight_values", amount=0.5)
+    assert int((layer.weight_values == 0).sum()) == layer.nnz // 2
+    x = torch.randn(3, 12)
+    torch.testing.assert_close(layer(x), x @ layer.weight.T + layer.bias)
+    prune.remove(layer, "weight_values")
+    assert isinstance(layer.weight_values, torch.nn.Parameter)
+
+
+def test_ao_pruning_sparsifies_weight_values():
+    from torch.ao.pruning import BaseSparsifier
+
+    class Magnitude(BaseSparsifier):  # ao.pruning's built-in sparsifiers take 2-D weights only
+        def update_mask(self, module, tensor_name, **kwargs):
+            mask = getattr(module.parametrizations, tensor_name)[0].mask
+            values = getattr(module.parametrizations, tensor_name).original
+            mask[values.abs().argsort()[:values.numel() // 2]] = False
+
+    model = torch.nn.Sequential(_layer())
+    sparsifier = Magnitude(defaults={})
+    sparsifier.prepare(model, [{"tensor_fqn": "0.weight_values"}])
+    sparsifier.step()
+    sparsifier.squash_mask()
+    assert int((model[0].weight_values == 0).sum()) == model[0].nnz // 2
+
+
+def test_meta_construction_then_to_empty_and_reset_parameters_is_a_valid_layer():
+    layer = _layer(device="meta")
+    assert layer.weight_values.is_meta
+    layer.to_empty(device="cpu")
+    torch.manual_seed(0)
+    layer.reset_parameters()
+    reference = _layer()  # the same draws
+    for name in ("indptr", "indices", "weight_values", "bias"):
+        torch.testing.assert_close(getattr(layer, name), getattr(reference, name))
+    x = torch.randn(3, 12)
+    torch.testing.assert_close(layer(x), reference(x))
+
+
+def _regrow_worker(rank, init, regrow, out):
+    torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=2,
+                                         timeout=__import__("datetime").timedelta(seconds=60))
+    try:
+        layer = _layer(seed=0)
+        optimizer = torch.optim.Adam(layer.parameters())
+        torch.manual_seed(100 + rank)  # per-rank draws and batches: the replicas would diverge
+        layer(torch.randn(5, 12)).square().sum().backward()
+        optimizer.step()
+        torch.distributed.all_reduce(layer.weight_values.data)  # as DDP keeps values in step
+        layer.weight_values.data /= 2
+        layer.prune_and_regrow(0.5, regrow=regrow, optimizer=optimizer)
+        torch.save({k: v.clone() for k, v in layer.state_dict().items()}, f"{out}.{rank}")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("regrow", ["random", "gradient"])
+def test_prune_and_regrow_keeps_distributed_replicas_identical(regrow):
+    if not torch.distributed.is_available():
+        pytest.skip("torch.distributed is not available")
+    with tempfile.TemporaryDirectory() as tmp:
+        init, out = f"file://{os.path.join(tmp, 'store')}", os.path.join(tmp, "state")
+        torch.multiprocessing.spawn(_regrow_worker, args=(init, regrow, out), nprocs=2, join=True)
+        first, second = (torch.load(f"{out}.{r}") for r in (0, 1))
+    for name in ("indptr", "indices", "weight_values"):
+        assert torch.equal(first[name], second[name]), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_sparse_linear_holds_half_precision_values(dtype):
+    layer = _layer(dtype=dtype)
+    assert layer.weight_values.dtype == dtype and _layer().to(dtype).weight_values.dtype == dtype
+    x = torch.randn(3, 12, dtype=dtype, requires_grad=True)
+    y = layer(x)
+    assert y.dtype == dtype
+    reference = x.double() @ layer.weight.double().T + layer.bias.double()
+    torch.testing.assert_close(y.double(), reference, rtol=2e-2, atol=2e-2)
+    y.sum().backward()
+    assert layer.weight_values.grad.dtype == dtype and x.grad.dtype == dtype
