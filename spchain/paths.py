@@ -17,6 +17,7 @@ import numpy as np
 
 from . import _entropy
 from ._chain_layout import prepare as _prepare
+from .chain import _input_grads, _viterbi_grads
 from ._chain_limits import forward as _forward
 from ._chain_sweep import normalised as _normalised
 
@@ -119,7 +120,12 @@ def chain_sample(x, log_trans, log_init=None, *, lengths=None, num_samples=1, se
            [ True,  True],
            [ True,  True]])
     """
-    caller = "spchain.chain_sample"
+    return chain_sample_forward(x, log_trans, log_init, lengths, num_samples, seed)
+
+
+def chain_sample_forward(x, log_trans, log_init=None, lengths=None, num_samples=1, seed=None,
+                         caller: str = "spchain.chain_sample"):
+    """:func:`chain_sample` with its checks naming ``caller`` (not differentiable: no backward)."""
     num_samples = _count(caller, "num_samples", num_samples, 0)
     chain = _prepare(x, log_trans, log_init, lengths, caller)
     with np.errstate(**_QUIET), chain.backend.use():
@@ -142,10 +148,39 @@ def chain_entropy(x, log_trans, log_init=None, *, lengths=None):
     >>> round(float(sc.chain_entropy(np.zeros((3, 2)), np.zeros((2, 2))) / np.log(2)), 6)   # 8 equal paths
     3.0
     """
-    chain = _prepare(x, log_trans, log_init, lengths, "spchain.chain_entropy")
+    return chain_entropy_forward(x, log_trans, log_init, lengths)[0]
+
+
+def chain_entropy_forward(x, log_trans, log_init=None, lengths=None, caller: str = "spchain.chain_entropy"):
+    """:func:`chain_entropy` with its checks naming ``caller``, and what its gradient needs.
+
+    Returns
+    -------
+    entropy : array, the broadcast batch shape
+    pre, norm, fwd, mean, possible : arrays, batch shape + (v, c), (v,), (v, c), (), ()
+        The forward messages before each emission, their log normalisers, the expected scores
+        carried forward, the expected score of each chain and whether it has a path.
+    """
+    chain = _prepare(x, log_trans, log_init, lengths, caller)
     with np.errstate(**_QUIET), chain.backend.use():
-        entropy, _ = _entropy.entropy(chain)
-        return chain.unrows(entropy)
+        entropy, saved = _entropy.entropy(chain)
+        return (chain.unrows(entropy),) + tuple(chain.unrows(a) for a in saved)
+
+
+def chain_entropy_backward(inputs, results, grads, needs):
+    """Gradients ``(d x, d log_trans, d log_init)`` of ``sum(grad * entropy)`` from the inputs
+    ``(x, log_trans, log_init, lengths)`` of :func:`chain_entropy_forward`, its results and
+    ``grads = (grad,)`` (``None`` where ``needs`` is false): the exact Hessian-vector product
+    ``-∇²A θ`` by the expectation-semiring backward pass. The inputs are trusted."""
+    chain = _prepare(*inputs, "spchain.chain_entropy", check=False)
+    _, v, c = chain.x.shape
+    pre, norm, fwd, mean, possible = results[1:]
+    with np.errstate(**_QUIET), chain.backend.use():
+        saved = [chain.rows(pre, (v, c)), chain.rows(norm, (v,)), chain.rows(fwd, (v, c)), chain.rows(mean),
+                 chain.rows(possible)]
+        weight = chain.rows(grads[0].astype(chain.x.dtype, copy=False))
+        grad_x, grad_trans = _entropy.entropy_grads(chain, saved, weight, trans_grad=needs[1])
+        return _input_grads(chain, needs, inputs, grad_x, grad_trans)
 
 
 def _kbest(chain, k: int):
@@ -194,7 +229,12 @@ def chain_kbest(x, log_trans, log_init=None, *, k, lengths=None):
     (array([[0, 1],
            [0, 0]]), array([0.72, 0.18]))
     """
-    caller = "spchain.chain_kbest"
+    return chain_kbest_forward(x, log_trans, log_init, lengths, k)
+
+
+def chain_kbest_forward(x, log_trans, log_init=None, lengths=None, k=1, caller: str = "spchain.chain_kbest"):
+    """:func:`chain_kbest` with its checks naming ``caller``: ``(scores, paths)`` (no backward:
+    :func:`chain_path_score` of a path gives a differentiable score)."""
     k = _count(caller, "k", k, 1)
     chain = _prepare(x, log_trans, log_init, lengths, caller)
     with np.errstate(**_QUIET), chain.backend.use():
@@ -202,13 +242,13 @@ def chain_kbest(x, log_trans, log_init=None, *, k, lengths=None):
         return _leading(chain, scores.T[..., None])[..., 0], _leading(chain, paths.transpose(1, 0, 2))
 
 
-def _path_rows(chain, path, caller: str):
-    """``path`` in row order (B, v), checked, -1 past each length."""
+def _path_rows(chain, path, caller: str, check: bool = True):
+    """``path`` in row order (B, v), checked (unless ``check`` is false), -1 past each length."""
     xp = chain.xp
     rows, v, c = chain.x.shape
     path = chain.rows(path, (v,))
     inside = xp.arange(v)[None, :] < chain.lengths[:, None]
-    if rows and bool(((path < 0) | (path >= c))[inside].any()):
+    if check and rows and bool(((path < 0) | (path >= c))[inside].any()):
         raise ValueError(f"{caller}: path states must lie in 0..c-1 = 0..{c - 1} within each chain's length")
     return xp.where(inside, path, -1)
 
@@ -229,26 +269,35 @@ def _path_score(chain, path):
     return score.astype(chain.x.dtype)
 
 
-def _prepare_paths(x, log_trans, log_init, path, lengths, caller: str):
-    """The chain of ``x`` broadcast against ``path``'s batch axes, and the rows of ``path``."""
-    if not hasattr(path, "dtype") or not np.issubdtype(np.dtype(path.dtype), np.integer):
-        raise TypeError(f"{caller}: path must be an integer array, got {getattr(path, 'dtype', type(path).__name__)}")
-    if x.ndim < 2 or path.ndim < 1 or path.shape[-1] != x.shape[-2]:
-        raise ValueError(f"{caller}: path must have shape (..., v) with v = x.shape[-2], got path {path.shape} "
-                         f"and x {x.shape}")
-    chain = _prepare(x, log_trans, log_init, lengths, caller)
+def path_layout(caller: str, x_shape: tuple, batch_shape: tuple, path_shape: tuple) -> tuple:
+    """The batch shape of :func:`chain_path_score`'s results: the chains' ``batch_shape``
+    broadcast with the leading axes of ``path``; ``ValueError`` where they do not fit."""
+    if len(x_shape) < 2 or len(path_shape) < 1 or path_shape[-1] != x_shape[-2]:
+        raise ValueError(f"{caller}: path must have shape (..., v) with v = x.shape[-2], got path {path_shape} "
+                         f"and x {x_shape}")
     try:
-        full = np.broadcast_shapes(chain.batch_shape, path.shape[:-1])
+        return tuple(np.broadcast_shapes(batch_shape, path_shape[:-1]))
     except ValueError:
-        raise ValueError(f"{caller}: the batch shape of path {path.shape[:-1]} does not broadcast with the "
-                         f"chains' {chain.batch_shape}") from None
+        raise ValueError(f"{caller}: the batch shape of path {path_shape[:-1]} does not broadcast with the "
+                         f"chains' {batch_shape}") from None
+
+
+def _prepare_paths(x, log_trans, log_init, path, lengths, caller: str, check: bool = True):
+    """The chain of ``x`` broadcast against ``path``'s batch axes, and the rows of ``path``
+    (``check=False``: inputs that a forward has validated)."""
+    if check and (not hasattr(path, "dtype") or not np.issubdtype(np.dtype(path.dtype), np.integer)):
+        raise TypeError(f"{caller}: path must be an integer array, got {getattr(path, 'dtype', type(path).__name__)}")
+    if check:
+        path_layout(caller, tuple(x.shape), (), tuple(path.shape))  # before the chain's checks, as always
+    chain = _prepare(x, log_trans, log_init, lengths, caller, check)
+    full = path_layout(caller, tuple(x.shape), chain.batch_shape, tuple(path.shape))
     if chain.batch_shape != full:  # x takes the paths' extra axes (per-step transitions keep theirs)
         added = len(full) + 2 - x.ndim
         if log_trans.ndim == x.ndim + 1:
             log_trans = log_trans.reshape((1,) * added + log_trans.shape)
         x = chain.xp.broadcast_to(x, full + x.shape[-2:])
-        chain = _prepare(x, log_trans, log_init, lengths, caller)
-    return chain, _path_rows(chain, path, caller)
+        chain = _prepare(x, log_trans, log_init, lengths, caller, check)
+    return chain, _path_rows(chain, path, caller, check)
 
 
 def chain_path_score(x, log_trans, log_init, path, *, lengths=None):
@@ -277,6 +326,25 @@ def chain_path_score(x, log_trans, log_init, path, *, lengths=None):
     >>> np.exp(sc.chain_path_score(x, np.zeros((2, 2)), None, np.array([0, 1]))).round(2)
     np.float64(0.72)
     """
-    chain, rows = _prepare_paths(x, log_trans, log_init, path, lengths, "spchain.chain_path_score")
+    return chain_path_score_forward(x, log_trans, log_init, path, lengths)
+
+
+def chain_path_score_forward(x, log_trans, log_init, path, lengths=None, caller: str = "spchain.chain_path_score"):
+    """:func:`chain_path_score` with its checks naming ``caller``: the scores, which is all that
+    :func:`chain_path_score_backward` needs besides the inputs."""
+    chain, rows = _prepare_paths(x, log_trans, log_init, path, lengths, caller)
     with np.errstate(**_QUIET), chain.backend.use():
         return chain.unrows(_path_score(chain, rows))
+
+
+def chain_path_score_backward(inputs, results, grads, needs):
+    """Gradients ``(d x, d log_trans, d log_init)`` of ``sum(grad * score)`` from the inputs
+    ``(x, log_trans, log_init, path, lengths)`` of :func:`chain_path_score_forward` and
+    ``grads = (grad,)``: ``grad`` on every potential the path uses (``None`` where ``needs``
+    is false). The inputs are trusted (no second validation)."""
+    x, log_trans, log_init, path, lengths = inputs
+    chain, rows = _prepare_paths(x, log_trans, log_init, path, lengths, "spchain.chain_path_score", check=False)
+    with chain.backend.use():
+        weight = chain.rows(grads[0].astype(chain.x.dtype, copy=False))
+        grad_x, grad_trans = _viterbi_grads(chain, rows, weight, needs[1])
+        return _input_grads(chain, needs, (x, log_trans, log_init, lengths), grad_x, grad_trans)

@@ -46,7 +46,18 @@ CASES = [
     Case("viterbi", lambda x, t, i: st.viterbi(x, t, i)[0], _chain_inputs),
     Case("chain_logsumexp_shared", lambda x, t: st.chain_logsumexp(x, t), lambda: (randn(2, 5, 3), randn(3, 3, seed=1))),
     Case("viterbi_lengths", lambda x, t, i: st.viterbi(x, t, i, lengths=torch.tensor([5, 2]))[0], _chain_inputs),
+    Case("chain_entropy", lambda x, t, i: st.chain_entropy(x, t, i, lengths=torch.tensor([5, 3])), _chain_inputs),
+    Case("chain_entropy_shared", lambda x, t: st.chain_entropy(x, t), lambda: (randn(2, 5, 3), randn(3, 3, seed=1))),
+    Case("chain_path_score", lambda x, t, i: st.chain_path_score(x, t, i, torch.tensor([[0, 2, 1, 1, 0], [2, 2, 0, -1, -1]]),
+                                                                 lengths=torch.tensor([5, 3])), _chain_inputs),
+    Case("chain_kbest", lambda x, t, i: st.chain_kbest(x, t, i, k=3, lengths=torch.tensor([5, 3]))[0], _chain_inputs,
+         differentiable=False),
 ]
+# chain_sample draws integer paths, so it is not in the table: low precision does not apply (no
+# float results, and rounded inputs may rightly change a draw) and vmap makes one call a slice, each
+# at the same seed (so slices with equal inputs draw equal paths), checked below.
+SAMPLE = Case("chain_sample", lambda x, t, i: st.chain_sample(x, t, i, lengths=torch.tensor([5, 3]), num_samples=4,
+                                                               seed=7), _chain_inputs, differentiable=False)
 DIFFERENTIABLE = [c for c in CASES if c.differentiable]
 
 
@@ -156,3 +167,54 @@ def test_low_precision_computes_in_float32_and_returns_the_input_dtype(case, dty
     if case.differentiable:
         grads = torch.autograd.grad(out.float().sum(), leaves)
         assert all(g.dtype == dtype for g in grads)
+
+
+def test_chain_sample_compiles_exports_and_vmaps_at_a_fixed_seed():
+    inputs = SAMPLE.inputs()
+    expected = SAMPLE.fn(*inputs)
+    assert expected.dtype == torch.int64 and expected.shape == (4, 2, 5)
+    assert torch._dynamo.explain(SAMPLE.fn)(*inputs).graph_break_count == 0
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(SAMPLE.fn, fullgraph=True)(*inputs), expected, rtol=0, atol=0)
+    program = torch.export.export(_Wrap(SAMPLE.fn), inputs)
+    assert any("spchain" in str(node.target) for node in program.graph.nodes)
+    torch.testing.assert_close(program.module()(*inputs), expected, rtol=0, atol=0)
+    out = torch.vmap(SAMPLE.fn)(*(torch.stack([t, t]) for t in inputs))
+    for k in range(2):
+        torch.testing.assert_close(out[k], expected, rtol=0, atol=0)
+
+
+class _CRFNll(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.crf = st.LinearChainCRF(3).double()
+
+    def forward(self, emissions, tags, lengths):
+        return self.crf.nll(emissions, tags, lengths)
+
+
+def _crf_inputs():
+    return randn(2, 5, 3), torch.tensor([[0, 2, 1, 1, 0], [2, 2, 0, 0, 0]]), torch.tensor([5, 3])
+
+
+def test_crf_nll_compiles_fullgraph_forward_and_backward_as_eager():
+    module = _CRFNll()
+    emissions, tags, lengths = _crf_inputs()
+    leaves = [emissions.requires_grad_(), *module.parameters()]
+    expected = module(emissions, tags, lengths)
+    expected_grads = torch.autograd.grad(expected, leaves)
+    assert torch._dynamo.explain(module)(emissions, tags, lengths).graph_break_count == 0
+    torch._dynamo.reset()
+    out = torch.compile(module, fullgraph=True)(emissions, tags, lengths)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    for g, e in zip(torch.autograd.grad(out, leaves), expected_grads):
+        torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
+
+
+def test_crf_nll_exports():
+    module = _CRFNll()
+    inputs = _crf_inputs()
+    program = torch.export.export(module, inputs)
+    assert any("spchain" in str(node.target) for node in program.graph.nodes)
+    torch.testing.assert_close(program.module()(*inputs), module(*inputs), rtol=1e-12, atol=1e-12)

@@ -1,91 +1,60 @@
-"""chain_sample, chain_entropy, chain_kbest and chain_path_score for torch tensors."""
+"""chain_sample, chain_entropy, chain_kbest and chain_path_score for torch tensors: the
+operators ``spchain::chain_sample``, ``spchain::chain_entropy`` (its gradient an exact
+Hessian-vector product), ``spchain::chain_kbest`` and ``spchain::chain_path_score`` over the
+array-level functions of :mod:`spchain.paths` (see :class:`._operator.Operator`)."""
 
-import numpy as np
+import functools
+
 import torch
-from torch.autograd.function import once_differentiable
 
-from .. import _entropy
 from .. import paths as _paths
-from .. import chain as _chain
-from .._chain_layout import prepare as _prepare
-from ..chain import _viterbi_grads
-from ._bridge import check_same_device, on_device, to_array, to_tensor
-from .chain import _tensors
-
-_QUIET = {"divide": "ignore", "invalid": "ignore", "over": "ignore"}
+from ._operator import Operator
+from .chain import _chain_fake, _tensors
 
 
-def _arrays(*tensors):
-    return tuple(None if t is None else to_array(t) for t in tensors)
+def _entropy_fake(*args):
+    batch_shape, (v, c), like = _chain_fake("spchain.torch.chain_entropy")(*args)
+    return (like.new_empty(batch_shape), like.new_empty(batch_shape + (v, c)), like.new_empty(batch_shape + (v,)),
+            like.new_empty(batch_shape + (v, c)), like.new_empty(batch_shape),
+            like.new_empty(batch_shape, dtype=torch.bool))
 
 
-def _input_grads(chain, needs, x, log_trans, log_init, grad_x, grad_trans):
-    """The input gradients as tensors of the inputs' dtypes (``None`` for ``lengths``)."""
-    grads = _chain._input_grads(chain, needs[:3], (x, log_trans, log_init, None), grad_x, grad_trans)
-    return tuple(None if g is None else to_tensor(g).to(t.dtype) for g, t in zip(grads, (x, log_trans, log_init))) + (None,)
+def _sample_fake(x, log_trans, log_init, lengths, num_samples, seed):
+    caller = "spchain.torch.chain_sample"
+    num_samples = _paths._count(caller, "num_samples", num_samples, 0)
+    batch_shape, (v, _), like = _chain_fake(caller)(x, log_trans, log_init, lengths)
+    return like.new_empty((num_samples,) + batch_shape + (v,), dtype=torch.int64)
 
 
-class _ChainEntropy(torch.autograd.Function):
-    """Forward: the forward sweep and the expected score carried beside it. Backward: the
-    exact Hessian-vector product ``-∇²A θ`` by the expectation-semiring backward pass
-    (``spchain/_entropy.py``)."""
-
-    @staticmethod
-    def forward(ctx, x, log_trans, log_init, lengths):
-        caller = "spchain.torch.chain_entropy"
-        device = check_same_device(caller, x=x, log_trans=log_trans, log_init=log_init, lengths=lengths)
-        with on_device(device), np.errstate(**_QUIET):
-            chain = _prepare(*_arrays(x, log_trans, log_init, lengths), caller)
-            value, saved = _entropy.entropy(chain)
-            out = to_tensor(chain.unrows(value))
-        if any(ctx.needs_input_grad):
-            ctx.save_for_backward(x, log_trans, log_init, lengths, *(to_tensor(a) for a in saved))
-        return out
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):
-        x, log_trans, log_init, lengths, *saved = ctx.saved_tensors
-        with on_device(grad.device), np.errstate(**_QUIET):
-            chain = _prepare(*_arrays(x, log_trans, log_init, lengths), "spchain.torch.chain_entropy")
-            weight = chain.rows(to_array(grad).astype(chain.x.dtype, copy=False))
-            grad_x, grad_trans = _entropy.entropy_grads(chain, [to_array(a) for a in saved], weight,
-                                                        trans_grad=ctx.needs_input_grad[1])
-            return _input_grads(chain, ctx.needs_input_grad, x, log_trans, log_init, grad_x, grad_trans)
+def _kbest_fake(x, log_trans, log_init, lengths, k):
+    caller = "spchain.torch.chain_kbest"
+    k = _paths._count(caller, "k", k, 1)
+    batch_shape, (v, _), like = _chain_fake(caller)(x, log_trans, log_init, lengths)
+    return like.new_empty((k,) + batch_shape), like.new_empty((k,) + batch_shape + (v,), dtype=torch.int64)
 
 
-class _ChainPathScore(torch.autograd.Function):
-    """Forward: the scores gathered along the paths. Backward: the incoming gradient on every
-    potential the path uses."""
-
-    @staticmethod
-    def forward(ctx, x, log_trans, log_init, path, lengths):
-        caller = "spchain.torch.chain_path_score"
-        device = check_same_device(caller, x=x, log_trans=log_trans, log_init=log_init, path=path, lengths=lengths)
-        with on_device(device), np.errstate(**_QUIET):
-            chain, rows = _paths._prepare_paths(*_arrays(x, log_trans, log_init, path, lengths), caller)
-            out = to_tensor(chain.unrows(_paths._path_score(chain, rows)))
-        if any(ctx.needs_input_grad):
-            ctx.save_for_backward(x, log_trans, log_init, path, lengths)
-        return out
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):
-        x, log_trans, log_init, path, lengths = ctx.saved_tensors
-        with on_device(grad.device):
-            chain, rows = _paths._prepare_paths(*_arrays(x, log_trans, log_init, path, lengths),
-                                                "spchain.torch.chain_path_score")
-            weight = chain.rows(to_array(grad).astype(chain.x.dtype, copy=False))
-            grad_x, grad_trans = _viterbi_grads(chain, rows, weight, ctx.needs_input_grad[1])
-            return _input_grads(chain, ctx.needs_input_grad, x, log_trans, log_init, grad_x, grad_trans) + (None,)
+def _path_score_fake(x, log_trans, log_init, path, lengths):
+    caller = "spchain.torch.chain_path_score"
+    batch_shape, _, like = _chain_fake(caller)(x, log_trans, log_init, lengths)
+    return like.new_empty(_paths.path_layout(caller, tuple(x.shape), batch_shape, tuple(path.shape)))
 
 
-def _init_like(x, log_trans, log_init):
-    """``log_init``, or zeros when it is ``None`` (autograd needs a tensor to give a gradient to)."""
-    if log_init is not None:
-        return log_init
-    return torch.zeros(x.shape[-1], dtype=torch.promote_types(x.dtype, log_trans.dtype), device=x.device)
+_SCHEMA = "Tensor x, Tensor log_trans, Tensor? log_init, Tensor? lengths"
+# vmap makes a call a slice (as for chain_logsumexp: per-step transitions have one more axis than x)
+_CHAIN_ENTROPY = Operator(
+    "chain_entropy", f"({_SCHEMA}) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    functools.partial(_paths.chain_entropy_forward, caller="spchain.torch.chain_entropy"), _entropy_fake,
+    backward=_paths.chain_entropy_backward, differentiable=(0, 1, 2))
+_CHAIN_SAMPLE = Operator(
+    "chain_sample", f"({_SCHEMA}, int num_samples, int? seed) -> Tensor",
+    functools.partial(_paths.chain_sample_forward, caller="spchain.torch.chain_sample"), _sample_fake)
+_CHAIN_KBEST = Operator(
+    "chain_kbest", f"({_SCHEMA}, int k) -> (Tensor, Tensor)",
+    functools.partial(_paths.chain_kbest_forward, caller="spchain.torch.chain_kbest"), _kbest_fake, outputs=2)
+_CHAIN_PATH_SCORE = Operator(
+    "chain_path_score", "(Tensor x, Tensor log_trans, Tensor? log_init, Tensor path, Tensor? lengths) -> Tensor",
+    functools.partial(_paths.chain_path_score_forward, caller="spchain.torch.chain_path_score"), _path_score_fake,
+    backward=_paths.chain_path_score_backward, differentiable=(0, 1, 2))
 
 
 def chain_sample(x, log_trans, log_init=None, *, lengths=None, num_samples=1, seed=None):
@@ -97,13 +66,7 @@ def chain_sample(x, log_trans, log_init=None, *, lengths=None, num_samples=1, se
     >>> st.chain_sample(torch.zeros(4, 3), torch.zeros(3, 3), num_samples=2, seed=0).shape
     torch.Size([2, 4])
     """
-    x, log_trans, log_init, lengths = _tensors("spchain.torch.chain_sample", x, log_trans, log_init, lengths)
-    device = check_same_device("spchain.torch.chain_sample", x=x, log_trans=log_trans, log_init=log_init,
-                               lengths=lengths)
-    with on_device(device):
-        return to_tensor(_paths.chain_sample(*_arrays(x.detach(), log_trans.detach(),
-                                                       None if log_init is None else log_init.detach()),
-                                             lengths=_arrays(lengths)[0], num_samples=num_samples, seed=seed))
+    return _CHAIN_SAMPLE(*_tensors("spchain.torch.chain_sample", x, log_trans, log_init, lengths), num_samples, seed)
 
 
 def chain_entropy(x, log_trans, log_init=None, *, lengths=None):
@@ -118,8 +81,7 @@ def chain_entropy(x, log_trans, log_init=None, *, lengths=None):
     >>> h.backward(); h.item() / 0.6931471805599453, x.grad.abs().max().item()   # 8 paths, a maximum
     (3.0, 0.0)
     """
-    x, log_trans, log_init, lengths = _tensors("spchain.torch.chain_entropy", x, log_trans, log_init, lengths)
-    return _ChainEntropy.apply(x, log_trans, _init_like(x, log_trans, log_init), lengths)
+    return _CHAIN_ENTROPY(*_tensors("spchain.torch.chain_entropy", x, log_trans, log_init, lengths))
 
 
 def chain_kbest(x, log_trans, log_init=None, *, k, lengths=None):
@@ -135,14 +97,7 @@ def chain_kbest(x, log_trans, log_init=None, *, k, lengths=None):
             [1, 1],
             [0, 0]]))
     """
-    x, log_trans, log_init, lengths = _tensors("spchain.torch.chain_kbest", x, log_trans, log_init, lengths)
-    device = check_same_device("spchain.torch.chain_kbest", x=x, log_trans=log_trans, log_init=log_init,
-                               lengths=lengths)
-    with on_device(device):
-        scores, paths = _paths.chain_kbest(*_arrays(x.detach(), log_trans.detach(),
-                                                    None if log_init is None else log_init.detach()),
-                                           k=k, lengths=_arrays(lengths)[0])
-        return to_tensor(scores), to_tensor(paths)
+    return _CHAIN_KBEST(*_tensors("spchain.torch.chain_kbest", x, log_trans, log_init, lengths), k)
 
 
 def chain_path_score(x, log_trans, log_init, path, *, lengths=None):
@@ -155,9 +110,12 @@ def chain_path_score(x, log_trans, log_init, path, *, lengths=None):
     >>> x = torch.tensor([[1.0, 0.0], [0.0, 2.0]], requires_grad=True)
     >>> score = st.chain_path_score(x, torch.zeros(2, 2), None, torch.tensor([0, 1]))
     >>> score.backward(); score, x.grad
-    (tensor(3., grad_fn=<_ChainPathScoreBackward>), tensor([[1., 0.],
+    (tensor(3., grad_fn=<EagerBackward>), tensor([[1., 0.],
             [0., 1.]]))
     """
     x, log_trans, log_init, lengths = _tensors("spchain.torch.chain_path_score", x, log_trans, log_init, lengths)
-    path = torch.as_tensor(path, device=x.device)
-    return _ChainPathScore.apply(x, log_trans, _init_like(x, log_trans, log_init), path, lengths)
+    if not isinstance(path, torch.Tensor):
+        path = torch.as_tensor(path, device=x.device)
+    elif path.layout != torch.strided:
+        raise TypeError(f"spchain.torch.chain_path_score: path must be a dense tensor, not one of layout {path.layout}")
+    return _CHAIN_PATH_SCORE(x, log_trans, log_init, path, lengths)
