@@ -141,6 +141,8 @@ def block_diag_matmul_backward(inputs, results, grads, needs):
     grad = grads[0]
     need_x, need_w = needs
     backend = backend_of(x, w, grad)
+    if grad.ndim > x.ndim:  # torch.func maps the backward over stacked incoming gradients (jacrev)
+        return _per_gradient(backend, block_diag_matmul_backward, inputs, results, grad, needs)
     grad_x = _block_diag_product(backend, grad, w.swapaxes(1, 2), np.promote_types(grad.dtype, w.dtype)) \
         if need_x else None
     grad_w = _block_diag_weight_grad(x, grad) if need_w else None
@@ -285,12 +287,31 @@ def grouped_matmul_backward(inputs, results, grads, needs):
     x, w, group_sizes = inputs
     grad = grads[0]
     need_x, need_w = needs
-    sizes = np.asarray(group_sizes, np.int64)
     backend = backend_of(x, w, grad)
+    if grad.ndim > x.ndim:  # torch.func maps the backward over stacked incoming gradients (jacrev)
+        return _per_gradient(backend, grouped_matmul_backward, inputs, results, grad, needs)
+    sizes = np.asarray(group_sizes, np.int64)
     grad_x = _grouped_product(backend, grad, w.swapaxes(1, 2), sizes, np.promote_types(grad.dtype, w.dtype)) \
         if need_x else None
     grad_w = _grouped_weight_grad(x, grad, sizes) if need_w else None
     return grad_x, grad_w
+
+
+def _per_gradient(backend, backward, inputs, results, grad, needs):
+    """``backward`` for a ``grad`` with leading axes of its own: one call per incoming gradient,
+    the gradients stacked along those axes."""
+    own = inputs[0].ndim  # the result has x's number of axes
+    lead = grad.shape[:grad.ndim - own]
+    gradients = [backward(inputs, results, [g], needs) for g in grad.reshape(-1, *grad.shape[len(lead):])]
+    out = []
+    for k, (a, need) in enumerate(zip(inputs, needs)):
+        if not need:
+            out.append(None)
+        elif gradients:
+            out.append(backend.xp.stack([g[k] for g in gradients]).reshape(lead + a.shape))
+        else:
+            out.append(backend.xp.zeros(lead + a.shape, grad.dtype))
+    return tuple(out)
 
 
 def _grouped_weight_grad(x, grad, sizes):

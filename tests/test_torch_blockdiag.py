@@ -440,3 +440,33 @@ def test_block_diag_empty_shapes_give_zero_gradients(x_shape, w_shape):
     y.sum().backward()
     assert x.grad.shape == x_shape and w.grad.shape == w_shape
     assert (x.grad == 0).all() and (w.grad == 0).all()
+
+
+# torch.func ----------------------------------------------------------------------------------
+def _grouped_reference(x, w):
+    return torch.cat([x[:2] @ w[0], x[2:] @ w[2]])
+
+
+TORCH_FUNC_CASES = {
+    "block_diag_matmul": (sct.block_diag_matmul, einsum_block_diag, (5, 3, 4)),
+    "grouped_matmul": (lambda x, w: sct.grouped_matmul(x, w, torch.tensor([2, 0, 3])), _grouped_reference, (5, 4)),
+}
+
+
+@pytest.mark.parametrize("op", TORCH_FUNC_CASES)
+@pytest.mark.parametrize("argnums", [0, 1, (0, 1)], ids=["x", "w", "both"])
+def test_jacrev_in_each_argument_matches_the_torch_reference(op, argnums):
+    fn, reference, x_shape = TORCH_FUNC_CASES[op]
+    x, w = make(x_shape, requires_grad=False), make((3, 4, 2), seed=1, requires_grad=False)
+    got, want = (torch.func.jacrev(f, argnums=argnums)(x, w) for f in (fn, reference))
+    for g, e in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+        torch.testing.assert_close(g, e)
+
+
+@pytest.mark.parametrize("op", TORCH_FUNC_CASES)
+def test_vmap_over_x_alone_gives_a_weight_gradient_per_sample(op):
+    fn, reference, x_shape = TORCH_FUNC_CASES[op]
+    xs, w = make((2, *x_shape), requires_grad=False), make((3, 4, 2), seed=1, requires_grad=False)
+    grad_w = torch.vmap(torch.func.grad(lambda x, w: fn(x, w).pow(2).sum(), argnums=1), in_dims=(0, None))(xs, w)
+    expected = torch.stack([torch.func.grad(lambda x, w: reference(x, w).pow(2).sum(), argnums=1)(x, w) for x in xs])
+    torch.testing.assert_close(grad_w, expected)

@@ -11,9 +11,9 @@ transposed (a view, never a copy) and the weight gradient ``x_gᵀ @ grad_g`` pe
 import numpy as np
 import torch
 
-from .. import _checks, blockdiag
+from .. import blockdiag
 from ._bridge import check_same_device
-from ._operator import Operator
+from ._operator import Operator, plain_eager
 
 __all__ = ["block_diag_matmul", "grouped_matmul"]
 
@@ -30,7 +30,9 @@ def _grouped_fake(x, w, group_sizes):
 _BLOCK_DIAG = Operator(
     "block_diag_matmul", "(Tensor x, Tensor w) -> Tensor",
     blockdiag.block_diag_matmul_forward, _block_diag_fake,
-    backward=blockdiag.block_diag_matmul_backward, differentiable=(0, 1), leading_batch=(0,))
+    backward=blockdiag.block_diag_matmul_backward, differentiable=(0, 1))
+# No leading_batch: vmap over x alone must give a weight gradient per slice, which one call with
+# the batch folded into x's rows would sum; so vmap makes one call a slice.
 
 # group_sizes crosses as an int64 CPU tensor (checked by the forward, read by the backward).
 _GROUPED = Operator(
@@ -77,8 +79,7 @@ def block_diag_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     >>> w.grad.shape
     torch.Size([4, 8, 2])
     """
-    check_same_device("spchain.torch.block_diag_matmul", x=x, w=w)
-    _checks.dense("spchain.torch.block_diag_matmul", x=x, w=w)
+    _dense_on_one_device("spchain.torch.block_diag_matmul", x=x, w=w)
     return _BLOCK_DIAG(x, w)
 
 
@@ -121,9 +122,17 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, group_sizes) -> torch.Tenso
     [[1.0, 1.0], [3.0, 3.0], [3.0, 3.0]]
     """
     caller = "spchain.torch.grouped_matmul"
-    check_same_device(caller, x=x, w=w)
-    _checks.dense(caller, x=x, w=w)
+    _dense_on_one_device(caller, x=x, w=w)
     return _GROUPED(x, w, group_sizes_tensor(caller, group_sizes, w, x))
+
+
+def _dense_on_one_device(caller: str, **tensors) -> None:
+    """``TypeError`` for a non-tensor or a sparse one (naming its layout), ``ValueError`` for
+    tensors on different devices: the checks that ``torch.compile`` can trace."""
+    check_same_device(caller, **tensors)
+    for name, t in tensors.items():
+        if t.layout != torch.strided:
+            raise TypeError(f"{caller}: {name} is a {t.layout} tensor; it must be a dense (torch.strided) one")
 
 
 def group_sizes_tensor(caller: str, group_sizes, w, x) -> torch.Tensor:
@@ -132,17 +141,17 @@ def group_sizes_tensor(caller: str, group_sizes, w, x) -> torch.Tensor:
     cannot reach backward.
 
     Eager calls check the sizes here, on Python ints (so no size wraps around in the cast to
-    int64) and with ``caller``'s name; an int64 tensor met while compiling or tracing crosses
-    as it is and the operator's forward checks it (a data-dependent check cannot be traced).
+    int64) and with ``caller``'s name; a tensor met while compiling, tracing or under a
+    ``torch.func`` transform is cast as it is and the operator's forward checks it (a
+    data-dependent check cannot be traced).
     """
     if isinstance(group_sizes, torch.Tensor):
         if group_sizes.is_sparse or group_sizes.layout != torch.strided:
             raise TypeError(f"{caller}: group_sizes must be a dense tensor, not a {group_sizes.layout} one")
         if group_sizes.is_floating_point() or group_sizes.is_complex() or group_sizes.dtype == torch.bool:
             raise TypeError(f"{caller}: group_sizes must hold integers, not {str(group_sizes.dtype).removeprefix('torch.')}")
-        if group_sizes.dtype == torch.int64 and (torch.compiler.is_compiling() or isinstance(
-                group_sizes, torch._subclasses.FakeTensor)):
-            return group_sizes.to("cpu")
+        if not plain_eager([group_sizes]):
+            return group_sizes.to(device="cpu", dtype=torch.int64)
         group_sizes = group_sizes.detach().cpu().numpy()
     groups = w.shape[0] if w.ndim == 3 else -1
     rows = x.shape[0] if x.ndim == 2 else -1
