@@ -1,0 +1,227 @@
+"""Every spchain.torch function and module under torch's transforms: torch.compile with no graph
+break, torch.export, torch.func (grad, vmap, jacrev), float16 / bfloat16, and a clear error (never
+a silent first-order answer) for double backward.
+
+One table of cases; each case is a function of dense tensors (sparse operands as their CSR
+components: Dynamo cannot take torch sparse tensors) with small float64 inputs.
+"""
+
+from dataclasses import dataclass
+from typing import Callable
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import spchain.torch as st  # noqa: E402
+
+INDPTR = torch.tensor([0, 2, 2, 3, 5])
+INDICES = torch.tensor([0, 3, 1, 0, 2])
+
+
+def randn(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+@dataclass
+class Case:
+    name: str
+    fn: Callable
+    inputs: Callable  # () -> tuple of float64 tensors, every one differentiable
+    differentiable: bool = True
+    low_precision_rtol: float = 2e-2  # bfloat16; float16 gets a tenth of it
+
+    def __str__(self):
+        return self.name
+
+
+def _chain_inputs():
+    return randn(2, 5, 3), randn(2, 4, 3, 3, seed=1), randn(3, seed=2)
+
+
+CASES = [
+    Case("logmatmul", st.logmatmul, lambda: (randn(2, 3, 4), randn(2, 4, 5, seed=1))),
+    Case("maxmatmul", lambda a, b: st.maxmatmul(a, b)[0], lambda: (randn(2, 3, 4), randn(4, 5, seed=1))),
+    Case("log_chain_product", st.log_chain_product, lambda: (randn(2, 5, 3, 3),)),
+    Case("chain_logsumexp", lambda x, t, i: st.chain_logsumexp(x, t, i, lengths=torch.tensor([5, 3])),
+         _chain_inputs),
+    Case("chain_marginals", lambda x, t, i: st.chain_marginals(x, t, i, lengths=torch.tensor([5, 3])),
+         _chain_inputs, differentiable=False),
+    Case("viterbi", lambda x, t, i: st.viterbi(x, t, i)[0], _chain_inputs),
+    Case("block_diag_matmul", st.block_diag_matmul, lambda: (randn(5, 3, 4), randn(3, 4, 2, seed=1))),
+    Case("grouped_matmul", lambda x, w: st.grouped_matmul(x, w, torch.tensor([2, 0, 3])),
+         lambda: (randn(5, 4), randn(3, 4, 2, seed=1))),
+    Case("sparse_linear", lambda x, v, b: st.sparse_linear(x, v, INDPTR, INDICES, (4, 4), b),
+         lambda: (randn(3, 4), randn(5, seed=1), randn(4, seed=2))),
+]
+DIFFERENTIABLE = [c for c in CASES if c.differentiable]
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _leaves(case):
+    return [t.requires_grad_() for t in case.inputs()]
+
+
+def _eager(case):
+    leaves = _leaves(case)
+    out = case.fn(*leaves)
+    grads = torch.autograd.grad(out.sum(), leaves) if case.differentiable else None
+    return out.detach(), grads
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_compile_fullgraph_has_no_graph_break_and_matches_eager(case):
+    inputs = case.inputs()
+    assert torch._dynamo.explain(case.fn)(*inputs).graph_break_count == 0
+    torch._dynamo.reset()
+    expected, expected_grads = _eager(case)
+    leaves = _leaves(case)
+    out = torch.compile(case.fn, fullgraph=True)(*leaves)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    if case.differentiable:
+        grads = torch.autograd.grad(out.sum(), leaves)
+        for g, e in zip(grads, expected_grads):
+            torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
+
+
+class _Wrap(torch.nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_export_runs_as_eager(case):
+    inputs = case.inputs()
+    program = torch.export.export(_Wrap(case.fn), inputs)
+    assert any("spchain" in str(node.target) for node in program.graph.nodes)
+    torch.testing.assert_close(program.module()(*inputs), case.fn(*inputs), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("case", DIFFERENTIABLE, ids=str)
+def test_func_grad_and_jacrev_match_autograd(case):
+    _, expected = _eager(case)
+    inputs = case.inputs()
+    argnums = tuple(range(len(inputs)))
+    grads = torch.func.grad(lambda *a: case.fn(*a).sum(), argnums=argnums)(*inputs)
+    for g, e in zip(grads, expected):
+        torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
+    jac = torch.func.jacrev(case.fn)(*inputs)
+    torch.testing.assert_close(jac.sum(dim=tuple(range(case.fn(*inputs).dim()))), expected[0], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_vmap_equals_a_loop(case):
+    stacked = [torch.stack([t, t * 0.5 - 0.25]) for t in case.inputs()]
+    out = torch.vmap(case.fn)(*stacked)
+    for k in range(2):
+        torch.testing.assert_close(out[k], case.fn(*(t[k] for t in stacked)), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("case", DIFFERENTIABLE, ids=str)
+def test_per_sample_gradients_equal_a_loop(case):
+    stacked = [torch.stack([t, t * 0.5 - 0.25]) for t in case.inputs()]
+    argnums = tuple(range(len(stacked)))
+    grads = torch.vmap(torch.func.grad(lambda *a: case.fn(*a).sum(), argnums=argnums))(*stacked)
+    for k in range(2):
+        leaves = [t[k].clone().requires_grad_() for t in stacked]
+        expected = torch.autograd.grad(case.fn(*leaves).sum(), leaves)
+        for g, e in zip(grads, expected):
+            torch.testing.assert_close(g[k], e, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("case", DIFFERENTIABLE, ids=str)
+def test_double_backward_raises_instead_of_a_silent_first_order_answer(case):
+    leaves = _leaves(case)
+    with pytest.raises(RuntimeError, match="double backward"):
+        grads = torch.autograd.grad(case.fn(*leaves).sum(), leaves, create_graph=True)
+        sum(g.sum() for g in grads).backward()
+    inputs = case.inputs()
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.functional.hessian(lambda x: case.fn(x, *inputs[1:]).sum(), inputs[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_low_precision_computes_in_float32_and_returns_the_input_dtype(case, dtype):
+    inputs = [t.to(dtype) for t in case.inputs()]
+    reference = case.fn(*(t.double() for t in inputs))
+    leaves = [t.clone().requires_grad_() for t in inputs]
+    out = case.fn(*leaves)
+    assert out.dtype == dtype
+    rtol = case.low_precision_rtol / (10 if dtype == torch.float16 else 1)
+    torch.testing.assert_close(out.double(), reference, rtol=rtol, atol=rtol)
+    if case.differentiable:
+        grads = torch.autograd.grad(out.float().sum(), leaves)
+        assert all(g.dtype == dtype for g in grads)
+
+
+MODULES = {
+    "SparseLinear": (lambda: st.SparseLinear(8, 6, sparsity=0.5, dtype=torch.float64), lambda: (randn(4, 8),)),
+    "BlockDiagonalLinear": (lambda: st.BlockDiagonalLinear(8, 6, groups=2, dtype=torch.float64),
+                            lambda: (randn(4, 8),)),
+    "GroupedLinear": (lambda: st.GroupedLinear(3, 4, 2, dtype=torch.float64),
+                      lambda: (randn(5, 4), torch.tensor([2, 0, 3]))),
+}
+
+
+def _module(name):
+    torch.manual_seed(0)
+    make, inputs = MODULES[name]
+    return make(), inputs()
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_compiled_module_trains_like_eager(name):
+    module, inputs = _module(name)
+    assert torch._dynamo.explain(module)(*inputs).graph_break_count == 0
+    torch._dynamo.reset()
+    expected = module(*inputs)
+    expected_grads = torch.autograd.grad(expected.sum(), list(module.parameters()))
+    out = torch.compile(module, fullgraph=True)(*inputs)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    for g, e in zip(torch.autograd.grad(out.sum(), list(module.parameters())), expected_grads):
+        torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_module_exports(name):
+    module, inputs = _module(name)
+    program = torch.export.export(module, inputs)
+    torch.testing.assert_close(program.module()(*inputs), module(*inputs), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", MODULES)
+def test_module_in_low_precision(name, dtype):
+    module, inputs = _module(name)
+    reference = module(*inputs)
+    module = module.to(dtype)
+    inputs = [t.to(dtype) if t.is_floating_point() else t for t in inputs]
+    out = module(*inputs)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), reference, rtol=5e-2, atol=5e-2)
+    out.float().sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == dtype for p in module.parameters())
+
+
+def test_autocast_bfloat16_model():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), st.SparseLinear(8, 6, sparsity=0.5),
+                                st.BlockDiagonalLinear(6, 4, groups=2))
+    x = torch.randn(4, 8)
+    reference = model(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+    torch.testing.assert_close(out.float(), reference, rtol=5e-2, atol=5e-2)
+    out.float().sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
