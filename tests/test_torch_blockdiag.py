@@ -470,3 +470,15 @@ def test_vmap_over_x_alone_gives_a_weight_gradient_per_sample(op):
     grad_w = torch.vmap(torch.func.grad(lambda x, w: fn(x, w).pow(2).sum(), argnums=1), in_dims=(0, None))(xs, w)
     expected = torch.stack([torch.func.grad(lambda x, w: reference(x, w).pow(2).sum(), argnums=1)(x, w) for x in xs])
     torch.testing.assert_close(grad_w, expected)
+
+
+def test_autocast_bfloat16_model_with_both_modules():
+    torch.manual_seed(0)
+    first, block, grouped = torch.nn.Linear(8, 8), sct.BlockDiagonalLinear(8, 6, groups=2), sct.GroupedLinear(2, 6, 3)
+    x, sizes = torch.randn(4, 8), torch.tensor([1, 3])
+    reference = grouped(block(first(x)), sizes)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = grouped(block(first(x)), sizes)
+    torch.testing.assert_close(out.float(), reference, rtol=5e-2, atol=5e-2)
+    out.float().sum().backward()
+    assert all(p.grad is not None for m in (first, block, grouped) for p in m.parameters())
