@@ -10,8 +10,9 @@ first, which costs at most the size of that operand.
 
 The gradients of both products are products of the same kind: the input gradient is the
 product with the transposed weight, and the weight gradient of group g is
-``x_gᵀ @ grad_g`` (the private ``_block_diag_weight_grad`` and ``_grouped_weight_grad``,
-which ``spchain.torch`` uses in its backward).
+``x_gᵀ @ grad_g``. Each product has a forward/backward pair (``block_diag_matmul_forward`` /
+``block_diag_matmul_backward``, ``grouped_matmul_forward`` / ``grouped_matmul_backward``) that
+``spchain.torch`` makes a torch operator of: the forward validates, the backward trusts it.
 """
 
 import math
@@ -85,9 +86,24 @@ def block_diag_matmul(x, w):
     x, w = dense(caller, x=x, w=w)
     backend = backend_of(x, w, caller=caller)
     dtype = float_dtype(caller, x=x, w=w)
-    if w.ndim != 3 or x.ndim < 2 or x.shape[-2:] != w.shape[:2]:
+    block_diag_matmul_shape(caller, x.shape, w.shape)
+    return _block_diag_product(backend, x, w, dtype)
+
+
+def block_diag_matmul_shape(caller: str, x_shape, w_shape) -> tuple:
+    """The shape of ``block_diag_matmul(x, w)``; ``ValueError`` if the shapes do not match.
+
+    The one shape rule, used by the product and by the torch operator's fake implementation.
+    """
+    x_shape, w_shape = tuple(x_shape), tuple(w_shape)
+    if len(w_shape) != 3 or len(x_shape) < 2 or x_shape[-2:] != w_shape[:2]:
         raise ValueError(f"{caller}: x (..., G, d_in) and w (G, d_in, d_out) do not match: "
-                         f"x has shape {x.shape}, w has shape {w.shape}")
+                         f"x has shape {x_shape}, w has shape {w_shape}")
+    return x_shape[:-1] + w_shape[2:]
+
+
+def _block_diag_product(backend, x, w, dtype):
+    """``block_diag_matmul`` of checked operands, in ``dtype``."""
     groups, d_in, d_out = w.shape
     xp = backend.xp
     with backend.use():
@@ -103,6 +119,34 @@ def block_diag_matmul(x, w):
                 out=out.reshape(rows, groups, d_out).swapaxes(0, 1),
             )
     return out
+
+
+def block_diag_matmul_forward(x, w):
+    """:func:`block_diag_matmul`, as the forward of the pair that ``spchain.torch`` differentiates.
+
+    Returns the product only (the backward needs no residuals: it reuses ``x`` and ``w``).
+    """
+    return block_diag_matmul(x, w)
+
+
+def block_diag_matmul_backward(inputs, results, grads, needs):
+    """The gradients ``(grad_x, grad_w)`` of :func:`block_diag_matmul_forward`, ``None`` where
+    ``needs`` is false.
+
+    ``inputs`` are ``(x, w)`` as checked by the forward and ``grads`` the incoming gradient of
+    its result: ``grad_x`` is the same product with ``w`` transposed (a view, never a copy),
+    ``grad_w[g] = Σ_rows x_gᵀ grad_g``. Nothing is validated again.
+    """
+    x, w = inputs
+    grad = grads[0]
+    need_x, need_w = needs
+    backend = backend_of(x, w, grad)
+    if grad.ndim > x.ndim:  # torch.func maps the backward over stacked incoming gradients (jacrev)
+        return _per_gradient(backend, block_diag_matmul_backward, inputs, results, grad, needs)
+    grad_x = _block_diag_product(backend, grad, w.swapaxes(1, 2), np.promote_types(grad.dtype, w.dtype)) \
+        if need_x else None
+    grad_w = _block_diag_weight_grad(x, grad) if need_w else None
+    return grad_x, grad_w
 
 
 def _block_diag_weight_grad(x, grad):
@@ -209,6 +253,11 @@ def grouped_matmul(x, w, group_sizes):
         raise ValueError(f"{caller}: x (N, d_in) and w (G, d_in, d_out) do not match: "
                          f"x has shape {x.shape}, w has shape {w.shape}")
     sizes = _check_group_sizes(caller, group_sizes, w.shape[0], x.shape[0])
+    return _grouped_product(backend, x, w, sizes, dtype)
+
+
+def _grouped_product(backend, x, w, sizes, dtype):
+    """``grouped_matmul`` of checked operands and int64 ``sizes``, in ``dtype``."""
     xp = backend.xp
     with backend.use():
         x = _blas_layout(xp, x.astype(dtype, copy=False))
@@ -217,6 +266,52 @@ def grouped_matmul(x, w, group_sizes):
         for g, rows in _row_slices(sizes):
             _backend.matmul(xp, x[rows], w[g], out=out[rows])
     return out
+
+
+def grouped_matmul_forward(x, w, group_sizes):
+    """:func:`grouped_matmul`, as the forward of the pair that ``spchain.torch`` differentiates.
+
+    Returns the product only; the backward reuses ``x``, ``w`` and ``group_sizes``.
+    """
+    return grouped_matmul(x, w, group_sizes)
+
+
+def grouped_matmul_backward(inputs, results, grads, needs):
+    """The gradients ``(grad_x, grad_w)`` of :func:`grouped_matmul_forward`, ``None`` where
+    ``needs`` is false.
+
+    ``inputs`` are ``(x, w, group_sizes)`` as checked by the forward (``group_sizes`` integers on
+    the host); ``grad_x`` is the grouped product of the incoming gradient with ``w`` transposed,
+    ``grad_w[g] = x_gᵀ grad_g`` (zeros for an empty group). Nothing is validated again.
+    """
+    x, w, group_sizes = inputs
+    grad = grads[0]
+    need_x, need_w = needs
+    backend = backend_of(x, w, grad)
+    if grad.ndim > x.ndim:  # torch.func maps the backward over stacked incoming gradients (jacrev)
+        return _per_gradient(backend, grouped_matmul_backward, inputs, results, grad, needs)
+    sizes = np.asarray(group_sizes, np.int64)
+    grad_x = _grouped_product(backend, grad, w.swapaxes(1, 2), sizes, np.promote_types(grad.dtype, w.dtype)) \
+        if need_x else None
+    grad_w = _grouped_weight_grad(x, grad, sizes) if need_w else None
+    return grad_x, grad_w
+
+
+def _per_gradient(backend, backward, inputs, results, grad, needs):
+    """``backward`` for a ``grad`` with leading axes of its own: one call per incoming gradient,
+    the gradients stacked along those axes."""
+    own = inputs[0].ndim  # the result has x's number of axes
+    lead = grad.shape[:grad.ndim - own]
+    gradients = [backward(inputs, results, [g], needs) for g in grad.reshape(-1, *grad.shape[len(lead):])]
+    out = []
+    for k, (a, need) in enumerate(zip(inputs, needs)):
+        if not need:
+            out.append(None)
+        elif gradients:
+            out.append(backend.xp.stack([g[k] for g in gradients]).reshape(lead + a.shape))
+        else:
+            out.append(backend.xp.zeros(lead + a.shape, grad.dtype))
+    return tuple(out)
 
 
 def _grouped_weight_grad(x, grad, sizes):

@@ -102,3 +102,10 @@ def test_the_readme_asv_quick_command_saves_results(tmp_path):
              if p.name not in ("machine.json", "benchmarks.json")]
     times = [t for r in saved if r["commit_hash"] == head for t in r["results"]["semiring.LogMatmul.time_run"][0]]
     assert len(times) == 4 and all(isinstance(t, float) and 0 < t < 60 for t in times), run.stdout
+
+
+def test_torch_layer_has_a_compiled_case_for_each_module_and_small_call_cases():
+    cases = bench.workload("torch-layer").CASES
+    assert {"compiled BlockDiagonalLinear", "compiled GroupedLinear"} <= set(cases)
+    assert {"small SparseLinear(64, 64)", "small logmatmul 4x4", "small block_diag_matmul"} <= set(cases)
+    assert list(bench.make_case("torch-layer", "compiled GroupedLinear", quick=True).methods) == ["spchain", "eager"]

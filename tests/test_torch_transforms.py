@@ -52,6 +52,9 @@ CASES = [
                                                                  lengths=torch.tensor([5, 3])), _chain_inputs),
     Case("chain_kbest", lambda x, t, i: st.chain_kbest(x, t, i, k=3, lengths=torch.tensor([5, 3]))[0], _chain_inputs,
          differentiable=False),
+    Case("block_diag_matmul", st.block_diag_matmul, lambda: (randn(5, 3, 4), randn(3, 4, 2, seed=1))),
+    Case("grouped_matmul", lambda x, w: st.grouped_matmul(x, w, torch.tensor([2, 0, 3])),
+         lambda: (randn(5, 4), randn(3, 4, 2, seed=1))),
 ]
 # chain_sample draws integer paths, so it is not in the table: low precision does not apply (no
 # float results, and rounded inputs may rightly change a draw) and vmap makes one call a slice, each
@@ -218,3 +221,64 @@ def test_crf_nll_exports():
     program = torch.export.export(module, inputs)
     assert any("spchain" in str(node.target) for node in program.graph.nodes)
     torch.testing.assert_close(program.module()(*inputs), module(*inputs), rtol=1e-12, atol=1e-12)
+
+
+MODULES = {
+    "BlockDiagonalLinear": (lambda: st.BlockDiagonalLinear(8, 6, groups=2, dtype=torch.float64),
+                            lambda: (randn(4, 8),)),
+    "GroupedLinear": (lambda: st.GroupedLinear(3, 4, 2, dtype=torch.float64),
+                      lambda: (randn(5, 4), torch.tensor([2, 0, 3]))),
+}
+
+
+def _module(name):
+    torch.manual_seed(0)
+    make, inputs = MODULES[name]
+    return make(), inputs()
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_compiled_module_trains_like_eager(name):
+    module, inputs = _module(name)
+    assert torch._dynamo.explain(module)(*inputs).graph_break_count == 0
+    torch._dynamo.reset()
+    expected = module(*inputs)
+    expected_grads = torch.autograd.grad(expected.sum(), list(module.parameters()))
+    out = torch.compile(module, fullgraph=True)(*inputs)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    for g, e in zip(torch.autograd.grad(out.sum(), list(module.parameters())), expected_grads):
+        torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_module_exports(name):
+    module, inputs = _module(name)
+    program = torch.export.export(module, inputs)
+    torch.testing.assert_close(program.module()(*inputs), module(*inputs), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", MODULES)
+def test_module_in_low_precision(name, dtype):
+    module, inputs = _module(name)
+    reference = module(*inputs)
+    module = module.to(dtype)
+    inputs = [t.to(dtype) if t.is_floating_point() else t for t in inputs]
+    out = module(*inputs)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), reference, rtol=5e-2, atol=5e-2)
+    out.float().sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == dtype for p in module.parameters())
+
+
+def test_autocast_bfloat16_model():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), st.SparseLinear(8, 6, sparsity=0.5),
+                                st.BlockDiagonalLinear(6, 4, groups=2))
+    x = torch.randn(4, 8)
+    reference = model(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+    torch.testing.assert_close(out.float(), reference, rtol=5e-2, atol=5e-2)
+    out.float().sum().backward()
+    assert all(p.grad is not None for p in model.parameters())

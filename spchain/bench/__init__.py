@@ -28,6 +28,7 @@ WORKLOADS = {
     "grouped": "grouped",
     "chains-at-scale": "dask",
     "crf": "crf",
+    "torch-layer": "torch_layer",
 }
 """Workload name → module (relative to this package) with ``CASES`` and ``make_case``."""
 

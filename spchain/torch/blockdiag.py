@@ -1,56 +1,44 @@
-"""Block-diagonal and grouped matmul for torch tensors, with autograd, and their modules.
+"""Block-diagonal and grouped matmul for torch tensors, with autograd.
 
-Forward and backward run the array-level products of ``spchain.blockdiag`` on zero-copy
-NumPy/CuPy views of the tensors. Backward saves only ``x`` and ``w``: the input gradient
-is the same product with ``w`` transposed (a view, never a copy) and the weight gradient
-``x_gᵀ @ grad_g`` per group.
+``spchain::block_diag_matmul`` and ``spchain::grouped_matmul`` are torch operators (see
+:class:`~spchain.torch._operator.Operator`) over the array-level pairs of ``spchain.blockdiag``,
+run on zero-copy NumPy/CuPy views of the tensors: they work under ``torch.compile``,
+``torch.export`` and ``torch.func``, and take float16/bfloat16 inputs (computed in float32).
+The backward reuses ``x`` and ``w``: the input gradient is the same product with ``w``
+transposed (a view, never a copy) and the weight gradient ``x_gᵀ @ grad_g`` per group.
 """
-
-import contextlib
-import math
-import numbers
 
 import numpy as np
 import torch
-from torch import nn
 
-from .. import _checks, blockdiag
-from ._bridge import check_same_device, first_order, on_device, to_array, to_tensor
+from .. import blockdiag
+from ._bridge import check_same_device
+from ._operator import Operator, plain_eager
 
-
-@contextlib.contextmanager
-def _on(device: torch.device):
-    """``on_device(device)``, with NumPy's floating-point warnings off (torch never warns on inf or NaN)."""
-    with on_device(device), np.errstate(all="ignore"):
-        yield
+__all__ = ["block_diag_matmul", "grouped_matmul"]
 
 
-class _PerGroupMatmul(torch.autograd.Function):
-    """``product(x, w, *extra)``, differentiable in ``x`` and ``w``.
+def _block_diag_fake(x, w):
+    shape = blockdiag.block_diag_matmul_shape("spchain.torch.block_diag_matmul", x.shape, w.shape)
+    return x.new_empty(shape, dtype=torch.promote_types(x.dtype, w.dtype))
 
-    ``product`` is an array-level per-group product and ``weight_grad`` its gradient in
-    ``w``; the gradient in ``x`` is ``product`` again, with ``w`` transposed (a view).
-    """
 
-    @staticmethod
-    def forward(ctx, x, w, product, weight_grad, *extra):
-        ctx.save_for_backward(x, w)
-        ctx.product, ctx.weight_grad, ctx.extra = product, weight_grad, extra
-        with _on(x.device):
-            return to_tensor(product(to_array(x), to_array(w), *extra))
+def _grouped_fake(x, w, group_sizes):
+    return x.new_empty((x.shape[0], w.shape[2]), dtype=torch.promote_types(x.dtype, w.dtype))
 
-    @staticmethod
-    @first_order("spchain.torch.block_diag_matmul / grouped_matmul")
-    def backward(ctx, grad):
-        x, w = ctx.saved_tensors
-        grad_x = grad_w = None
-        with _on(grad.device):
-            grad = to_array(grad)
-            if ctx.needs_input_grad[0]:
-                grad_x = to_tensor(ctx.product(grad, to_array(w).swapaxes(1, 2), *ctx.extra)).to(x.dtype)
-            if ctx.needs_input_grad[1]:
-                grad_w = to_tensor(ctx.weight_grad(to_array(x), grad, *ctx.extra)).to(w.dtype)
-        return grad_x, grad_w, None, None, *(None for _ in ctx.extra)
+
+_BLOCK_DIAG = Operator(
+    "block_diag_matmul", "(Tensor x, Tensor w) -> Tensor",
+    blockdiag.block_diag_matmul_forward, _block_diag_fake,
+    backward=blockdiag.block_diag_matmul_backward, differentiable=(0, 1))
+# No leading_batch: vmap over x alone must give a weight gradient per slice, which one call with
+# the batch folded into x's rows would sum; so vmap makes one call a slice.
+
+# group_sizes crosses as an int64 CPU tensor (checked by the forward, read by the backward).
+_GROUPED = Operator(
+    "grouped_matmul", "(Tensor x, Tensor w, Tensor group_sizes) -> Tensor",
+    blockdiag.grouped_matmul_forward, _grouped_fake,
+    backward=blockdiag.grouped_matmul_backward, differentiable=(0, 1))
 
 
 def block_diag_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -63,20 +51,21 @@ def block_diag_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     Parameters
     ----------
     x : Tensor, shape (..., G, d_in)
-        float32 or float64, CPU or CUDA.
+        float32 or float64 (float16 and bfloat16 computed in float32), CPU or CUDA.
     w : Tensor, shape (G, d_in, d_out)
         On ``x``'s device.
 
     Returns
     -------
     Tensor, shape (..., G, d_out)
+        In the promoted dtype of ``x`` and ``w``.
 
     Raises
     ------
     ValueError
         If the shapes do not match or the tensors are on different devices.
     TypeError
-        For a non-tensor or an unsupported dtype (bfloat16, float16, integers).
+        For a non-tensor or an unsupported dtype (integers, complex).
 
     Examples
     --------
@@ -90,9 +79,8 @@ def block_diag_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     >>> w.grad.shape
     torch.Size([4, 8, 2])
     """
-    check_same_device("spchain.torch.block_diag_matmul", x=x, w=w)
-    _checks.dense("spchain.torch.block_diag_matmul", x=x, w=w)
-    return _PerGroupMatmul.apply(x, w, blockdiag.block_diag_matmul, blockdiag._block_diag_weight_grad)
+    _dense_on_one_device("spchain.torch.block_diag_matmul", x=x, w=w)
+    return _BLOCK_DIAG(x, w)
 
 
 def grouped_matmul(x: torch.Tensor, w: torch.Tensor, group_sizes) -> torch.Tensor:
@@ -105,7 +93,8 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, group_sizes) -> torch.Tenso
     Parameters
     ----------
     x : Tensor, shape (N, d_in)
-        float32 or float64, CPU or CUDA; rows sorted by group.
+        float32 or float64 (float16 and bfloat16 computed in float32), CPU or CUDA; rows
+        sorted by group.
     w : Tensor, shape (G, d_in, d_out)
         On ``x``'s device.
     group_sizes : sequence of int or integer Tensor, shape (G,)
@@ -133,164 +122,40 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, group_sizes) -> torch.Tenso
     [[1.0, 1.0], [3.0, 3.0], [3.0, 3.0]]
     """
     caller = "spchain.torch.grouped_matmul"
-    check_same_device(caller, x=x, w=w)
-    _checks.dense(caller, x=x, w=w)
-    sizes = _group_sizes(caller, group_sizes, w, x)
-    return _PerGroupMatmul.apply(x, w, blockdiag.grouped_matmul, blockdiag._grouped_weight_grad, sizes)
+    _dense_on_one_device(caller, x=x, w=w)
+    return _GROUPED(x, w, group_sizes_tensor(caller, group_sizes, w, x))
 
 
-def _group_sizes(caller: str, group_sizes, w, x) -> np.ndarray:
-    """``group_sizes`` (a sequence, an array, or an integer tensor on any device) as a checked
-    host int64 array: a copy, so the caller changing its sizes later cannot reach backward."""
+def _dense_on_one_device(caller: str, **tensors) -> None:
+    """``TypeError`` for a non-tensor or a sparse one (naming its layout), ``ValueError`` for
+    tensors on different devices: the checks that ``torch.compile`` can trace."""
+    check_same_device(caller, **tensors)
+    for name, t in tensors.items():
+        if t.layout != torch.strided:
+            raise TypeError(f"{caller}: {name} is a {t.layout} tensor; it must be a dense (torch.strided) one")
+
+
+def group_sizes_tensor(caller: str, group_sizes, w, x) -> torch.Tensor:
+    """``group_sizes`` (a sequence, an array, or an integer tensor of any dtype on any device) as
+    the int64 CPU tensor the operator takes: a copy, so the caller changing its sizes later
+    cannot reach backward.
+
+    Eager calls check the sizes here, on Python ints (so no size wraps around in the cast to
+    int64) and with ``caller``'s name; a tensor met while compiling, tracing or under a
+    ``torch.func`` transform is cast as it is and the operator's forward checks it (a
+    data-dependent check cannot be traced).
+    """
     if isinstance(group_sizes, torch.Tensor):
         if group_sizes.is_sparse or group_sizes.layout != torch.strided:
             raise TypeError(f"{caller}: group_sizes must be a dense tensor, not a {group_sizes.layout} one")
         if group_sizes.is_floating_point() or group_sizes.is_complex() or group_sizes.dtype == torch.bool:
             raise TypeError(f"{caller}: group_sizes must hold integers, not {str(group_sizes.dtype).removeprefix('torch.')}")
+        if not plain_eager([group_sizes]):
+            return group_sizes.to(device="cpu", dtype=torch.int64)
         group_sizes = group_sizes.detach().cpu().numpy()
     groups = w.shape[0] if w.ndim == 3 else -1
     rows = x.shape[0] if x.ndim == 2 else -1
     if groups < 0 or rows < 0:
-        return np.asarray(group_sizes)  # the array level names the bad shapes
-    return blockdiag._check_group_sizes(caller, group_sizes, groups, rows)
-
-
-class _PerGroupLinear(nn.Module):
-    """A (G, d_in, d_out) weight and an optional bias, initialised like ``nn.Linear`` per group.
-
-    Every entry is drawn from U(-1/√d_in, 1/√d_in), d_in being one group's fan-in: what
-    ``nn.Linear(d_in, d_out)`` does for each group's weight and bias.
-    """
-
-    def __init__(self, groups, d_in, d_out, bias_shape, bias, device, dtype):
-        super().__init__()
-        factory = {"device": device, "dtype": dtype}
-        self.weight = nn.Parameter(torch.empty(groups, d_in, d_out, **factory))
-        if bias:
-            self.bias = nn.Parameter(torch.empty(bias_shape, **factory))
-        else:
-            self.register_parameter("bias", None)
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        fan_in = self.weight.shape[1]
-        bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0.0
-        nn.init.uniform_(self.weight, -bound, bound)
-        if self.bias is not None:
-            nn.init.uniform_(self.bias, -bound, bound)
-
-
-def _check_sizes(name: str, **sizes) -> None:
-    """``TypeError`` unless every size is an int; ``ValueError`` unless ``groups`` ≥ 1 and the others ≥ 0."""
-    for key, value in sizes.items():
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise TypeError(f"{name}: {key} must be an int, got {value!r}")
-        if value < (1 if key == "groups" else 0):
-            raise ValueError(f"{name}: {key} must be {'positive' if key == 'groups' else 'non-negative'}, got {value}")
-
-
-class BlockDiagonalLinear(_PerGroupLinear):
-    """A linear layer whose weight is block-diagonal: G independent ``nn.Linear`` maps.
-
-    The input's last axis (``in_features``) is cut into ``groups`` blocks of
-    ``in_features // groups`` features; block g is mapped by ``weight[g]`` to
-    ``out_features // groups`` outputs, and the blocks are concatenated (grouped
-    convolution's 1×1 case). Runs :func:`block_diag_matmul`; memory stays O(input + output).
-
-    Parameters
-    ----------
-    in_features, out_features : int
-        Both divisible by ``groups`` (else ``ValueError``).
-    groups : int
-        Number of diagonal blocks.
-    bias : bool
-        Learn an additive bias of shape (out_features,).
-    device, dtype : optional
-        Where and how to create the parameters, as for ``nn.Linear``.
-
-    Attributes
-    ----------
-    weight : Parameter, shape (groups, in_features // groups, out_features // groups)
-    bias : Parameter, shape (out_features,), or None
-
-    Examples
-    --------
-    >>> import torch, spchain.torch as sct
-    >>> layer = sct.BlockDiagonalLinear(512, 256, groups=8)
-    >>> layer
-    BlockDiagonalLinear(in_features=512, out_features=256, groups=8, bias=True)
-    >>> layer(torch.randn(32, 10, 512)).shape
-    torch.Size([32, 10, 256])
-    """
-
-    def __init__(self, in_features: int, out_features: int, groups: int, bias: bool = True, *,
-                 device=None, dtype=None):
-        _check_sizes("BlockDiagonalLinear", in_features=in_features, out_features=out_features, groups=groups)
-        if in_features % groups or out_features % groups:
-            raise ValueError(f"BlockDiagonalLinear: in_features ({in_features}) and out_features "
-                             f"({out_features}) must be divisible by groups ({groups})")
-        super().__init__(groups, in_features // groups, out_features // groups, (out_features,), bias, device, dtype)
-        self.in_features, self.out_features, self.groups = in_features, out_features, groups
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.ndim < 1 or x.shape[-1] != self.in_features:
-            raise ValueError(f"BlockDiagonalLinear: input must be (..., {self.in_features}), got {tuple(x.shape)}")
-        y = block_diag_matmul(x.unflatten(-1, self.weight.shape[:2]), self.weight).flatten(-2)
-        return y if self.bias is None else y.add_(self.bias)
-
-    def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"groups={self.groups}, bias={self.bias is not None}")
-
-
-class GroupedLinear(_PerGroupLinear):
-    """G linear layers, one per contiguous group of rows (the experts of a mixture of experts).
-
-    ``forward(x, group_sizes)`` maps the rows of group g by ``x_g @ weight[g] + bias[g]``,
-    through :func:`grouped_matmul`: one BLAS/cuBLAS product per group, nothing of size G × N.
-
-    Parameters
-    ----------
-    groups : int
-        Number of groups (experts).
-    in_features, out_features : int
-        Sizes of each row's input and output.
-    bias : bool
-        Learn one bias per group, shape (groups, out_features).
-    device, dtype : optional
-        Where and how to create the parameters, as for ``nn.Linear``.
-
-    Attributes
-    ----------
-    weight : Parameter, shape (groups, in_features, out_features)
-    bias : Parameter, shape (groups, out_features), or None
-
-    Examples
-    --------
-    >>> import torch, spchain.torch as sct
-    >>> layer = sct.GroupedLinear(4, 16, 32)
-    >>> layer
-    GroupedLinear(groups=4, in_features=16, out_features=32, bias=True)
-    >>> layer(torch.randn(10, 16), [3, 0, 5, 2]).shape
-    torch.Size([10, 32])
-    """
-
-    def __init__(self, groups: int, in_features: int, out_features: int, bias: bool = True, *,
-                 device=None, dtype=None):
-        _check_sizes("GroupedLinear", groups=groups, in_features=in_features, out_features=out_features)
-        super().__init__(groups, in_features, out_features, (groups, out_features), bias, device, dtype)
-        self.groups, self.in_features, self.out_features = groups, in_features, out_features
-
-    def forward(self, x: torch.Tensor, group_sizes) -> torch.Tensor:
-        if x.ndim != 2 or x.shape[1] != self.in_features:
-            raise ValueError(f"GroupedLinear: input must be (N, {self.in_features}), got {tuple(x.shape)}")
-        sizes = _group_sizes("GroupedLinear", group_sizes, self.weight, x)
-        y = grouped_matmul(x, self.weight, sizes)
-        if self.bias is None:
-            return y
-        sizes = torch.from_numpy(sizes).to(self.bias.device)
-        return y.add_(torch.repeat_interleave(self.bias, sizes, dim=0, output_size=y.shape[0]))
-
-    def extra_repr(self) -> str:
-        return (f"groups={self.groups}, in_features={self.in_features}, "
-                f"out_features={self.out_features}, bias={self.bias is not None}")
+        sizes = np.asarray(group_sizes)
+        return torch.from_numpy(sizes.astype(np.int64)) if sizes.dtype.kind in "iu" else torch.zeros(0, dtype=torch.int64)
+    return torch.from_numpy(blockdiag._check_group_sizes(caller, group_sizes, groups, rows))

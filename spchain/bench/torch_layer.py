@@ -1,0 +1,104 @@
+"""The torch-layer workload: spchain's modules under ``torch.compile``, and small calls (issue 11).
+
+- ``compiled <Module>``: a small model, Linear → module → ReLU → Linear, forward + backward,
+  compiled with ``torch.compile`` (method ``spchain``) beside the same model in eager mode:
+  the compiled one must be no slower.
+- ``small <op>``: tiny sizes, where the call overhead dominates, forward + backward, beside the
+  torch op that the spchain call replaces (``nn.Linear``, the broadcasting logsumexp, einsum).
+"""
+
+import copy
+
+import torch
+from torch import nn
+
+from .. import torch as st
+from .core import Case
+
+CASES = ["compiled BlockDiagonalLinear", "compiled GroupedLinear",
+         "small SparseLinear(64, 64)", "small logmatmul 4x4", "small block_diag_matmul"]
+SIZES = {False: (2048, 512), True: (32, 32)}  # (rows, features) of the compiled models
+GROUPS = 4
+
+
+class _Model(nn.Module):
+    """Linear → ``layer`` → ReLU → Linear; ``extra`` (group sizes) goes to ``layer``."""
+
+    def __init__(self, layer, features):
+        super().__init__()
+        self.first, self.layer, self.last = nn.Linear(features, features), layer, nn.Linear(features, features)
+
+    def forward(self, x, *extra):
+        return self.last(torch.relu(self.layer(self.first(x), *extra)))
+
+
+def _layer(name, features):
+    if name == "compiled BlockDiagonalLinear":
+        return st.BlockDiagonalLinear(features, features, groups=GROUPS), ()
+    sizes = [features // 2 - 1, 1, 0] + [0] * (GROUPS - 3)
+    return st.GroupedLinear(GROUPS, features, features), sizes
+
+
+def _compiled_case(name, quick, device):
+    rows, features = SIZES[quick]
+    torch.manual_seed(0)
+    layer, sizes = _layer(name, features)
+    model = _Model(layer, features).to(device)
+    x = torch.randn(rows, features, device=device)
+    extra = () if not sizes else (torch.tensor([rows - sum(sizes[1:])] + sizes[1:]),)
+    compiled = torch.compile(model)
+    double = copy.deepcopy(model).double()
+    return Case("torch-layer", name, {"spchain": _step(compiled, model, x, extra, device),
+                                      "eager": _step(model, model, x, extra, device)},
+                lambda: _step(double, double, x.double(), extra, device)(), device)
+
+
+def _step(fn, model, x, extra, device):
+    """Forward + backward of ``fn``: the output and the parameters' gradients."""
+    def run():
+        model.zero_grad(set_to_none=True)
+        out = fn(x, *extra)
+        out.sum().backward()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return (out.detach(), *(p.grad for p in model.parameters()))
+    return run
+
+
+def _small_case(name, device):
+    g = torch.Generator().manual_seed(0)
+    if name == "small SparseLinear(64, 64)":
+        torch.manual_seed(0)
+        layer = st.SparseLinear(64, 64, sparsity=0.0).to(device)
+        dense = nn.Linear(64, 64).to(device)
+        with torch.no_grad():
+            dense.weight.copy_(layer(torch.eye(64, device=device)).T - layer.bias[:, None])
+            dense.bias.copy_(layer.bias)
+        inputs = [torch.randn(16, 64, generator=g).to(device).requires_grad_()]
+        ours, theirs = layer, dense
+    elif name == "small logmatmul 4x4":
+        inputs = [torch.randn(4, 4, generator=g).to(device).requires_grad_() for _ in range(2)]
+        ours, theirs = st.logmatmul, lambda a, b: torch.logsumexp(a[:, :, None] + b[None, :, :], dim=1)
+    else:
+        inputs = [torch.randn(8, 4, 4, generator=g).to(device).requires_grad_(),
+                  torch.randn(4, 4, 4, generator=g).to(device).requires_grad_()]
+        ours, theirs = st.block_diag_matmul, lambda x, w: torch.einsum("rgi,gio->rgo", x, w)
+
+    def timed(fn):
+        def run():
+            out = fn(*inputs)
+            grads = torch.autograd.grad(out.sum(), inputs)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            return (out.detach(), *grads)
+        return run
+
+    # The reference is the torch op itself: these cases time calls, the others check values.
+    return Case("torch-layer", name, {"spchain": timed(ours), "torch": timed(theirs)},
+                lambda: tuple(t.double() for t in timed(theirs)()), device)
+
+
+def make_case(name: str, quick: bool, device: str = "cpu") -> Case:
+    if name.startswith("compiled"):
+        return _compiled_case(name, quick, device)
+    return _small_case(name, device)
