@@ -2,9 +2,9 @@
 
 Each public function of the array API carries ``@scales_out``. A call with no
 ``dask.array.Array`` argument goes straight to the function; a call with one goes to the
-function of the same name in ``_dask_array`` (products) or ``_dask_chain`` (chains), which
-build a lazy Dask graph whose tasks call the ordinary in-memory function on NumPy or CuPy
-chunks. Dask itself is imported only then, so ``import spchain`` never imports it.
+function of the same name in ``_dask_array`` (products), ``_dask_chain`` (chains) or
+``_dask_paths`` (paths), which build a lazy Dask graph whose tasks call the ordinary in-memory
+function on NumPy or CuPy chunks. Dask itself is imported only then, so ``import spchain`` never imports it.
 """
 
 import functools
@@ -12,7 +12,10 @@ import importlib
 
 from . import _backend
 
-_CHAIN_FUNCTIONS = {"chain_logsumexp", "chain_marginals", "viterbi"}
+_MODULES = {"chain_logsumexp": "_dask_chain", "chain_marginals": "_dask_chain", "viterbi": "_dask_chain",
+            "chain_sample": "_dask_paths", "chain_entropy": "_dask_paths", "chain_kbest": "_dask_paths",
+            "chain_path_score": "_dask_paths"}
+"""The module of each function's Dask version, other than ``_dask_array`` (the products)."""
 
 
 def scales_out(fn):
@@ -21,7 +24,7 @@ def scales_out(fn):
     @functools.wraps(fn)
     def dispatch(*args, **kwargs):
         if any(_backend.is_dask(a) for a in (*args, *kwargs.values())):
-            module = "_dask_chain" if fn.__name__ in _CHAIN_FUNCTIONS else "_dask_array"
+            module = _MODULES.get(fn.__name__, "_dask_array")
             return getattr(importlib.import_module(f".{module}", __package__), fn.__name__)(*args, **kwargs)
         return fn(*args, **kwargs)
 

@@ -29,14 +29,16 @@ from functools import partial
 import dask.array as da
 import numpy as np
 
-from . import _backend, chain, semiring
+from . import _backend, _checks, chain, semiring
 from ._dask_array import LETTERS as _LETTERS
 from ._dask_array import as_dask, batch_index, batch_shape, blockwise, gathered, part, probe, tree_product, xp_of
 
 
-def _inputs(x, log_trans, log_init, lengths, caller: str):
-    """Validated Dask inputs, their batch dimension count, whether ``log_trans`` is per step,
-    and the in-memory function's result on probes (dtype, errors)."""
+def _inputs(fn, x, log_trans, log_init, lengths, path=None, **options):
+    """Validated Dask inputs, their broadcast batch shape, whether ``log_trans`` is per step,
+    and the in-memory function ``fn``'s result on probes (dtype, errors). ``path`` is
+    :func:`spchain.chain_path_score`'s; ``options`` are ``fn``'s other keyword arguments."""
+    caller = f"spchain.{fn.__name__}"
     if lengths is not None and not hasattr(lengths, "dtype"):
         lengths = np.asarray(lengths)
     x = as_dask(x)
@@ -44,15 +46,17 @@ def _inputs(x, log_trans, log_init, lengths, caller: str):
     t_core = 3 if per_step else 2
     probes = (probe(x, 2), probe(log_trans, t_core), probe(log_init, 1),
               None if lengths is None else xp_of(lengths).ones((1,) * lengths.ndim, lengths.dtype))
-    result = getattr(chain, caller.rsplit(".", 1)[1])(*probes[:3], lengths=probes[3])
+    with_path = {} if path is None else {"path": probe(path, 1)}
+    result = fn(*probes[:3], lengths=probes[3], **with_path, **options)
     shape = batch_shape(caller, x=x.shape[:-2], log_trans=log_trans.shape[:-t_core],
                         log_init=() if log_init is None else log_init.shape[:-1],
-                        lengths=() if lengths is None else lengths.shape)
-    dtype = (result[0] if isinstance(result, tuple) else result).dtype
+                        lengths=() if lengths is None else lengths.shape,
+                        path=() if path is None else path.shape[:-1])
+    dtype = _checks.float_dtype(caller, x=x, log_trans=log_trans, log_init=log_init)
     x = x.astype(dtype, copy=False).rechunk({-1: -1})
     log_trans = gathered(log_trans.astype(dtype, copy=False), range(-t_core, 0))
     log_init = None if log_init is None else gathered(log_init.astype(dtype, copy=False), [-1])
-    return x, log_trans, log_init, lengths, len(shape), per_step, result
+    return x, log_trans, log_init, lengths, shape, per_step, result
 
 
 def _args(x, log_trans, log_init, lengths, per_step: bool):
@@ -88,8 +92,9 @@ def _broadcast_chunks(x, nb: int):
 
 
 def chain_logsumexp(x, log_trans, log_init=None, *, lengths=None):
-    x, log_trans, log_init, lengths, nb, per_step, result = _inputs(
-        x, log_trans, log_init, lengths, "spchain.chain_logsumexp")
+    x, log_trans, log_init, lengths, shape, per_step, result = _inputs(
+        chain.chain_logsumexp, x, log_trans, log_init, lengths)
+    nb = len(shape)
     meta = xp_of(x).empty((0,) * nb, result.dtype)
     if x.numblocks[-2] > 1:
         product = tree_product(_transfer_matrices(x, log_trans, log_init, lengths, nb, per_step, result.dtype))
@@ -99,8 +104,9 @@ def chain_logsumexp(x, log_trans, log_init=None, *, lengths=None):
 
 
 def chain_marginals(x, log_trans, log_init=None, *, lengths=None):
-    x, log_trans, log_init, lengths, nb, per_step, result = _inputs(
-        x, log_trans, log_init, lengths, "spchain.chain_marginals")
+    x, log_trans, log_init, lengths, shape, per_step, result = _inputs(
+        chain.chain_marginals, x, log_trans, log_init, lengths)
+    nb = len(shape)
     x_shape = x.shape
     meta = xp_of(x).empty((0,) * (nb + 2), result.dtype)
     if x.numblocks[-2] > 1:
@@ -113,8 +119,9 @@ def chain_marginals(x, log_trans, log_init=None, *, lengths=None):
 
 
 def viterbi(x, log_trans, log_init=None, *, lengths=None):
-    x, log_trans, log_init, lengths, nb, per_step, (score, path) = _inputs(
-        x, log_trans, log_init, lengths, "spchain.viterbi")
+    x, log_trans, log_init, lengths, shape, per_step, (score, path) = _inputs(
+        chain.viterbi, x, log_trans, log_init, lengths)
+    nb = len(shape)
     args, cores = _args(x.rechunk({-2: -1}), log_trans, log_init, lengths, per_step)
     pairs = blockwise(chain.viterbi, _LETTERS[:nb], args, cores, nb, object, np.empty((0,) * nb, object))
     return part(pairs, 0, score.dtype, x), part(pairs, 1, path.dtype, x, new_axis=nb,

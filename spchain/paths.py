@@ -20,6 +20,7 @@ from ._chain_layout import prepare as _prepare
 from .chain import _input_grads, _viterbi_grads
 from ._chain_limits import forward as _forward
 from ._chain_sweep import normalised as _normalised
+from ._dask import scales_out
 
 _QUIET = {"divide": "ignore", "invalid": "ignore", "over": "ignore"}
 
@@ -87,6 +88,7 @@ def _sample(chain, num_samples: int, seed):
     return paths
 
 
+@scales_out
 def chain_sample(x, log_trans, log_init=None, *, lengths=None, num_samples=1, seed=None):
     """Paths drawn exactly from each chain's posterior ``p(path) = exp(score(path) - log Z)``.
 
@@ -132,6 +134,7 @@ def chain_sample_forward(x, log_trans, log_init=None, lengths=None, num_samples=
         return _leading(chain, _sample(chain, num_samples, seed).transpose(1, 0, 2))
 
 
+@scales_out
 def chain_entropy(x, log_trans, log_init=None, *, lengths=None):
     """The entropy of each chain's posterior over paths, ``log Z - E[score]`` (in nats).
 
@@ -197,6 +200,7 @@ def _kbest(chain, k: int):
     return scores, paths
 
 
+@scales_out
 def chain_kbest(x, log_trans, log_init=None, *, k, lengths=None):
     """The ``k`` best paths of each chain and their scores, best first (exact k-best Viterbi).
 
@@ -300,6 +304,7 @@ def _prepare_paths(x, log_trans, log_init, path, lengths, caller: str, check: bo
     return chain, _path_rows(chain, path, caller, check)
 
 
+@scales_out
 def chain_path_score(x, log_trans, log_init, path, *, lengths=None):
     """The log-score of given paths: ``init[s0] + x[0, s0] + sum_t (log_trans[t][s_{t-1}, s_t] + x[t, s_t])``
     over each chain's length.

@@ -80,6 +80,58 @@ def test_batch_chunks_equal_the_in_memory_result_bit_for_bit(client, rng, case):
         np.testing.assert_array_equal(g, w)
 
 
+@pytest.mark.parametrize("case", CHAIN_CASES)
+def test_path_functions_on_batch_chunks_equal_the_in_memory_results_bit_for_bit(client, rng, case):
+    spec = CHAIN_CASES[case]
+    x = rng.normal(size=spec["x"])
+    x[0, ..., 1, 0] = -np.inf
+    trans = log_stochastic(rng, spec["trans"])
+    init = None if spec["init"] is None else rng.normal(size=spec["init"])
+    batch = np.broadcast_shapes(spec["x"][:-2], spec["trans"][:-3 if len(spec["trans"]) > len(spec["x"]) else -2])
+    lengths = rng.integers(1, spec["x"][-2] + 1, batch) if spec["lengths"] else None
+    path = rng.integers(0, spec["x"][-1], batch + spec["x"][-2:-1])
+    time_chunked = spec["chunks"][:-2] + (4,) + spec["chunks"][-1:]      # gathered into one chunk
+    dx, dpath = chunked(x, time_chunked), chunked(path, spec["chunks"][:-1])
+    dlengths = None if lengths is None else chunked(lengths, spec["chunks"][:len(batch)])
+    got = client.compute([sc.chain_entropy(dx, trans, init, lengths=dlengths),
+                          sc.chain_path_score(dx, trans, init, dpath, lengths=dlengths),
+                          *sc.chain_kbest(dx, trans, init, k=3, lengths=dlengths)], sync=True)
+    want = [sc.chain_entropy(x, trans, init, lengths=lengths), sc.chain_path_score(x, trans, init, path, lengths=lengths),
+            *sc.chain_kbest(x, trans, init, k=3, lengths=lengths)]
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        np.testing.assert_array_equal(g, w)
+
+
+def test_samples_on_batch_chunks_follow_the_posterior_and_repeat_for_a_seed(client, rng):
+    x = rng.normal(size=(6, 5, 3))
+    trans = log_stochastic(rng, (3, 3))
+    trans[0, 2] = -np.inf                               # a transition no path takes
+    lengths = np.array([5, 1, 3, 4, 5, 2])
+    dx = chunked(x, (2, 2, 3))
+    draws = sc.chain_sample(dx, trans, lengths=lengths, num_samples=4000, seed=7)
+    assert draws.shape == (4000, 6, 5) and draws.dtype == np.int64 and draws.chunks[1] == (2, 2, 2)
+    first, again = client.compute([draws, draws], sync=True)
+    np.testing.assert_array_equal(first, again)           # a rerun task (a lost worker) draws the same paths
+    assert not np.array_equal(first, sc.chain_sample(dx, trans, lengths=lengths, num_samples=4000, seed=8).compute())
+    inside = np.arange(5) < lengths[:, None]
+    assert ((first >= 0) == inside).all()
+    steps = (first[..., :-1] == 0) & (first[..., 1:] == 2) & inside[:, 1:]
+    assert not steps.any()
+    frequencies = (first[..., None] == np.arange(3)).mean(axis=0)
+    np.testing.assert_allclose(frequencies, sc.chain_marginals(x, trans, lengths=lengths), atol=0.04)
+
+
+def test_path_functions_reject_bad_arguments_when_the_graph_is_built(rng):
+    x = chunked(rng.normal(size=(4, 5, 3)), (2, 5, 3))
+    with pytest.raises(ValueError, match="k must be >= 1"):
+        sc.chain_kbest(x, np.zeros((3, 3)), k=0)
+    with pytest.raises(TypeError, match="seed must be a non-negative int"):
+        sc.chain_sample(x, np.zeros((3, 3)), seed=np.random.default_rng(0))
+    with pytest.raises(ValueError, match="batch shapes do not broadcast"):
+        sc.chain_path_score(x, np.zeros((3, 3)), None, np.zeros((3, 5), np.int64))
+
+
 def test_marginals_of_a_broadcast_x_sum_over_the_chunks(client, rng):
     x = rng.normal(size=(1, 6, 3))                      # one x for 5 transition matrices
     trans = log_stochastic(rng, (5, 3, 3))
