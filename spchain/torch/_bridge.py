@@ -67,6 +67,26 @@ def check_same_device(caller: str, **tensors) -> torch.device:
     return device if device is not None else torch.device("cpu")
 
 
+def check_dense(caller: str, optional=(), **tensors) -> torch.device:
+    """The one device of ``tensors``, each a dense (strided) tensor: ``TypeError`` naming the
+    first that is not a tensor (``None`` is allowed for the names in ``optional``) or not dense,
+    ``ValueError`` naming two on different devices. Traceable by ``torch.compile``.
+
+    >>> check_dense("f", a=torch.ones(2), b=torch.ones(2).to_sparse())
+    Traceback (most recent call last):
+    ...
+    TypeError: f: b must be a dense tensor, not one of layout torch.sparse_coo
+    """
+    for name, t in tensors.items():
+        if t is None and name in optional:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{caller}: {name} must be a torch.Tensor, not {type(t).__name__}")
+        if t.layout != torch.strided:
+            raise TypeError(f"{caller}: {name} must be a dense tensor, not one of layout {t.layout}")
+    return check_same_device(caller, **tensors)
+
+
 def _torch_matmul(a, b, out=None):
     """``np.matmul`` computed by torch's BLAS on zero-copy views (NumPy's own for operands
     torch cannot take as they are: read-only, negatively strided, or of mixed dtypes)."""
