@@ -139,7 +139,8 @@ class Operator:
     def _backward_fake(self, *args):
         *args, results, grads, needs = args
         like = args[self.differentiable[0]]  # an optional argument may be None
-        return [torch.empty_like(args[k]) if need else like.new_empty(0)
+        # contiguous, as _backward_op returns them, whatever the arguments' strides
+        return [args[k].new_empty(args[k].shape) if need else like.new_empty(0)
                 for k, need in zip(self.differentiable, needs)]
 
 
