@@ -34,7 +34,7 @@ def to_array(t: torch.Tensor):
     if not t.is_contiguous():
         t = t.contiguous()
     if t.device.type == "cpu":
-        return np.from_dlpack(t)
+        return t.numpy()  # the same view as np.from_dlpack, several times faster
     if t.device.type == "cuda":
         return _backend.cupy().from_dlpack(t)
     raise TypeError(f"spchain supports CPU and CUDA tensors, not {t.device.type} ones")
@@ -46,8 +46,10 @@ def to_tensor(a) -> torch.Tensor:
     A NumPy array that is read-only or not row-major contiguous (negative strides included)
     is copied first: torch would otherwise write through a read-only view or reject the strides.
     """
-    if isinstance(a, np.ndarray) and not (a.flags.c_contiguous and a.flags.writeable):
-        a = np.array(a, order="C")
+    if isinstance(a, np.ndarray):
+        if not (a.flags.c_contiguous and a.flags.writeable):
+            a = np.array(a, order="C")
+        return torch.from_numpy(a)  # the same view as torch.from_dlpack, several times faster
     return torch.from_dlpack(a)
 
 

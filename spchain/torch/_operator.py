@@ -35,7 +35,7 @@ def plain_eager(tensors) -> bool:
     if (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active() or torch.jit.is_tracing()
             or _python_dispatch._get_current_dispatch_mode() is not None):
         return False
-    return all(type(t) in _PLAIN and t.device.type in ("cpu", "cuda") for t in tensors)
+    return all(type(t) in _PLAIN and (t.is_cpu or t.is_cuda) for t in tensors)
 
 
 class Operator:

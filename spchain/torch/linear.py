@@ -17,6 +17,7 @@ torch.Size([3, 2])
 import collections
 import math
 
+import numpy as np
 import torch
 
 from .. import _backend, _checks, _csr
@@ -51,13 +52,14 @@ class _StructureCache:
         private validated copies, ``transpose`` its ``(csr_t, order)`` on the CPU (``None`` on
         the GPU). The entry is the one of ``key_arrays`` (default ``arrays``): the backward
         looks up its forward's structure under the caller's tensors."""
-        key = tuple((_address(a), str(a.dtype), a.shape[0]) for a in key_arrays or arrays) + (shape, backend.device)
+        first, second = key_arrays or arrays
+        key = (_address(first), _address(second), first.dtype, second.dtype, first.shape, second.shape, shape,
+               backend.device)
         entry = self._entries.get(key)
         if entry is not None:
             csr, transpose = entry
-            xp = backend.xp
             if (csr.indices.shape == arrays[1].shape and csr.indptr.shape == arrays[0].shape
-                    and bool(xp.array_equal(csr.indices, arrays[1])) and bool(xp.array_equal(csr.indptr, arrays[0]))):
+                    and bool((csr.indices == arrays[1]).all()) and bool((csr.indptr == arrays[0]).all())):
                 self._entries.move_to_end(key)
                 return entry
         csr = _csr.to_csr(backend, "csr", shape, None, *(a.copy() for a in arrays), caller)
@@ -73,7 +75,7 @@ class _StructureCache:
 
 
 def _address(a) -> int:
-    return a.__array_interface__["data"][0] if hasattr(a, "__array_interface__") else a.data.ptr
+    return a.__array_interface__["data"][0] if isinstance(a, np.ndarray) else a.data.ptr
 
 
 _STRUCTURES = _StructureCache()
@@ -109,7 +111,10 @@ def _backward(args, results, grads, needs):
     grad_yt = grads[0]
     need_x, need_values, need_bias = needs
     backend = _backend.backend_of(grad_yt, xt, ran_indices, caller=_CALLER)
-    csr, transpose = _STRUCTURES.get(backend, (ran_indptr, ran_indices), tuple(shape), _CALLER, (indptr, indices))
+    if need_x:  # the transpose, cached with the structure the forward ran on
+        csr, transpose = _STRUCTURES.get(backend, (ran_indptr, ran_indices), tuple(shape), _CALLER, (indptr, indices))
+    else:
+        csr, transpose = _csr.Csr(ran_indptr, ran_indices, None, tuple(shape)), None
     grad_x, grad_values = _sparse.linear_backward(backend, csr, transpose, values, grad_yt.T, xt.T, xt.dtype,
                                                   need_x, need_values)
     grad_bias = grad_yt.sum(axis=1) if need_bias else None
