@@ -144,6 +144,14 @@ def spmm(a, b):
     TypeError, ValueError
         As :func:`spchain.spmm`; ``ValueError`` for tensors on different devices.
 
+    Notes
+    -----
+    ``a`` crosses as its component tensors to the operator ``spchain::spmm`` (which
+    ``torch.func`` transforms, e.g. ``vmap`` over ``b``). ``torch.compile`` cannot take torch
+    sparse tensors (Dynamo refuses them with "Attempted to wrap sparse Tensor"), so call this
+    function, :func:`sddmm` and :func:`prune` outside compiled regions; inside them use
+    :func:`sparse_linear` with the structure as index tensors.
+
     Examples
     --------
     >>> import torch, spchain.torch as st
