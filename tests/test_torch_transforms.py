@@ -327,3 +327,17 @@ def test_compiled_sparse_linear_model_matches_eager_and_exports():
     program = torch.export.export(model, (x,))
     assert sum("sparse_linear" in str(node.target) for node in program.graph.nodes) == 2
     torch.testing.assert_close(program.module()(x), expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+def test_spmm_runs_under_torch_func_but_compile_cannot_take_sparse_tensors():
+    dense = torch.tensor([[1.0, 0.0, 2.0], [0.0, 0.0, 3.0]], dtype=torch.float64)
+    b = randn(4, 3, 2)
+    for a in (dense.to_sparse(), dense.to_sparse_csr(), dense.to_sparse_csc()):
+        torch.testing.assert_close(torch.vmap(lambda b: st.spmm(a, b))(b), dense @ b)
+        grad = torch.func.grad(lambda b: st.spmm(a, b).square().sum())(b[0])
+        torch.testing.assert_close(grad, 2 * dense.T @ (dense @ b[0]))
+    a = dense.to_sparse_csr()
+    # Dynamo refuses torch sparse tensors (a torch limitation): these functions run eagerly
+    with pytest.raises(Exception, match="sparse"):
+        torch.compile(st.spmm, fullgraph=True)(a, b[0])

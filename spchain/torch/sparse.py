@@ -54,12 +54,13 @@ def _sparse_tensor(t, caller: str):
         raise TypeError(f"{caller} takes a sparse COO, CSR or CSC tensor, not one of layout {t.layout}")
     if t.dim() != 2:
         raise ValueError(f"{caller} takes 2-D sparse tensors (no batch or dense dimensions), got shape {tuple(t.shape)}")
-    if fmt == "coo":
-        index = t._indices()  # uncoalesced entries are fine: duplicates add up
-        return fmt, tuple(t.shape), t._values(), index[0], index[1]
-    if fmt == "csr":
-        return fmt, tuple(t.shape), t.values(), t.crow_indices(), t.col_indices()
-    return fmt, tuple(t.shape), t.values(), t.ccol_indices(), t.row_indices()
+    with torch._C._DisableFuncTorch():  # torch.func cannot wrap the parts of a CSR or CSC tensor; they need no wrapping
+        if fmt == "coo":
+            index = t._indices()  # uncoalesced entries are fine: duplicates add up
+            return fmt, tuple(t.shape), t._values(), index[0], index[1]
+        if fmt == "csr":
+            return fmt, tuple(t.shape), t.values(), t.crow_indices(), t.col_indices()
+        return fmt, tuple(t.shape), t.values(), t.ccol_indices(), t.row_indices()
 
 
 def _no_low_precision(caller: str, **tensors) -> None:
@@ -146,8 +147,8 @@ def spmm(a, b):
 
     Notes
     -----
-    ``a`` crosses as its component tensors to the operator ``spchain::spmm`` (which
-    ``torch.func`` transforms, e.g. ``vmap`` over ``b``). ``torch.compile`` cannot take torch
+    ``a`` crosses as its component tensors to the operator ``spchain::spmm``, so
+    ``torch.func`` transforms it (``grad`` and ``vmap`` with respect to ``b``). ``torch.compile`` cannot take torch
     sparse tensors (Dynamo refuses them with "Attempted to wrap sparse Tensor"), so call this
     function, :func:`sddmm` and :func:`prune` outside compiled regions; inside them use
     :func:`sparse_linear` with the structure as index tensors.
