@@ -24,11 +24,11 @@ from .. import _backend, _checks, _csr
 from .. import sparse as _sparse
 from ._bridge import check_dense
 from ._operator import Operator
+from .sparse import index_dtype
 
 __all__ = ["sparse_linear"]
 
 _CALLER = "spchain.torch.sparse_linear"
-_SMALL_INDEX = (torch.int8, torch.uint8, torch.int16, torch.int32)
 
 
 class _StructureCache:
@@ -91,16 +91,10 @@ def _forward(xt, values, indptr, indices, shape, bias):
     return y.T, x_saved.T, csr.indptr.copy(), csr.indices.copy()
 
 
-def _index_dtype(indptr, indices, shape):
-    """The index dtype :func:`spchain._csr.to_csr` gives the structure: int32 where it fits."""
-    small = max(*shape, indptr.shape[0], indices.shape[0]) <= _csr._INT32_MAX
-    return torch.int32 if small and indptr.dtype in _SMALL_INDEX and indices.dtype in _SMALL_INDEX else torch.int64
-
-
 def _fake(xt, values, indptr, indices, shape, bias):
     dtype = torch.promote_types(xt.dtype, values.dtype)
     dtype = dtype if bias is None else torch.promote_types(dtype, bias.dtype)
-    index = _index_dtype(indptr, indices, shape)
+    index = index_dtype(indptr, indices, shape)
     return (xt.new_empty((shape[0], xt.shape[1]), dtype=dtype), xt.new_empty(xt.shape, dtype=dtype),
             indptr.new_empty(shape[0] + 1, dtype=index), indices.new_empty(indices.shape[0], dtype=index))
 
