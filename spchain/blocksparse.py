@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import scipy.sparse
 
-from . import _backend, _checks
+from . import _backend, _checks, _csr, _selection
 from . import sparse as _sparse
 
 
@@ -71,10 +71,10 @@ def to_bsr(backend, shape, data, indptr, indices, caller: str, *, blocksize=None
 
     The block size is ``data.shape[1:]`` (or ``blocksize`` for a pattern without data). The
     shape must be a whole number of blocks; ``indptr`` and ``indices`` are checked on the
-    block grid by the CSR checks of :func:`spchain.sparse.to_csr` (``ValueError`` for a bad
+    block grid by the CSR checks of :func:`spchain._csr.to_csr` (``ValueError`` for a bad
     structure, ``TypeError`` for non-integer indices), before any kernel runs.
     """
-    m, n = _sparse.check_shape(caller, shape)
+    m, n = _csr.check_shape(caller, shape)
     if data is not None:
         if data.ndim != 3:
             raise ValueError(f"{caller}: BSR data must be 3-D (nnzb, R, C), got shape {data.shape}")
@@ -82,7 +82,7 @@ def to_bsr(backend, shape, data, indptr, indices, caller: str, *, blocksize=None
     r, c = (int(s) for s in blocksize)
     if r < 1 or c < 1 or m % r or n % c:
         raise ValueError(f"{caller}: shape {(m, n)} is not a whole number of {(r, c)} blocks")
-    grid = _sparse.to_csr(backend, "csr", (m // r, n // c), None, indptr, indices, caller)
+    grid = _csr.to_csr(backend, "csr", (m // r, n // c), None, indptr, indices, caller)
     if data is not None and data.shape[0] != grid.nnz:
         raise ValueError(f"{caller}: data has {data.shape[0]} blocks but the indices have {grid.nnz}")
     return Bsr(grid.indptr, grid.indices, data, (m, n), (r, c))
@@ -128,14 +128,14 @@ def matmul(backend, bsr: Bsr, b, dtype, bias=None, *, transpose=None):
         bias = xp.zeros(m, dtype) if bias is None else bias.astype(dtype, copy=False)
         with backend.use():
             backend.kernel("blocksparse", "spmm")(indptr, indices, slots, data,
-                                                 _sparse.contiguous(backend, b.astype(dtype, copy=False)), bias, out)
+                                                 _csr.contiguous(backend, b.astype(dtype, copy=False)), bias, out)
     return out
 
 
 def transposed(backend, bsr: Bsr):
     """``((indptr, indices), order)``: the block structure of ``bsr.T`` and, for each of its
     blocks, the slot of ``bsr`` it transposes."""
-    t_grid, order = _sparse.transposed(backend, _sparse.Csr(bsr.indptr, bsr.indices, None, bsr.grid))
+    t_grid, order = _csr.transposed(backend, _csr.Csr(bsr.indptr, bsr.indices, None, bsr.grid))
     return (t_grid.indptr, t_grid.indices), order
 
 
@@ -144,8 +144,8 @@ def sampled(backend, bsr: Bsr, a, b, dtype):
     xp = backend.xp
     out = xp.zeros((bsr.nnzb, *bsr.blocksize), dtype)
     if out.size and a.shape[1]:
-        a = _sparse.contiguous(backend, a.astype(dtype, copy=False))
-        b = _sparse.contiguous(backend, b.astype(dtype, copy=False))
+        a = _csr.contiguous(backend, a.astype(dtype, copy=False))
+        b = _csr.contiguous(backend, b.astype(dtype, copy=False))
         with backend.use():
             backend.kernel("blocksparse", "sddmm")(bsr.indptr, bsr.indices, a, b, out)
     return out
@@ -257,7 +257,7 @@ def n_m_parts(backend, w, sparsity, n, m, caller: str):
     n, m = _check_count(caller, "n", n), _check_count(caller, "m", m)
     if m < 1 or not 0 <= n <= m:
         raise ValueError(f"{caller}: n:m needs 0 <= n <= m and m >= 1, got {n}:{m}")
-    if sparsity is not None and abs(_sparse.check_fraction(caller, "sparsity", sparsity) - (1 - n / m)) > 1e-12:
+    if sparsity is not None and abs(_csr.check_fraction(caller, "sparsity", sparsity) - (1 - n / m)) > 1e-12:
         raise ValueError(f"{caller}: {n}:{m} pruning has sparsity {1 - n / m}, not {sparsity}; pass sparsity=None")
     rows, cols = w.shape
     if cols % m:
@@ -265,7 +265,7 @@ def n_m_parts(backend, w, sparsity, n, m, caller: str):
     groups = xp.abs(w).reshape(rows, cols // m, m)
     key = xp.where(xp.isnan(groups), xp.inf, groups)
     kept = xp.sort(xp.argsort(-key, axis=2, kind="stable")[:, :, :n], axis=2)
-    dtype = np.int32 if max(rows, cols) * max(n, 1) <= _sparse._INT32_MAX else np.int64
+    dtype = np.int32 if max(rows, cols) * max(n, 1) <= _csr._INT32_MAX else np.int64
     per_row = cols // m * n
     indices = (kept + (xp.arange(cols // m) * m)[None, :, None]).reshape(rows, per_row).astype(dtype)
     indptr = (xp.arange(rows + 1) * per_row).astype(dtype)
@@ -285,16 +285,16 @@ def block_parts(backend, w, sparsity, method, seed, block, caller: str):
     if sparsity is None:
         raise ValueError(f"{caller}: method={method!r} needs a sparsity")
     total = shape[0] * shape[1]
-    keep = total - round(_sparse.check_fraction(caller, "sparsity", sparsity) * total)
+    keep = total - round(_csr.check_fraction(caller, "sparsity", sparsity) * total)
     tiles = w.reshape(shape[0], r, shape[1], c).transpose(0, 2, 1, 3)
     if method == "magnitude":
         norms = xp.square(tiles, dtype=np.float64).sum(axis=(2, 3))
-        positions = _sparse.largest(backend, norms.ravel(), keep)
+        positions = _selection.largest(backend, norms.ravel(), keep)
     elif method == "random":
-        positions = _sparse.random_positions(backend, total, keep, seed=seed)
+        positions = _selection.random_positions(backend, total, keep, seed=seed)
     else:
         raise ValueError(f"{caller}: method must be 'magnitude', 'random' or 'n:m', not {method!r}")
-    indptr, indices = _sparse.positions_to_csr(backend, positions, shape)
+    indptr, indices = _selection.positions_to_csr(backend, positions, shape)
     return tiles.reshape(total, r, c)[positions], indices, indptr
 
 
@@ -308,7 +308,7 @@ def linear(backend, bsr: Bsr, values, x, bias, dtype):
     feature-major output, and ``xt`` = ``x.T``, both C-contiguous; :func:`linear_backward`
     reads ``xt``.
     """
-    xt = _sparse.contiguous(backend, x.T.astype(dtype, copy=False))
+    xt = _csr.contiguous(backend, x.T.astype(dtype, copy=False))
     weight = Bsr(bsr.indptr, bsr.indices, values, bsr.shape, bsr.blocksize)
     return matmul(backend, weight, xt, dtype, bias), xt
 
@@ -320,13 +320,13 @@ def linear_backward(backend, bsr: Bsr, transpose, values, grad_yt, xt, dtype, ne
     ``transpose`` is :func:`transposed` of ``bsr`` (the input gradient multiplies by ``W.T``,
     reading the same blocks); the value gradient is the block SDDMM of ``grad_yt`` and ``xt``.
     """
-    grad_yt = _sparse.contiguous(backend, grad_yt.astype(dtype, copy=False))
+    grad_yt = _csr.contiguous(backend, grad_yt.astype(dtype, copy=False))
     grad_x = grad_values = None
     if need_x:
         weight = Bsr(bsr.indptr, bsr.indices, values, bsr.shape, bsr.blocksize)
         grad_x = matmul(backend, weight, grad_yt, dtype, transpose=transpose).T
         if not backend.on_gpu:  # rows for torch by the parallel transpose kernel, not a one-thread copy
-            grad_x = _sparse.contiguous(backend, grad_x)
+            grad_x = _csr.contiguous(backend, grad_x)
     if need_values:
         grad_values = sampled(backend, bsr, grad_yt, xt, dtype)
     return grad_x, grad_values

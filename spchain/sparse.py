@@ -10,7 +10,7 @@ never written to: conversions build new arrays, and nothing here sorts or sums i
 The functions without a leading underscore that are not in ``__all__`` (:func:`linear`,
 :func:`linear_backward`, ...) are the array-level dispatchers of ``spchain.torch.sparse``;
 structures and their validation live in ``spchain._csr`` (:func:`to_csr`), entry selection
-and drop-and-grow in ``spchain._selection``; both are re-exported here.
+and drop-and-grow in ``spchain._selection``.
 
 >>> import numpy as np, scipy.sparse, spchain as sc
 >>> a = scipy.sparse.csr_array(np.array([[1.0, 0.0], [0.0, 2.0]]))
@@ -22,11 +22,9 @@ import numpy as np
 import scipy.sparse
 
 from . import _backend, _checks, blocksparse
-from ._csr import (  # noqa: F401  (re-exported: the array-level structure API of spchain.torch and blocksparse)
-    _INT32_MAX, FORMATS, Csr, _operand, check_dense, check_fraction, check_shape, check_size, contiguous,
-    row_of_entries, sparse_parts, to_csr, transposed)
+from ._csr import Csr, _operand, check_dense, check_fraction, contiguous, sparse_parts, to_csr
 from ._dask import scales_out
-from ._selection import drop_and_grow, largest, positions_to_csr, random_positions  # noqa: F401
+from ._selection import largest, positions_to_csr, random_positions
 
 __all__ = ["spmm", "sddmm", "prune"]
 

@@ -12,8 +12,7 @@ from hypothesis import strategies as st
 
 import reference
 import spchain as sc
-from spchain import _backend, _selection
-from spchain import sparse as sparse_module
+from spchain import _backend, _csr, _selection
 
 FORMATS = ["csr", "csc", "coo"]
 
@@ -139,13 +138,13 @@ def test_spmm_mixed_int32_and_int64_index_arrays_are_promoted(rng):
     mixed.indptr = a.indptr.astype(np.int32)  # scipy would unify them; force the mix
     b = rng.standard_normal((7, 2))
     np.testing.assert_allclose(sc.spmm(mixed, b), reference.dense(a) @ b, rtol=1e-12)
-    csr = sparse_module.to_csr(_backend.NUMPY, "csr", a.shape, None, mixed.indptr, mixed.indices, "test")
+    csr = _csr.to_csr(_backend.NUMPY, "csr", a.shape, None, mixed.indptr, mixed.indices, "test")
     assert csr.indptr.dtype == csr.indices.dtype == np.int64
 
 
 def test_sizes_past_int32_promote_int32_indices_to_int64():
     indptr, indices = np.array([0, 1, 2], np.int32), np.array([5, 2**31 + 3 - 2**31], np.int32)
-    csr = sparse_module.to_csr(_backend.NUMPY, "csr", (2, 2**31 + 7), None, indptr, indices, "test")
+    csr = _csr.to_csr(_backend.NUMPY, "csr", (2, 2**31 + 7), None, indptr, indices, "test")
     assert csr.indices.dtype == np.int64 and csr.indptr.dtype == np.int64
 
 
@@ -425,27 +424,27 @@ def test_prune_never_writes_to_a_read_only_input(rng):
 def test_largest_magnitudes_match_a_plain_sort(scores, count):
     scores = np.array(scores)
     count = min(count, scores.size)
-    got = sparse_module.largest(_backend.NUMPY, scores, count)
+    got = _selection.largest(_backend.NUMPY, scores, count)
     np.testing.assert_array_equal(got, reference.largest_positions(scores, count))
 
 
 @pytest.mark.parametrize("total, count, taken", [(1000, 30, 40), (100, 30, 60), (50, 20, 0), (30, 10, 20)])
 def test_random_positions_avoid_taken_ones_and_are_distinct(rng, total, count, taken):
     taken = np.sort(rng.choice(total, taken, replace=False))
-    got = sparse_module.random_positions(_backend.NUMPY, total, count, taken=taken, seed=1)
+    got = _selection.random_positions(_backend.NUMPY, total, count, taken=taken, seed=1)
     assert got.shape == (count,) and np.all(np.diff(got) > 0)
     assert not np.isin(got, taken).any() and got.min() >= 0 and got.max() < total
 
 
 def canonical(rng, m, n, density):
     matrix = scipy.sparse.random(m, n, density=density, format="csr", random_state=rng)
-    return sparse_module.Csr(matrix.indptr, matrix.indices, None, (m, n)), matrix.data
+    return _csr.Csr(matrix.indptr, matrix.indices, None, (m, n)), matrix.data
 
 
 def test_drop_and_grow_keeps_nnz_drops_the_smallest_and_grows_at_free_positions(rng):
     csr, values = canonical(rng, 30, 20, 0.2)
     n_move = 17
-    indptr, indices, old, new = sparse_module.drop_and_grow(_backend.NUMPY, csr, values, n_move, seed=0, caller="t")
+    indptr, indices, old, new = _selection.drop_and_grow(_backend.NUMPY, csr, values, n_move, seed=0, caller="t")
     assert indices.shape == (csr.nnz,) and indptr[-1] == csr.nnz
     old_rows, old_cols = reference.entries(csr.indptr, csr.indices)
     new_rows, new_cols = reference.entries(indptr, indices)
@@ -459,7 +458,7 @@ def test_drop_and_grow_by_gradient_picks_the_largest_dense_gradient_outside_the_
     csr, values = canonical(rng, 12, 9, 0.3)
     grad_y, x = rng.standard_normal((5, 12)), rng.standard_normal((5, 9))
     n_move = 6
-    indptr, indices, old, new = sparse_module.drop_and_grow(
+    indptr, indices, old, new = _selection.drop_and_grow(
         _backend.NUMPY, csr, values, n_move, grad_y=grad_y, x=x, caller="t")
     rows, cols = reference.entries(csr.indptr, csr.indices)
     kept = (rows * 9 + cols)[old]
@@ -471,9 +470,9 @@ def test_drop_and_grow_by_gradient_picks_the_largest_dense_gradient_outside_the_
 
 
 def test_drop_and_grow_needs_a_canonical_structure():
-    csr = sparse_module.Csr(np.array([0, 2]), np.array([1, 1]), None, (1, 3))
+    csr = _csr.Csr(np.array([0, 2]), np.array([1, 1]), None, (1, 3))
     with pytest.raises(ValueError, match="needs a canonical structure"):
-        sparse_module.drop_and_grow(_backend.NUMPY, csr, np.ones(2), 1, caller="t")
+        _selection.drop_and_grow(_backend.NUMPY, csr, np.ones(2), 1, caller="t")
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -484,6 +483,6 @@ def test_contiguous_copies_fortran_order_through_the_transpose_kernel(rng, shape
     a = rng.standard_normal(shape).astype(dtype)
     a.flat[::7] = np.resize([np.nan, -np.inf, -0.0, np.inf], a.flat[::7].size)
     a = np.asfortranarray(a)
-    out = sparse_module.contiguous(_backend.NUMPY, a)
+    out = _csr.contiguous(_backend.NUMPY, a)
     assert out.flags.c_contiguous
     np.testing.assert_array_equal(out.view(f"u{out.itemsize}"), np.ascontiguousarray(a).view(f"u{out.itemsize}"))

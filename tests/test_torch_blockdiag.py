@@ -424,9 +424,9 @@ def test_double_backward_raises_instead_of_a_silent_zero_hessian(op):
 @pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
 def test_sparse_tensors_are_type_errors_naming_the_layout():
     x, w = make((4, 2, 3)), make((2, 3, 2), seed=1)
-    with pytest.raises(TypeError, match=r"block_diag_matmul: w is a torch.sparse_coo tensor; it must be a dense"):
+    with pytest.raises(TypeError, match=r"block_diag_matmul: w must be a dense tensor, not one of layout torch.sparse_coo"):
         sct.block_diag_matmul(x, w.detach().to_sparse())
-    with pytest.raises(TypeError, match=r"grouped_matmul: x is a torch.sparse_csr tensor; it must be a dense"):
+    with pytest.raises(TypeError, match=r"grouped_matmul: x must be a dense tensor, not one of layout torch.sparse_csr"):
         sct.grouped_matmul(x.detach()[:, 0].to_sparse_csr(), w, [2, 2])
     with pytest.raises(TypeError, match=r"group_sizes must be a dense tensor, not a torch.sparse_coo one"):
         sct.grouped_matmul(x[:, 0], w, torch.tensor([2, 2]).to_sparse())

@@ -1,4 +1,4 @@
-"""spchain.torch's sparse layer (spchain/torch/sparse.py): results against dense masked float64
+"""spchain.torch's sparse layer (spchain/torch/linear.py, nn.py) and sparse products (sparse.py): results against dense masked float64
 references, gradcheck, the transpose cache, SparseLinear and dynamic sparsity."""
 
 import gc
@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 
 import reference  # noqa: E402
 import spchain.torch as st  # noqa: E402
-from spchain.torch import sparse as torch_sparse  # noqa: E402
+from spchain.torch import linear as torch_linear  # noqa: E402
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -166,8 +166,8 @@ def test_only_the_needed_gradients_are_computed(rng, monkeypatch):
     indptr, indices = random_structure(rng, 5, 4, 0.5)
     values = torch.randn(indices.numel(), requires_grad=True)
     calls = []
-    real = torch_sparse._sparse.linear_backward
-    monkeypatch.setattr(torch_sparse._sparse, "linear_backward",
+    real = torch_linear._sparse.linear_backward
+    monkeypatch.setattr(torch_linear._sparse, "linear_backward",
                         lambda *a: calls.append(a[-2:]) or real(*a))
     st.sparse_linear(torch.randn(3, 4), values, indptr, indices, (5, 4)).sum().backward()
     assert calls == [(False, True)]
@@ -180,8 +180,8 @@ def test_the_transpose_is_built_once_per_structure_and_rebuilt_after_in_place_ch
     indptr, indices = random_structure(rng, 6, 5, 0.5)
     values = torch.randn(indices.numel(), requires_grad=True)
     built = []
-    real = torch_sparse._sparse.transposed
-    monkeypatch.setattr(torch_sparse._sparse, "transposed", lambda *a: built.append(1) or real(*a))
+    real = torch_linear._csr.transposed
+    monkeypatch.setattr(torch_linear._csr, "transposed", lambda *a: built.append(1) or real(*a))
     x = torch.randn(2, 5, requires_grad=True)
     for _ in range(3):
         st.sparse_linear(x, values, indptr, indices, (6, 5)).sum().backward()
@@ -264,27 +264,42 @@ def test_double_backward_raises_instead_of_a_silent_first_order_gradient(rng):
     values = torch.randn(indices.numel(), requires_grad=True)
     x = torch.randn(3, 4, requires_grad=True)
     y = st.sparse_linear(x, values, indptr, indices, (5, 4))
-    with pytest.raises(RuntimeError, match=r"sparse_linear: double backward \(create_graph=True\)"):
+    with pytest.raises(RuntimeError, match=r"sparse_linear: double backward \(create_graph=True"):
         torch.autograd.grad(y.square().sum(), (x, values), create_graph=True)
     a = torch.tensor([[1.0, 0.0], [0.0, 2.0]]).to_sparse_csr()
     b = torch.ones(2, 3, requires_grad=True)
-    with pytest.raises(RuntimeError, match=r"spmm: double backward \(create_graph=True\)"):
+    with pytest.raises(RuntimeError, match=r"spmm: double backward \(create_graph=True"):
         torch.autograd.grad(st.spmm(a, b).square().sum(), b, create_graph=True)
     torch.autograd.grad(st.spmm(a, b).sum(), b)  # first order is fine
 
 
-def test_cache_entries_go_with_their_tensors(rng):
-    gc.collect()
-    before = len(torch_sparse._STRUCTURES)
-    indptr, indices = random_structure(rng, 4, 4, 0.5)
-    st.sparse_linear(torch.randn(2, 4), torch.randn(indices.numel()), indptr, indices, (4, 4))
-    assert len(torch_sparse._STRUCTURES) == before + 1
-    del indptr, indices
-    gc.collect()
-    assert len(torch_sparse._STRUCTURES) == before
+def test_the_cache_holds_the_most_recently_used_structures_only(rng, monkeypatch):
+    monkeypatch.setattr(torch_linear, "_STRUCTURES", torch_linear._StructureCache(size=2))
+    structures = [random_structure(rng, 4, 4, 0.5) for _ in range(3)]
+    for indptr, indices in structures:
+        st.sparse_linear(torch.randn(2, 4), torch.randn(indices.numel()), indptr, indices, (4, 4))
+    assert len(torch_linear._STRUCTURES) == 2
+    built = []
+    real = torch_linear._csr.transposed
+    monkeypatch.setattr(torch_linear._csr, "transposed", lambda *a: built.append(1) or real(*a))
+    for indptr, indices in (structures[2], structures[1], structures[0]):  # the first was dropped
+        st.sparse_linear(torch.randn(2, 4), torch.randn(indices.numel()), indptr, indices, (4, 4))
+    assert len(built) == 1 and len(torch_linear._STRUCTURES) == 2
 
 
-def test_many_forward_backward_calls_keep_memory_bounded(rss_growth):
+def test_a_new_structure_at_a_reused_address_is_validated_not_taken_from_the_cache(rng):
+    indptr, indices = torch.tensor([0, 1, 2]), torch.tensor([0, 1])
+    x = torch.randn(3, 2)
+    st.sparse_linear(x, torch.ones(2), indptr, indices, (2, 2))
+    indices.numpy()[:] = [1, 0]  # what a new tensor at the same address would hold
+    torch.testing.assert_close(st.sparse_linear(x, torch.ones(2), indptr, indices, (2, 2)), x.flip(1))
+    indices.numpy()[0] = 2
+    with pytest.raises(ValueError, match="indices holds 2"):
+        st.sparse_linear(x, torch.ones(2), indptr, indices, (2, 2))
+
+
+def test_many_forward_backward_calls_keep_memory_bounded(rss_growth, monkeypatch):
+    monkeypatch.setattr(torch_linear, "_STRUCTURES", torch_linear._StructureCache())
     layer = st.SparseLinear(256, 256, sparsity=0.9)
     x = torch.randn(64, 256, requires_grad=True)
 
@@ -293,7 +308,7 @@ def test_many_forward_backward_calls_keep_memory_bounded(rss_growth):
         layer(x).square().mean().backward()
 
     assert rss_growth(step, 300) < 16 * 2**20  # 300 steps would leak far more than this if anything stayed
-    assert len(torch_sparse._STRUCTURES) < 10
+    assert len(torch_linear._STRUCTURES) == 1
 
 
 # --- bad input (RELIABILITY.md) ---------------------------------------------------------------------

@@ -31,6 +31,14 @@ class Case:
         return self.name
 
 
+# A 5 x 4 CSR structure with an empty row, a duplicate and unsorted columns.
+INDPTR, INDICES = torch.tensor([0, 2, 2, 5, 6, 7]), torch.tensor([3, 0, 1, 1, 2, 3, 0])
+
+
+def _sparse_linear(x, values, bias):
+    return st.sparse_linear(x, values, INDPTR, INDICES, (5, 4), bias)
+
+
 def _chain_inputs():
     return randn(2, 5, 3), randn(2, 4, 3, 3, seed=1), randn(3, seed=2)
 
@@ -55,6 +63,9 @@ CASES = [
     Case("block_diag_matmul", st.block_diag_matmul, lambda: (randn(5, 3, 4), randn(3, 4, 2, seed=1))),
     Case("grouped_matmul", lambda x, w: st.grouped_matmul(x, w, torch.tensor([2, 0, 3])),
          lambda: (randn(5, 4), randn(3, 4, 2, seed=1))),
+    Case("sparse_linear", _sparse_linear, lambda: (randn(3, 4), randn(7, seed=1), randn(5, seed=2))),
+    Case("sparse_linear_3d", lambda x, v: st.sparse_linear(x, v, INDPTR, INDICES, (5, 4)),
+         lambda: (randn(2, 3, 4), randn(7, seed=1))),
 ]
 # chain_sample draws integer paths, so it is not in the table: low precision does not apply (no
 # float results, and rounded inputs may rightly change a draw) and vmap makes one call a slice, each
@@ -228,6 +239,7 @@ MODULES = {
                             lambda: (randn(4, 8),)),
     "GroupedLinear": (lambda: st.GroupedLinear(3, 4, 2, dtype=torch.float64),
                       lambda: (randn(5, 4), torch.tensor([2, 0, 3]))),
+    "SparseLinear": (lambda: st.SparseLinear(8, 6, sparsity=0.5, dtype=torch.float64), lambda: (randn(4, 8),)),
 }
 
 
@@ -282,3 +294,50 @@ def test_autocast_bfloat16_model():
     torch.testing.assert_close(out.float(), reference, rtol=5e-2, atol=5e-2)
     out.float().sum().backward()
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_sparse_linear_per_sample_gradients_by_functional_call():
+    module, (x,) = _module("SparseLinear")
+    params = {name: p.detach() for name, p in module.named_parameters()}
+    buffers = dict(module.named_buffers())
+
+    def loss(params, row):
+        return torch.func.functional_call(module, (params, buffers), (row[None],)).square().sum()
+
+    grads = torch.vmap(torch.func.grad(loss), in_dims=(None, 0))(params, x)
+    for k in range(x.shape[0]):
+        expected = torch.autograd.grad(module(x[k:k + 1]).square().sum(), list(module.parameters()))
+        for name, e in zip(params, expected):
+            torch.testing.assert_close(grads[name][k], e, rtol=1e-12, atol=1e-12)
+
+
+def test_compiled_sparse_linear_model_matches_eager_and_exports():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), st.SparseLinear(8, 8, sparsity=0.75), torch.nn.ReLU(),
+                                st.SparseLinear(8, 3, sparsity=0.5)).double()
+    x = randn(5, 8)
+    assert torch._dynamo.explain(model)(x).graph_break_count == 0
+    torch._dynamo.reset()
+    expected = model(x)
+    expected_grads = torch.autograd.grad(expected.square().sum(), list(model.parameters()))
+    out = torch.compile(model, fullgraph=True)(x)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    for g, e in zip(torch.autograd.grad(out.square().sum(), list(model.parameters())), expected_grads):
+        torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
+    program = torch.export.export(model, (x,))
+    assert sum("sparse_linear" in str(node.target) for node in program.graph.nodes) == 2
+    torch.testing.assert_close(program.module()(x), expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+def test_spmm_runs_under_torch_func_but_compile_cannot_take_sparse_tensors():
+    dense = torch.tensor([[1.0, 0.0, 2.0], [0.0, 0.0, 3.0]], dtype=torch.float64)
+    b = randn(4, 3, 2)
+    for a in (dense.to_sparse(), dense.to_sparse_csr(), dense.to_sparse_csc()):
+        torch.testing.assert_close(torch.vmap(lambda b: st.spmm(a, b))(b), dense @ b)
+        grad = torch.func.grad(lambda b: st.spmm(a, b).square().sum())(b[0])
+        torch.testing.assert_close(grad, 2 * dense.T @ (dense @ b[0]))
+    a = dense.to_sparse_csr()
+    # Dynamo refuses torch sparse tensors (a torch limitation): these functions run eagerly
+    with pytest.raises(Exception, match="sparse"):
+        torch.compile(st.spmm, fullgraph=True)(a, b[0])

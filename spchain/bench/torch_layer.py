@@ -15,7 +15,7 @@ from torch import nn
 from .. import torch as st
 from .core import Case
 
-CASES = ["compiled BlockDiagonalLinear", "compiled GroupedLinear",
+CASES = ["compiled BlockDiagonalLinear", "compiled GroupedLinear", "compiled SparseLinear",
          "small SparseLinear(64, 64)", "small logmatmul 4x4", "small block_diag_matmul"]
 SIZES = {False: (2048, 512), True: (32, 32)}  # (rows, features) of the compiled models
 GROUPS = 4
@@ -35,6 +35,8 @@ class _Model(nn.Module):
 def _layer(name, features):
     if name == "compiled BlockDiagonalLinear":
         return st.BlockDiagonalLinear(features, features, groups=GROUPS), ()
+    if name == "compiled SparseLinear":
+        return st.SparseLinear(features, features, sparsity=0.9), ()
     sizes = [features // 2 - 1, 1, 0] + [0] * (GROUPS - 3)
     return st.GroupedLinear(GROUPS, features, features), sizes
 

@@ -5,15 +5,16 @@ back through a zero-copy DLPack bridge, on torch's current CUDA stream. Import t
 explicitly (``import spchain.torch``); ``import spchain`` never imports torch.
 """
 
-from .blockdiag import block_diag_matmul, grouped_matmul
+from .blockdiag import BlockDiagonalLinear, GroupedLinear, block_diag_matmul, grouped_matmul
 from .blocksparse import block_sparse_linear
 from .chain import chain_logsumexp, chain_marginals, viterbi
 from .crf import LinearChainCRF
-from .nn import BlockDiagonalLinear, GroupedLinear, SparseLinear
+from .linear import sparse_linear
+from .nn import SparseLinear
 from .paths import chain_entropy, chain_kbest, chain_path_score, chain_sample
 from .pruning import CosineDropFraction, GradualPruning, erk_densities, sparsify
 from .semiring import log_chain_product, logmatmul, maxmatmul
-from .sparse import prune, sddmm, sparse_linear, spmm
+from .sparse import prune, sddmm, spmm
 
 __all__ = [
     "BlockDiagonalLinear",

@@ -34,7 +34,7 @@ def to_array(t: torch.Tensor):
     if not t.is_contiguous():
         t = t.contiguous()
     if t.device.type == "cpu":
-        return np.from_dlpack(t)
+        return t.numpy()  # the same view as np.from_dlpack, several times faster
     if t.device.type == "cuda":
         return _backend.cupy().from_dlpack(t)
     raise TypeError(f"spchain supports CPU and CUDA tensors, not {t.device.type} ones")
@@ -46,8 +46,10 @@ def to_tensor(a) -> torch.Tensor:
     A NumPy array that is read-only or not row-major contiguous (negative strides included)
     is copied first: torch would otherwise write through a read-only view or reject the strides.
     """
-    if isinstance(a, np.ndarray) and not (a.flags.c_contiguous and a.flags.writeable):
-        a = np.array(a, order="C")
+    if isinstance(a, np.ndarray):
+        if not (a.flags.c_contiguous and a.flags.writeable):
+            a = np.array(a, order="C")
+        return torch.from_numpy(a)  # the same view as torch.from_dlpack, several times faster
     return torch.from_dlpack(a)
 
 
@@ -65,6 +67,26 @@ def check_same_device(caller: str, **tensors) -> torch.device:
         elif t.device != device:
             raise ValueError(f"{caller}: {first} is on {device} but {name} is on {t.device}")
     return device if device is not None else torch.device("cpu")
+
+
+def check_dense(caller: str, optional=(), **tensors) -> torch.device:
+    """The one device of ``tensors``, each a dense (strided) tensor: ``TypeError`` naming the
+    first that is not a tensor (``None`` is allowed for the names in ``optional``) or not dense,
+    ``ValueError`` naming two on different devices. Traceable by ``torch.compile``.
+
+    >>> check_dense("f", a=torch.ones(2), b=torch.ones(2).to_sparse())
+    Traceback (most recent call last):
+    ...
+    TypeError: f: b must be a dense tensor, not one of layout torch.sparse_coo
+    """
+    for name, t in tensors.items():
+        if t is None and name in optional:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{caller}: {name} must be a torch.Tensor, not {type(t).__name__}")
+        if t.layout != torch.strided:
+            raise TypeError(f"{caller}: {name} must be a dense tensor, not one of layout {t.layout}")
+    return check_same_device(caller, **tensors)
 
 
 def _torch_matmul(a, b, out=None):

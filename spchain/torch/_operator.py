@@ -35,7 +35,7 @@ def plain_eager(tensors) -> bool:
     if (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active() or torch.jit.is_tracing()
             or _python_dispatch._get_current_dispatch_mode() is not None):
         return False
-    return all(type(t) in _PLAIN and t.device.type in ("cpu", "cuda") for t in tensors)
+    return all(type(t) in _PLAIN and (t.is_cpu or t.is_cuda) for t in tensors)
 
 
 class Operator:
@@ -69,8 +69,7 @@ class Operator:
     >>> double = Operator("doc_double", "(Tensor x) -> Tensor", lambda x: 2 * x, torch.empty_like,
     ...                   backward=lambda args, results, grads, needs: [2 * grads[0]],
     ...                   differentiable=(0,), leading_batch=(0,))
-    >>> x = torch.ones(2, requires_grad=True)
-    >>> torch.func.grad(lambda x: double(x).sum())(x)
+    >>> torch.func.grad(lambda x: double(x).sum())(torch.ones(2))
     tensor([2., 2.])
     """
 
@@ -139,7 +138,8 @@ class Operator:
     def _backward_fake(self, *args):
         *args, results, grads, needs = args
         like = args[self.differentiable[0]]  # an optional argument may be None
-        return [torch.empty_like(args[k]) if need else like.new_empty(0)
+        # contiguous, as _backward_op returns them, whatever the arguments' strides
+        return [args[k].new_empty(args[k].shape) if need else like.new_empty(0)
                 for k, need in zip(self.differentiable, needs)]
 
 

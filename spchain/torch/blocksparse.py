@@ -18,9 +18,8 @@ import math
 
 import torch
 
-from .. import _backend, _checks
+from .. import _backend, _checks, _csr
 from .. import blocksparse as _blocksparse
-from .. import sparse as _sparse
 from ._bridge import check_same_device
 from ._operator import Operator
 
@@ -112,7 +111,7 @@ def block_sparse_linear(x, values, indptr, indices, shape, bias=None):
             [5., 5.]])
     """
     check_same_device(_CALLER, x=x, values=values, indptr=indptr, indices=indices, bias=bias)
-    shape = _sparse.check_shape(_CALLER, shape)
+    shape = _csr.check_shape(_CALLER, shape)
     if x.dim() == 0 or x.shape[-1] != shape[1]:
         raise ValueError(f"{_CALLER}: x has shape {tuple(x.shape)} but the weight has shape {shape} "
                          f"(x's last axis must be {shape[1]})")

@@ -1,6 +1,8 @@
-"""The torch modules of spchain: :class:`SparseLinear` (a CSR weight, with dynamic sparsity),
-:class:`BlockDiagonalLinear` and :class:`GroupedLinear`, built on spchain's torch operators (so
-they compile, export and run under ``torch.func``, in float16/bfloat16 too).
+"""The sparse torch layer of spchain: :class:`SparseLinear`, a CSR weight with dynamic sparsity,
+built on the operator ``spchain::sparse_linear`` (so it compiles with ``fullgraph=True``,
+exports and runs under ``torch.func``, in float16/bfloat16 too). The block layers
+(:class:`BlockDiagonalLinear`, :class:`GroupedLinear`) live beside their operators in
+``spchain.torch.blockdiag``.
 
 >>> import torch, spchain.torch as st
 >>> layer = st.SparseLinear(8, 4, sparsity=0.5)
@@ -9,19 +11,15 @@ they compile, export and run under ``torch.func``, in float16/bfloat16 too).
 """
 
 import math
-import numbers
 
 import torch
-from torch import nn
 
-from .. import _backend
-from .. import sparse as _sparse
+from .. import _backend, _csr, _selection
 from ._bridge import on_device, to_array, to_tensor
-from .blockdiag import block_diag_matmul, group_sizes_tensor, grouped_matmul
-from .sparse import _as_array, _csr_tensor, _rows, prune, sparse_linear
+from .linear import sparse_linear
+from .sparse import as_array, csr_tensor, prune
 
-__all__ = ["SparseLinear", "BlockDiagonalLinear", "GroupedLinear"]
-
+__all__ = ["SparseLinear"]
 
 
 class _Batch:
@@ -34,6 +32,11 @@ class _Batch:
 
     def record(self, grad_y):
         self.grad_y = grad_y
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (..., features) as a matrix (batch, features), zero-size axes included."""
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
 
 
 def _torch_seed() -> int:
@@ -78,10 +81,12 @@ class SparseLinear(torch.nn.Module):
 
     Notes
     -----
-    In training mode, when autograd records, ``forward`` keeps the last batch's input and (by
-    a hook) output gradient by reference, for ``prune_and_regrow(regrow="gradient")``; they
-    are the ones of that batch's step, so the layer holds one batch of activations between
-    steps.
+    In training mode, when autograd records, an eager ``forward`` keeps the last batch's input
+    and (by a hook) output gradient by reference, for ``prune_and_regrow(regrow="gradient")``;
+    they are the ones of that batch's step, so the layer holds one batch of activations
+    between steps. Under ``torch.compile`` (``fullgraph=True`` works) and ``torch.export`` it
+    records nothing (a hook that stores Python state would break the graph): run the step
+    before a gradient regrowth eagerly.
 
     Examples
     --------
@@ -101,11 +106,11 @@ class SparseLinear(torch.nn.Module):
     def __init__(self, in_features, out_features, bias=True, *, sparsity=0.9, device=None, dtype=None):
         super().__init__()
         caller = "SparseLinear"
-        in_features = _sparse.check_size(caller, "in_features", in_features)
-        out_features = _sparse.check_size(caller, "out_features", out_features)
+        in_features = _csr.check_size(caller, "in_features", in_features)
+        out_features = _csr.check_size(caller, "out_features", out_features)
         total = in_features * out_features
-        nnz = total - round(_sparse.check_fraction(caller, "sparsity", sparsity) * total)
-        index = torch.int32 if max(in_features, out_features, nnz) <= _sparse._INT32_MAX else torch.int64
+        nnz = total - round(_csr.check_fraction(caller, "sparsity", sparsity) * total)
+        index = torch.int32 if max(in_features, out_features, nnz) <= _csr._INT32_MAX else torch.int64
         self._setup(in_features, out_features, torch.zeros(out_features + 1, dtype=index),
                     torch.zeros(nnz, dtype=index), torch.empty(nnz, device=device, dtype=dtype),
                     torch.empty(out_features, device=device, dtype=dtype) if bias else None)
@@ -130,8 +135,8 @@ class SparseLinear(torch.nn.Module):
         """
         shape = (self.out_features, self.in_features)
         backend = _backend.NUMPY
-        positions = _sparse.random_positions(backend, shape[0] * shape[1], self.nnz, seed=_torch_seed())
-        indptr, indices = _sparse.positions_to_csr(backend, positions, shape)
+        positions = _selection.random_positions(backend, shape[0] * shape[1], self.nnz, seed=_torch_seed())
+        indptr, indices = _selection.positions_to_csr(backend, positions, shape)
         self.indptr.copy_(torch.from_numpy(indptr))
         self.indices.copy_(torch.from_numpy(indices))
         kept_fan_in = self.nnz / self.out_features if self.out_features else 0.0
@@ -198,14 +203,14 @@ class SparseLinear(torch.nn.Module):
 
     def forward(self, x):
         y = sparse_linear(x, self.weight_values, self.indptr, self.indices, (self.out_features, self.in_features), self.bias)
-        if self.training and y.requires_grad:
+        if self.training and y.requires_grad and not torch.compiler.is_compiling():  # a hook would break the graph
             self._last_batch = _Batch(x.detach())
             y.register_hook(self._last_batch.record)
         return y
 
     def weight_csr(self) -> torch.Tensor:
         """The weight as a torch sparse CSR tensor sharing ``indptr``, ``indices`` and ``weight_values``."""
-        return _csr_tensor(self.indptr, self.indices, self.weight_values, (self.out_features, self.in_features))
+        return csr_tensor(self.indptr, self.indices, self.weight_values, (self.out_features, self.in_features))
 
     def to_dense(self) -> torch.nn.Linear:
         """An equivalent ``nn.Linear`` (dense copies of the weight and bias)."""
@@ -242,7 +247,7 @@ class SparseLinear(torch.nn.Module):
         updated in place.
         """
         caller = "SparseLinear.prune_and_regrow"
-        n_move = round(_sparse.check_fraction(caller, "fraction", fraction) * self.nnz)
+        n_move = round(_csr.check_fraction(caller, "fraction", fraction) * self.nnz)
         if not isinstance(regrow, str):
             raise TypeError(f"{caller}: regrow must be a str ('random' or 'gradient'), not {type(regrow).__name__}")
         if regrow not in ("random", "gradient"):
@@ -257,16 +262,16 @@ class SparseLinear(torch.nn.Module):
             batch = self._last_batch
             if batch is None or batch.grad_y is None:
                 raise RuntimeError(f"{caller}: regrow='gradient' needs a training batch's gradient: "
-                                   "run forward and backward in training mode first")
+                                   "run forward and backward in training mode (eagerly, not compiled) first")
             gradient = (_rows(batch.grad_y), _rows(batch.x))
         seed = _torch_seed()
         shape = (self.out_features, self.in_features)
         with torch.no_grad(), on_device(self.weight_values.device):
             ia, ja, va = to_array(self.indptr), to_array(self.indices), to_array(self.weight_values)
             backend = _backend.backend_of(ia, ja, va, caller=caller)
-            csr = _sparse.to_csr(backend, "csr", shape, None, ia, ja, caller)
-            grad_y, x = (None, None) if gradient is None else (_as_array(t) for t in gradient)
-            indptr, indices, old_slots, new_slots = _sparse.drop_and_grow(
+            csr = _csr.to_csr(backend, "csr", shape, None, ia, ja, caller)
+            grad_y, x = (None, None) if gradient is None else (as_array(t) for t in gradient)
+            indptr, indices, old_slots, new_slots = _selection.drop_and_grow(
                 backend, csr, va, n_move, grad_y=grad_y, x=x, seed=seed, caller=caller)
             indptr, indices, old_slots, new_slots = (to_tensor(a) for a in (indptr, indices, old_slots, new_slots))
             replicated = torch.distributed.is_available() and torch.distributed.is_initialized()
@@ -284,145 +289,3 @@ class SparseLinear(torch.nn.Module):
             self.indices.copy_(indices)
             if replicated:
                 torch.distributed.broadcast(self.weight_values.data, src=0)
-
-
-
-class _PerGroupLinear(nn.Module):
-    """A (G, d_in, d_out) weight and an optional bias, initialised like ``nn.Linear`` per group.
-
-    Every entry is drawn from U(-1/√d_in, 1/√d_in), d_in being one group's fan-in: what
-    ``nn.Linear(d_in, d_out)`` does for each group's weight and bias.
-    """
-
-    def __init__(self, groups, d_in, d_out, bias_shape, bias, device, dtype):
-        super().__init__()
-        factory = {"device": device, "dtype": dtype}
-        self.weight = nn.Parameter(torch.empty(groups, d_in, d_out, **factory))
-        if bias:
-            self.bias = nn.Parameter(torch.empty(bias_shape, **factory))
-        else:
-            self.register_parameter("bias", None)
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        fan_in = self.weight.shape[1]
-        bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0.0
-        nn.init.uniform_(self.weight, -bound, bound)
-        if self.bias is not None:
-            nn.init.uniform_(self.bias, -bound, bound)
-
-
-def _check_sizes(name: str, **sizes) -> None:
-    """``TypeError`` unless every size is an int; ``ValueError`` unless ``groups`` ≥ 1 and the others ≥ 0."""
-    for key, value in sizes.items():
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise TypeError(f"{name}: {key} must be an int, got {value!r}")
-        if value < (1 if key == "groups" else 0):
-            raise ValueError(f"{name}: {key} must be {'positive' if key == 'groups' else 'non-negative'}, got {value}")
-
-
-class BlockDiagonalLinear(_PerGroupLinear):
-    """A linear layer whose weight is block-diagonal: G independent ``nn.Linear`` maps.
-
-    The input's last axis (``in_features``) is cut into ``groups`` blocks of
-    ``in_features // groups`` features; block g is mapped by ``weight[g]`` to
-    ``out_features // groups`` outputs, and the blocks are concatenated (grouped
-    convolution's 1×1 case). Runs :func:`block_diag_matmul`; memory stays O(input + output).
-
-    Parameters
-    ----------
-    in_features, out_features : int
-        Both divisible by ``groups`` (else ``ValueError``).
-    groups : int
-        Number of diagonal blocks.
-    bias : bool
-        Learn an additive bias of shape (out_features,).
-    device, dtype : optional
-        Where and how to create the parameters, as for ``nn.Linear``.
-
-    Attributes
-    ----------
-    weight : Parameter, shape (groups, in_features // groups, out_features // groups)
-    bias : Parameter, shape (out_features,), or None
-
-    Examples
-    --------
-    >>> import torch, spchain.torch as sct
-    >>> layer = sct.BlockDiagonalLinear(512, 256, groups=8)
-    >>> layer
-    BlockDiagonalLinear(in_features=512, out_features=256, groups=8, bias=True)
-    >>> layer(torch.randn(32, 10, 512)).shape
-    torch.Size([32, 10, 256])
-    """
-
-    def __init__(self, in_features: int, out_features: int, groups: int, bias: bool = True, *,
-                 device=None, dtype=None):
-        _check_sizes("BlockDiagonalLinear", in_features=in_features, out_features=out_features, groups=groups)
-        if in_features % groups or out_features % groups:
-            raise ValueError(f"BlockDiagonalLinear: in_features ({in_features}) and out_features "
-                             f"({out_features}) must be divisible by groups ({groups})")
-        super().__init__(groups, in_features // groups, out_features // groups, (out_features,), bias, device, dtype)
-        self.in_features, self.out_features, self.groups = in_features, out_features, groups
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.ndim < 1 or x.shape[-1] != self.in_features:
-            raise ValueError(f"BlockDiagonalLinear: input must be (..., {self.in_features}), got {tuple(x.shape)}")
-        y = block_diag_matmul(x.unflatten(-1, self.weight.shape[:2]), self.weight).flatten(-2)
-        return y if self.bias is None else y + self.bias
-
-    def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"groups={self.groups}, bias={self.bias is not None}")
-
-
-class GroupedLinear(_PerGroupLinear):
-    """G linear layers, one per contiguous group of rows (the experts of a mixture of experts).
-
-    ``forward(x, group_sizes)`` maps the rows of group g by ``x_g @ weight[g] + bias[g]``,
-    through :func:`grouped_matmul`: one BLAS/cuBLAS product per group, nothing of size G × N.
-
-    Parameters
-    ----------
-    groups : int
-        Number of groups (experts).
-    in_features, out_features : int
-        Sizes of each row's input and output.
-    bias : bool
-        Learn one bias per group, shape (groups, out_features).
-    device, dtype : optional
-        Where and how to create the parameters, as for ``nn.Linear``.
-
-    Attributes
-    ----------
-    weight : Parameter, shape (groups, in_features, out_features)
-    bias : Parameter, shape (groups, out_features), or None
-
-    Examples
-    --------
-    >>> import torch, spchain.torch as sct
-    >>> layer = sct.GroupedLinear(4, 16, 32)
-    >>> layer
-    GroupedLinear(groups=4, in_features=16, out_features=32, bias=True)
-    >>> layer(torch.randn(10, 16), [3, 0, 5, 2]).shape
-    torch.Size([10, 32])
-    """
-
-    def __init__(self, groups: int, in_features: int, out_features: int, bias: bool = True, *,
-                 device=None, dtype=None):
-        _check_sizes("GroupedLinear", groups=groups, in_features=in_features, out_features=out_features)
-        super().__init__(groups, in_features, out_features, (groups, out_features), bias, device, dtype)
-        self.groups, self.in_features, self.out_features = groups, in_features, out_features
-
-    def forward(self, x: torch.Tensor, group_sizes) -> torch.Tensor:
-        if x.ndim != 2 or x.shape[1] != self.in_features:
-            raise ValueError(f"GroupedLinear: input must be (N, {self.in_features}), got {tuple(x.shape)}")
-        sizes = group_sizes_tensor("GroupedLinear", group_sizes, self.weight, x)
-        y = grouped_matmul(x, self.weight, sizes)
-        if self.bias is None:
-            return y
-        bias = torch.repeat_interleave(self.bias, sizes.to(self.bias.device), dim=0, output_size=y.shape[0])
-        return y + bias
-
-    def extra_repr(self) -> str:
-        return (f"groups={self.groups}, in_features={self.in_features}, "
-                f"out_features={self.out_features}, bias={self.bias is not None}")

@@ -18,8 +18,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
-from .. import _backend
-from .. import sparse as _sparse
+from .. import _backend, _csr, _selection
 from ._bridge import to_array, to_tensor
 from .nn import SparseLinear
 
@@ -111,7 +110,7 @@ def sparsify(model: torch.nn.Module, sparsity, *, method="magnitude", distributi
     'Linear'
     """
     caller = "sparsify"
-    sparsity = _sparse.check_fraction(caller, "sparsity", sparsity)
+    sparsity = _csr.check_fraction(caller, "sparsity", sparsity)
     if distribution not in ("uniform", "erk"):
         raise ValueError(f"{caller}: distribution must be 'uniform' or 'erk', not {distribution!r}")
     if type(model) is torch.nn.Linear:
@@ -149,7 +148,7 @@ def prune_to(layer: SparseLinear, nnz: int, optimizer=None) -> None:
         return
     with torch.no_grad():
         scores = to_array(weights.abs())
-        kept = to_tensor(_sparse.largest(_backend.backend_of(scores), scores, nnz)).to(weights.device)
+        kept = to_tensor(_selection.largest(_backend.backend_of(scores), scores, nnz)).to(weights.device)
         rows = torch.repeat_interleave(torch.arange(layer.out_features, device=weights.device), layer.indptr.diff())
         counts = torch.bincount(rows[kept], minlength=layer.out_features)
         moving = [weights.grad] if weights.grad is not None else []
@@ -217,9 +216,9 @@ class GradualPruning:
         if set(final_sparsity) != set(self.layers):
             raise ValueError(f"{caller}: final_sparsity names {sorted(final_sparsity)}, "
                              f"but the SparseLinear layers are {sorted(self.layers)}")
-        self.final = {k: _sparse.check_fraction(caller, "final_sparsity", v) for k, v in final_sparsity.items()}
+        self.final = {k: _csr.check_fraction(caller, "final_sparsity", v) for k, v in final_sparsity.items()}
         self.initial = {k: (m.sparsity if initial_sparsity is None
-                            else _sparse.check_fraction(caller, "initial_sparsity", initial_sparsity))
+                            else _csr.check_fraction(caller, "initial_sparsity", initial_sparsity))
                         for k, m in self.layers.items()}
         self.t = 0
 
@@ -254,7 +253,7 @@ class CosineDropFraction:
     """
 
     def __init__(self, initial, end_step):
-        self.initial = _sparse.check_fraction("CosineDropFraction", "initial", initial)
+        self.initial = _csr.check_fraction("CosineDropFraction", "initial", initial)
         if isinstance(end_step, bool) or not isinstance(end_step, int) or end_step < 1:
             raise ValueError(f"CosineDropFraction: end_step must be an int >= 1, got {end_step!r}")
         self.end_step = end_step

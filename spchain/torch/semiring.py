@@ -6,9 +6,8 @@ import functools
 
 import torch
 
-from .. import _checks
 from .. import semiring as _semiring
-from ._bridge import check_same_device
+from ._bridge import check_dense
 from ._operator import Operator
 
 
@@ -46,14 +45,6 @@ _LOG_CHAIN_PRODUCT = Operator(
     backward=_semiring.log_chain_product_backward, differentiable=(0,), leading_batch=(0,))
 
 
-def _dense(caller, **tensors):
-    """``TypeError`` for arguments that are no dense tensors, ``ValueError`` for tensors on
-    different devices."""
-    check_same_device(caller, **tensors)
-    if any(t is None or t.layout != torch.strided for t in tensors.values()):  # its message names them
-        _checks.dense(caller, **tensors)
-
-
 def logmatmul(a, b):
     """:func:`spchain.logmatmul` for tensors, differentiable in ``a`` and ``b``.
 
@@ -66,7 +57,7 @@ def logmatmul(a, b):
     tensor([[0.6667, 0.6667, 0.6667],
             [0.6667, 0.6667, 0.6667]])
     """
-    _dense("spchain.torch.logmatmul", a=a, b=b)
+    check_dense("spchain.torch.logmatmul", a=a, b=b)
     return _LOGMATMUL(a, b)
 
 
@@ -83,7 +74,7 @@ def maxmatmul(a, b):
     >>> a.grad
     tensor([[0., 1.]])
     """
-    _dense("spchain.torch.maxmatmul", a=a, b=b)
+    check_dense("spchain.torch.maxmatmul", a=a, b=b)
     return _MAXMATMUL(a, b)
 
 
@@ -98,5 +89,5 @@ def log_chain_product(m):
     tensor([[16., 16.],
             [16., 16.]])
     """
-    _dense("spchain.torch.log_chain_product", m=m)
+    check_dense("spchain.torch.log_chain_product", m=m)
     return _LOG_CHAIN_PRODUCT(m)
