@@ -8,8 +8,11 @@ The backward reuses ``x`` and ``w``: the input gradient is the same product with
 transposed (a view, never a copy) and the weight gradient ``x_gᵀ @ grad_g`` per group.
 """
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
+from numpy.typing import NDArray
 
 from .. import blockdiag
 from ._bridge import check_same_device
@@ -18,12 +21,12 @@ from ._operator import Operator, plain_eager
 __all__ = ["block_diag_matmul", "grouped_matmul"]
 
 
-def _block_diag_fake(x, w):
+def _block_diag_fake(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     shape = blockdiag.block_diag_matmul_shape("spchain.torch.block_diag_matmul", x.shape, w.shape)
     return x.new_empty(shape, dtype=torch.promote_types(x.dtype, w.dtype))
 
 
-def _grouped_fake(x, w, group_sizes):
+def _grouped_fake(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
     return x.new_empty((x.shape[0], w.shape[2]), dtype=torch.promote_types(x.dtype, w.dtype))
 
 
@@ -80,10 +83,12 @@ def block_diag_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     torch.Size([4, 8, 2])
     """
     _dense_on_one_device("spchain.torch.block_diag_matmul", x=x, w=w)
-    return _BLOCK_DIAG(x, w)
+    out: torch.Tensor = _BLOCK_DIAG(x, w)
+    return out
 
 
-def grouped_matmul(x: torch.Tensor, w: torch.Tensor, group_sizes) -> torch.Tensor:
+def grouped_matmul(x: torch.Tensor, w: torch.Tensor,
+                   group_sizes: Sequence[int] | NDArray[np.integer] | torch.Tensor) -> torch.Tensor:
     """Multiply each contiguous group of rows of ``x`` by its own matrix ``w[g]``.
 
     The tensor version of :func:`spchain.grouped_matmul`, differentiable in ``x`` and ``w``:
@@ -123,10 +128,11 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, group_sizes) -> torch.Tenso
     """
     caller = "spchain.torch.grouped_matmul"
     _dense_on_one_device(caller, x=x, w=w)
-    return _GROUPED(x, w, group_sizes_tensor(caller, group_sizes, w, x))
+    out: torch.Tensor = _GROUPED(x, w, group_sizes_tensor(caller, group_sizes, w, x))
+    return out
 
 
-def _dense_on_one_device(caller: str, **tensors) -> None:
+def _dense_on_one_device(caller: str, **tensors: torch.Tensor) -> None:
     """``TypeError`` for a non-tensor or a sparse one (naming its layout), ``ValueError`` for
     tensors on different devices: the checks that ``torch.compile`` can trace."""
     check_same_device(caller, **tensors)
@@ -135,7 +141,8 @@ def _dense_on_one_device(caller: str, **tensors) -> None:
             raise TypeError(f"{caller}: {name} is a {t.layout} tensor; it must be a dense (torch.strided) one")
 
 
-def group_sizes_tensor(caller: str, group_sizes, w, x) -> torch.Tensor:
+def group_sizes_tensor(caller: str, group_sizes: Sequence[int] | NDArray[np.integer] | torch.Tensor, w: torch.Tensor,
+                       x: torch.Tensor) -> torch.Tensor:
     """``group_sizes`` (a sequence, an array, or an integer tensor of any dtype on any device) as
     the int64 CPU tensor the operator takes: a copy, so the caller changing its sizes later
     cannot reach backward.
