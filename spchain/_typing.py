@@ -4,10 +4,6 @@
 CuPy one. CuPy ships no type information, so a type checker reads its half of the union as
 ``Any`` and checks the NumPy half. The functions marked ``@scales_out`` also take Dask arrays
 (:mod:`spchain._dask`), which give Dask arrays back. ``Shape`` is an array's shape.
-
->>> import numpy as np
->>> isinstance(np.ones(2), np.ndarray)  # an Array
-True
 """
 
 from typing import TYPE_CHECKING, Any, TypeAlias, Union
