@@ -16,8 +16,8 @@ pytest.importorskip("torch")
 from spchain import bench  # noqa: E402
 from spchain.bench import core, grouped, report  # noqa: E402
 
-SEED_CODE = {("chain", "torch pairwise tree (seed code)")}
-"""Baselines that are wrong on purpose: the seed code the chain workload replaces."""
+WRONG = {("chain", "torch pairwise broadcast tree")}
+"""Baselines that are wrong on purpose: the pairwise tree pads odd levels with the all-ones matrix."""
 
 CASES = [(w, c) for w in bench.WORKLOADS for c in bench.workload(w).CASES]
 
@@ -29,8 +29,8 @@ def test_every_method_matches_the_float64_reference(workload, case):
     reference = built.reference()
     for method, run in built.methods.items():
         error = core.max_rel_error(run(), reference)
-        if (workload, method) in SEED_CODE:
-            assert error > 0.1, "the seed code's pairwise tree pads with the all-ones matrix"
+        if (workload, method) in WRONG:
+            assert error > 0.1, "the pairwise broadcast tree pads with the all-ones matrix"
         else:
             assert error < 1e-5, method
 
