@@ -35,6 +35,12 @@ def test_every_method_matches_the_float64_reference(workload, case):
             assert error < 1e-5, method
 
 
+@pytest.mark.parametrize("workload", bench.WORKLOADS)
+def test_every_workload_names_its_full_and_quick_sizes(workload):
+    full, quick = bench.workload(workload).SIZES[False], bench.workload(workload).SIZES[True]
+    assert full.keys() == quick.keys() and all(isinstance(n, int) and n > 0 for n in (*full.values(), *quick.values()))
+
+
 def test_unknown_case_is_a_value_error():
     with pytest.raises(ValueError, match="workload 'chain' has no case 'nope'"):
         bench.make_case("chain", "nope", quick=True)
@@ -71,6 +77,7 @@ def test_command_prints_a_table_and_writes_a_png(tmp_path, capsys):
     assert bench.main(["bench", "--quick", "--only", "viterbi", "--repeat", "1", "--png", str(png)]) == 0
     out = capsys.readouterr().out
     assert "viterbi" in out and "torch broadcasting max" in out and "time / spchain" in out
+    assert f"viterbi  {bench.sizes('viterbi', True)}" in out  # the sizes, above the table
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rows = report.rows(core.measure(bench.make_case("viterbi", "decode", quick=True), 1, 1.0))
     assert rows[0][2] == "spchain" and rows[0][7] == "1.0x"
