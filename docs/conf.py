@@ -25,6 +25,8 @@ napoleon_use_rtype = False
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
 autodoc_default_options = {"members": False}
+# Annotations show the aliases of spchain/_typing.py by name, not their expansions.
+autodoc_type_aliases = {"Array": "spchain._typing.Array", "Shape": "spchain._typing.Shape"}
 
 # The build machine reaches only PyPI: no intersphinx, nothing fetched at build time.
 exclude_patterns = ["_build"]

@@ -12,8 +12,27 @@ Numba, torch nor CuPy.
 """
 
 import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:  # the names' real types, for type checkers; at run time they load on first use
+    from .blockdiag import block_diag_matmul as block_diag_matmul
+    from .blockdiag import grouped_matmul as grouped_matmul
+    from .chain import chain_logsumexp as chain_logsumexp
+    from .chain import chain_marginals as chain_marginals
+    from .chain import chain_sweep as chain_sweep
+    from .chain import viterbi as viterbi
+    from .paths import chain_entropy as chain_entropy
+    from .paths import chain_kbest as chain_kbest
+    from .paths import chain_path_score as chain_path_score
+    from .paths import chain_sample as chain_sample
+    from .semiring import log_chain_product as log_chain_product
+    from .semiring import logmatmul as logmatmul
+    from .semiring import maxmatmul as maxmatmul
+    from .sparse import prune as prune
+    from .sparse import sddmm as sddmm
+    from .sparse import spmm as spmm
 
 _API = {
     "spmm": "sparse",
@@ -37,7 +56,7 @@ _API = {
 __all__ = sorted(_API)
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> Any:
     if name not in _API:
         raise AttributeError(f"module 'spchain' has no attribute {name!r}")
     value = getattr(importlib.import_module(f".{_API[name]}", __name__), name)
@@ -45,5 +64,5 @@ def __getattr__(name):
     return value
 
 
-def __dir__():
+def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_API))

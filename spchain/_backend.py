@@ -8,17 +8,29 @@ Every optional import (CuPy, torch, numba.cuda) is guarded here and nowhere else
 'numpy'
 """
 
+from __future__ import annotations
+
 import contextvars
 import ctypes
 import functools
 import importlib
 import os
 import sys
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from types import ModuleType
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import scipy.sparse
+from numpy.typing import NDArray
+
+from ._typing import Array
+
+if TYPE_CHECKING:
+    import dask.array
+    from typing_extensions import TypeIs
 
 
 class CudaUnavailableError(RuntimeError):
@@ -47,17 +59,18 @@ class Backend:
     def __str__(self) -> str:
         return "cpu (numpy)" if self.device is None else f"cuda:{self.device} (cupy)"
 
-    def use(self):
+    def use(self) -> AbstractContextManager[Any]:
         """A context manager that makes this backend's device current (a no-op on the CPU)."""
         if self.device is None:
             return _NULL_CONTEXT
-        return self.xp.cuda.Device(self.device)
+        device: AbstractContextManager[Any] = self.xp.cuda.Device(self.device)
+        return device
 
-    def numba_stream(self):
+    def numba_stream(self) -> Any:
         """The Numba handle of CuPy's current stream, for launching kernels on it."""
         return numba_cuda().external_stream(self.xp.cuda.get_current_stream().ptr)
 
-    def kernel(self, module: str, op: str):
+    def kernel(self, module: str, op: str) -> Callable[..., Any]:
         """Kernel ``op`` of ``kernels/cpu/<module>.py``, or on the GPU the launcher
         ``launch_<op>`` of ``kernels/cuda/<module>.py``, bound to CuPy's current stream.
 
@@ -68,15 +81,17 @@ class Backend:
         launcher = getattr(importlib.import_module(f".kernels.cuda.{module}", __package__), f"launch_{op}")
         return functools.partial(launcher, stream=self.numba_stream())
 
-    def to_host(self, a):
+    def to_host(self, a: Array) -> NDArray[Any]:
         """``a`` as a NumPy array (a copy from the device on the GPU)."""
-        return a if self.device is None else a.get()
+        host: NDArray[Any] = a if self.device is None else self.xp.asnumpy(a)
+        return host
 
 
 @functools.cache
-def _cpu_kernel(module: str, op: str):
+def _cpu_kernel(module: str, op: str) -> Callable[..., Any]:
     threading_layer()
-    return getattr(importlib.import_module(f".kernels.cpu.{module}", __package__), op)
+    kernel: Callable[..., Any] = getattr(importlib.import_module(f".kernels.cpu.{module}", __package__), op)
+    return kernel
 
 
 @functools.cache
@@ -96,10 +111,10 @@ def threading_layer() -> str:
     import numba
 
     if os.environ.get("NUMBA_THREADING_LAYER") or numba.config.THREADING_LAYER != "default":
-        return numba.config.THREADING_LAYER
+        return str(numba.config.THREADING_LAYER)
     if _tbb_loads():
         numba.config.THREADING_LAYER = "tbb"
-    return numba.config.THREADING_LAYER
+    return str(numba.config.THREADING_LAYER)
 
 
 def _tbb_loads() -> bool:
@@ -116,10 +131,10 @@ def _tbb_loads() -> bool:
 
 
 class _NullContext:
-    def __enter__(self):
+    def __enter__(self) -> _NullContext:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> Literal[False]:
         return False
 
 
@@ -147,7 +162,7 @@ def cupy() -> ModuleType:
 def numba_cuda() -> ModuleType:
     """``numba.cuda``, imported on first use; ``CudaUnavailableError`` if it cannot run here."""
     try:
-        from numba import cuda
+        cuda = importlib.import_module("numba.cuda")
     except Exception as exc:
         raise CudaUnavailableError(f"spchain's CUDA kernels need numba-cuda ({exc}); {_CUDA_INSTALL}") from exc
     if not cuda.is_available():
@@ -155,11 +170,12 @@ def numba_cuda() -> ModuleType:
     return cuda
 
 
-CPU_MATMUL = contextvars.ContextVar("spchain_cpu_matmul", default=np.matmul)
+CPU_MATMUL: contextvars.ContextVar[Callable[..., Any]] = contextvars.ContextVar(
+    "spchain_cpu_matmul", default=np.matmul)
 """The matrix product used for NumPy arrays; ``spchain.torch`` sets torch's for its calls."""
 
 
-def matmul(xp, a, b, out=None):
+def matmul(xp: ModuleType, a: Array, b: Array, out: Array | None = None) -> Array:
     """``xp.matmul(a, b, out=out)``; for NumPy arrays, the product in :data:`CPU_MATMUL`.
 
     In a torch program NumPy's BLAS (OpenBLAS) would run a thread pool of its own beside
@@ -167,12 +183,11 @@ def matmul(xp, a, b, out=None):
     few cores the two pools slow each other down several times over. So ``spchain.torch``
     lends torch's BLAS to the array level for the length of its calls, on zero-copy views.
     """
-    if xp is np:
-        return CPU_MATMUL.get()(a, b, out=out)
-    return xp.matmul(a, b, out=out)
+    product: Array = CPU_MATMUL.get()(a, b, out=out) if xp is np else xp.matmul(a, b, out=out)
+    return product
 
 
-def scatter_add(xp, out, indices, values) -> None:
+def scatter_add(xp: ModuleType, out: Array, indices: Any, values: Array) -> None:
     """``out[indices] += values`` with repeated indices summed (``np.add.at``; cupyx on the GPU)."""
     if xp is np:
         np.add.at(out, indices, values)
@@ -188,23 +203,23 @@ def torch_or_none() -> ModuleType | None:
     return sys.modules.get("torch")
 
 
-def is_dask(obj) -> bool:
+def is_dask(obj: object) -> TypeIs[dask.array.Array]:
     """Whether ``obj`` is a ``dask.array.Array`` (never imports Dask: an array needs it imported)."""
     dask_array = sys.modules.get("dask.array")
     return dask_array is not None and isinstance(obj, dask_array.Array)
 
 
-def _is_cupy_object(obj) -> bool:
+def _is_cupy_object(obj: object) -> bool:
     module = type(obj).__module__
     return module.startswith("cupy") or module.startswith("cupyx")
 
 
-def _is_torch_tensor(obj) -> bool:
+def _is_torch_tensor(obj: object) -> bool:
     torch = torch_or_none()
     return torch is not None and isinstance(obj, torch.Tensor)
 
 
-def backend_of(*arrays, caller: str = "spchain") -> Backend:
+def backend_of(*arrays: Any, caller: str = "spchain") -> Backend:
     """The backend of ``arrays`` (``None`` entries and Python scalars are ignored).
 
     Raises ``TypeError`` for torch tensors (they belong to ``spchain.torch``) and other

@@ -4,13 +4,15 @@ Conventions (RELIABILITY.md): ``ValueError`` for bad structure or shape, ``TypeE
 unsupported type or dtype; messages name the function and the offending values.
 """
 
+from typing import Any
+
 import numpy as np
 import scipy.sparse
 
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
-def float_dtype(caller: str, **arrays) -> np.dtype:
+def float_dtype(caller: str, **arrays: Any) -> np.dtype[Any]:
     """The floating dtype of a computation on ``arrays`` (``None`` values ignored).
 
     float32 and float64 are supported; a mix of the two computes in float64 (never a silent
@@ -19,7 +21,7 @@ def float_dtype(caller: str, **arrays) -> np.dtype:
     >>> float_dtype("f", x=np.ones(2, np.float32), y=None)
     dtype('float32')
     """
-    result = None
+    result: np.dtype[Any] | None = None
     for name, a in arrays.items():
         if a is None:
             continue
@@ -30,7 +32,7 @@ def float_dtype(caller: str, **arrays) -> np.dtype:
     return result if result is not None else np.dtype(np.float64)
 
 
-def dense(caller: str, **arrays) -> list:
+def dense(caller: str, **arrays: Any) -> list[Any]:
     """``arrays`` checked to be dense arrays (NumPy, CuPy, or in ``spchain.torch`` tensors).
 
     An ``np.matrix`` comes back as the plain ndarray it views (its methods differ from

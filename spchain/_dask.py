@@ -9,8 +9,13 @@ function on NumPy or CuPy chunks. Dask itself is imported only then, so ``import
 
 import functools
 import importlib
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar, cast
 
 from . import _backend
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 _MODULES = {"chain_logsumexp": "_dask_chain", "chain_marginals": "_dask_chain", "viterbi": "_dask_chain",
             "chain_sample": "_dask_paths", "chain_entropy": "_dask_paths", "chain_kbest": "_dask_paths",
@@ -18,14 +23,15 @@ _MODULES = {"chain_logsumexp": "_dask_chain", "chain_marginals": "_dask_chain", 
 """The module of each function's Dask version, other than ``_dask_array`` (the products)."""
 
 
-def scales_out(fn):
+def scales_out(fn: Callable[P, R]) -> Callable[P, R]:
     """Route calls of ``fn`` with a Dask array argument to its Dask version."""
 
     @functools.wraps(fn)
-    def dispatch(*args, **kwargs):
+    def dispatch(*args: P.args, **kwargs: P.kwargs) -> R:
         if any(_backend.is_dask(a) for a in (*args, *kwargs.values())):
             module = _MODULES.get(fn.__name__, "_dask_array")
-            return getattr(importlib.import_module(f".{module}", __package__), fn.__name__)(*args, **kwargs)
+            dask_fn = getattr(importlib.import_module(f".{module}", __package__), fn.__name__)
+            return cast(R, dask_fn(*args, **kwargs))
         return fn(*args, **kwargs)
 
     return dispatch

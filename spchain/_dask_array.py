@@ -24,41 +24,61 @@ zero-stride probes of the inputs with their batch axes cut to length 1, so bad i
 at once with the in-memory function's error, not later inside a task.
 """
 
+from __future__ import annotations
+
 import operator
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
+from types import ModuleType
+from typing import Any, TypeAlias, Union, overload
 
 import dask.array as da
 import numpy as np
+from numpy.typing import DTypeLike, NDArray
 
 from . import _backend, blockdiag, semiring, sparse
+from ._typing import Array, Shape
+
+Lazy: TypeAlias = Union[da.Array, Array]
+"""A Dask array, or an in-memory array that joins a graph as one chunk."""
 
 
-def as_dask(a):
+@overload
+def as_dask(a: Lazy) -> da.Array: ...
+@overload
+def as_dask(a: None) -> None: ...
+def as_dask(a: Lazy | None) -> da.Array | None:
     """``a`` as a Dask array: itself, or an in-memory array as one chunk (NumPy, CuPy or sparse)."""
     if a is None or _backend.is_dask(a):
         return a
-    return da.from_array(a, chunks=a.shape, asarray=False)
+    out: da.Array = da.from_array(a, chunks=a.shape, asarray=False)
+    return out
 
 
-def xp_of(a):
+def xp_of(a: Lazy) -> ModuleType:
     """The array module of a Dask array's chunks, or of an in-memory array (NumPy or CuPy)."""
     return _backend.backend_of(getattr(a, "_meta", a)).xp
 
 
-def gathered(a, axes):
+def gathered(a: Lazy, axes: Iterable[int]) -> Lazy:
     """``a`` with ``axes`` in one chunk each (an in-memory array as it is)."""
     return a.rechunk({k: -1 for k in axes}) if _backend.is_dask(a) else a
 
 
-def probe(a, core: int):
+@overload
+def probe(a: Lazy, core: int) -> Array: ...
+@overload
+def probe(a: None, core: int) -> None: ...
+def probe(a: Lazy | None, core: int) -> Array | None:
     """A zero-stride in-memory stand-in for ``a``: its dtype and last ``core`` axes, batch axes 1."""
     if a is None:
         return None
     shape = tuple(min(n, 1) for n in a.shape[:a.ndim - core]) + a.shape[a.ndim - core:]
-    return xp_of(a).broadcast_to(xp_of(a).zeros((), a.dtype), shape)
+    stand_in: Array = xp_of(a).broadcast_to(xp_of(a).zeros((), a.dtype), shape)
+    return stand_in
 
 
-def batch_shape(caller: str, **shapes):
+def batch_shape(caller: str, **shapes: Shape) -> Shape:
     """The broadcast of the named batch shapes; ``ValueError`` naming them if they do not broadcast."""
     try:
         return np.broadcast_shapes(*shapes.values())
@@ -71,17 +91,18 @@ LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 """Blockwise index letters of the batch axes (the core axes use lower case)."""
 
 
-def batch_index(nb: int, a, core: str) -> str:
+def batch_index(nb: int, a: Lazy, core: str) -> str:
     """Blockwise index letters of ``a``: its batch axes (right-aligned among ``nb``), then ``core``."""
     return LETTERS[nb - (a.ndim - len(core)):nb] + core
 
 
-def call(fn, names, *blocks):
+def call(fn: Callable[..., Any], names: Sequence[str], *blocks: Any) -> Any:
     """``fn(**dict(zip(names, blocks)))``: a task body calling an in-memory spchain function."""
     return fn(**dict(zip(names, blocks)))
 
 
-def blockwise(fn, out_index: str, args: dict, cores: dict, nb: int, dtype, meta, **kwargs):
+def blockwise(fn: Callable[..., Any], out_index: str, args: Mapping[str, Lazy | None], cores: Mapping[str, str],
+              nb: int, dtype: DTypeLike, meta: Array, **kwargs: Any) -> da.Array:
     """``da.blockwise`` of ``call(fn, ...)`` over the non-``None`` named ``args``.
 
     ``cores[name]`` holds the index letters of the core (non-batch) axes of ``args[name]``.
@@ -93,68 +114,72 @@ def blockwise(fn, out_index: str, args: dict, cores: dict, nb: int, dtype, meta,
     present = {name: a for name, a in args.items() if a is not None}
     index = {name: batch_index(nb, a, cores[name]) for name, a in present.items()}
     provided = set("".join(index[name] for name, a in present.items() if _backend.is_dask(a)))
-    pairs = []
+    pairs: list[Lazy | str | None] = []
     for name, a in present.items():
         batch = a.shape[:a.ndim - len(cores[name])]
         shared = all(n <= 1 for n in batch) and all(k in provided or k not in out_index for k in index[name])
         pairs += [a, None] if shared and not _backend.is_dask(a) else [as_dask(a), index[name]]
     token = getattr(fn, "func", fn).__name__
-    return da.blockwise(partial(call, fn, tuple(present)), out_index, *pairs, dtype=dtype, meta=meta,
-                        concatenate=True, token=token, **kwargs)
+    out: da.Array = da.blockwise(partial(call, fn, tuple(present)), out_index, *pairs, dtype=dtype, meta=meta,
+                                 concatenate=True, token=token, **kwargs)
+    return out
 
 
-def part(pairs, k: int, dtype, like, **kwargs):
+def part(pairs: da.Array, k: int, dtype: DTypeLike, like: Lazy, **kwargs: Any) -> da.Array:
     """The ``k``-th result of a blockwise call that returns a tuple per chunk."""
-    return pairs.map_blocks(operator.itemgetter(k), dtype=dtype, meta=xp_of(like).empty((0,) * pairs.ndim, dtype),
-                            **kwargs)
+    out: da.Array = da.map_blocks(operator.itemgetter(k), pairs, dtype=dtype,
+                                  meta=xp_of(like).empty((0,) * pairs.ndim, dtype), **kwargs)
+    return out
 
 
-def _product(fn, a, b, caller: str):
+def _product(fn: Callable[[Array, Array], Any], a: Lazy, b: Lazy,
+             caller: str) -> tuple[Lazy, Lazy, int, Any]:
     """``fn`` over the last two axes of ``a`` and ``b``, batch axes broadcast, blockwise."""
     out = fn(probe(a, 2), probe(b, 2))
     nb = len(batch_shape(caller, a=a.shape[:-2], b=b.shape[:-2]))
     return a, b, nb, out
 
 
-def logmatmul(a, b):
+def logmatmul(a: Lazy, b: Lazy) -> da.Array:
     a, b, nb, out = _product(semiring.logmatmul, a, b, "spchain.logmatmul")
     return blockwise(semiring.logmatmul, LETTERS[:nb] + "ij", {"a": a, "b": b}, {"a": "ik", "b": "kj"}, nb,
                      out.dtype, xp_of(a).empty((0,) * (nb + 2), out.dtype))
 
 
-def maxmatmul(a, b):
+def maxmatmul(a: Lazy, b: Lazy) -> tuple[da.Array, da.Array]:
     a, b, nb, (values, argmax) = _product(semiring.maxmatmul, a, b, "spchain.maxmatmul")
     pairs = blockwise(semiring.maxmatmul, LETTERS[:nb] + "ij", {"a": a, "b": b}, {"a": "ik", "b": "kj"}, nb,
                       object, np.empty((0,) * (nb + 2), object))
     return part(pairs, 0, values.dtype, a), part(pairs, 1, argmax.dtype, a)
 
 
-def _keep_product(m, axis, keepdims):
+def _keep_product(m: Array, axis: Any, keepdims: bool) -> Array:
     """A chunk's (or a level's) product, keeping the reduced axis as length 1."""
     return semiring.log_chain_product(m)[..., None, :, :]
 
 
-def _final_product(m, axis, keepdims):
+def _final_product(m: Array, axis: Any, keepdims: bool) -> Array:
     return semiring.log_chain_product(m)
 
 
-def tree_product(m, split_every=None):
+def tree_product(m: da.Array, split_every: int | None = None) -> da.Array:
     """``log_chain_product`` of a Dask (..., L, c, c) array, L in any number of chunks: each
     chunk reduces to its product, and the products combine pairwise-in-order by the same
     function, a tree reduction over the chunks of L."""
     m = m.rechunk({-1: -1, -2: -1})
     meta = xp_of(m).empty((0,) * (m.ndim - 1), m.dtype)
-    return da.reduction(m, _keep_product, _final_product, combine=_keep_product, axis=m.ndim - 3,
-                        keepdims=False, dtype=m.dtype, split_every=split_every, concatenate=True, meta=meta)
+    out: da.Array = da.reduction(m, _keep_product, _final_product, combine=_keep_product, axis=m.ndim - 3,
+                                 keepdims=False, dtype=m.dtype, split_every=split_every, concatenate=True, meta=meta)
+    return out
 
 
-def log_chain_product(m):
+def log_chain_product(m: Lazy) -> da.Array:
     m = as_dask(m)
     out = semiring.log_chain_product(probe(m, 3))
     return tree_product(m.astype(out.dtype, copy=False))
 
 
-def block_diag_matmul(x, w):
+def block_diag_matmul(x: Lazy, w: Lazy) -> da.Array:
     x, w = as_dask(x), as_dask(w)
     out = blockdiag.block_diag_matmul(probe(x, 2), probe(w, 3))
     nb = x.ndim - 2
@@ -162,7 +187,7 @@ def block_diag_matmul(x, w):
                      nb, out.dtype, xp_of(x).empty((0,) * x.ndim, out.dtype))
 
 
-def _grouped_block(x, w, positions, sizes):
+def _grouped_block(x: Array, w: Array, positions: NDArray[Any], sizes: NDArray[np.int64]) -> Array:
     """``grouped_matmul`` of the rows ``positions`` of ``x``: each group's share of them."""
     start, stop = (int(positions[0]), int(positions[-1]) + 1) if positions.size else (0, 0)
     ends = np.cumsum(sizes)
@@ -170,7 +195,7 @@ def _grouped_block(x, w, positions, sizes):
     return blockdiag.grouped_matmul(x, w, local)
 
 
-def grouped_matmul(x, w, group_sizes):
+def grouped_matmul(x: Lazy, w: Lazy, group_sizes: Sequence[int] | Lazy) -> da.Array:
     caller = "spchain.grouped_matmul"
     x, w = as_dask(x), as_dask(w)
     if _backend.is_dask(group_sizes):
@@ -181,35 +206,39 @@ def grouped_matmul(x, w, group_sizes):
     out = blockdiag.grouped_matmul(probe(x, 2)[:0], probe(w, 3), [0] * w.shape[0])
     sizes = blockdiag._check_group_sizes(caller, group_sizes, w.shape[0], x.shape[0])
     positions = da.arange(x.shape[0], chunks=x.chunks[0])
-    return da.blockwise(_grouped_block, "ro", x, "rk", w, "gko", positions, "r", sizes, None, dtype=out.dtype,
-                        meta=xp_of(x).empty((0, 0), out.dtype), concatenate=True)
+    result: da.Array = da.blockwise(_grouped_block, "ro", x, "rk", w, "gko", positions, "r", sizes, None,
+                                    dtype=out.dtype, meta=xp_of(x).empty((0, 0), out.dtype), concatenate=True)
+    return result
 
 
-def spmm(a, b):
+def spmm(a: Any, b: Lazy) -> da.Array:
     caller = "spchain.spmm"
     a, b = as_dask(a), as_dask(b)
     if a.ndim != 2 or b.ndim not in (1, 2) or a.shape[1] != b.shape[0]:
         raise ValueError(f"{caller}: shapes {a.shape} and {b.shape} do not match")
     out = sparse.spmm(a._meta, xp_of(b).empty((0,) * b.ndim, b.dtype))
     meta = xp_of(b).empty((0,) * b.ndim, out.dtype)
+    result: da.Array
     if b.ndim == 1:
-        return da.blockwise(sparse.spmm, "i", a, "ik", b, "k", dtype=out.dtype, meta=meta, concatenate=True)
-    return da.blockwise(sparse.spmm, "ij", a, "ik", b, "kj", dtype=out.dtype, meta=meta, concatenate=True)
+        result = da.blockwise(sparse.spmm, "i", a, "ik", b, "k", dtype=out.dtype, meta=meta, concatenate=True)
+    else:
+        result = da.blockwise(sparse.spmm, "ij", a, "ik", b, "kj", dtype=out.dtype, meta=meta, concatenate=True)
+    return result
 
 
-def _csr_rows(csr, start: int, stop: int):
+def _csr_rows(csr: Any, start: int, stop: int) -> Any:
     """Rows ``start:stop`` of a CSR matrix, duplicates and explicit zeros kept."""
     begin, end = int(csr.indptr[start]), int(csr.indptr[stop])
     indptr = csr.indptr[start:stop + 1] - begin
     return type(csr)((csr.data[begin:end], csr.indices[begin:end], indptr), shape=(stop - start, csr.shape[1]))
 
 
-def _sddmm_block(pattern, a, b, block_info=None):
+def _sddmm_block(pattern: Any, a: Array, b: Array, block_info: Any = None) -> Any:
     start, stop = block_info[1]["array-location"][0]
     return sparse.sddmm(_csr_rows(pattern, start, stop), a, b)
 
 
-def sddmm(pattern, a, b):
+def sddmm(pattern: Any, a: Lazy, b: Lazy) -> da.Array:
     caller = "spchain.sddmm"
     pattern = pattern.compute() if _backend.is_dask(pattern) else pattern
     a, b = as_dask(a), as_dask(b)
@@ -220,5 +249,6 @@ def sddmm(pattern, a, b):
     pattern = pattern if pattern.format == "csr" else pattern.tocsr()
     meta = sparse.sddmm(_csr_rows(pattern, 0, 0), xp.empty((0, a.shape[1]), a.dtype), probe(b, 2))
     a = a.rechunk({1: -1})
-    return da.map_blocks(_sddmm_block, pattern, a, b.rechunk(-1), dtype=meta.dtype, meta=meta,
-                         chunks=(a.chunks[0], (n,)))
+    result: da.Array = da.map_blocks(_sddmm_block, pattern, a, b.rechunk(-1), dtype=meta.dtype, meta=meta,
+                                     chunks=(a.chunks[0], (n,)))
+    return result

@@ -24,17 +24,25 @@ spchain function on NumPy or CuPy chunks.
   batch-parallel only: decoding needs the whole chain of a row in one task.
 """
 
+from __future__ import annotations
+
 from functools import partial
+from collections.abc import Callable
+from typing import Any
 
 import dask.array as da
 import numpy as np
+from numpy.typing import DTypeLike
 
 from . import _backend, _checks, chain, semiring
 from ._dask_array import LETTERS as _LETTERS
+from ._dask_array import Lazy
+from ._typing import Array, Shape
 from ._dask_array import as_dask, batch_index, batch_shape, blockwise, gathered, part, probe, tree_product, xp_of
 
 
-def _inputs(fn, x, log_trans, log_init, lengths, path=None, **options):
+def _inputs(fn: Callable[..., Any], x: Lazy, log_trans: Lazy, log_init: Lazy | None, lengths: Any,
+            path: Lazy | None = None, **options: Any) -> tuple[da.Array, Lazy, Lazy | None, Any, Shape, bool, Any]:
     """Validated Dask inputs, their broadcast batch shape, whether ``log_trans`` is per step,
     and the in-memory function ``fn``'s result on probes (dtype, errors). ``path`` is
     :func:`spchain.chain_path_score`'s; ``options`` are ``fn``'s other keyword arguments."""
@@ -59,13 +67,14 @@ def _inputs(fn, x, log_trans, log_init, lengths, path=None, **options):
     return x, log_trans, log_init, lengths, shape, per_step, result
 
 
-def _args(x, log_trans, log_init, lengths, per_step: bool):
+def _args(x: Lazy, log_trans: Lazy, log_init: Lazy | None, lengths: Lazy | None,
+          per_step: bool) -> tuple[dict[str, Lazy | None], dict[str, str]]:
     args = {"x": x, "log_trans": log_trans, "log_init": log_init, "lengths": lengths}
     cores = {"x": "vc", "log_trans": "sij" if per_step else "ij", "log_init": "c", "lengths": ""}
     return args, cores
 
 
-def _sum_broadcast(out, x_shape, nb: int):
+def _sum_broadcast(out: da.Array, x_shape: Shape, nb: int) -> da.Array:
     """Sum per-block marginals of the full batch over the axes along which ``x`` broadcast.
 
     ``out`` has every batch axis; where ``x`` broadcast (an axis it lacks, or has as 1 against
@@ -79,31 +88,35 @@ def _sum_broadcast(out, x_shape, nb: int):
     return out.sum(axis=tuple(range(lead))) if lead else out
 
 
-def _marginal_block(nb: int, **blocks):
+def _marginal_block(nb: int, **blocks: Any) -> Array:
     """``chain_marginals`` of one block, with every batch axis (length 1 where ``x`` broadcast)."""
     out = chain.chain_marginals(**blocks)
     return out.reshape((1,) * (nb + 2 - out.ndim) + out.shape)
 
 
-def _broadcast_chunks(x, nb: int):
+def _broadcast_chunks(x: Lazy, nb: int) -> dict[str, int]:
     """``adjust_chunks`` for the batch axes along which ``x`` broadcast (one entry per block)."""
     lead = nb - (x.ndim - 2)
     return {_LETTERS[k]: 1 for k in range(nb) if k < lead or x.shape[k - lead] == 1}
 
 
-def chain_logsumexp(x, log_trans, log_init=None, *, lengths=None):
+def chain_logsumexp(x: Lazy, log_trans: Lazy, log_init: Lazy | None = None, *,
+                    lengths: Lazy | None = None) -> da.Array:
     x, log_trans, log_init, lengths, shape, per_step, result = _inputs(
         chain.chain_logsumexp, x, log_trans, log_init, lengths)
     nb = len(shape)
     meta = xp_of(x).empty((0,) * nb, result.dtype)
     if x.numblocks[-2] > 1:
         product = tree_product(_transfer_matrices(x, log_trans, log_init, lengths, nb, per_step, result.dtype))
-        return product.map_blocks(_first_row_lse, drop_axis=(nb, nb + 1), dtype=result.dtype, meta=meta)
+        total: da.Array = da.map_blocks(_first_row_lse, product, drop_axis=(nb, nb + 1), dtype=result.dtype,
+                                        meta=meta)
+        return total
     args, cores = _args(x, log_trans, log_init, lengths, per_step)
     return blockwise(chain.chain_logsumexp, batch_index(nb, x[..., 0, 0], ""), args, cores, nb, result.dtype, meta)
 
 
-def chain_marginals(x, log_trans, log_init=None, *, lengths=None):
+def chain_marginals(x: Lazy, log_trans: Lazy, log_init: Lazy | None = None, *,
+                    lengths: Lazy | None = None) -> da.Array:
     x, log_trans, log_init, lengths, shape, per_step, result = _inputs(
         chain.chain_marginals, x, log_trans, log_init, lengths)
     nb = len(shape)
@@ -118,7 +131,8 @@ def chain_marginals(x, log_trans, log_init=None, *, lengths=None):
     return _sum_broadcast(out, x_shape, nb)
 
 
-def viterbi(x, log_trans, log_init=None, *, lengths=None):
+def viterbi(x: Lazy, log_trans: Lazy, log_init: Lazy | None = None, *,
+            lengths: Lazy | None = None) -> tuple[da.Array, da.Array]:
     x, log_trans, log_init, lengths, shape, per_step, (score, path) = _inputs(
         chain.viterbi, x, log_trans, log_init, lengths)
     nb = len(shape)
@@ -130,7 +144,7 @@ def viterbi(x, log_trans, log_init=None, *, lengths=None):
 
 # ---- time-parallel ---------------------------------------------------------------------------
 
-def _padded_trans(log_trans, x, per_step: bool):
+def _padded_trans(log_trans: Lazy, x: da.Array, per_step: bool) -> Lazy:
     """Per-step ``log_trans`` with a first matrix prepended, so that its step axis lines up
     with ``x``'s positions (matrix t leads into position t), chunked as ``x``'s time axis."""
     if not per_step:
@@ -140,7 +154,8 @@ def _padded_trans(log_trans, x, per_step: bool):
     return da.concatenate([first, log_trans], axis=-3).rechunk({-3: x.chunks[-2]})
 
 
-def _time_inputs(x, log_trans, log_init, lengths, per_step: bool):
+def _time_inputs(x: da.Array, log_trans: Lazy, log_init: Lazy | None, lengths: Lazy | None,
+                 per_step: bool) -> tuple[dict[str, Any], dict[str, str]]:
     """Named Dask inputs of a time-chunk task and the index letters of their core axes."""
     args = {"positions": da.arange(x.shape[-2], chunks=x.chunks[-2]), "x": x,
             "log_trans": _padded_trans(log_trans, x, per_step), "log_init": log_init, "lengths": lengths}
@@ -148,7 +163,8 @@ def _time_inputs(x, log_trans, log_init, lengths, per_step: bool):
     return args, cores
 
 
-def _step_matrices(positions, x, log_trans, log_init, lengths, per_step: bool):
+def _step_matrices(positions: Array, x: Array, log_trans: Array, log_init: Array | None, lengths: Array | None,
+                   per_step: bool) -> Array:
     """``T_t + x_t`` (..., L, c, c) for one time chunk: row 0 of position 0's matrix is
     ``log_init + x_0`` (its other rows ``-inf``), and positions past a chain's length are identities."""
     xp = _backend.backend_of(x).xp
@@ -166,30 +182,34 @@ def _step_matrices(positions, x, log_trans, log_init, lengths, per_step: bool):
     return mats
 
 
-def _block_batch(x, trans, log_init=None, lengths=None, *vectors):
+def _block_batch(x: Array, trans: Array, log_init: Array | None = None, lengths: Array | None = None,
+                 *vectors: Array) -> Shape:
     """The broadcast batch shape of one task's blocks (``trans`` a (..., c, c) matrix)."""
     shapes = [x.shape[:-2], trans.shape[:-2]] + [a.shape[:-1] for a in (log_init, *vectors) if a is not None]
     return np.broadcast_shapes(*shapes, () if lengths is None else lengths.shape)
 
 
-def _transfer_block(positions, x, log_trans, log_init=None, lengths=None, *, per_step: bool):
+def _transfer_block(positions: Array, x: Array, log_trans: Array, log_init: Array | None = None,
+                    lengths: Array | None = None, *, per_step: bool) -> Array:
     mats = _step_matrices(positions, x, log_trans, log_init, lengths, per_step)
     return semiring.log_chain_product(mats)[..., None, :, :]
 
 
-def _transfer_matrices(x, log_trans, log_init, lengths, nb: int, per_step: bool, dtype):
+def _transfer_matrices(x: da.Array, log_trans: Lazy, log_init: Lazy | None, lengths: Lazy | None, nb: int,
+                       per_step: bool, dtype: DTypeLike) -> da.Array:
     """(batch..., K, c, c): the log transfer matrix of each of the K time chunks of ``x``."""
     args, cores = _time_inputs(x, log_trans, log_init, lengths, per_step)
     return blockwise(partial(_transfer_block, per_step=per_step), _LETTERS[:nb] + "tij", args, cores, nb, dtype,
                      xp_of(x).empty((0,) * (nb + 3), dtype), adjust_chunks={"t": 1})
 
 
-def _first_row_lse(product):
+def _first_row_lse(product: Array) -> Array:
     """``logsumexp`` of row 0 of a chain's product: the log-partition."""
     return chain.chain_logsumexp(product[..., :1, :], product)
 
 
-def _chunk_marginals(positions, x, log_trans, alpha, beta, log_init=None, lengths=None, *, per_step: bool):
+def _chunk_marginals(positions: Array, x: Array, log_trans: Array, alpha: Array, beta: Array,
+                     log_init: Array | None = None, lengths: Array | None = None, *, per_step: bool) -> Array:
     """Marginals of one time chunk, given the forward message ``alpha`` (..., 1, c) that
     enters it (unused in the first chunk) and the backward message ``beta`` (..., c, 1) that
     leaves it: the in-memory ``chain_marginals`` of the chunk with a virtual position before
@@ -217,7 +237,8 @@ def _chunk_marginals(positions, x, log_trans, alpha, beta, log_init=None, length
     return xp.where((covered > 0)[..., None, None], out, 0) if lengths is not None else out
 
 
-def _marginals_in_time_chunks(x, log_trans, log_init, lengths, nb: int, per_step: bool, dtype, meta):
+def _marginals_in_time_chunks(x: da.Array, log_trans: Lazy, log_init: Lazy | None, lengths: Lazy | None, nb: int,
+                              per_step: bool, dtype: DTypeLike, meta: Array) -> da.Array:
     """Marginals of time-chunked chains: a second pass over the chunks with boundary messages."""
     mats = _transfer_matrices(x, log_trans, log_init, lengths, nb, per_step, dtype)
     chunks = x.numblocks[-2]
@@ -240,4 +261,5 @@ def _marginals_in_time_chunks(x, log_trans, log_init, lengths, nb: int, per_step
             chunk_args["log_trans"] = args["log_trans"][..., time, :, :]
         parts.append(blockwise(partial(_chunk_marginals, per_step=per_step), _LETTERS[:nb] + "tj", chunk_args,
                                cores, nb, dtype, meta))
-    return da.concatenate(parts, axis=nb)
+    out: da.Array = da.concatenate(parts, axis=nb)
+    return out

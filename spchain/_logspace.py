@@ -6,21 +6,28 @@ then the entries where that product lost its answer to underflow are found and r
 exactly in log space.
 """
 
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
 import numpy as np
 
 from . import _backend
+from ._typing import Array, Shape
 
 FIXUP_CHUNK = 1 << 22
 """Elements gathered at a time when recomputing lost entries (bounds their extra memory)."""
 
 
-def finite_or_zero(xp, shift):
+def finite_or_zero(xp: ModuleType, shift: Array) -> Array:
     """``shift`` with non-finite entries replaced by 0, so ``exp(v - shift)`` never makes NaN
     from ``-inf - -inf``; a NaN shift also becomes 0, and the NaN then flows through ``v``."""
     return xp.where(xp.isfinite(shift), shift, 0)
 
 
-def logsumexp(xp, v, axis: int, keepdims: bool = False):
+def logsumexp(xp: ModuleType, v: Array, axis: int, keepdims: bool = False) -> Array:
     """``log(sum(exp(v)))`` along ``axis``, max-shifted; ``-inf`` for all ``-inf`` (or empty)."""
     if v.shape[axis] == 0:
         shape = list(v.shape)
@@ -34,7 +41,7 @@ def logsumexp(xp, v, axis: int, keepdims: bool = False):
     return out if keepdims else out.squeeze(axis)
 
 
-def underflow_threshold(dtype, k: int) -> float:
+def underflow_threshold(dtype: np.dtype[Any], k: int) -> float:
     """Below this, a sum of ``k`` scaled products may have lost more than one ulp to underflow.
 
     Every term that underflowed is below ``tiny``, so together they are below ``k * tiny``;
@@ -44,7 +51,7 @@ def underflow_threshold(dtype, k: int) -> float:
     return float(max(k, 1) * info.tiny / info.eps)
 
 
-def scaled(xp, a, axis: int):
+def scaled(xp: ModuleType, a: Array, axis: int) -> tuple[Array, Array, Array]:
     """``(exp(a - shift), shift, top)``: ``a`` scaled by its maximum ``top`` along ``axis``
     (``shift`` is ``top`` made finite), an operand of a log-space product in scaled space."""
     top = a.max(axis=axis, keepdims=True)
@@ -52,7 +59,7 @@ def scaled(xp, a, axis: int):
     return xp.exp(a - shift), shift, top
 
 
-def log_matmul(xp, a, b, out=None):
+def log_matmul(xp: ModuleType, a: Array, b: Array, out: Array | None = None) -> Array:
     """``log(exp(a) @ exp(b))`` over the last two axes, leading axes broadcast.
 
     ``a`` (..., m, k) and ``b`` (..., k, n) of one float dtype. Never builds an (m, k, n)
@@ -87,26 +94,27 @@ class PosInf:
     made ``-inf``, whose product is the output everywhere else.
     """
 
-    def __init__(self, xp, a, b):
+    def __init__(self, xp: ModuleType, a: Array, b: Array) -> None:
         self.pa, self.pb = xp.isposinf(a), xp.isposinf(b)
         self.fa, self.fb = a > -np.inf, b > -np.inf  # the possible partners of a +inf
         self.a, self.b = xp.where(self.pa, -np.inf, a), xp.where(self.pb, -np.inf, b)
         self.dtype = a.dtype
 
     @classmethod
-    def of(cls, xp, a, b, a_top, b_top):
+    def of(cls, xp: ModuleType, a: Array, b: Array, a_top: Array, b_top: Array) -> PosInf | None:
         """``PosInf(xp, a, b)``, or ``None`` if neither operand holds ``+inf`` (read from their
         row maxima ``a_top`` and column maxima ``b_top``: a row or column with NaN has a NaN
         maximum, and all its outputs are NaN whatever its ``+inf``)."""
         found = bool(xp.isposinf(a_top).any()) or bool(xp.isposinf(b_top).any())
         return cls(xp, a, b) if found else None
 
-    def count(self, xp):
+    def count(self, xp: ModuleType) -> Array:
         """The number of ``+inf`` terms of every output (by inclusion-exclusion, three 0/1 GEMMs)."""
         pa, pb, fa, fb = (t.astype(self.dtype) for t in (self.pa, self.pb, self.fa, self.fb))
         return _backend.matmul(xp, pa, fb) + _backend.matmul(xp, fa, pb) - _backend.matmul(xp, pa, pb)
 
-    def add_grads(self, xp, out, grad, grad_a, grad_b):
+    def add_grads(self, xp: ModuleType, out: Array, grad: Array, grad_a: Array | None,
+                  grad_b: Array | None) -> Array:
         """Add the shares of ``grad`` at the ``+inf`` outputs to ``grad_a`` and ``grad_b`` (either
         may be ``None``); returns ``grad`` with those outputs zeroed, for the finite products."""
         at_inf = xp.isposinf(out)
@@ -121,7 +129,8 @@ class PosInf:
         return xp.where(at_inf, 0, grad)
 
 
-def log_product(xp, a_scaled, b_scaled, a, b, out=None):
+def log_product(xp: ModuleType, a_scaled: tuple[Array, Array, Array], b_scaled: tuple[Array, Array, Array],
+                a: Callable[[], Array], b: Array, out: Array | None = None) -> Array:
     """``log(exp(a) @ exp(b))`` from the operands scaled by :func:`scaled`: one GEMM.
 
     An entry whose scaled sum fell below :func:`underflow_threshold` (the row's and the
@@ -145,7 +154,8 @@ def log_product(xp, a_scaled, b_scaled, a, b, out=None):
     return out
 
 
-def log_matmul_grads(xp, a, b, out, grad, need_a: bool = True, need_b: bool = True):
+def log_matmul_grads(xp: ModuleType, a: Array, b: Array, out: Array, grad: Array, need_a: bool = True,
+                     need_b: bool = True) -> tuple[Array | None, Array | None]:
     """Gradients of ``sum(grad * log_matmul(a, b))``: ``(d a, d b)``, of the broadcast batch shape.
 
     ``out`` is the forward result. Never builds an (m, k, n) tensor: with the forward's
@@ -200,19 +210,19 @@ def log_matmul_grads(xp, a, b, out, grad, need_a: bool = True, need_b: bool = Tr
     return grad_a, grad_b
 
 
-def flat_batch(a, tail: int = 2):
+def flat_batch(a: Array, tail: int = 2) -> Array:
     """``a`` with its leading axes (all but the last ``tail``) flattened into one."""
     return a.reshape((int(np.prod(a.shape[:a.ndim - tail], dtype=np.int64)),) + a.shape[a.ndim - tail:])
 
 
-def reduce_to(grad, shape: tuple):
+def reduce_to(grad: Array, shape: Shape) -> Array:
     """Sum ``grad`` over the leading and size-1 axes along which an operand of ``shape`` broadcast."""
     lead = grad.ndim - len(shape)
     axes = tuple(range(lead)) + tuple(lead + k for k, size in enumerate(shape) if size == 1 and grad.shape[lead + k] != 1)
     return grad.sum(axis=axes).reshape(shape) if axes else grad
 
 
-def batched_operands(xp, a, b, batch_shape):
+def batched_operands(xp: ModuleType, a: Array, b: Array, batch_shape: Shape) -> tuple[Array, Array, Array, Array]:
     """``a`` as (Ba, m, k), ``b`` as (Bb, k, n), and for each flat index of the broadcast
     ``batch_shape`` the index of its ``a`` and its ``b``."""
     full = batch_shape or (1,)
@@ -222,13 +232,13 @@ def batched_operands(xp, a, b, batch_shape):
     return a3, b3, a_index, b_index
 
 
-def _chunks(count: int, width: int):
+def _chunks(count: int, width: int) -> list[slice]:
     """Slices of ``range(count)`` whose gathered ``(len, width)`` blocks stay under FIXUP_CHUNK."""
     step = max(1, FIXUP_CHUNK // max(width, 1))
     return [slice(start, start + step) for start in range(0, count, step)]
 
 
-def _recompute_lost(xp, a, b, out, lost):
+def _recompute_lost(xp: ModuleType, a: Array, b: Array, out: Array, lost: Array) -> None:
     """Overwrite ``out`` where ``lost`` with the exact log-space sums.
 
     Where many entries are lost (structural zeros: a left-to-right chain, say), one 0/1 GEMM

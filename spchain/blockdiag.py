@@ -15,18 +15,28 @@ product with the transposed weight, and the weight gradient of group g is
 ``spchain.torch`` makes a torch operator of: the forward validates, the backward trusts it.
 """
 
+from __future__ import annotations
+
 import math
 import numbers
+from collections.abc import Callable, Iterator, Sequence
+from types import ModuleType
+from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
 from . import _backend
-from ._backend import backend_of
+from ._backend import Backend, backend_of
 from ._checks import dense, float_dtype
 from ._dask import scales_out
+from ._typing import Array, Shape
+
+Backward = Callable[[Sequence[Any], Sequence[Array], Sequence[Array], Sequence[bool]], tuple[Array | None, ...]]
+"""The signature of an array-level backward: ``(inputs, results, grads, needs) -> gradients``."""
 
 
-def _blas_layout(xp, a):
+def _blas_layout(xp: ModuleType, a: Array) -> Array:
     """``a``, or a C-contiguous copy of it if its last two axes are not a BLAS matrix layout.
 
     A matrix is a BLAS operand when one of its axes has unit stride and the other a positive
@@ -44,7 +54,7 @@ def _blas_layout(xp, a):
 
 
 @scales_out
-def block_diag_matmul(x, w):
+def block_diag_matmul(x: Array, w: Array) -> Array:
     """Multiply each block of features by its own matrix: ``y[..., g, :] = x[..., g, :] @ w[g]``.
 
     The same as ``x.reshape(-1, G * d_in) @ scipy.linalg.block_diag(*w)`` (reshaped back),
@@ -90,7 +100,7 @@ def block_diag_matmul(x, w):
     return _block_diag_product(backend, x, w, dtype)
 
 
-def block_diag_matmul_shape(caller: str, x_shape, w_shape) -> tuple:
+def block_diag_matmul_shape(caller: str, x_shape: Sequence[int], w_shape: Sequence[int]) -> Shape:
     """The shape of ``block_diag_matmul(x, w)``; ``ValueError`` if the shapes do not match.
 
     The one shape rule, used by the product and by the torch operator's fake implementation.
@@ -102,7 +112,7 @@ def block_diag_matmul_shape(caller: str, x_shape, w_shape) -> tuple:
     return x_shape[:-1] + w_shape[2:]
 
 
-def _block_diag_product(backend, x, w, dtype):
+def _block_diag_product(backend: Backend, x: Array, w: Array, dtype: np.dtype[Any]) -> Array:
     """``block_diag_matmul`` of checked operands, in ``dtype``."""
     groups, d_in, d_out = w.shape
     xp = backend.xp
@@ -121,7 +131,7 @@ def _block_diag_product(backend, x, w, dtype):
     return out
 
 
-def block_diag_matmul_forward(x, w):
+def block_diag_matmul_forward(x: Array, w: Array) -> Array:
     """:func:`block_diag_matmul`, as the forward of the pair that ``spchain.torch`` differentiates.
 
     Returns the product only (the backward needs no residuals: it reuses ``x`` and ``w``).
@@ -129,7 +139,8 @@ def block_diag_matmul_forward(x, w):
     return block_diag_matmul(x, w)
 
 
-def block_diag_matmul_backward(inputs, results, grads, needs):
+def block_diag_matmul_backward(inputs: Sequence[Array], results: Sequence[Array], grads: Sequence[Array],
+                               needs: Sequence[bool]) -> tuple[Array | None, ...]:
     """The gradients ``(grad_x, grad_w)`` of :func:`block_diag_matmul_forward`, ``None`` where
     ``needs`` is false.
 
@@ -149,7 +160,7 @@ def block_diag_matmul_backward(inputs, results, grads, needs):
     return grad_x, grad_w
 
 
-def _block_diag_weight_grad(x, grad):
+def _block_diag_weight_grad(x: Array, grad: Array) -> Array:
     """The gradient of ``block_diag_matmul(x, w)`` with respect to ``w``: ``Σ_rows x_gᵀ grad_g``.
 
     ``x`` is (..., G, d_in) and ``grad`` (..., G, d_out), on one backend, shapes checked by the
@@ -164,7 +175,8 @@ def _block_diag_weight_grad(x, grad):
         return _backend.matmul(xp, _blas_layout(xp, x), _blas_layout(xp, grad))
 
 
-def _check_group_sizes(caller: str, group_sizes, groups: int, rows: int) -> np.ndarray:
+def _check_group_sizes(caller: str, group_sizes: Sequence[int] | Array, groups: int,
+                       rows: int) -> NDArray[np.int64]:
     """``group_sizes`` as a host int64 array, checked to be G sizes in ``0..rows`` summing to ``rows``.
 
     The checks run on Python ints, so no size wraps around: ``[2**62] * 3 + [2**62 + 6]`` (an
@@ -190,11 +202,11 @@ def _check_group_sizes(caller: str, group_sizes, groups: int, rows: int) -> np.n
     return np.array(values, np.int64)
 
 
-def _is_int(value) -> bool:
+def _is_int(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 
-def _row_slices(sizes):
+def _row_slices(sizes: NDArray[np.int64]) -> Iterator[tuple[int, slice]]:
     """``(g, rows of group g)`` for every non-empty group of checked ``sizes``."""
     stop = 0
     for g, size in enumerate(sizes.tolist()):
@@ -204,7 +216,7 @@ def _row_slices(sizes):
 
 
 @scales_out
-def grouped_matmul(x, w, group_sizes):
+def grouped_matmul(x: Array, w: Array, group_sizes: Sequence[int] | Array) -> Array:
     """Multiply each contiguous group of rows by its own matrix.
 
     Rows ``x[o_g : o_g + group_sizes[g]]`` are multiplied by ``w[g]``, where ``o_g`` is the sum
@@ -256,7 +268,8 @@ def grouped_matmul(x, w, group_sizes):
     return _grouped_product(backend, x, w, sizes, dtype)
 
 
-def _grouped_product(backend, x, w, sizes, dtype):
+def _grouped_product(backend: Backend, x: Array, w: Array, sizes: NDArray[np.int64],
+                     dtype: np.dtype[Any]) -> Array:
     """``grouped_matmul`` of checked operands and int64 ``sizes``, in ``dtype``."""
     xp = backend.xp
     with backend.use():
@@ -268,7 +281,7 @@ def _grouped_product(backend, x, w, sizes, dtype):
     return out
 
 
-def grouped_matmul_forward(x, w, group_sizes):
+def grouped_matmul_forward(x: Array, w: Array, group_sizes: Sequence[int] | Array) -> Array:
     """:func:`grouped_matmul`, as the forward of the pair that ``spchain.torch`` differentiates.
 
     Returns the product only; the backward reuses ``x``, ``w`` and ``group_sizes``.
@@ -276,7 +289,8 @@ def grouped_matmul_forward(x, w, group_sizes):
     return grouped_matmul(x, w, group_sizes)
 
 
-def grouped_matmul_backward(inputs, results, grads, needs):
+def grouped_matmul_backward(inputs: Sequence[Any], results: Sequence[Array], grads: Sequence[Array],
+                            needs: Sequence[bool]) -> tuple[Array | None, ...]:
     """The gradients ``(grad_x, grad_w)`` of :func:`grouped_matmul_forward`, ``None`` where
     ``needs`` is false.
 
@@ -297,13 +311,14 @@ def grouped_matmul_backward(inputs, results, grads, needs):
     return grad_x, grad_w
 
 
-def _per_gradient(backend, backward, inputs, results, grad, needs):
+def _per_gradient(backend: Backend, backward: Backward, inputs: Sequence[Any], results: Sequence[Array],
+                  grad: Array, needs: Sequence[bool]) -> tuple[Array | None, ...]:
     """``backward`` for a ``grad`` with leading axes of its own: one call per incoming gradient,
     the gradients stacked along those axes."""
     own = inputs[0].ndim  # the result has x's number of axes
     lead = grad.shape[:grad.ndim - own]
     gradients = [backward(inputs, results, [g], needs) for g in grad.reshape(-1, *grad.shape[len(lead):])]
-    out = []
+    out: list[Array | None] = []
     for k, (a, need) in enumerate(zip(inputs, needs)):
         if not need:
             out.append(None)
@@ -314,7 +329,7 @@ def _per_gradient(backend, backward, inputs, results, grad, needs):
     return tuple(out)
 
 
-def _grouped_weight_grad(x, grad, sizes):
+def _grouped_weight_grad(x: Array, grad: Array, sizes: NDArray[np.int64]) -> Array:
     """The gradient of ``grouped_matmul(x, w, sizes)`` with respect to ``w``.
 
     Group g gets ``x_gᵀ @ grad_g`` (zeros for an empty group). ``x`` is (N, d_in) and ``grad``

@@ -6,16 +6,22 @@ the batch, which carries the last matrix of an odd level up unchanged (padding w
 log-matrix would multiply by the all-ones matrix, not the identity).
 """
 
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import ModuleType
+
 import numpy as np
 
 from . import _backend, _checks, _logspace
 from ._dask import scales_out
+from ._typing import Array, Shape
 
 CHAIN_CHUNK_BYTES = 1 << 28
 """Bytes of input that ``log_chain_product`` reduces at a time (bounds its working memory)."""
 
 
-def product_shape(caller: str, a_shape: tuple, b_shape: tuple) -> tuple:
+def product_shape(caller: str, a_shape: Shape, b_shape: Shape) -> Shape:
     """The result shape of a product over the last two axes of operands of these shapes
     (leading axes broadcast); ``ValueError`` where they do not fit. The one shape rule of
     :func:`logmatmul` and :func:`maxmatmul`, which ``spchain.torch``'s fakes share.
@@ -35,7 +41,7 @@ def product_shape(caller: str, a_shape: tuple, b_shape: tuple) -> tuple:
     return tuple(batch_shape) + (a_shape[-2], b_shape[-1])
 
 
-def _operands(a, b, caller: str):
+def _operands(a: Array, b: Array, caller: str) -> tuple[_backend.Backend, Array, Array, Shape]:
     """Validated ``(backend, a, b, batch_shape)`` of a product over the last two axes."""
     a, b = _checks.dense(caller, a=a, b=b)
     backend = _backend.backend_of(a, b, caller=caller)
@@ -44,14 +50,14 @@ def _operands(a, b, caller: str):
     return backend, a.astype(dtype, copy=False), b.astype(dtype, copy=False), batch_shape
 
 
-def _trusted(a, b):
+def _trusted(a: Array, b: Array) -> tuple[ModuleType, Array, Array]:
     """``(xp, a, b)`` of operands that a forward has validated, in their common dtype."""
     dtype = np.promote_types(a.dtype, b.dtype)
     return _backend.backend_of(a, b).xp, a.astype(dtype, copy=False), b.astype(dtype, copy=False)
 
 
 @scales_out
-def logmatmul(a, b):
+def logmatmul(a: Array, b: Array) -> Array:
     """Log-semiring product ``log(exp(a) @ exp(b))`` over the last two axes.
 
     Leading axes broadcast. Never builds the (..., m, k, n) intermediate: one GEMM in scaled
@@ -72,7 +78,7 @@ def logmatmul(a, b):
     return logmatmul_forward(a, b)
 
 
-def logmatmul_forward(a, b, caller: str = "spchain.logmatmul"):
+def logmatmul_forward(a: Array, b: Array, caller: str = "spchain.logmatmul") -> Array:
     """:func:`logmatmul` with its checks naming ``caller``; the result is also the only
     residual :func:`logmatmul_backward` needs."""
     backend, a, b, _ = _operands(a, b, caller)
@@ -80,7 +86,8 @@ def logmatmul_forward(a, b, caller: str = "spchain.logmatmul"):
         return _logspace.log_matmul(backend.xp, a, b)
 
 
-def logmatmul_backward(inputs, results, grads, needs):
+def logmatmul_backward(inputs: Sequence[Array], results: Sequence[Array], grads: Sequence[Array],
+                       needs: Sequence[bool]) -> tuple[Array | None, Array | None]:
     """Gradients ``(d a, d b)`` of ``sum(grad * logmatmul(a, b))`` (``None`` where ``needs``
     is false), from ``inputs = (a, b)``, ``results = (out,)`` of :func:`logmatmul_forward`
     and ``grads = (grad,)``: the softmax weights rebuilt from the max shifts by GEMMs (as
@@ -96,7 +103,7 @@ def logmatmul_backward(inputs, results, grads, needs):
 
 
 @scales_out
-def maxmatmul(a, b):
+def maxmatmul(a: Array, b: Array) -> tuple[Array, Array]:
     """Max-plus product: ``values[..., i, j] = max_k a[..., i, k] + b[..., k, j]`` and its argmax.
 
     Leading axes broadcast. Ties go to the lowest ``k``; NaN wins over numbers (NaN out).
@@ -120,7 +127,7 @@ def maxmatmul(a, b):
     return maxmatmul_forward(a, b)
 
 
-def maxmatmul_forward(a, b, caller: str = "spchain.maxmatmul"):
+def maxmatmul_forward(a: Array, b: Array, caller: str = "spchain.maxmatmul") -> tuple[Array, Array]:
     """:func:`maxmatmul` with its checks naming ``caller``: ``(values, argmax)``, which are
     also what :func:`maxmatmul_backward` needs besides ``a`` and ``b``."""
     backend, a, b, batch_shape = _operands(a, b, caller)
@@ -135,7 +142,8 @@ def maxmatmul_forward(a, b, caller: str = "spchain.maxmatmul"):
         return values.reshape(batch_shape + (m, n)), argmax.reshape(batch_shape + (m, n))
 
 
-def maxmatmul_backward(inputs, results, grads, needs):
+def maxmatmul_backward(inputs: Sequence[Array], results: Sequence[Array], grads: Sequence[Array],
+                       needs: Sequence[bool]) -> tuple[Array, Array]:
     """Sub-gradients ``(d a, d b)`` of ``sum(grad * values)`` from ``inputs = (a, b)``,
     ``results = (values, argmax)`` of :func:`maxmatmul_forward` and ``grads = (grad, _)``
     (see :func:`maxmatmul_grads`); both are computed, whatever ``needs`` says."""
@@ -147,7 +155,8 @@ def maxmatmul_backward(inputs, results, grads, needs):
                                infinite)
 
 
-def maxmatmul_grads(xp, a_shape, b_shape, values, argmax, grad, infinite=None):
+def maxmatmul_grads(xp: ModuleType, a_shape: Shape, b_shape: Shape, values: Array, argmax: Array, grad: Array,
+                    infinite: _logspace.PosInf | None = None) -> tuple[Array, Array]:
     """Sub-gradients of ``sum(grad * values)``, ``values, argmax = maxmatmul(a, b)``.
 
     ``grad`` goes to the argmax terms; nowhere where ``values`` is ``-inf`` (no term is
@@ -170,7 +179,7 @@ def maxmatmul_grads(xp, a_shape, b_shape, values, argmax, grad, infinite=None):
     return _logspace.reduce_to(grad_a, a_shape), _logspace.reduce_to(grad_b, b_shape)
 
 
-def _chain_operand(m, caller: str):
+def _chain_operand(m: Array, caller: str) -> tuple[_backend.Backend, Array]:
     (m,) = _checks.dense(caller, m=m)
     backend = _backend.backend_of(m, caller=caller)
     dtype = _checks.float_dtype(caller, m=m)
@@ -181,7 +190,7 @@ def _chain_operand(m, caller: str):
     return backend, m.astype(dtype, copy=False)
 
 
-def _row_chunks(m):
+def _row_chunks(m: Array) -> tuple[int, list[slice]]:
     """Slices of the flattened batch whose (rows, L, c, c) inputs stay under CHAIN_CHUNK_BYTES."""
     rows = int(np.prod(m.shape[:-3], dtype=np.int64))
     per_row = max(1, m.dtype.itemsize * int(np.prod(m.shape[-3:], dtype=np.int64)))
@@ -190,7 +199,7 @@ def _row_chunks(m):
 
 
 @scales_out
-def log_chain_product(m):
+def log_chain_product(m: Array) -> Array:
     """Log-space product of a chain of matrices: ``log(exp(m_1) @ ... @ exp(m_L))``.
 
     ``m`` is (..., L, c, c), any ``L >= 1``; returns (..., c, c). The chain is reduced
@@ -209,7 +218,7 @@ def log_chain_product(m):
     return log_chain_product_forward(m)
 
 
-def log_chain_product_forward(m, caller: str = "spchain.log_chain_product"):
+def log_chain_product_forward(m: Array, caller: str = "spchain.log_chain_product") -> Array:
     """:func:`log_chain_product` with its checks naming ``caller``; no residual (the backward
     recomputes the prefix products from ``m``)."""
     backend, m = _chain_operand(m, caller)
@@ -232,7 +241,8 @@ def log_chain_product_forward(m, caller: str = "spchain.log_chain_product"):
     return out.reshape(m.shape[:-3] + (c, c))
 
 
-def log_chain_product_backward(inputs, results, grads, needs):
+def log_chain_product_backward(inputs: Sequence[Array], results: Sequence[Array], grads: Sequence[Array],
+                               needs: Sequence[bool]) -> tuple[Array]:
     """``(d m,)`` of ``sum(grad * log_chain_product(m))`` from ``inputs = (m,)`` and
     ``grads = (grad,)`` (see :func:`log_chain_product_grad`); ``m`` is trusted."""
     (m,), (grad,) = inputs, grads
@@ -241,7 +251,7 @@ def log_chain_product_backward(inputs, results, grads, needs):
         return (log_chain_product_grad(xp, m, grad.astype(m.dtype, copy=False)),)
 
 
-def log_chain_product_grad(xp, m, grad):
+def log_chain_product_grad(xp: ModuleType, m: Array, grad: Array) -> Array:
     """Gradient of ``sum(grad * log_chain_product(m))`` with respect to ``m``.
 
     The chain is folded left to right (``P_l = P_{l-1} ⊗ m_l``), a chunk of the batch at a time,

@@ -16,8 +16,8 @@ pytest.importorskip("torch")
 from spchain import bench  # noqa: E402
 from spchain.bench import core, grouped, report  # noqa: E402
 
-SEED_CODE = {("chain", "torch pairwise tree (seed code)")}
-"""Baselines that are wrong on purpose: the seed code the chain workload replaces."""
+WRONG = {("chain", "torch pairwise broadcast tree")}
+"""Baselines that are wrong on purpose: the pairwise tree pads odd levels with the all-ones matrix."""
 
 CASES = [(w, c) for w in bench.WORKLOADS for c in bench.workload(w).CASES]
 
@@ -29,10 +29,16 @@ def test_every_method_matches_the_float64_reference(workload, case):
     reference = built.reference()
     for method, run in built.methods.items():
         error = core.max_rel_error(run(), reference)
-        if (workload, method) in SEED_CODE:
-            assert error > 0.1, "the seed code's pairwise tree pads with the all-ones matrix"
+        if (workload, method) in WRONG:
+            assert error > 0.1, "the pairwise broadcast tree pads with the all-ones matrix"
         else:
             assert error < 1e-5, method
+
+
+@pytest.mark.parametrize("workload", bench.WORKLOADS)
+def test_every_workload_names_its_full_and_quick_sizes(workload):
+    full, quick = bench.workload(workload).SIZES[False], bench.workload(workload).SIZES[True]
+    assert full.keys() == quick.keys() and all(isinstance(n, int) and n > 0 for n in (*full.values(), *quick.values()))
 
 
 def test_unknown_case_is_a_value_error():
@@ -71,6 +77,7 @@ def test_command_prints_a_table_and_writes_a_png(tmp_path, capsys):
     assert bench.main(["bench", "--quick", "--only", "viterbi", "--repeat", "1", "--png", str(png)]) == 0
     out = capsys.readouterr().out
     assert "viterbi" in out and "torch broadcasting max" in out and "time / spchain" in out
+    assert f"viterbi  {bench.sizes('viterbi', True)}" in out  # the sizes, above the table
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rows = report.rows(core.measure(bench.make_case("viterbi", "decode", quick=True), 1, 1.0))
     assert rows[0][2] == "spchain" and rows[0][7] == "1.0x"

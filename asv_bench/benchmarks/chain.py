@@ -7,7 +7,7 @@ from . import common
 
 class Chain(common.WorkloadBenchmark):
     workload = "chain"
-    params = [chain.CASES, ["spchain", "torch sequential logsumexp", "torch pairwise tree (seed code)"]]
+    params = [chain.CASES, ["spchain", "torch sequential logsumexp", "torch pairwise broadcast tree"]]
 
 
 class Viterbi(common.WorkloadBenchmark):

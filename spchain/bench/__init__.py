@@ -1,6 +1,7 @@
 """``python -m spchain bench``: spchain beside the baselines it must beat, in one process.
 
-Each workload of DESIGN.md lives in a module here with ``CASES`` (the names of its cases) and
+Each workload of DESIGN.md lives in a module here with ``CASES`` (the names of its cases),
+``SIZES`` (``{False: full sizes, True: quick sizes}``, each a dict of named sizes) and
 ``make_case(name, quick, device)`` returning a :class:`~.core.Case`, inputs built; asv's suite
 (``asv_bench/``) times the same cases.
 The command prints a table (median time, peak memory, max error against a float64
@@ -36,6 +37,11 @@ WORKLOADS = {
 def workload(name: str):
     """The module of one workload of ``WORKLOADS``."""
     return importlib.import_module(f".{WORKLOADS[name]}", __name__)
+
+
+def sizes(name: str, quick: bool) -> str:
+    """The sizes of a workload's cases, as in the table's header: ``"batch 64, features 512"``."""
+    return ", ".join(f"{key} {value:,}" for key, value in workload(name).SIZES[quick].items())
 
 
 def make_case(name: str, case: str, quick: bool, device: str = "cpu") -> Case:
@@ -88,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     title = (f"spchain {importlib.import_module('spchain').__version__} on {machine}, torch {torch.__version__}, "
              f"{torch.get_num_threads()} threads{' (quick sizes)' if args.quick else ''}")
     print(title)
+    names = list(dict.fromkeys(w for w, _ in selected))
+    print("\n".join(f"  {name.ljust(max(map(len, names)))}  {sizes(name, args.quick)}" for name in names))
     print(table(results))
     plot(results, args.png, title)
     print(f"bar chart written to {args.png}")

@@ -13,8 +13,7 @@ CASES = [f"{name} {kind}" for name in ("90% block 16", "90% block 32", "75% bloc
          for kind in ("forward", "forward+backward")]
 METHODS = ["spchain", "nn.Linear (dense)", "SparseLinear (unstructured)"]
 
-FULL = {"batch": 256, "features": 4096}
-QUICK = {"batch": 64, "features": 512}
+SIZES = {False: {"batch": 256, "features": 4096}, True: {"batch": 64, "features": 2048}}
 
 
 def make_case(name: str, quick: bool, device: str = "cpu") -> Case:
@@ -25,8 +24,7 @@ def make_case(name: str, quick: bool, device: str = "cpu") -> Case:
 
     *pattern, kind = name.split(" ")
     backward = kind == "forward+backward"
-    size = QUICK if quick else FULL
-    batch, features = size["batch"], size["features"]
+    batch, features = SIZES[quick].values()
     torch.manual_seed(0)
     dense = torch.nn.Linear(features, features)
     weight = dense.weight.detach().numpy()

@@ -34,7 +34,8 @@ class Case:
     reference: Callable[[], Any] | None = None
     device: str = "cpu"
     slow: set[str] = field(default_factory=set)
-    """Methods so slow that one timed run is enough (the seed code's pairwise tree, say)."""
+    """Methods so slow that one timed run, without a warm-up, is enough (they compile nothing):
+    the chain workload's pairwise broadcast tree, say."""
 
 
 @dataclass

@@ -10,7 +10,7 @@ from .. import torch as st
 from .core import Case
 
 CASES = ["nll forward + backward"]
-SIZES = {False: (256, 64, 50), True: (16, 10, 6)}  # (batch, v, tags) for full and quick runs
+SIZES = {False: {"batch": 256, "v": 64, "tags": 50}, True: {"batch": 64, "v": 32, "tags": 50}}
 
 
 def plain_nll(emissions, tags, mask, start, trans, end):
@@ -30,7 +30,7 @@ def plain_nll(emissions, tags, mask, start, trans, end):
 
 def make_inputs(quick: bool, device: str, seed: int = 0):
     """``(emissions, tags, lengths, mask)`` and a LinearChainCRF with random parameters."""
-    batch, v, tags = SIZES[quick]
+    batch, v, tags = SIZES[quick].values()
     g = torch.Generator().manual_seed(seed)
     emissions = torch.randn(batch, v, tags, generator=g)
     gold = torch.randint(tags, (batch, v), generator=g)

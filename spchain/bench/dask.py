@@ -23,7 +23,7 @@ from .. import chain_logsumexp
 from .core import Case
 
 CASES = ["forward"]
-SIZES = {False: (2_000_000, 50_000), True: (20_000, 5_000)}  # (chains, rows per chunk)
+SIZES = {False: {"chains": 2_000_000, "rows per chunk": 50_000}, True: {"chains": 20_000, "rows per chunk": 5_000}}
 V, C = 40, 16
 SLAB = 100_000
 """Rows of the float64 reference computed at a time."""
@@ -62,7 +62,7 @@ def make_case(name: str, quick: bool, device: str = "cpu") -> Case:
 
     if device != "cpu":
         raise ValueError("chains-at-scale runs on the CPU (a Dask LocalCluster)")
-    chains, rows = SIZES[quick]
+    chains, rows = SIZES[quick].values()
     cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None)
     client = distributed.Client(cluster)
     log_trans, log_init = transitions()

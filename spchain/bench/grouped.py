@@ -14,8 +14,8 @@ from .core import Case
 
 CASES = ["16 uneven groups"]
 METHODS = ("spchain", "torch per-group loop", "torch padded bmm", "torch grouped_mm")
-SIZES = {False: (16384, 16, 512), True: (2048, 16, 128)}
-"""``quick`` → (rows, groups, features in and out)."""
+SIZES = {False: {"rows": 16384, "groups": 16, "features in and out": 512},
+         True: {"rows": 4096, "groups": 16, "features in and out": 256}}
 
 
 def group_sizes(rows: int, groups: int) -> list[int]:
@@ -44,7 +44,7 @@ def make_case(name: str, quick: bool, device: str = "cpu") -> Case:
 
     import spchain.torch as sct
 
-    rows, groups, d = SIZES[quick]
+    rows, groups, d = SIZES[quick].values()
     sizes = group_sizes(rows, groups)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(rows, d, generator=gen).to(device).requires_grad_()

@@ -11,7 +11,7 @@ from .. import torch as st
 from .core import Case
 
 CASES = ["forward", "forward + backward"]
-SIZES = {False: (64, 256), True: (8, 64)}  # (batch, n) for full and quick runs
+SIZES = {False: {"batch": 64, "n": 256}, True: {"batch": 2, "n": 192}}
 
 
 def broadcasting(a, b):
@@ -37,7 +37,7 @@ def _reference(a, b, grads: bool):
 
 
 def make_case(name: str, quick: bool, device: str = "cpu") -> Case:
-    batch, n = SIZES[quick]
+    batch, n = SIZES[quick].values()
     g = torch.Generator().manual_seed(0)
     a = (3 * torch.randn(batch, n, n, generator=g)).to(device)
     b = (3 * torch.randn(batch, n, n, generator=g)).to(device)

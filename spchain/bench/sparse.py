@@ -12,8 +12,7 @@ from .core import Case
 CASES = ["99% forward", "99% forward+backward", "90% forward", "90% forward+backward"]
 METHODS = ["spchain", "nn.Linear (dense)", "torch.sparse.mm (COO)"]
 
-FULL = {"batch": 256, "features": 4096}
-QUICK = {"batch": 64, "features": 512}
+SIZES = {False: {"batch": 256, "features": 4096}, True: {"batch": 64, "features": 2048}}
 
 
 def make_case(name: str, quick: bool, device: str = "cpu") -> Case:
@@ -24,8 +23,7 @@ def make_case(name: str, quick: bool, device: str = "cpu") -> Case:
     percent, kind = name.split(" ")
     sparsity = int(percent.rstrip("%")) / 100
     backward = kind == "forward+backward"
-    size = QUICK if quick else FULL
-    batch, features = size["batch"], size["features"]
+    batch, features = SIZES[quick].values()
     torch.manual_seed(0)
     dense = torch.nn.Linear(features, features)
     sparse = st.SparseLinear.from_dense(dense, sparsity, method="random").to(device)
@@ -67,4 +65,4 @@ def make_case(name: str, quick: bool, device: str = "cpu") -> Case:
     methods = dict(zip(METHODS, (run(sparse, list(sparse.parameters())), run(dense, list(dense.parameters())),
                                  run(coo_layer, [coo_weight, coo_bias]))))
     return Case("sparse-linear", name, methods, reference, device,
-                slow={"torch.sparse.mm (COO)"} if sparsity < 0.95 and not quick else set())
+                slow={"torch.sparse.mm (COO)"} if sparsity < 0.95 else set())

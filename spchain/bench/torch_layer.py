@@ -17,7 +17,7 @@ from .core import Case
 
 CASES = ["compiled BlockDiagonalLinear", "compiled GroupedLinear", "compiled SparseLinear",
          "small SparseLinear(64, 64)", "small logmatmul 4x4", "small block_diag_matmul"]
-SIZES = {False: (2048, 512), True: (32, 32)}  # (rows, features) of the compiled models
+SIZES = {False: {"rows": 2048, "features": 512}, True: {"rows": 512, "features": 256}}  # of the compiled models
 GROUPS = 4
 
 
@@ -42,7 +42,7 @@ def _layer(name, features):
 
 
 def _compiled_case(name, quick, device):
-    rows, features = SIZES[quick]
+    rows, features = SIZES[quick].values()
     torch.manual_seed(0)
     layer, sizes = _layer(name, features)
     model = _Model(layer, features).to(device)

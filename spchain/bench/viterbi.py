@@ -6,7 +6,7 @@ max-product recursion with stored argmaxes and a gather-based backtrack.
 import torch
 
 from .. import torch as st
-from .chain import make_inputs
+from .chain import SIZES, make_inputs
 from .core import Case
 
 CASES = ["decode"]

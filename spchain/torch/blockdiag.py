@@ -11,9 +11,11 @@ transposed (a view, never a copy) and the weight gradient ``x_gᵀ @ grad_g`` pe
 
 import math
 import numbers
+from collections.abc import Sequence
 
 import numpy as np
 import torch
+from numpy.typing import NDArray
 from torch import nn
 
 from .. import blockdiag
@@ -23,12 +25,12 @@ from ._operator import Operator, plain_eager
 __all__ = ["block_diag_matmul", "grouped_matmul", "BlockDiagonalLinear", "GroupedLinear"]
 
 
-def _block_diag_fake(x, w):
+def _block_diag_fake(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     shape = blockdiag.block_diag_matmul_shape("spchain.torch.block_diag_matmul", x.shape, w.shape)
     return x.new_empty(shape, dtype=torch.promote_types(x.dtype, w.dtype))
 
 
-def _grouped_fake(x, w, group_sizes):
+def _grouped_fake(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
     return x.new_empty((x.shape[0], w.shape[2]), dtype=torch.promote_types(x.dtype, w.dtype))
 
 
@@ -85,10 +87,12 @@ def block_diag_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     torch.Size([4, 8, 2])
     """
     check_dense("spchain.torch.block_diag_matmul", x=x, w=w)
-    return _BLOCK_DIAG(x, w)
+    out: torch.Tensor = _BLOCK_DIAG(x, w)
+    return out
 
 
-def grouped_matmul(x: torch.Tensor, w: torch.Tensor, group_sizes) -> torch.Tensor:
+def grouped_matmul(x: torch.Tensor, w: torch.Tensor,
+                   group_sizes: Sequence[int] | NDArray[np.integer] | torch.Tensor) -> torch.Tensor:
     """Multiply each contiguous group of rows of ``x`` by its own matrix ``w[g]``.
 
     The tensor version of :func:`spchain.grouped_matmul`, differentiable in ``x`` and ``w``:
@@ -128,10 +132,12 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, group_sizes) -> torch.Tenso
     """
     caller = "spchain.torch.grouped_matmul"
     check_dense(caller, x=x, w=w)
-    return _GROUPED(x, w, group_sizes_tensor(caller, group_sizes, w, x))
+    out: torch.Tensor = _GROUPED(x, w, group_sizes_tensor(caller, group_sizes, w, x))
+    return out
 
 
-def group_sizes_tensor(caller: str, group_sizes, w, x) -> torch.Tensor:
+def group_sizes_tensor(caller: str, group_sizes: Sequence[int] | NDArray[np.integer] | torch.Tensor, w: torch.Tensor,
+                       x: torch.Tensor) -> torch.Tensor:
     """``group_sizes`` (a sequence, an array, or an integer tensor of any dtype on any device) as
     the int64 CPU tensor the operator takes: a copy, so the caller changing its sizes later
     cannot reach backward.
@@ -164,12 +170,12 @@ class _PerGroupLinear(nn.Module):
     ``nn.Linear(d_in, d_out)`` does for each group's weight and bias.
     """
 
-    def __init__(self, groups, d_in, d_out, bias_shape, bias, device, dtype):
+    def __init__(self, groups: int, d_in: int, d_out: int, bias_shape: tuple[int, ...], bias: bool,
+                 device: torch.device | str | None, dtype: torch.dtype | None) -> None:
         super().__init__()
-        factory = {"device": device, "dtype": dtype}
-        self.weight = nn.Parameter(torch.empty(groups, d_in, d_out, **factory))
+        self.weight = nn.Parameter(torch.empty(groups, d_in, d_out, device=device, dtype=dtype))
         if bias:
-            self.bias = nn.Parameter(torch.empty(bias_shape, **factory))
+            self.bias = nn.Parameter(torch.empty(bias_shape, device=device, dtype=dtype))
         else:
             self.register_parameter("bias", None)
         self.reset_parameters()
@@ -182,7 +188,7 @@ class _PerGroupLinear(nn.Module):
             nn.init.uniform_(self.bias, -bound, bound)
 
 
-def _check_sizes(name: str, **sizes) -> None:
+def _check_sizes(name: str, **sizes: object) -> None:
     """``TypeError`` unless every size is an int; ``ValueError`` unless ``groups`` ≥ 1 and the others ≥ 0."""
     for key, value in sizes.items():
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
@@ -226,7 +232,7 @@ class BlockDiagonalLinear(_PerGroupLinear):
     """
 
     def __init__(self, in_features: int, out_features: int, groups: int, bias: bool = True, *,
-                 device=None, dtype=None):
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         _check_sizes("BlockDiagonalLinear", in_features=in_features, out_features=out_features, groups=groups)
         if in_features % groups or out_features % groups:
             raise ValueError(f"BlockDiagonalLinear: in_features ({in_features}) and out_features "
@@ -237,7 +243,7 @@ class BlockDiagonalLinear(_PerGroupLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.ndim < 1 or x.shape[-1] != self.in_features:
             raise ValueError(f"BlockDiagonalLinear: input must be (..., {self.in_features}), got {tuple(x.shape)}")
-        y = block_diag_matmul(x.unflatten(-1, self.weight.shape[:2]), self.weight).flatten(-2)
+        y = block_diag_matmul(x.reshape(*x.shape[:-1], *self.weight.shape[:2]), self.weight).flatten(-2)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
@@ -278,12 +284,12 @@ class GroupedLinear(_PerGroupLinear):
     """
 
     def __init__(self, groups: int, in_features: int, out_features: int, bias: bool = True, *,
-                 device=None, dtype=None):
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         _check_sizes("GroupedLinear", groups=groups, in_features=in_features, out_features=out_features)
         super().__init__(groups, in_features, out_features, (groups, out_features), bias, device, dtype)
         self.groups, self.in_features, self.out_features = groups, in_features, out_features
 
-    def forward(self, x: torch.Tensor, group_sizes) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, group_sizes: Sequence[int] | NDArray[np.integer] | torch.Tensor) -> torch.Tensor:
         if x.ndim != 2 or x.shape[1] != self.in_features:
             raise ValueError(f"GroupedLinear: input must be (N, {self.in_features}), got {tuple(x.shape)}")
         sizes = group_sizes_tensor("GroupedLinear", group_sizes, self.weight, x)

@@ -14,7 +14,7 @@ fraction of RigL and SET, for ``SparseLinear.prune_and_regrow``.
 """
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -24,8 +24,11 @@ from .nn import SparseLinear
 
 __all__ = ["sparsify", "erk_densities", "GradualPruning", "CosineDropFraction"]
 
+Skip = str | Iterable[str] | Callable[[str, torch.nn.Module], bool] | None
+"""Layers to leave dense: a name, names, or a predicate ``(name, module) -> bool``."""
 
-def erk_densities(shapes, density: float) -> list[float]:
+
+def erk_densities(shapes: Sequence[tuple[int, int]], density: float) -> list[float]:
     """Per-layer densities of the Erdős-Rényi-Kernel distribution (RigL, Evci et al. 2020).
 
     Layer ``l`` of shape ``(n_out, n_in)`` gets density ``eps * (n_in + n_out) / (n_in * n_out)``
@@ -52,7 +55,7 @@ def erk_densities(shapes, density: float) -> list[float]:
     return [1.0 if k in dense else eps * raw[k] for k in range(len(sizes))]
 
 
-def _skipped(skip, linears) -> Callable[[str, torch.nn.Module], bool]:
+def _skipped(skip: Skip, linears: Mapping[str, torch.nn.Module]) -> Callable[[str, torch.nn.Module], bool]:
     """``skip`` (None, a name, names, or a predicate) as a predicate; ``ValueError`` for a name
     that is no linear layer (a typo would otherwise leave the layer silently pruned)."""
     if skip is None:
@@ -69,7 +72,8 @@ def _skipped(skip, linears) -> Callable[[str, torch.nn.Module], bool]:
     return lambda name, module: name in names
 
 
-def sparsify(model: torch.nn.Module, sparsity, *, method="magnitude", distribution="uniform", skip=None) -> list[str]:
+def sparsify(model: torch.nn.Module, sparsity: float, *, method: str = "magnitude", distribution: str = "uniform",
+             skip: Skip = None) -> list[str]:
     """Replace ``model``'s ``nn.Linear`` layers, in place, by :class:`SparseLinear` layers.
 
     Only modules of type ``nn.Linear`` itself are replaced: subclasses (such as the output
@@ -135,7 +139,7 @@ def _weights(layer: SparseLinear) -> torch.nn.Parameter:
     return layer.weight_values
 
 
-def prune_to(layer: SparseLinear, nnz: int, optimizer=None) -> None:
+def prune_to(layer: SparseLinear, nnz: int, optimizer: torch.optim.Optimizer | None = None) -> None:
     """Keep the ``nnz`` stored weights of largest ``|w|`` in ``layer`` (ties to the earlier slot).
 
     The weight parameter stays the same object (its data shrinks), so optimizers keep holding
@@ -146,10 +150,11 @@ def prune_to(layer: SparseLinear, nnz: int, optimizer=None) -> None:
     weights = _weights(layer)
     if nnz >= weights.shape[0]:
         return
+    indptr, indices = layer.get_buffer("indptr"), layer.get_buffer("indices")
     with torch.no_grad():
         scores = to_array(weights.abs())
         kept = to_tensor(_selection.largest(_backend.backend_of(scores), scores, nnz)).to(weights.device)
-        rows = torch.repeat_interleave(torch.arange(layer.out_features, device=weights.device), layer.indptr.diff())
+        rows = torch.repeat_interleave(torch.arange(layer.out_features, device=weights.device), indptr.diff())
         counts = torch.bincount(rows[kept], minlength=layer.out_features)
         moving = [weights.grad] if weights.grad is not None else []
         state = {} if optimizer is None else optimizer.state.get(weights, {})
@@ -159,8 +164,8 @@ def prune_to(layer: SparseLinear, nnz: int, optimizer=None) -> None:
             weights.grad = moving[0][kept]
         for key, value in moving_state.items():
             state[key] = value[kept]
-        layer.indices = layer.indices[kept]
-        layer.indptr[1:] = torch.cumsum(counts, 0).to(layer.indptr.dtype)
+        layer.indices = indices[kept]
+        indptr[1:] = torch.cumsum(counts, 0).to(indptr.dtype)
 
 
 class GradualPruning:
@@ -202,7 +207,9 @@ class GradualPruning:
     10
     """
 
-    def __init__(self, model, final_sparsity, *, start=0, steps, every=1, initial_sparsity=None, optimizer=None):
+    def __init__(self, model: torch.nn.Module, final_sparsity: float | Mapping[str, float], *, start: int = 0,
+                 steps: int, every: int = 1, initial_sparsity: float | None = None,
+                 optimizer: torch.optim.Optimizer | None = None) -> None:
         caller = "GradualPruning"
         self.layers = {name: m for name, m in model.named_modules() if isinstance(m, SparseLinear)}
         if not self.layers:
@@ -252,13 +259,13 @@ class CosineDropFraction:
     (0.3, 0.15, 0.0)
     """
 
-    def __init__(self, initial, end_step):
+    def __init__(self, initial: float, end_step: int) -> None:
         self.initial = _csr.check_fraction("CosineDropFraction", "initial", initial)
         if isinstance(end_step, bool) or not isinstance(end_step, int) or end_step < 1:
             raise ValueError(f"CosineDropFraction: end_step must be an int >= 1, got {end_step!r}")
         self.end_step = end_step
 
-    def __call__(self, step) -> float:
+    def __call__(self, step: int) -> float:
         if step >= self.end_step:
             return 0.0
         return self.initial / 2 * (1 + math.cos(math.pi * max(step, 0) / self.end_step))

@@ -3,6 +3,7 @@
 array-level pairs of :mod:`spchain.semiring` (see :class:`._operator.Operator`)."""
 
 import functools
+from collections.abc import Callable
 
 import torch
 
@@ -11,19 +12,19 @@ from ._bridge import check_dense
 from ._operator import Operator
 
 
-def _product_fake(caller):
-    def fake(a, b):
+def _product_fake(caller: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    def fake(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         shape = _semiring.product_shape(caller, tuple(a.shape), tuple(b.shape))
         return a.new_empty(shape, dtype=torch.promote_types(a.dtype, b.dtype))
     return fake
 
 
-def _maxmatmul_fake(a, b):
+def _maxmatmul_fake(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     values = _product_fake("spchain.torch.maxmatmul")(a, b)
     return values, torch.empty_like(values, dtype=torch.int64)
 
 
-def _log_chain_product_fake(m):
+def _log_chain_product_fake(m: torch.Tensor) -> torch.Tensor:
     return m.new_empty(m.shape[:-3] + m.shape[-2:])
 
 
@@ -45,7 +46,7 @@ _LOG_CHAIN_PRODUCT = Operator(
     backward=_semiring.log_chain_product_backward, differentiable=(0,), leading_batch=(0,))
 
 
-def logmatmul(a, b):
+def logmatmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """:func:`spchain.logmatmul` for tensors, differentiable in ``a`` and ``b``.
 
     Examples
@@ -58,10 +59,11 @@ def logmatmul(a, b):
             [0.6667, 0.6667, 0.6667]])
     """
     check_dense("spchain.torch.logmatmul", a=a, b=b)
-    return _LOGMATMUL(a, b)
+    out: torch.Tensor = _LOGMATMUL(a, b)
+    return out
 
 
-def maxmatmul(a, b):
+def maxmatmul(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`spchain.maxmatmul` for tensors: ``(values, argmax)``; ``values`` is
     differentiable (sub-gradients through the argmax), ``argmax`` is not.
 
@@ -75,10 +77,11 @@ def maxmatmul(a, b):
     tensor([[0., 1.]])
     """
     check_dense("spchain.torch.maxmatmul", a=a, b=b)
-    return _MAXMATMUL(a, b)
+    values, argmax = _MAXMATMUL(a, b)
+    return values, argmax
 
 
-def log_chain_product(m):
+def log_chain_product(m: torch.Tensor) -> torch.Tensor:
     """:func:`spchain.log_chain_product` for tensors, differentiable in ``m``.
 
     Examples
@@ -90,4 +93,5 @@ def log_chain_product(m):
             [16., 16.]])
     """
     check_dense("spchain.torch.log_chain_product", m=m)
-    return _LOG_CHAIN_PRODUCT(m)
+    out: torch.Tensor = _LOG_CHAIN_PRODUCT(m)
+    return out
