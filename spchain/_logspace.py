@@ -86,7 +86,7 @@ def log_matmul(xp: ModuleType, a: Array, b: Array, out: Array | None = None) -> 
 class PosInf:
     """The ``+inf`` entries of the operands of a log-space (or max-plus) product.
 
-    The rule (README, "Log space"): a term ``a_ik + b_kj`` with a ``+inf`` side is ``+inf``,
+    The rule (docs/design.rst, "Numerical rules"): a term ``a_ik + b_kj`` with a ``+inf`` side is ``+inf``,
     unless its other side is ``-inf``: log-space zero is a structural zero and wins
     (``0 · ∞ = 0``, as in a sparse product). An output with a ``+inf`` term is ``+inf`` (NaN
     stays NaN), and its gradient goes in equal shares to its ``+inf`` terms (the limit of

@@ -83,16 +83,16 @@ def test_command_prints_a_table_and_writes_a_png(tmp_path, capsys):
     assert rows[0][2] == "spchain" and rows[0][7] == "1.0x"
 
 
-def test_the_readme_asv_quick_command_saves_results(tmp_path):
-    """The README's ``SPCHAIN_BENCH_QUICK=1 asv run ...`` line, on one benchmark, with a copy of
+def test_the_documented_asv_quick_command_saves_results(tmp_path):
+    """The documented ``SPCHAIN_BENCH_QUICK=1 asv run ...`` line (docs/tutorials/benchmarks.rst), on one benchmark, with a copy of
     asv.conf.json that keeps results and the machine file in ``tmp_path``: it must save numbers
     under this commit (without ``--set-commit-hash`` asv saves nothing for ``--python=same``)."""
     pytest.importorskip("asv")
     if shutil.which("git") is None or shutil.which("asv") is None:
         pytest.skip("needs git and asv on PATH")
     root = pathlib.Path(__file__).resolve().parents[1]
-    (line,) = [ln.split("#")[0].strip() for ln in (root / "README.md").read_text().splitlines()
-               if ln.startswith("SPCHAIN_BENCH_QUICK=1 asv run")]
+    (line,) = [ln.split("#")[0].strip() for ln in (root / "docs/tutorials/benchmarks.rst").read_text().splitlines()
+               if ln.strip().startswith("SPCHAIN_BENCH_QUICK=1 asv run")]
     conf = json.loads("\n".join(ln for ln in (root / "asv_bench/asv.conf.json").read_text().splitlines()
                                 if not ln.strip().startswith("//")))
     conf.update(repo=str(root), benchmark_dir=str(root / "asv_bench/benchmarks"), results_dir=str(tmp_path / "results"),

@@ -174,7 +174,7 @@ def test_chain_gemm_sweep_transition_gradient_is_scaled_per_group():
         torch.testing.assert_close(got_x, want_x * scales[:, None, None], rtol=1e-12, atol=0)
 
 
-# +inf and -inf (the rule of README "Log space") -----------------------------------------------
+# +inf and -inf (docs/design.rst, "Numerical rules") ------------------------------------
 
 with_infinities = hyp.one_of(hyp.just(-math.inf), hyp.just(math.inf), hyp.floats(-20, 20))
 
