@@ -95,6 +95,7 @@ def test_block_prune_and_regrow_keeps_nnzb_and_moves_adam_state_per_block():
     before_pos, before_values = _blocks(layer), layer.weight_values.detach().clone()
     state = optimizer.state[layer.weight_values]
     before_state = {k: v.clone() for k, v in state.items()}
+    before_grad = layer.weight_values.grad.clone()
     nnzb = layer.weight_values.shape[0]
     n_move = round(0.5 * nnzb)
     layer.prune_and_regrow(0.5, optimizer=optimizer)
@@ -105,10 +106,9 @@ def test_block_prune_and_regrow_keeps_nnzb_and_moves_adam_state_per_block():
     new_slots = np.array([slot[p] for p in before_pos[survivors]])
     fresh = np.setdiff1d(np.arange(nnzb), new_slots)
     assert fresh.size == n_move
-    for after, before in [(layer.weight_values.detach(), before_values), (layer.weight_values.grad, None),
+    for after, before in [(layer.weight_values.detach(), before_values), (layer.weight_values.grad, before_grad),
                           (state["exp_avg"], before_state["exp_avg"]), (state["exp_avg_sq"], before_state["exp_avg_sq"])]:
-        if before is not None:
-            torch.testing.assert_close(after[new_slots], before[survivors], rtol=0, atol=0)
+        torch.testing.assert_close(after[new_slots], before[survivors], rtol=0, atol=0)
         assert bool((after[fresh] == 0).all())
     assert state["step"] == before_state["step"]
     optimizer.step()
@@ -226,6 +226,12 @@ def test_from_dense_bad_pattern():
         st.SparseLinear.from_dense(linear, 0.9, pattern="2:4")
     with pytest.raises(ValueError, match="block or pattern, not both"):
         st.SparseLinear.from_dense(linear, block=(2, 2), pattern="2:4")
+    for method in ("n:m", "random"):
+        with pytest.raises(ValueError, match="for N:M pruning pass pattern='n:m'"):
+            st.SparseLinear.from_dense(linear, 0.5 if method == "n:m" else None, method=method,
+                                       pattern=None if method == "n:m" else "2:4")
+    with pytest.raises(ValueError, match="sparsity"):
+        st.SparseLinear.from_dense(linear, block=(2, 2))  # no sparsity
 
 
 def test_sparsify_with_blocks_round_trips_at_sparsity_0_and_checks_every_layer_first():
