@@ -230,8 +230,9 @@ def test_from_dense_bad_pattern():
         with pytest.raises(ValueError, match="for N:M pruning pass pattern='n:m'"):
             st.SparseLinear.from_dense(linear, 0.5 if method == "n:m" else None, method=method,
                                        pattern=None if method == "n:m" else "2:4")
-    with pytest.raises(ValueError, match="sparsity"):
-        st.SparseLinear.from_dense(linear, block=(2, 2))  # no sparsity
+    for block in (None, (2, 2)):
+        with pytest.raises(ValueError, match="needs a sparsity"):
+            st.SparseLinear.from_dense(linear, block=block)
 
 
 def test_sparsify_with_blocks_round_trips_at_sparsity_0_and_checks_every_layer_first():

@@ -190,6 +190,8 @@ class SparseLinear(torch.nn.Module):
             raise TypeError(f"{caller} takes a torch.nn.Linear, not {type(linear).__name__}")
         if block is not None and pattern is not None:
             raise ValueError(f"{caller}: pass block or pattern, not both")
+        if sparsity is None and pattern is None:
+            raise ValueError(f"{caller} needs a sparsity (or an N:M pattern='n:m')")
         if method not in ("magnitude", "random") or (pattern is not None and method != "magnitude"):
             raise ValueError(f"{caller}: method must be 'magnitude' or 'random' (with a pattern, 'magnitude'; "
                              f"for N:M pruning pass pattern='n:m'), not {method!r}")
