@@ -11,10 +11,6 @@ from .. import _backend, _csr, _selection
 from .. import blocksparse as _blocksparse
 from ._bridge import on_device, to_array, to_tensor
 
-_SCORE_BLOCK = _selection._SCORE_BLOCK
-"""Dense gradient entries scored at a time when regrowing blocks by gradient."""
-
-
 def check_block(caller: str, block, shape) -> tuple[int, int]:
     """``block`` as ``(R, C)``; ``ValueError`` unless ``shape`` (out, in) is a whole number of blocks."""
     if (not isinstance(block, (tuple, list)) or len(block) != 2
@@ -83,7 +79,7 @@ def _gradient_norms(grad_y, x, block) -> torch.Tensor:
     """Flat (row-major) block-grid norms of the dense gradient ``grad_y.T @ x``, in row blocks."""
     r, c = block
     m, n = grad_y.shape[1], x.shape[1]
-    step = max(1, _SCORE_BLOCK // max(r * n, 1))
+    step = max(1, _selection._SCORE_BLOCK // max(r * n, 1))  # bounds the dense gradient held
     parts = [grad_y.new_zeros(0, dtype=torch.float64)]
     for b0 in range(0, m // r, step):
         b1 = min(m // r, b0 + step)

@@ -89,6 +89,7 @@ class SparseLinear(torch.nn.Module):
         ``state_dict``, ``.to()`` and optimizers work unchanged. Load a state dict only into a
         layer of the same nnz and block.
     block : (R, C) or None
+        The block size of a block-sparse weight; None for a CSR one.
 
     Notes
     -----
