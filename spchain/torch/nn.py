@@ -193,6 +193,8 @@ class SparseLinear(torch.nn.Module):
             raise ValueError(f"{caller}: pass block or pattern, not both")
         if sparsity is None and pattern is None:
             raise ValueError(f"{caller} needs a sparsity (or an N:M pattern='n:m')")
+        if not isinstance(method, str):
+            raise TypeError(f"{caller}: method must be a str ('magnitude' or 'random'), not {type(method).__name__}")
         if method not in ("magnitude", "random") or (pattern is not None and method != "magnitude"):
             raise ValueError(f"{caller}: method must be 'magnitude' or 'random' (with a pattern, 'magnitude'; "
                              f"for N:M pruning pass pattern='n:m'), not {method!r}")
