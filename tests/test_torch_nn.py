@@ -88,11 +88,11 @@ def test_meta_construction_then_to_empty_and_reset_parameters_is_a_valid_layer()
     torch.testing.assert_close(layer(x), reference(x))
 
 
-def _regrow_worker(rank, init, regrow, out):
+def _regrow_worker(rank, init, regrow, block, out):
     torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=2,
                                          timeout=__import__("datetime").timedelta(seconds=60))
     try:
-        layer = _layer(seed=0)
+        layer = _layer(seed=0, block=block)
         optimizer = torch.optim.Adam(layer.parameters())
         torch.manual_seed(100 + rank)  # per-rank draws and batches: the replicas would diverge
         layer(torch.randn(5, 12)).square().sum().backward()
@@ -105,13 +105,13 @@ def _regrow_worker(rank, init, regrow, out):
         torch.distributed.destroy_process_group()
 
 
-@pytest.mark.parametrize("regrow", ["random", "gradient"])
-def test_prune_and_regrow_keeps_distributed_replicas_identical(regrow):
+@pytest.mark.parametrize("regrow, block", [("random", None), ("gradient", None), ("gradient", (2, 3))])
+def test_prune_and_regrow_keeps_distributed_replicas_identical(regrow, block):
     if not torch.distributed.is_available():
         pytest.skip("torch.distributed is not available")
     with tempfile.TemporaryDirectory() as tmp:
         init, out = f"file://{os.path.join(tmp, 'store')}", os.path.join(tmp, "state")
-        torch.multiprocessing.spawn(_regrow_worker, args=(init, regrow, out), nprocs=2, join=True)
+        torch.multiprocessing.spawn(_regrow_worker, args=(init, regrow, block, out), nprocs=2, join=True)
         first, second = (torch.load(f"{out}.{r}") for r in (0, 1))
     for name in ("indptr", "indices", "weight_values"):
         assert torch.equal(first[name], second[name]), name

@@ -240,6 +240,8 @@ MODULES = {
     "GroupedLinear": (lambda: st.GroupedLinear(3, 4, 2, dtype=torch.float64),
                       lambda: (randn(5, 4), torch.tensor([2, 0, 3]))),
     "SparseLinear": (lambda: st.SparseLinear(8, 6, sparsity=0.5, dtype=torch.float64), lambda: (randn(4, 8),)),
+    "SparseLinear block": (lambda: st.SparseLinear(8, 6, sparsity=0.5, block=(3, 2), dtype=torch.float64),
+                           lambda: (randn(4, 8),)),
 }
 
 

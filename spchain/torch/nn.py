@@ -1,6 +1,7 @@
-"""The sparse torch layer of spchain: :class:`SparseLinear`, a CSR weight with dynamic sparsity,
-built on the operator ``spchain::sparse_linear`` (so it compiles with ``fullgraph=True``,
-exports and runs under ``torch.func``, in float16/bfloat16 too). The block layers
+"""The sparse torch layer of spchain: :class:`SparseLinear`, a CSR or block-sparse (BSR) weight
+with dynamic sparsity, built on the operators ``spchain::sparse_linear`` and
+``spchain::block_sparse_linear`` (so it compiles with ``fullgraph=True``, exports and runs
+under ``torch.func``, in float16/bfloat16 too). The block layers
 (:class:`BlockDiagonalLinear`, :class:`GroupedLinear`) live beside their operators in
 ``spchain.torch.blockdiag``.
 
@@ -15,7 +16,9 @@ import math
 import torch
 
 from .. import _backend, _csr, _selection
+from . import _block_layer
 from ._bridge import on_device, to_array, to_tensor
+from .blocksparse import block_sparse_linear
 from .linear import sparse_linear
 from .sparse import as_array, csr_tensor, prune
 
@@ -51,7 +54,7 @@ def _moved(t: torch.Tensor, old_slots, new_slots) -> torch.Tensor:
 
 
 class SparseLinear(torch.nn.Module):
-    """A linear layer with a CSR weight: ``y = x @ W.T + b`` with ``W`` sparse.
+    """A linear layer with a sparse weight: ``y = x @ W.T + b`` with ``W`` CSR or block-sparse.
 
     Parameters
     ----------
@@ -63,12 +66,18 @@ class SparseLinear(torch.nn.Module):
         random positions (drawn from torch's generator, so ``torch.manual_seed`` fixes them),
         initialised ``U(-1/sqrt(f), 1/sqrt(f))`` with ``f = nnz / out_features`` the mean kept
         fan-in: the output variance of the dense ``nn.Linear`` it replaces.
+    block : (R, C), optional
+        Store the weight as dense ``R x C`` blocks (BSR) instead of single entries: the
+        sparsity, the random structure, pruning and regrowth then count whole blocks
+        (``nnzb = nblocks - round(sparsity * nblocks)``), and the forward runs
+        :func:`block_sparse_linear`. ``out_features`` must be a multiple of ``R`` and
+        ``in_features`` of ``C`` (``ValueError`` otherwise).
     device, dtype
         As for ``nn.Linear``.
 
     Attributes
     ----------
-    weight_values : Parameter, shape (nnz,)
+    weight_values : Parameter, shape (nnz,), or (nnzb, R, C) with ``block``
         The only weight parameter; its gradient and any optimizer state are O(nnz). Its name
         works with ``torch.nn.utils.parametrize``, ``torch.nn.utils.prune`` and
         ``torch.ao.pruning`` (``tensor_fqn="<layer>.weight_values"``).
@@ -76,8 +85,11 @@ class SparseLinear(torch.nn.Module):
         A fresh dense copy of the weight (differentiable in ``weight_values``), for utilities
         that ask for a dense ``weight``; writing to it does not change the layer.
     indptr, indices : buffers (int32, or int64 past 2**31)
-        The CSR structure (sorted, no duplicates): ``state_dict``, ``.to()`` and optimizers
-        work unchanged. Load a state dict only into a layer of the same nnz.
+        The CSR structure (sorted, no duplicates), over the block grid with ``block``:
+        ``state_dict``, ``.to()`` and optimizers work unchanged. Load a state dict only into a
+        layer of the same nnz and block.
+    block : (R, C) or None
+        The block size of a block-sparse weight; None for a CSR one.
 
     Notes
     -----
@@ -103,21 +115,25 @@ class SparseLinear(torch.nn.Module):
     205
     """
 
-    def __init__(self, in_features, out_features, bias=True, *, sparsity=0.9, device=None, dtype=None):
+    def __init__(self, in_features, out_features, bias=True, *, sparsity=0.9, block=None, device=None, dtype=None):
         super().__init__()
         caller = "SparseLinear"
         in_features = _csr.check_size(caller, "in_features", in_features)
         out_features = _csr.check_size(caller, "out_features", out_features)
-        total = in_features * out_features
+        shape = (out_features, in_features)
+        r, c = (1, 1) if block is None else _block_layer.check_block(caller, block, shape)
+        total = in_features * out_features // (r * c)
         nnz = total - round(_csr.check_fraction(caller, "sparsity", sparsity) * total)
         index = torch.int32 if max(in_features, out_features, nnz) <= _csr._INT32_MAX else torch.int64
-        self._setup(in_features, out_features, torch.zeros(out_features + 1, dtype=index),
-                    torch.zeros(nnz, dtype=index), torch.empty(nnz, device=device, dtype=dtype),
+        values = torch.empty((nnz,) if block is None else (nnz, r, c), device=device, dtype=dtype)
+        self._setup(in_features, out_features, torch.zeros(out_features // r + 1, dtype=index),
+                    torch.zeros(nnz, dtype=index), values,
                     torch.empty(out_features, device=device, dtype=dtype) if bias else None)
         self.reset_parameters()
 
     def _setup(self, in_features, out_features, indptr, indices, values, bias):
         self.in_features, self.out_features = in_features, out_features
+        self.block = None if values.dim() == 1 else tuple(values.shape[1:])
         self.weight_values = torch.nn.Parameter(values)
         self.register_buffer("indptr", indptr.to(values.device))
         self.register_buffer("indices", indices.to(values.device))
@@ -134,9 +150,8 @@ class SparseLinear(torch.nn.Module):
         A layer built on the ``meta`` device, then ``to_empty()``, becomes valid by this call.
         """
         shape = (self.out_features, self.in_features)
-        backend = _backend.NUMPY
-        positions = _selection.random_positions(backend, shape[0] * shape[1], self.nnz, seed=_torch_seed())
-        indptr, indices = _selection.positions_to_csr(backend, positions, shape)
+        units = self.weight_values.shape[0]
+        indptr, indices = _block_layer.random_structure(shape, self.block or (1, 1), units, _torch_seed())
         self.indptr.copy_(torch.from_numpy(indptr))
         self.indices.copy_(torch.from_numpy(indices))
         kept_fan_in = self.nnz / self.out_features if self.out_features else 0.0
@@ -148,8 +163,16 @@ class SparseLinear(torch.nn.Module):
                 self.bias.uniform_(-bound, bound)
 
     @classmethod
-    def from_dense(cls, linear: torch.nn.Linear, sparsity, method="magnitude"):
-        """A ``SparseLinear`` keeping ``linear``'s weights chosen by :func:`prune`, and its bias.
+    def from_dense(cls, linear: torch.nn.Linear, sparsity=None, method="magnitude", *, block=None, pattern=None):
+        """A ``SparseLinear`` keeping ``linear``'s weights chosen by :func:`spchain.prune`, and its bias.
+
+        ``method`` "magnitude" or "random" keeps ``sparsity`` of the entries, or with
+        ``block=(R, C)`` of the blocks (those of largest Frobenius norm, or random ones; a BSR
+        layer). ``pattern="n:m"`` (e.g. ``"2:4"``) keeps in every group of ``m`` consecutive
+        inputs of each output the ``n`` of largest ``|w|``: a CSR layer with exactly ``n``
+        entries per group (``sparsity`` is ``1 - n / m``: leave it None). It runs on spchain's
+        kernels on every device (torch's semi-structured CUDA kernels are not used yet), and
+        ``prune_and_regrow`` does not keep the pattern.
 
         Examples
         --------
@@ -158,16 +181,36 @@ class SparseLinear(torch.nn.Module):
         >>> sparse = st.SparseLinear.from_dense(dense, 0.75)
         >>> sparse.nnz, bool((sparse.to_dense().weight != 0).sum() <= 32)
         (32, True)
+        >>> st.SparseLinear.from_dense(dense, 0.5, block=(4, 4)).weight_values.shape
+        torch.Size([4, 4, 4])
+        >>> st.SparseLinear.from_dense(dense, pattern="2:4").nnz
+        64
         """
+        caller = "SparseLinear.from_dense"
         if not isinstance(linear, torch.nn.Linear):
-            raise TypeError(f"SparseLinear.from_dense takes a torch.nn.Linear, not {type(linear).__name__}")
+            raise TypeError(f"{caller} takes a torch.nn.Linear, not {type(linear).__name__}")
+        if block is not None and pattern is not None:
+            raise ValueError(f"{caller}: pass block or pattern, not both")
+        if sparsity is None and pattern is None:
+            raise ValueError(f"{caller} needs a sparsity (or an N:M pattern='n:m')")
+        if not isinstance(method, str):
+            raise TypeError(f"{caller}: method must be a str ('magnitude' or 'random'), not {type(method).__name__}")
+        if method not in ("magnitude", "random") or (pattern is not None and method != "magnitude"):
+            raise ValueError(f"{caller}: method must be 'magnitude' or 'random' (with a pattern, 'magnitude'; "
+                             f"for N:M pruning pass pattern='n:m'), not {method!r}")
         weight = linear.weight.detach()
-        csr = prune(weight, sparsity, method=method, seed=_torch_seed() if method == "random" else None)
+        seed = _torch_seed() if method == "random" else None
+        if block is None and pattern is None:
+            csr = prune(weight, sparsity, method=method, seed=seed)
+            indptr, indices, values = csr.crow_indices(), csr.col_indices(), csr.values().clone()
+        else:
+            if block is not None:
+                _block_layer.check_block(caller, block, tuple(weight.shape))
+            indptr, indices, values = _block_layer.prune_dense(weight, sparsity, method, seed, block, pattern, caller)
         module = cls.__new__(cls)
         torch.nn.Module.__init__(module)
         bias = None if linear.bias is None else linear.bias.detach().clone()
-        module._setup(linear.in_features, linear.out_features, csr.crow_indices(), csr.col_indices(),
-                      csr.values().clone(), bias)
+        module._setup(linear.in_features, linear.out_features, indptr, indices, values, bias)
         return module
 
     def __getstate__(self):
@@ -177,14 +220,16 @@ class SparseLinear(torch.nn.Module):
 
     @property
     def nnz(self) -> int:
-        """The number of stored weights."""
-        return self.weight_values.shape[0]
+        """The number of stored weights (``nnzb * R * C`` with ``block``)."""
+        return self.weight_values.numel()
 
     @property
     def weight(self) -> torch.Tensor:
         """A fresh dense ``(out_features, in_features)`` copy of the weight, differentiable in
         ``weight_values``; writing to it does not change the layer."""
         values = self.weight_values
+        if self.block is not None:
+            return _block_layer.dense_weight(values, self.indptr, self.indices, (self.out_features, self.in_features))
         rows = torch.repeat_interleave(torch.arange(self.out_features, device=self.indptr.device),
                                        self.indptr.diff().long())
         flat = values.new_zeros(self.out_features * self.in_features)
@@ -198,18 +243,24 @@ class SparseLinear(torch.nn.Module):
         return 1.0 - self.nnz / total if total else 0.0
 
     def extra_repr(self) -> str:
+        block = "" if self.block is None else f", block={self.block}"
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"nnz={self.nnz}, sparsity={self.sparsity:.4g}")
+                f"nnz={self.nnz}, sparsity={self.sparsity:.4g}{block}")
 
     def forward(self, x):
-        y = sparse_linear(x, self.weight_values, self.indptr, self.indices, (self.out_features, self.in_features), self.bias)
+        product = sparse_linear if self.block is None else block_sparse_linear
+        y = product(x, self.weight_values, self.indptr, self.indices, (self.out_features, self.in_features), self.bias)
         if self.training and y.requires_grad and not torch.compiler.is_compiling():  # a hook would break the graph
             self._last_batch = _Batch(x.detach())
             y.register_hook(self._last_batch.record)
         return y
 
     def weight_csr(self) -> torch.Tensor:
-        """The weight as a torch sparse CSR tensor sharing ``indptr``, ``indices`` and ``weight_values``."""
+        """The weight as a torch sparse CSR tensor (BSR with ``block``) sharing ``indptr``,
+        ``indices`` and ``weight_values``."""
+        if self.block is not None:
+            return _block_layer.bsr_tensor(self.indptr, self.indices, self.weight_values,
+                                           (self.out_features, self.in_features))
         return csr_tensor(self.indptr, self.indices, self.weight_values, (self.out_features, self.in_features))
 
     def to_dense(self) -> torch.nn.Linear:
@@ -224,6 +275,10 @@ class SparseLinear(torch.nn.Module):
 
     def prune_and_regrow(self, fraction, *, regrow="random", optimizer=None) -> None:
         """Move ``round(fraction * nnz)`` connections: drop the smallest ``|weight_values|``, grow as many new.
+
+        With ``block``, whole blocks move: the ``round(fraction * nnzb)`` blocks of smallest
+        Frobenius norm are dropped, and new blocks grow where the block norms of the dense
+        gradient are largest (or at random); optimizer state follows each block.
 
         Parameters
         ----------
@@ -247,7 +302,7 @@ class SparseLinear(torch.nn.Module):
         updated in place.
         """
         caller = "SparseLinear.prune_and_regrow"
-        n_move = round(_csr.check_fraction(caller, "fraction", fraction) * self.nnz)
+        n_move = round(_csr.check_fraction(caller, "fraction", fraction) * self.weight_values.shape[0])
         if not isinstance(regrow, str):
             raise TypeError(f"{caller}: regrow must be a str ('random' or 'gradient'), not {type(regrow).__name__}")
         if regrow not in ("random", "gradient"):
@@ -267,13 +322,17 @@ class SparseLinear(torch.nn.Module):
         seed = _torch_seed()
         shape = (self.out_features, self.in_features)
         with torch.no_grad(), on_device(self.weight_values.device):
-            ia, ja, va = to_array(self.indptr), to_array(self.indices), to_array(self.weight_values)
-            backend = _backend.backend_of(ia, ja, va, caller=caller)
-            csr = _csr.to_csr(backend, "csr", shape, None, ia, ja, caller)
-            grad_y, x = (None, None) if gradient is None else (as_array(t) for t in gradient)
-            indptr, indices, old_slots, new_slots = _selection.drop_and_grow(
-                backend, csr, va, n_move, grad_y=grad_y, x=x, seed=seed, caller=caller)
-            indptr, indices, old_slots, new_slots = (to_tensor(a) for a in (indptr, indices, old_slots, new_slots))
+            if self.block is not None:
+                indptr, indices, old_slots, new_slots = _block_layer.drop_and_grow(
+                    self.weight_values, self.indptr, self.indices, shape, n_move, gradient=gradient, seed=seed,
+                    caller=caller)
+            else:
+                ia, ja, va = to_array(self.indptr), to_array(self.indices), to_array(self.weight_values)
+                backend = _backend.backend_of(ia, ja, va, caller=caller)
+                csr = _csr.to_csr(backend, "csr", shape, None, ia, ja, caller)
+                grad_y, x = (None, None) if gradient is None else (as_array(t) for t in gradient)
+                indptr, indices, old_slots, new_slots = (to_tensor(a) for a in _selection.drop_and_grow(
+                    backend, csr, va, n_move, grad_y=grad_y, x=x, seed=seed, caller=caller))
             replicated = torch.distributed.is_available() and torch.distributed.is_initialized()
             if replicated:  # rank 0 decides, so that every replica moves the same connections
                 indptr, indices, old_slots, new_slots = (t.clone() for t in (indptr, indices, old_slots, new_slots))

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import torch
 
 from .. import _backend, _csr, _selection
+from . import _block_layer
 from ._bridge import to_array, to_tensor
 from .nn import SparseLinear
 
@@ -73,7 +74,7 @@ def _skipped(skip: Skip, linears: Mapping[str, torch.nn.Module]) -> Callable[[st
 
 
 def sparsify(model: torch.nn.Module, sparsity: float, *, method: str = "magnitude", distribution: str = "uniform",
-             skip: Skip = None) -> list[str]:
+             skip: Skip = None, block: tuple[int, int] | None = None) -> list[str]:
     """Replace ``model``'s ``nn.Linear`` layers, in place, by :class:`SparseLinear` layers.
 
     Only modules of type ``nn.Linear`` itself are replaced: subclasses (such as the output
@@ -92,6 +93,9 @@ def sparsify(model: torch.nn.Module, sparsity: float, *, method: str = "magnitud
         layers denser, large ones sparser).
     skip : str, iterable of str, or callable (name, module) -> bool, optional
         Layers to leave dense (e.g. the classifier), by their names in ``named_modules()``.
+    block : (R, C), optional
+        Make block-sparse layers, pruned by whole blocks (every replaced layer's features must
+        be multiples of the block; ``skip`` the others).
 
     Returns
     -------
@@ -102,7 +106,8 @@ def sparsify(model: torch.nn.Module, sparsity: float, *, method: str = "magnitud
     ------
     ValueError
         ``model`` itself an ``nn.Linear``, a name in ``skip`` that is no linear layer of
-        ``model``, an unknown ``distribution``, ``sparsity`` outside [0, 1].
+        ``model``, an unknown ``distribution``, ``sparsity`` outside [0, 1], a layer that is
+        not a whole number of blocks (before any layer is replaced).
 
     Examples
     --------
@@ -122,40 +127,49 @@ def sparsify(model: torch.nn.Module, sparsity: float, *, method: str = "magnitud
     linears = {name: m for name, m in model.named_modules() if type(m) is torch.nn.Linear}
     skipped = _skipped(skip, linears)
     chosen = [(name, m) for name, m in linears.items() if not skipped(name, m)]
+    if block is not None:
+        for name, m in chosen:
+            _block_layer.check_block(f"{caller} (layer {name!r})", block, (m.out_features, m.in_features))
     if distribution == "erk":
         densities = erk_densities([(m.out_features, m.in_features) for _, m in chosen], 1.0 - sparsity)
     else:
         densities = [1.0 - sparsity] * len(chosen)
     for (name, linear), density in zip(chosen, densities):
-        layer = SparseLinear.from_dense(linear, min(1.0, max(0.0, 1.0 - density)), method=method)
+        layer = SparseLinear.from_dense(linear, min(1.0, max(0.0, 1.0 - density)), method=method, block=block)
         layer.train(linear.training)
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, layer)
     return [name for name, _ in chosen]
 
 
-def _weights(layer: SparseLinear) -> torch.nn.Parameter:
-    """The stored-weights parameter of a ``SparseLinear`` (1-D, nnz long)."""
-    return layer.weight_values
+def _units(layer: SparseLinear) -> int:
+    """The number of entries (blocks, for a block layer) of ``layer``'s full weight matrix."""
+    r, c = layer.block or (1, 1)
+    units: int = layer.in_features * layer.out_features // (r * c)
+    return units
 
 
 def prune_to(layer: SparseLinear, nnz: int, optimizer: torch.optim.Optimizer | None = None) -> None:
     """Keep the ``nnz`` stored weights of largest ``|w|`` in ``layer`` (ties to the earlier slot).
+
+    A block layer keeps ``nnz // (R * C)`` blocks, those of largest Frobenius norm.
 
     The weight parameter stays the same object (its data shrinks), so optimizers keep holding
     it; its gradient and every optimizer state tensor shaped like it (Adam's moments) keep the
     entries of the kept weights, in their new slots, exactly as in
     :meth:`SparseLinear.prune_and_regrow`; scalar state (``step``) stays.
     """
-    weights = _weights(layer)
-    if nnz >= weights.shape[0]:
+    weights = layer.weight_values
+    r, c = layer.block or (1, 1)
+    count, block_rows = nnz // (r * c), layer.out_features // r
+    if count >= weights.shape[0]:
         return
     indptr, indices = layer.get_buffer("indptr"), layer.get_buffer("indices")
     with torch.no_grad():
-        scores = to_array(weights.abs())
-        kept = to_tensor(_selection.largest(_backend.backend_of(scores), scores, nnz)).to(weights.device)
-        rows = torch.repeat_interleave(torch.arange(layer.out_features, device=weights.device), indptr.diff())
-        counts = torch.bincount(rows[kept], minlength=layer.out_features)
+        scores = to_array(weights.abs() if layer.block is None else _block_layer.norms(weights))
+        kept = to_tensor(_selection.largest(_backend.backend_of(scores), scores, count)).to(weights.device)
+        rows = torch.repeat_interleave(torch.arange(block_rows, device=weights.device), indptr.diff())
+        counts = torch.bincount(rows[kept], minlength=block_rows)
         moving = [weights.grad] if weights.grad is not None else []
         state = {} if optimizer is None else optimizer.state.get(weights, {})
         moving_state = {k: v for k, v in state.items() if torch.is_tensor(v) and v.shape == weights.shape}
@@ -176,7 +190,8 @@ class GradualPruning:
     start + steps * every``: ``s_t = s_f + (s_i - s_f) * (1 - (t - start) / (steps * every))**3``.
     Call :meth:`step` once per training step (after ``optimizer.step()``); the first call is
     step 0, and at a scheduled step each layer keeps the ``total - round(s_t * total)``
-    weights of largest magnitude (never more than it holds).
+    weights of largest magnitude (never more than it holds); a block layer counts, and
+    keeps, whole blocks (those of largest norm).
 
     Parameters
     ----------
@@ -244,8 +259,9 @@ class GradualPruning:
         if t < self.start or (t - self.start) % self.every or (t - self.start) // self.every > self.steps:
             return
         for name, layer in self.layers.items():
-            total = layer.in_features * layer.out_features
-            prune_to(layer, total - round(self.sparsity(name, t) * total), self.optimizer)
+            r, c = layer.block or (1, 1)
+            total = _units(layer)
+            prune_to(layer, (total - round(self.sparsity(name, t) * total)) * r * c, self.optimizer)
 
 
 class CosineDropFraction:
