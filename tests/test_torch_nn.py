@@ -128,3 +128,22 @@ def test_sparse_linear_holds_half_precision_values(dtype):
     torch.testing.assert_close(y.double(), reference, rtol=2e-2, atol=2e-2)
     y.sum().backward()
     assert layer.weight_values.grad.dtype == dtype and x.grad.dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_layers_prune_and_regrow_as_their_float32_copies(dtype):
+    from spchain.torch.pruning import prune_to
+
+    torch.manual_seed(0)
+    low = _layer(dtype=dtype)
+    wide = _layer()
+    wide.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in low.state_dict().items()})
+    x = torch.randn(5, 12).to(dtype)
+    for layer, inputs in ((low, x), (wide, x.float())):
+        layer(inputs).sum().backward()
+        layer.prune_and_regrow(0.3, regrow="gradient")
+        prune_to(layer, layer.nnz - 4)
+    assert low.weight_values.dtype == dtype and low.nnz == wide.nnz
+    for name in ("indptr", "indices"):
+        assert torch.equal(getattr(low, name), getattr(wide, name)), name
+    torch.testing.assert_close(low.weight_values.float(), wide.weight_values)

@@ -53,6 +53,12 @@ def _moved(t: torch.Tensor, old_slots, new_slots) -> torch.Tensor:
     return out
 
 
+def selectable(t: torch.Tensor) -> torch.Tensor:
+    """``t`` for choosing entries by magnitude on the array level: bfloat16 (which NumPy and
+    CuPy lack) widened to float32, exactly."""
+    return t.float() if t.dtype == torch.bfloat16 else t
+
+
 class SparseLinear(torch.nn.Module):
     """A linear layer with a sparse weight: ``y = x @ W.T + b`` with ``W`` CSR or block-sparse.
 
@@ -327,10 +333,10 @@ class SparseLinear(torch.nn.Module):
                     self.weight_values, self.indptr, self.indices, shape, n_move, gradient=gradient, seed=seed,
                     caller=caller)
             else:
-                ia, ja, va = to_array(self.indptr), to_array(self.indices), to_array(self.weight_values)
+                ia, ja, va = to_array(self.indptr), to_array(self.indices), to_array(selectable(self.weight_values))
                 backend = _backend.backend_of(ia, ja, va, caller=caller)
                 csr = _csr.to_csr(backend, "csr", shape, None, ia, ja, caller)
-                grad_y, x = (None, None) if gradient is None else (as_array(t) for t in gradient)
+                grad_y, x = (None, None) if gradient is None else (as_array(selectable(t)) for t in gradient)
                 indptr, indices, old_slots, new_slots = (to_tensor(a) for a in _selection.drop_and_grow(
                     backend, csr, va, n_move, grad_y=grad_y, x=x, seed=seed, caller=caller))
             replicated = torch.distributed.is_available() and torch.distributed.is_initialized()

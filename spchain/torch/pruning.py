@@ -21,7 +21,7 @@ import torch
 from .. import _backend, _csr, _selection
 from . import _block_layer
 from ._bridge import to_array, to_tensor
-from .nn import SparseLinear
+from .nn import SparseLinear, selectable
 
 __all__ = ["sparsify", "erk_densities", "GradualPruning", "CosineDropFraction"]
 
@@ -166,7 +166,7 @@ def prune_to(layer: SparseLinear, nnz: int, optimizer: torch.optim.Optimizer | N
         return
     indptr, indices = layer.get_buffer("indptr"), layer.get_buffer("indices")
     with torch.no_grad():
-        scores = to_array(weights.abs() if layer.block is None else _block_layer.norms(weights))
+        scores = to_array(selectable(weights.abs()) if layer.block is None else _block_layer.norms(weights))
         kept = to_tensor(_selection.largest(_backend.backend_of(scores), scores, count)).to(weights.device)
         rows = torch.repeat_interleave(torch.arange(block_rows, device=weights.device), indptr.diff())
         counts = torch.bincount(rows[kept], minlength=block_rows)
