@@ -116,3 +116,13 @@ def test_torch_layer_has_a_compiled_case_for_each_module_and_small_call_cases():
     assert {"compiled BlockDiagonalLinear", "compiled GroupedLinear", "compiled SparseLinear"} <= set(cases)
     assert {"small SparseLinear(64, 64)", "small logmatmul 4x4", "small block_diag_matmul"} <= set(cases)
     assert list(bench.make_case("torch-layer", "compiled GroupedLinear", quick=True).methods) == ["spchain", "eager"]
+
+
+def test_sparse_training_trains_both_models_on_the_same_task_at_90_percent_erk():
+    from spchain.bench import sparse_training
+
+    result = sparse_training.run(features=8, hidden=32, classes=3, train=256, epochs=2, batch=64, every=2)
+    assert result["dense weights"] == 8 * 32 + 32 * 32 + 32 * 3
+    assert abs(result["sparse weights"] - 0.1 * result["dense weights"]) <= 3  # ERK over all 3 layers together
+    assert 0.2 < result["dense accuracy"] <= 1 and 0.2 < result["sparse accuracy"] <= 1
+    assert result["dense s/epoch"] > 0 and result["sparse s/epoch"] > 0

@@ -1,6 +1,6 @@
 """The block-sparse workload: a 4096 x 4096 layer with block or N:M sparsity on x (256, 4096), float32.
 
-``block_sparse_linear`` with 16 x 16 and 32 x 32 blocks at 90 % (and 32 x 32 at 75 %) beside the
+``block_sparse_linear`` with 16 x 16 and 32 x 32 blocks at 90 % and 75 % beside the
 dense ``nn.Linear`` and the unstructured (CSR) ``SparseLinear``, all three holding the same
 weights; and a 2:4 (N:M, 50 %) weight through the unstructured ``SparseLinear`` beside the dense
 layer. Forward (under ``torch.no_grad``) and forward + backward (``x`` requires grad; the result
@@ -9,7 +9,7 @@ is the output and the input gradient). torch is imported when a case is built.
 
 from .core import Case
 
-CASES = [f"{name} {kind}" for name in ("90% block 16", "90% block 32", "75% block 32", "2:4")
+CASES = [f"{name} {kind}" for name in ("90% block 16", "90% block 32", "75% block 16", "75% block 32", "2:4")
          for kind in ("forward", "forward+backward")]
 METHODS = ["spchain", "nn.Linear (dense)", "SparseLinear (unstructured)"]
 
