@@ -15,7 +15,7 @@ import contextvars
 
 import numpy as np
 
-from . import _logspace
+from . import _chain_scaled, _logspace
 from ._chain_layout import Chain
 
 SWEEPS = ("auto", "gemm", "kernel")
@@ -103,6 +103,8 @@ def forward_finite(chain: Chain):
     norm = xp.empty((rows, v), chain.x.dtype)
     if rows and use_gemm(chain):
         _forward_gemm(chain, pre, norm)
+    elif rows and _chain_scaled.applies(chain):
+        _chain_scaled.forward(chain, pre, norm)
     elif rows:
         kernel = chain.backend.kernel("chain", "chain_forward")
         kernel(chain.x, chain.trans, chain.group, chain.init, chain.lengths, pre, norm)
@@ -145,6 +147,8 @@ def backward_finite(chain: Chain, pre, norm, weight, trans_grad: bool = True):
         return xp.zeros_like(chain.x), grad_trans
     if use_gemm(chain):
         grad_x = _backward_gemm(chain, pre, norm, weight, grad_trans)
+    elif _chain_scaled.applies(chain):
+        grad_x = _chain_scaled.backward(chain, pre, norm, weight, grad_trans) * weight[:, None, None]
     else:
         beta = xp.empty_like(chain.x)
         chain.backend.kernel("chain", "chain_backward")(chain.x, chain.trans, chain.group, chain.lengths, norm, beta)
