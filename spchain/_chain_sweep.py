@@ -54,13 +54,16 @@ def chain_sweep(sweep: str):
 
 
 def use_gemm(chain: Chain) -> bool:
-    """Whether the scaled-GEMM sweep is expected to beat the log-space kernel sweep.
+    """Whether the scaled-GEMM sweep is expected to beat the kernel sweep.
 
-    Per step, the kernel sweep costs about ``rows * c²`` (vectorised) exponentials plus a
-    little per row; the GEMM sweep a fixed overhead of array calls, ``G * c²`` exponentials and
-    a call per transition matrix, and O(rows * c) elementwise work, the ``rows * c²``
-    multiply-adds going to BLAS. The constants are seconds fitted to measurements on a 2-core
-    CPU (both sweeps, float32, c from 4 to 200, 4 to 500 rows, shared and per-row transitions).
+    On the CPU, where each transition matrix serves many row-steps (shared transitions), the
+    kernel sweep runs the scaled kernels (:mod:`spchain._chain_scaled`), which beat the GEMM
+    sweep at every shape measured on a 2-core CPU (forward + backward, c 4 to 512, batch 1 to
+    256, v 32, float32; 1.1x at batch 256 and c 16, 27x at batch 256 and c 50), so they
+    always run. Otherwise (one matrix per row and step) the log-space kernels cost about
+    ``rows * c²`` exponentials a step, the GEMM sweep a fixed overhead of array calls, ``G * c²``
+    exponentials and a call per transition matrix, and O(rows * c) elementwise work, the
+    ``rows * c²`` multiply-adds going to BLAS; the constants are seconds fitted on a 2-core CPU.
     On the GPU the GEMM sweep pays kernel launches and host synchronisations every step: on an
     H100 the kernel sweep was 3.5x (forward) and 5.4x (forward + backward) faster at batch 500,
     v 40, c 200, so the GPU always takes it.
@@ -71,7 +74,7 @@ def use_gemm(chain: Chain) -> bool:
     if _SWEEP.get() != "auto":
         return _SWEEP.get() == "gemm"
     groups = chain.trans.shape[0]
-    if chain.backend.on_gpu:
+    if chain.backend.on_gpu or _chain_scaled.applies(chain):
         return False
     kernel = rows * (1.0e-9 * c * c + 5e-7)
     gemm = 3e-5 + groups * (1.5e-9 * c * c + 1.5e-6) + 1.5e-8 * rows * c
