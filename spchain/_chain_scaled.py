@@ -47,7 +47,7 @@ def backward(chain: Chain, pre, norm, weight, grad_trans):
                                                        pre, norm, marg)
     if grad_trans is not None:
         groups, steps = chain.trans.shape[:2]
-        parts = max(1, min(PARTS // (groups * steps), chain.group))
+        parts = max(1, min(PARTS // max(groups * steps, 1), chain.group))
         chunks = -(-chain.group // parts)
         acc = np.zeros(chain.trans.shape[:2] + (parts,) + chain.trans.shape[2:])
         ok = np.ones((groups, steps, parts), bool)
