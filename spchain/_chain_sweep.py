@@ -15,7 +15,7 @@ import contextvars
 
 import numpy as np
 
-from . import _logspace
+from . import _chain_scaled, _logspace
 from ._chain_layout import Chain
 
 SWEEPS = ("auto", "gemm", "kernel")
@@ -54,13 +54,16 @@ def chain_sweep(sweep: str):
 
 
 def use_gemm(chain: Chain) -> bool:
-    """Whether the scaled-GEMM sweep is expected to beat the log-space kernel sweep.
+    """Whether the scaled-GEMM sweep is expected to beat the kernel sweep.
 
-    Per step, the kernel sweep costs about ``rows * c²`` (vectorised) exponentials plus a
-    little per row; the GEMM sweep a fixed overhead of array calls, ``G * c²`` exponentials and
-    a call per transition matrix, and O(rows * c) elementwise work, the ``rows * c²``
-    multiply-adds going to BLAS. The constants are seconds fitted to measurements on a 2-core
-    CPU (both sweeps, float32, c from 4 to 200, 4 to 500 rows, shared and per-row transitions).
+    On the CPU, where each transition matrix serves many row-steps (shared transitions), the
+    kernel sweep runs the scaled kernels (:mod:`spchain._chain_scaled`), which beat the GEMM
+    sweep at every shape measured on a 2-core CPU (forward + backward, c 4 to 512, batch 1 to
+    256, v 32, float32; 1.1x at batch 256 and c 16, 27x at batch 256 and c 50), so they
+    always run. Otherwise (one matrix per row and step) the log-space kernels cost about
+    ``rows * c²`` exponentials a step, the GEMM sweep a fixed overhead of array calls, ``G * c²``
+    exponentials and a call per transition matrix, and O(rows * c) elementwise work, the
+    ``rows * c²`` multiply-adds going to BLAS; the constants are seconds fitted on a 2-core CPU.
     On the GPU the GEMM sweep pays kernel launches and host synchronisations every step: on an
     H100 the kernel sweep was 3.5x (forward) and 5.4x (forward + backward) faster at batch 500,
     v 40, c 200, so the GPU always takes it.
@@ -71,7 +74,7 @@ def use_gemm(chain: Chain) -> bool:
     if _SWEEP.get() != "auto":
         return _SWEEP.get() == "gemm"
     groups = chain.trans.shape[0]
-    if chain.backend.on_gpu:
+    if chain.backend.on_gpu or _chain_scaled.applies(chain):
         return False
     kernel = rows * (1.0e-9 * c * c + 5e-7)
     gemm = 3e-5 + groups * (1.5e-9 * c * c + 1.5e-6) + 1.5e-8 * rows * c
@@ -103,6 +106,8 @@ def forward_finite(chain: Chain):
     norm = xp.empty((rows, v), chain.x.dtype)
     if rows and use_gemm(chain):
         _forward_gemm(chain, pre, norm)
+    elif rows and _chain_scaled.applies(chain):
+        _chain_scaled.forward(chain, pre, norm)
     elif rows:
         kernel = chain.backend.kernel("chain", "chain_forward")
         kernel(chain.x, chain.trans, chain.group, chain.init, chain.lengths, pre, norm)
@@ -145,6 +150,8 @@ def backward_finite(chain: Chain, pre, norm, weight, trans_grad: bool = True):
         return xp.zeros_like(chain.x), grad_trans
     if use_gemm(chain):
         grad_x = _backward_gemm(chain, pre, norm, weight, grad_trans)
+    elif _chain_scaled.applies(chain):
+        grad_x = _chain_scaled.backward(chain, pre, norm, weight, grad_trans) * weight[:, None, None]
     else:
         beta = xp.empty_like(chain.x)
         chain.backend.kernel("chain", "chain_backward")(chain.x, chain.trans, chain.group, chain.lengths, norm, beta)

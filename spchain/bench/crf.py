@@ -1,8 +1,12 @@
 """The crf workload: a linear-chain CRF's negative log-likelihood, forward + backward, batch
 256, v 64, 50 tags, float32, ragged lengths. spchain's ``LinearChainCRF.nll`` beside
 pytorch-crf's ``CRF`` (PyPI ``pytorch-crf``, if installed) on the same parameters, and the
-plain PyTorch recursion a user would write (``torch.logsumexp`` a step, gold score by gathers).
+plain PyTorch recursion a user would write (``torch.logsumexp`` a step, gold score by gathers),
+and torch-struct's ``LinearChainCRF`` (PyPI ``torch-struct``, if installed; 0.5 imports and runs
+with torch 2.13) on the (batch, v - 1, c, c) edge potentials it takes, gold score by gathers.
 """
+
+import warnings
 
 import torch
 
@@ -26,6 +30,31 @@ def plain_nll(emissions, tags, mask, start, trans, end):
         score = score + torch.where(mask[:, t], gold, torch.zeros_like(gold))
     last = tags[rows, mask.sum(1) - 1]
     return (torch.logsumexp(alpha + end, dim=-1) - score - end[last]).sum()
+
+
+def gold_score(emissions, tags, mask, start, trans, end):
+    """The summed scores of the gold tags, by gathers, masked past each length."""
+    rows = torch.arange(emissions.shape[0], device=emissions.device)
+    inside = mask.to(emissions.dtype)
+    score = (emissions.gather(2, tags[..., None])[..., 0] * inside).sum() + start[tags[:, 0]].sum()
+    score = score + (trans[tags[:, :-1], tags[:, 1:]] * inside[:, 1:]).sum()
+    return score + end[tags[rows, mask.sum(1) - 1]].sum()
+
+
+def struct_nll(emissions, tags, mask, start, trans, end):
+    """The summed NLL with torch-struct's ``LinearChainCRF`` partition (edge potentials
+    ``phi[b, n, j, i]``: state i at n → j at n + 1)."""
+    import torch_struct
+
+    lengths = mask.sum(1)
+    last = torch.arange(emissions.shape[1], device=emissions.device) == (lengths[:, None] - 1)
+    x = emissions + last[..., None] * end
+    phi = x[:, 1:, :, None] + trans.T
+    phi = torch.cat([phi[:, :1] + (start + x[:, 0])[:, None, None, :], phi[:, 1:]], 1)
+    with warnings.catch_warnings():  # torch-struct 0.5 defines no arg_constraints
+        warnings.simplefilter("ignore", UserWarning)
+        log_z = torch_struct.LinearChainCRF(phi, lengths=lengths).partition
+    return log_z.sum() - gold_score(emissions, tags, mask, start, trans, end)
 
 
 def make_inputs(quick: bool, device: str, seed: int = 0):
@@ -74,6 +103,14 @@ def make_case(name: str, quick: bool, device: str = "cpu") -> Case:
         methods["pytorch-crf CRF"] = timed(lambda: -ref(emissions, tags, mask, reduction="sum"),
                                            [emissions, *ref_params])
 
+    try:
+        import torch_struct  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        methods["torch-struct LinearChainCRF"] = timed(lambda: struct_nll(emissions, tags, mask, *params),
+                                                       [emissions, *params])
+
     def reference():
         e = emissions.detach().double().requires_grad_()
         leaves = [p.detach().double().requires_grad_() for p in params]
@@ -81,4 +118,5 @@ def make_case(name: str, quick: bool, device: str = "cpu") -> Case:
         out.backward()
         return (out.detach(), e.grad, *(p.grad for p in leaves))
 
-    return Case("crf", name, methods, reference, device)
+    # torch-struct's log-semiring scan over (batch, v - 1, c, c) potentials takes minutes a run at full size
+    return Case("crf", name, methods, reference, device, slow=set() if quick else {"torch-struct LinearChainCRF"})

@@ -75,8 +75,9 @@ class LinearChainCRF(nn.Module):
         lengths = torch.as_tensor(lengths, device=emissions.device)
         if lengths.shape != (batch,):
             raise ValueError(f"LinearChainCRF: lengths must have shape (batch,) = ({batch},), got {tuple(lengths.shape)}")
-        last = torch.arange(v, device=emissions.device) == (lengths[:, None] - 1)
-        x = torch.where(last[..., None], emissions + self.end_transitions, emissions)
+        # the chain functions check lengths (1..v); clamped, bad ones cannot index out of range first
+        index = (torch.arange(batch, device=emissions.device), lengths.clamp(1, max(v, 1)) - 1)
+        x = emissions.index_put(index, emissions[index] + self.end_transitions)  # one copy, no (batch, v) mask
         return x, lengths
 
     def log_partition(self, emissions, lengths=None):

@@ -1,0 +1,59 @@
+"""The scaled kernel sweep (spchain/_chain_scaled.py, kernels/cpu/chain_scaled.py): shared
+transitions give what the log-space kernels give on the same matrices repeated per row and
+step (where the scaled kernels do not apply), also where scaled sums underflow and fall back
+to log space."""
+
+import numpy as np
+import pytest
+
+import spchain
+from spchain import _chain_layout, _chain_scaled
+from spchain import chain as C
+
+
+def problem(rng, scale, dtype, B=9, v=7, c=6):
+    x = (rng.normal(size=(B, v, c)) * scale).astype(dtype)
+    trans = (rng.normal(size=(c, c)) * scale).astype(dtype)
+    trans[0, 2] = -np.inf
+    trans[:, 4] = -np.inf  # a state that is never reached after the first position
+    x[2, 1] = -np.inf  # an impossible chain
+    init = rng.normal(size=c).astype(dtype)
+    lengths = rng.integers(1, v + 1, B)
+    lengths[:3] = v
+    return x, trans, init, lengths
+
+
+def sweep(x, trans, init, lengths, weight):
+    with spchain.chain_sweep("kernel"):
+        results = C.chain_logsumexp_forward(x, trans, init, lengths)
+        grads = C.chain_logsumexp_backward((x, trans, init, lengths), results, (weight,), (True, True, True))
+    return results[0], grads
+
+
+@pytest.mark.parametrize("scale", [1.0, 300.0])  # 300: most scaled sums underflow, recomputed in log space
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_scaled_kernels_match_log_space_kernels(rng, scale, dtype):
+    x, trans, init, lengths = problem(rng, scale, dtype)
+    B, v, c = x.shape
+    per_row = np.broadcast_to(trans, (B, v - 1, c, c)).copy()
+    assert _chain_scaled.applies(_chain_layout.prepare(x, trans, init, lengths, "t"))
+    assert not _chain_scaled.applies(_chain_layout.prepare(x, per_row, init, lengths, "t"))
+    weight = np.linspace(-0.5, 2.0, B).astype(dtype)
+    got_z, (got_x, got_trans, got_init) = sweep(x, trans, init, lengths, weight)
+    want_z, (want_x, want_trans, want_init) = sweep(x, per_row, init, lengths, weight)
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    np.testing.assert_allclose(got_z, want_z, rtol=tol)
+    assert got_z[2] == -np.inf
+    np.testing.assert_allclose(got_x, want_x, rtol=tol, atol=tol)
+    np.testing.assert_allclose(got_init, want_init, rtol=tol, atol=tol)
+    np.testing.assert_allclose(got_trans, want_trans.sum((0, 1)), rtol=tol, atol=tol * B * v)
+    assert (got_trans[:, 4] == 0).all()
+
+
+def test_nan_propagates(rng):
+    x, trans, init, lengths = problem(rng, 1.0, np.float64)
+    trans[1, 1] = np.nan
+    z, (grad_x, grad_trans, _) = sweep(x, trans, init, lengths, np.ones(x.shape[0]))
+    reached = lengths > 1
+    reached[2] = False
+    assert np.isnan(z[reached]).all() and np.isnan(grad_trans).any()
