@@ -9,6 +9,7 @@ import torch
 
 from .. import _chain_layout
 from .. import chain as _chain
+from . import _sparse_chain
 from ._bridge import check_same_device
 from ._operator import Operator
 
@@ -30,7 +31,8 @@ def _tensors(caller, x, log_trans, log_init, lengths):
                 raise TypeError(f"{caller}: {name} is required (a tensor), got None")
         elif isinstance(t, torch.Tensor):
             if t.layout != torch.strided:
-                raise TypeError(f"{caller}: {name} must be a dense tensor, not one of layout {t.layout}")
+                hint = " (or a sparse CSR (c, c) matrix)" if name == "log_trans" else ""
+                raise TypeError(f"{caller}: {name} must be a dense tensor{hint}, not one of layout {t.layout}")
             if name == "lengths" and device is not None:
                 t = t.to(device)
         elif isinstance(t, (list, tuple, int, float)) and not isinstance(t, bool):
@@ -97,6 +99,9 @@ def chain_logsumexp(x, log_trans, log_init=None, *, lengths=None):
     tensor([[1., 1., 1.],
             [1., 1., 1.]])
     """
+    if _sparse_chain.is_csr(log_trans):
+        return _sparse_chain.CHAIN_LOGSUMEXP(*_sparse_chain.tensors("spchain.torch.chain_logsumexp", x, log_trans, log_init, lengths,
+                                                        _tensors))
     return _CHAIN_LOGSUMEXP(*_tensors("spchain.torch.chain_logsumexp", x, log_trans, log_init, lengths))
 
 
@@ -113,6 +118,9 @@ def chain_marginals(x, log_trans, log_init=None, *, lengths=None):
             [0.5000, 0.5000],
             [0.5000, 0.5000]])
     """
+    if _sparse_chain.is_csr(log_trans):
+        return _sparse_chain.CHAIN_MARGINALS(*_sparse_chain.tensors("spchain.torch.chain_marginals", x, log_trans, log_init, lengths,
+                                                        _tensors))
     return _CHAIN_MARGINALS(*_tensors("spchain.torch.chain_marginals", x, log_trans, log_init, lengths))
 
 
@@ -130,4 +138,7 @@ def viterbi(x, log_trans, log_init=None, *, lengths=None):
     (tensor([1, 0]), tensor([[0., 1.],
             [1., 0.]]))
     """
+    if _sparse_chain.is_csr(log_trans):
+        return _sparse_chain.VITERBI(*_sparse_chain.tensors("spchain.torch.viterbi", x, log_trans, log_init, lengths,
+                                                        _tensors))
     return _VITERBI(*_tensors("spchain.torch.viterbi", x, log_trans, log_init, lengths))
