@@ -56,6 +56,11 @@ def chain_logsumexp(x, log_trans, log_init=None, *, lengths=None):
         Log transition matrices: with one more axis than ``x``, one matrix per step
         (``log_trans[..., t, i, j]`` scores state i at t → state j at t + 1); with as many
         axes as ``x`` or fewer, one matrix shared by all steps. Leading axes broadcast.
+        Or a sparse (c, c) SciPy / cupyx matrix (CSR; CSC and COO are converted once) of
+        log-values shared by all steps: absent entries are ``-inf`` (a stored ``-inf`` is
+        legal; an entry stored twice is a ``ValueError``). Each step is then a log-space SpMV,
+        O(batch · v · (c + nnz)) time, and the gradient of ``log_trans`` (array level and
+        ``spchain.torch``) has exactly its stored entries (a CSR matrix in CSR order).
     log_init : array (..., c), optional
         Log initial weights (default: zeros).
     lengths : int array, optional

@@ -90,6 +90,12 @@ def chain_logsumexp(x, log_trans, log_init=None, *, lengths=None):
     """:func:`spchain.chain_logsumexp` for tensors, differentiable in ``x``, ``log_trans``
     and ``log_init``.
 
+    ``log_trans`` may be a sparse CSR (c, c) tensor of log-values shared by all steps (absent
+    entries ``-inf``), here and in the other chain and path functions: the gradient of a
+    leaf with ``requires_grad`` is then a sparse CSR tensor of its structure, and one built
+    from a ``values`` tensor that requires grad (``torch.sparse_csr_tensor(crow, col,
+    values)``) gives ``values.grad``.
+
     Examples
     --------
     >>> import torch, spchain.torch as st
