@@ -103,7 +103,7 @@ def backward(chain, pre, norm, weight, trans_grad: bool = True):
     inside = (xp.arange(v)[None, :] < chain.lengths[:, None])[..., None]
     marginals, _ = renormalise(xp, xp.where(inside, xp.exp(normalised(xp, pre, chain.x, norm) + beta), 0))
     if trans_grad and values.shape[0]:
-        chunks = min(rows, _threads(chain.backend))
+        chunks = min(rows, _threads(chain.backend))  # the CPU kernels' chunks of rows
         partial = xp.empty((chunks, values.shape[0]), chain.x.dtype)
         chain.backend.kernel("sparse_chain", "values_grad")(chain.x, s.indptr, s.indices, values, chain.lengths,
                                                            pre, norm, marginals, weight, partial)

@@ -13,67 +13,129 @@ of a CSR structure: absent entries are ``-inf``. Per step, O(c + nnz) time per r
 Every reduction is max-shifted and guards ``-inf``; NaN propagates along stored entries.
 """
 
+import math
+
+import numba
 import numpy as np
 from numba import njit, prange
 
 from .chain import normalise
 from .exp import exp_nonpositive
-from .logspace import lse_push, lse_value
 
 
 @njit(cache=True)
-def log_spmv(indptr, indices, values, y, out):
-    """``out[r] = log sum_q exp(values[q] + y[indices[q]])`` over the entries ``q`` of row ``r``
-    (``-inf`` for an empty row): a log-space sparse matrix-vector product, O(rows + nnz)."""
+def log_spmm(indptr, indices, values, y, out, top, shift, total):
+    """``out[r, k] = log sum_q exp(values[q] + y[indices[q], k])`` over the entries ``q`` of
+    row ``r`` (``-inf`` for an empty row): a log-space sparse matrix times the columns of ``y``
+    (the rows of a chunk of the batch, innermost, so that the loops over them vectorise).
+
+    Two passes over each row's entries: the maxima, then the sums of shifted exponentials
+    (``-inf`` for an all ``-inf`` sum, NaN if a term is NaN). ``top``, ``shift``, ``total``
+    are scratch of length ``y.shape[1]``. O((rows + nnz) * y.shape[1]) time.
+    """
+    width = y.shape[1]
     for r in range(indptr.shape[0] - 1):
-        m, s = -np.inf, 0.0
-        for q in range(indptr[r], indptr[r + 1]):
-            m, s = lse_push(m, s, values[q] + y[indices[q]])
-        out[r] = lse_value(m, s)
+        start, stop = indptr[r], indptr[r + 1]
+        top[:] = -np.inf
+        for q in range(start, stop):
+            w = values[q]
+            row = y[indices[q]]
+            for k in range(width):
+                top[k] = max(top[k], w + row[k])
+        for k in range(width):
+            shift[k] = top[k] if math.isfinite(top[k]) else 0.0
+            total[k] = 0.0
+        for q in range(start, stop):
+            w = values[q]
+            row = y[indices[q]]
+            for k in range(width):
+                total[k] += exp_nonpositive(w + row[k] - shift[k])
+        for k in range(width):
+            if top[k] == -np.inf:
+                out[r, k] = -np.inf if total[k] == 0.0 else total[k]  # NaN stays NaN
+            else:
+                out[r, k] = shift[k] + math.log(total[k])
+
+
+@njit(cache=True)
+def chunk_of(rows, chunks, k):
+    """The rows ``start, stop`` of chunk ``k`` of ``chunks`` (even splits of the batch)."""
+    return k * rows // chunks, (k + 1) * rows // chunks
 
 
 @njit(parallel=True, cache=True)
 def forward(x, t_indptr, t_rows, t_values, init, lengths, pre, norm):
     """Forward sweep: fills ``pre`` (B, v, c) and ``norm`` (B, v) as ``chain.chain_forward``
-    does, over the transpose's CSR structure. O(B * v * (c + nnz)) time; rows in parallel."""
+    does, over the transpose's CSR structure. Chunks of rows run in parallel, each one step
+    at a time for all its rows. O(B * v * (c + nnz)) time, O(c * B) scratch."""
     rows, v, c = x.shape
-    for b in prange(rows):
-        length = lengths[b]
-        u = np.empty(c, x.dtype)
+    chunks = min(rows, numba.get_num_threads())
+    for chunk in prange(chunks):
+        b0, b1 = chunk_of(rows, chunks, chunk)
+        width = b1 - b0
+        u = np.empty((c, width), x.dtype)  # the normalised messages of the chunk, state-major
+        out = np.empty((c, width), x.dtype)
+        top, shift, total = np.empty(width), np.empty(width), np.empty(width)
         q = np.empty(c, x.dtype)
-        pre[b, 0, :] = init[b]
-        for j in range(c):
-            q[j] = init[b, j] + x[b, 0, j]
-        norm[b, 0] = normalise(q, u)
-        for t in range(length - 1):
-            log_spmv(t_indptr, t_rows, t_values, u, pre[b, t + 1])
+        un = np.empty(c, x.dtype)
+        longest = 0
+        for k in range(width):
+            b = b0 + k
+            longest = max(longest, lengths[b])
+            pre[b, 0, :] = init[b]
             for j in range(c):
-                q[j] = pre[b, t + 1, j] + x[b, t + 1, j]
-            norm[b, t + 1] = normalise(q, u)
-        pre[b, length:, :] = -np.inf
-        norm[b, length:] = 0.0
+                q[j] = init[b, j] + x[b, 0, j]
+            norm[b, 0] = normalise(q, un)
+            u[:, k] = un
+        for t in range(longest - 1):
+            log_spmm(t_indptr, t_rows, t_values, u, out, top, shift, total)
+            for k in range(width):
+                b = b0 + k
+                if t + 1 < lengths[b]:
+                    for j in range(c):
+                        pre[b, t + 1, j] = out[j, k]
+                        q[j] = out[j, k] + x[b, t + 1, j]
+                    norm[b, t + 1] = normalise(q, un)
+                    u[:, k] = un
+                else:
+                    u[:, k] = -np.inf
+        for k in range(width):
+            b = b0 + k
+            pre[b, lengths[b]:, :] = -np.inf
+            norm[b, lengths[b]:] = 0.0
 
 
 @njit(parallel=True, cache=True)
 def backward(x, indptr, indices, values, lengths, norm, beta):
-    """Backward sweep: fills ``beta`` (B, v, c) as ``chain.chain_backward`` does.
-    O(B * v * (c + nnz)) time; rows in parallel."""
+    """Backward sweep: fills ``beta`` (B, v, c) as ``chain.chain_backward`` does; chunks of
+    rows in parallel as in :func:`forward`. O(B * v * (c + nnz)) time."""
     rows, v, c = x.shape
-    for b in prange(rows):
-        length = lengths[b]
-        y = np.empty(c, x.dtype)
-        beta[b, length:, :] = -np.inf
-        beta[b, length - 1, :] = 0.0
-        for t in range(length - 2, -1, -1):
-            for j in range(c):
-                y[j] = x[b, t + 1, j] + beta[b, t + 1, j]
-            log_spmv(indptr, indices, values, y, beta[b, t])
-            d = norm[b, t + 1]
-            if d == -np.inf:  # the chain died at t + 1: nothing before it has a posterior
-                beta[b, t, :] = -np.inf
-            else:
-                for i in range(c):
-                    beta[b, t, i] -= d
+    chunks = min(rows, numba.get_num_threads())
+    for chunk in prange(chunks):
+        b0, b1 = chunk_of(rows, chunks, chunk)
+        width = b1 - b0
+        y = np.empty((c, width), x.dtype)
+        out = np.empty((c, width), x.dtype)
+        top, shift, total = np.empty(width), np.empty(width), np.empty(width)
+        longest = 0
+        for k in range(width):
+            b = b0 + k
+            longest = max(longest, lengths[b])
+            beta[b, lengths[b]:, :] = -np.inf
+            beta[b, lengths[b] - 1, :] = 0.0
+        for t in range(longest - 2, -1, -1):
+            for k in range(width):
+                b = b0 + k
+                for j in range(c):
+                    y[j, k] = x[b, t + 1, j] + beta[b, t + 1, j] if t + 1 < lengths[b] else -np.inf
+            log_spmm(indptr, indices, values, y, out, top, shift, total)
+            for k in range(width):
+                b = b0 + k
+                if t + 1 < lengths[b]:
+                    d = norm[b, t + 1]
+                    for i in range(c):
+                        # the chain died at t + 1: nothing before it has a posterior
+                        beta[b, t, i] = -np.inf if d == -np.inf else out[i, k] - d
 
 
 @njit(parallel=True, cache=True)
@@ -84,28 +146,44 @@ def values_grad(x, indptr, indices, values, lengths, pre, norm, marg, weight, pa
     ``weight[b] * sum_t marg[b, t+1, j] * exp(â_t[i] + values[q] - pre[b, t+1, j])``
 
     for each entry ``q = (i, j)``; the gradient is ``partial.sum(0)``. Chunks run in parallel
-    (no two threads write one entry). O(B * v * (c + nnz)) time.
+    (no two threads write one entry), each one step at a time for all its rows (innermost).
+    O(B * v * (c + nnz)) time.
     """
     rows, v, c = x.shape
     chunks = partial.shape[0]
-    for k in prange(chunks):
-        out = partial[k]
+    for chunk in prange(chunks):
+        out = partial[chunk]
         out[:] = 0.0
-        for b in range(k * rows // chunks, (k + 1) * rows // chunks):
-            w = weight[b]
-            for t in range(lengths[b] - 1):
+        b0, b1 = chunk_of(rows, chunks, chunk)
+        width = b1 - b0
+        a = np.empty((c, width), x.dtype)  # â_t, -inf where the step is not taken
+        m = np.empty((c, width), x.dtype)  # weight * marg[t + 1]
+        p = np.empty((c, width), x.dtype)  # pre[t + 1], +inf where m is 0 (its term is 0)
+        longest = 0
+        for k in range(width):
+            longest = max(longest, lengths[b0 + k])
+        for t in range(longest - 1):
+            for k in range(width):
+                b = b0 + k
+                taken = t + 1 < lengths[b]
                 d = norm[b, t]
+                offset = d if math.isfinite(d) else 0.0
                 for i in range(c):
-                    a = pre[b, t, i] + x[b, t, i]
-                    if np.isfinite(d):
-                        a -= d
-                    if a == -np.inf:
-                        continue
-                    for q in range(indptr[i], indptr[i + 1]):
-                        j = indices[q]
-                        gm = marg[b, t + 1, j]
-                        if gm != 0.0:
-                            out[q] += w * gm * exp_nonpositive(a + values[q] - pre[b, t + 1, j])
+                    a[i, k] = pre[b, t, i] + x[b, t, i] - offset if taken else -np.inf
+                    gm = marg[b, t + 1, i]
+                    m[i, k] = weight[b] * gm if taken else 0.0
+                    p[i, k] = pre[b, t + 1, i] if taken and gm != 0.0 else np.inf
+            for i in range(c):
+                ai = a[i]
+                for q in range(indptr[i], indptr[i + 1]):
+                    j = indices[q]
+                    w = values[q]
+                    mj = m[j]
+                    pj = p[j]
+                    acc = 0.0
+                    for k in range(width):
+                        acc += mj[k] * exp_nonpositive(ai[k] + w - pj[k])
+                    out[q] += acc
 
 
 @njit(parallel=True, cache=True)
