@@ -5,8 +5,11 @@ steps), batch 64, v 500, float32, forward + backward (the gradients of ``x`` and
 transition values). spchain with the sparse matrix beside spchain's own dense chain (``-inf``
 at absent entries) and the sequential ``torch.logsumexp`` recursion. At full size the dense
 chain does c / 9 ≈ 455 times the work and the recursion needs a (batch, c, c) tensor a step
-(4 GiB), so both run a smaller problem, ``DENSE_SIZE``, and their labels give the factor by
-which their times scale (linearly in batch · (v - 1)); they get no error figure there.
+(4 GiB), so both run fewer steps (the dense chain at the full batch: its cost per step has a
+part, the exponentials of the c × c matrix, that does not grow with the batch; the recursion
+at batch 4 too); their labels give the factor by which their times scale (linearly in the
+steps v - 1, and for the recursion about linearly in the batch), and they get no error
+figure at full size.
 """
 
 import warnings
@@ -19,7 +22,8 @@ from .core import Case
 
 CASES = ["forward + backward"]
 SIZES = {False: (64, 500, 4096), True: (4, 20, 64)}  # (batch, v, c) for full and quick runs
-DENSE_SIZE = (4, 4)  # (batch, v) of the dense baselines at full size
+DENSE_SIZE = {"spchain dense chain": (64, 3), "torch sequential logsumexp": (4, 3)}
+"""(batch, v) of the dense baselines at full size."""
 WIDTH = 7  # successors of each state besides itself
 
 
@@ -46,10 +50,15 @@ def make_inputs(quick: bool, device: str, seed: int = 0):
 def make_case(name: str, quick: bool, device: str = "cpu") -> Case:
     x, sparse, dense, log_init = make_inputs(quick, device)
     batch, v, c = SIZES[quick]
-    small_batch, small_v = (batch, v) if quick else DENSE_SIZE
-    x_small = x[:small_batch, :small_v].clone()
-    scale = "" if quick else (f", batch {small_batch} v {small_v}: x{batch * (v - 1) / (small_batch * (small_v - 1)):.0f}"
-                              " less work, scale its time by that")
+
+    def label(name):
+        if quick:
+            return name, x
+        small_batch, small_v = DENSE_SIZE[name]
+        factor = batch * (v - 1) / (small_batch * (small_v - 1))
+        return (f"{name} at batch {small_batch} v {small_v}: x{factor:.0f} less work, scale its time by that",
+                x[:small_batch, :small_v].clone())
+
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
     def timed(fn, x, trans, full):
@@ -73,9 +82,10 @@ def make_case(name: str, quick: bool, device: str = "cpu") -> Case:
             out.sum().backward()
         return out.detach(), x64.grad
 
+    (dense_name, dense_x), (torch_name, torch_x) = label("spchain dense chain"), label("torch sequential logsumexp")
     methods = {
         "spchain": timed(st.chain_logsumexp, x, sparse, True),
-        f"spchain dense chain{scale}": timed(st.chain_logsumexp, x_small, dense, quick),
-        f"torch sequential logsumexp{scale}": timed(torch_sequential, x_small, dense, quick),
+        dense_name: timed(st.chain_logsumexp, dense_x, dense, quick),
+        torch_name: timed(torch_sequential, torch_x, dense, quick),
     }
     return Case("sparse-chain", name, methods, reference if quick else None, device)
