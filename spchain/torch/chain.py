@@ -106,8 +106,8 @@ def chain_logsumexp(x, log_trans, log_init=None, *, lengths=None):
             [1., 1., 1.]])
     """
     if _sparse_chain.is_csr(log_trans):
-        return _sparse_chain.CHAIN_LOGSUMEXP(*_sparse_chain.tensors("spchain.torch.chain_logsumexp", x, log_trans, log_init, lengths,
-                                                        _tensors))
+        args = _sparse_chain.tensors("spchain.torch.chain_logsumexp", x, log_trans, log_init, lengths, _tensors)
+        return _sparse_chain.CHAIN_LOGSUMEXP(*args)
     return _CHAIN_LOGSUMEXP(*_tensors("spchain.torch.chain_logsumexp", x, log_trans, log_init, lengths))
 
 
@@ -125,8 +125,8 @@ def chain_marginals(x, log_trans, log_init=None, *, lengths=None):
             [0.5000, 0.5000]])
     """
     if _sparse_chain.is_csr(log_trans):
-        return _sparse_chain.CHAIN_MARGINALS(*_sparse_chain.tensors("spchain.torch.chain_marginals", x, log_trans, log_init, lengths,
-                                                        _tensors))
+        args = _sparse_chain.tensors("spchain.torch.chain_marginals", x, log_trans, log_init, lengths, _tensors)
+        return _sparse_chain.CHAIN_MARGINALS(*args)
     return _CHAIN_MARGINALS(*_tensors("spchain.torch.chain_marginals", x, log_trans, log_init, lengths))
 
 
@@ -145,6 +145,6 @@ def viterbi(x, log_trans, log_init=None, *, lengths=None):
             [1., 0.]]))
     """
     if _sparse_chain.is_csr(log_trans):
-        return _sparse_chain.VITERBI(*_sparse_chain.tensors("spchain.torch.viterbi", x, log_trans, log_init, lengths,
-                                                        _tensors))
+        args = _sparse_chain.tensors("spchain.torch.viterbi", x, log_trans, log_init, lengths, _tensors)
+        return _sparse_chain.VITERBI(*args)
     return _VITERBI(*_tensors("spchain.torch.viterbi", x, log_trans, log_init, lengths))

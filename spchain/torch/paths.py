@@ -68,8 +68,8 @@ def chain_sample(x, log_trans, log_init=None, *, lengths=None, num_samples=1, se
     torch.Size([2, 4])
     """
     if _sparse_chain.is_csr(log_trans):
-        return _sparse_chain.CHAIN_SAMPLE(*_sparse_chain.tensors("spchain.torch.chain_sample", x, log_trans, log_init, lengths,
-                                                        _tensors), num_samples, seed)
+        args = _sparse_chain.tensors("spchain.torch.chain_sample", x, log_trans, log_init, lengths, _tensors)
+        return _sparse_chain.CHAIN_SAMPLE(*args, num_samples, seed)
     return _CHAIN_SAMPLE(*_tensors("spchain.torch.chain_sample", x, log_trans, log_init, lengths), num_samples, seed)
 
 
@@ -86,8 +86,8 @@ def chain_entropy(x, log_trans, log_init=None, *, lengths=None):
     (3.0, 0.0)
     """
     if _sparse_chain.is_csr(log_trans):
-        return _sparse_chain.CHAIN_ENTROPY(*_sparse_chain.tensors("spchain.torch.chain_entropy", x, log_trans, log_init, lengths,
-                                                        _tensors))
+        args = _sparse_chain.tensors("spchain.torch.chain_entropy", x, log_trans, log_init, lengths, _tensors)
+        return _sparse_chain.CHAIN_ENTROPY(*args)
     return _CHAIN_ENTROPY(*_tensors("spchain.torch.chain_entropy", x, log_trans, log_init, lengths))
 
 
@@ -105,8 +105,8 @@ def chain_kbest(x, log_trans, log_init=None, *, k, lengths=None):
             [0, 0]]))
     """
     if _sparse_chain.is_csr(log_trans):
-        return _sparse_chain.CHAIN_KBEST(*_sparse_chain.tensors("spchain.torch.chain_kbest", x, log_trans, log_init, lengths,
-                                                        _tensors), k)
+        args = _sparse_chain.tensors("spchain.torch.chain_kbest", x, log_trans, log_init, lengths, _tensors)
+        return _sparse_chain.CHAIN_KBEST(*args, k)
     return _CHAIN_KBEST(*_tensors("spchain.torch.chain_kbest", x, log_trans, log_init, lengths), k)
 
 
