@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import scipy.sparse
 
-from . import _backend, _checks
+from . import _backend, _checks, _sparse_chain
 
 
 @dataclass
@@ -32,6 +32,7 @@ class Chain:
     batch_shape: tuple
     order: tuple
     x_shape: tuple
+    sparse: object = None  # a _sparse_chain.Structure where trans holds its values, (1, 1, nnz)
 
     @property
     def xp(self):
@@ -70,8 +71,8 @@ def _check_dense(caller: str, name: str, a, required: bool) -> None:
             raise TypeError(f"{caller}: {name} is required (an array), got None")
         return
     if scipy.sparse.issparse(a) or hasattr(a, "tocsr"):
-        raise TypeError(f"{caller}: {name} must be a dense array, not a sparse {type(a).__name__} "
-                        "(sparse transitions are not supported yet)")
+        hint = " (a sparse log_trans must be one (c, c) matrix)" if name == "log_trans" else ""
+        raise TypeError(f"{caller}: {name} must be a dense array, not a sparse {type(a).__name__}{hint}")
     if not (hasattr(a, "dtype") and hasattr(a, "shape") or isinstance(a, (list, tuple, int, float, np.generic))):
         raise TypeError(f"{caller}: {name} must be an array (or a list or a number), not {type(a).__name__}")
 
@@ -126,10 +127,12 @@ def prepare(x, log_trans, log_init, lengths, caller: str, check: bool = True) ->
     (c,) vector), so only ``x`` needs its full (..., v, c) shape. ``check=False`` rebuilds
     the layout of inputs that a forward has validated (a backward's): no type or value checks.
     """
+    sparse = _sparse_chain.is_sparse(log_trans) and len(log_trans.shape) == 2
     if check:
         for name, a, required in (("x", x, True), ("log_trans", log_trans, True),
                                   ("log_init", log_init, False), ("lengths", lengths, False)):
-            _check_dense(caller, name, a, required)
+            if not (sparse and name == "log_trans"):
+                _check_dense(caller, name, a, required)
     backend = _backend.backend_of(*(a for a in (x, log_trans, log_init, lengths) if hasattr(a, "dtype")),
                                   caller=caller)
     xp = backend.xp
@@ -137,11 +140,15 @@ def prepare(x, log_trans, log_init, lengths, caller: str, check: bool = True) ->
     dtype = _checks.float_dtype(caller, **{k: a for k, a in named.items() if hasattr(a, "dtype")})
     x, log_trans, log_init = (a if a is None or hasattr(a, "dtype") else xp.asarray(a, dtype)
                               for a in named.values())
+    structure = None
+    if sparse:  # from here on, log_trans is its stored values and its shape is the structure's
+        structure, log_trans = _sparse_chain.split(backend, log_trans, dtype, caller, check)
     if lengths is not None:
         lengths = xp.asarray(lengths)
         if check and not np.issubdtype(np.dtype(lengths.dtype), np.integer):
             raise TypeError(f"{caller}: lengths must hold integers, got dtype {lengths.dtype}")
-    batch_shape, per_step = layout(caller, x.shape, log_trans.shape, None if log_init is None else log_init.shape,
+    trans_shape = structure.shape if sparse else log_trans.shape
+    batch_shape, per_step = layout(caller, x.shape, trans_shape, None if log_init is None else log_init.shape,
                                    None if lengths is None else lengths.shape)
     v, c = x.shape[-2:]
     if log_trans.ndim == 0:
@@ -151,7 +158,7 @@ def prepare(x, log_trans, log_init, lengths, caller: str, check: bool = True) ->
     elif log_init.ndim == 0:
         log_init = xp.broadcast_to(log_init, (c,))
     nd = len(batch_shape)
-    trans_batch = log_trans.shape[:-3] if per_step else log_trans.shape[:-2]
+    trans_batch = trans_shape[:-3] if per_step else trans_shape[:-2]
     trans_batch = (1,) * (nd - len(trans_batch)) + tuple(trans_batch)
     varying = tuple(k for k in range(nd) if trans_batch[k] != 1)  # an empty axis varies too: 0 groups
     order = varying + tuple(k for k in range(nd) if trans_batch[k] == 1)
@@ -159,8 +166,9 @@ def prepare(x, log_trans, log_init, lengths, caller: str, check: bool = True) ->
     rows = int(np.prod(batch_shape, dtype=np.int64))
     group = rows // groups if groups else 0
     steps = v - 1 if per_step else 1
-    chain = Chain(backend, None, xp.ascontiguousarray(log_trans, dtype=dtype).reshape(groups, steps, c, c),
-                  None, None, group, v, batch_shape, order, x.shape)
+    trans = log_trans.reshape(1, 1, -1) if sparse else \
+        xp.ascontiguousarray(log_trans, dtype=dtype).reshape(groups, steps, c, c)
+    chain = Chain(backend, None, trans, None, None, group, v, batch_shape, order, x.shape, structure)
     chain.x = chain.rows(x.astype(dtype, copy=False), (v, c))
     chain.init = chain.rows(log_init.astype(dtype, copy=False), (c,))
     if lengths is None:

@@ -100,6 +100,9 @@ def normalised(xp, pre, x, norm):
 
 def forward_finite(chain: Chain):
     """Forward sweep: ``(log_partition (B,), pre (B, v, c), norm (B, v))``."""
+    if chain.sparse is not None:
+        from . import _sparse_chain
+        return _sparse_chain.forward(chain)
     xp = chain.xp
     rows, v, c = chain.x.shape
     pre = xp.empty((rows, v, c), chain.x.dtype)
@@ -143,6 +146,9 @@ def backward_finite(chain: Chain, pre, norm, weight, trans_grad: bool = True):
     ``d x`` holds ``weight`` times the posterior marginals; ``d init`` is ``d x[:, 0]``.
     ``d trans`` is ``None`` unless ``trans_grad``.
     """
+    if chain.sparse is not None:
+        from . import _sparse_chain
+        return _sparse_chain.backward(chain, pre, norm, weight, trans_grad)
     xp = chain.xp
     rows, v, c = chain.x.shape
     grad_trans = xp.zeros(chain.trans.shape, chain.x.dtype) if trans_grad else None
@@ -220,6 +226,9 @@ def _backward_gemm(chain: Chain, pre, norm, weight, grad_trans):
 
 def viterbi_finite(chain: Chain):
     """Best paths: ``(score (B,), path (B, v) int64, -1 past each length)``."""
+    if chain.sparse is not None:
+        from . import _sparse_chain
+        return _sparse_chain.viterbi(chain)
     xp = chain.xp
     rows, v, c = chain.x.shape
     score = xp.empty(rows, chain.x.dtype)

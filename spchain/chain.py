@@ -13,7 +13,7 @@ an array-level pair ``<op>_forward`` / ``<op>_backward`` that ``spchain.torch`` 
 
 import numpy as np
 
-from . import _backend, _chain_limits, _logspace
+from . import _backend, _chain_limits, _logspace, _sparse_chain
 from ._chain_layout import Chain, prepare
 from ._chain_sweep import chain_sweep
 from ._dask import scales_out
@@ -33,7 +33,9 @@ def _viterbi_grads(chain: Chain, path, weight, trans_grad: bool = True):
     state = xp.where(inside, path, 0)
     w = xp.where(inside, weight[:, None], 0).astype(chain.x.dtype)
     _backend.scatter_add(xp, grad_x, (xp.arange(rows)[:, None], xp.arange(v)[None, :], state), w)
-    if trans_grad and v > 1:
+    if trans_grad and v > 1 and chain.sparse is not None:
+        grad_trans = _sparse_chain.path_counts(chain, xp.where(inside, path, -1), w)
+    elif trans_grad and v > 1:
         groups = (xp.arange(rows) // chain.group)[:, None]
         steps = xp.arange(v - 1)[None, :] if chain.per_step else xp.zeros((1, v - 1), np.int64)
         _backend.scatter_add(xp, grad_trans, (groups, steps, state[:, :-1], state[:, 1:]), w[:, 1:])
@@ -54,6 +56,11 @@ def chain_logsumexp(x, log_trans, log_init=None, *, lengths=None):
         Log transition matrices: with one more axis than ``x``, one matrix per step
         (``log_trans[..., t, i, j]`` scores state i at t → state j at t + 1); with as many
         axes as ``x`` or fewer, one matrix shared by all steps. Leading axes broadcast.
+        Or a sparse (c, c) SciPy / cupyx matrix (CSR; CSC and COO are converted once) of
+        log-values shared by all steps: absent entries are ``-inf`` (a stored ``-inf`` is
+        legal; an entry stored twice is a ``ValueError``). Each step is then a log-space SpMV,
+        O(batch · v · (c + nnz)) time, and the gradient of ``log_trans`` (array level and
+        ``spchain.torch``) has exactly its stored entries (a CSR matrix in CSR order).
     log_init : array (..., c), optional
         Log initial weights (default: zeros).
     lengths : int array, optional
@@ -123,8 +130,12 @@ def _input_grads(chain: Chain, needs, inputs, grad_x, grad_trans):
     (B, v, c) and (G, S, c, c) ones (``d log_init`` is ``d x`` at the first position)."""
     x, log_trans, log_init, _ = inputs
     need_x, need_trans, need_init = needs
+    if need_trans and _sparse_chain.is_sparse(log_trans):
+        grad_trans = _sparse_chain.trans_grad(chain.backend, log_trans, grad_trans, "spchain")
+    elif need_trans:
+        grad_trans = grad_trans.reshape(log_trans.shape)
     return (_logspace.reduce_to(chain.unrows(grad_x), x.shape) if need_x else None,
-            grad_trans.reshape(log_trans.shape) if need_trans else None,
+            grad_trans if need_trans else None,
             _logspace.reduce_to(chain.unrows(grad_x[:, 0]), log_init.shape) if need_init else None)
 
 

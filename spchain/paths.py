@@ -15,12 +15,18 @@ arrays with -1 past each chain's length. A path's score is
 
 import numpy as np
 
-from . import _entropy
-from ._chain_layout import prepare as _prepare
+from . import _chain_layout, _entropy, _sparse_chain
 from .chain import _input_grads, _viterbi_grads
 from ._chain_limits import forward as _forward
 from ._chain_sweep import normalised as _normalised
 from ._dask import scales_out
+
+
+
+def _prepare(*args, **kwargs):
+    """``_chain_layout.prepare``, with sparse transitions as a dense matrix (O(c²) memory)."""
+    return _sparse_chain.densified(_chain_layout.prepare(*args, **kwargs))
+
 
 _QUIET = {"divide": "ignore", "invalid": "ignore", "over": "ignore"}
 

@@ -314,8 +314,8 @@ def test_bad_lengths(kwargs, error, match):
         (None, np.zeros((3, 3)), None, TypeError, "x is required"),
         (np.zeros((2, 4, 3)), "0", None, TypeError, "log_trans must be an array.*not str"),
         (np.zeros((2, 4, 3)), np.zeros((3, 3)), {0: 1}, TypeError, "log_init must be an array.*not dict"),
-        (np.zeros((2, 4, 3)), scipy.sparse.eye(3, format="csr"), None, TypeError,
-         "log_trans must be a dense array, not a sparse"),
+        (scipy.sparse.eye(3, format="csr"), np.zeros((3, 3)), None, TypeError,
+         "x must be a dense array, not a sparse"),
         (0.0, 0.0, None, ValueError, r"x must have shape \(\.\.\., v, c\), got \(\)"),
     ],
 )

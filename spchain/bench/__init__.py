@@ -24,6 +24,7 @@ WORKLOADS = {
     "block-sparse": "blocksparse",
     "block-diag": "blockdiag",
     "chain": "chain",
+    "sparse-chain": "sparse_chain",
     "logmatmul": "logmatmul",
     "viterbi": "viterbi",
     "grouped": "grouped",

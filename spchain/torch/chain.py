@@ -9,6 +9,7 @@ import torch
 
 from .. import _chain_layout
 from .. import chain as _chain
+from . import _sparse_chain
 from ._bridge import check_same_device
 from ._operator import Operator
 
@@ -30,7 +31,8 @@ def _tensors(caller, x, log_trans, log_init, lengths):
                 raise TypeError(f"{caller}: {name} is required (a tensor), got None")
         elif isinstance(t, torch.Tensor):
             if t.layout != torch.strided:
-                raise TypeError(f"{caller}: {name} must be a dense tensor, not one of layout {t.layout}")
+                hint = " (or a sparse CSR (c, c) matrix)" if name == "log_trans" else ""
+                raise TypeError(f"{caller}: {name} must be a dense tensor{hint}, not one of layout {t.layout}")
             if name == "lengths" and device is not None:
                 t = t.to(device)
         elif isinstance(t, (list, tuple, int, float)) and not isinstance(t, bool):
@@ -88,6 +90,12 @@ def chain_logsumexp(x, log_trans, log_init=None, *, lengths=None):
     """:func:`spchain.chain_logsumexp` for tensors, differentiable in ``x``, ``log_trans``
     and ``log_init``.
 
+    ``log_trans`` may be a sparse CSR (c, c) tensor of log-values shared by all steps (absent
+    entries ``-inf``), here and in the other chain and path functions: the gradient of a
+    leaf with ``requires_grad`` is then a sparse CSR tensor of its structure, and one built
+    from a ``values`` tensor that requires grad (``torch.sparse_csr_tensor(crow, col,
+    values)``) gives ``values.grad``.
+
     Examples
     --------
     >>> import torch, spchain.torch as st
@@ -97,6 +105,9 @@ def chain_logsumexp(x, log_trans, log_init=None, *, lengths=None):
     tensor([[1., 1., 1.],
             [1., 1., 1.]])
     """
+    if _sparse_chain.is_csr(log_trans):
+        args = _sparse_chain.tensors("spchain.torch.chain_logsumexp", x, log_trans, log_init, lengths, _tensors)
+        return _sparse_chain.CHAIN_LOGSUMEXP(*args)
     return _CHAIN_LOGSUMEXP(*_tensors("spchain.torch.chain_logsumexp", x, log_trans, log_init, lengths))
 
 
@@ -113,6 +124,9 @@ def chain_marginals(x, log_trans, log_init=None, *, lengths=None):
             [0.5000, 0.5000],
             [0.5000, 0.5000]])
     """
+    if _sparse_chain.is_csr(log_trans):
+        args = _sparse_chain.tensors("spchain.torch.chain_marginals", x, log_trans, log_init, lengths, _tensors)
+        return _sparse_chain.CHAIN_MARGINALS(*args)
     return _CHAIN_MARGINALS(*_tensors("spchain.torch.chain_marginals", x, log_trans, log_init, lengths))
 
 
@@ -130,4 +144,7 @@ def viterbi(x, log_trans, log_init=None, *, lengths=None):
     (tensor([1, 0]), tensor([[0., 1.],
             [1., 0.]]))
     """
+    if _sparse_chain.is_csr(log_trans):
+        args = _sparse_chain.tensors("spchain.torch.viterbi", x, log_trans, log_init, lengths, _tensors)
+        return _sparse_chain.VITERBI(*args)
     return _VITERBI(*_tensors("spchain.torch.viterbi", x, log_trans, log_init, lengths))

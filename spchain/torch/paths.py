@@ -8,6 +8,7 @@ import functools
 import torch
 
 from .. import paths as _paths
+from . import _sparse_chain
 from ._operator import Operator
 from .chain import _chain_fake, _tensors
 
@@ -66,6 +67,9 @@ def chain_sample(x, log_trans, log_init=None, *, lengths=None, num_samples=1, se
     >>> st.chain_sample(torch.zeros(4, 3), torch.zeros(3, 3), num_samples=2, seed=0).shape
     torch.Size([2, 4])
     """
+    if _sparse_chain.is_csr(log_trans):
+        args = _sparse_chain.tensors("spchain.torch.chain_sample", x, log_trans, log_init, lengths, _tensors)
+        return _sparse_chain.CHAIN_SAMPLE(*args, num_samples, seed)
     return _CHAIN_SAMPLE(*_tensors("spchain.torch.chain_sample", x, log_trans, log_init, lengths), num_samples, seed)
 
 
@@ -81,6 +85,9 @@ def chain_entropy(x, log_trans, log_init=None, *, lengths=None):
     >>> h.backward(); h.item() / 0.6931471805599453, x.grad.abs().max().item()   # 8 paths, a maximum
     (3.0, 0.0)
     """
+    if _sparse_chain.is_csr(log_trans):
+        args = _sparse_chain.tensors("spchain.torch.chain_entropy", x, log_trans, log_init, lengths, _tensors)
+        return _sparse_chain.CHAIN_ENTROPY(*args)
     return _CHAIN_ENTROPY(*_tensors("spchain.torch.chain_entropy", x, log_trans, log_init, lengths))
 
 
@@ -97,6 +104,9 @@ def chain_kbest(x, log_trans, log_init=None, *, k, lengths=None):
             [1, 1],
             [0, 0]]))
     """
+    if _sparse_chain.is_csr(log_trans):
+        args = _sparse_chain.tensors("spchain.torch.chain_kbest", x, log_trans, log_init, lengths, _tensors)
+        return _sparse_chain.CHAIN_KBEST(*args, k)
     return _CHAIN_KBEST(*_tensors("spchain.torch.chain_kbest", x, log_trans, log_init, lengths), k)
 
 
@@ -113,9 +123,15 @@ def chain_path_score(x, log_trans, log_init, path, *, lengths=None):
     (tensor(3., grad_fn=<EagerBackward>), tensor([[1., 0.],
             [0., 1.]]))
     """
-    x, log_trans, log_init, lengths = _tensors("spchain.torch.chain_path_score", x, log_trans, log_init, lengths)
+    caller = "spchain.torch.chain_path_score"
+    if _sparse_chain.is_csr(log_trans):
+        x, *trans, log_init, lengths = _sparse_chain.tensors(caller, x, log_trans, log_init, lengths, _tensors)
+    else:
+        x, log_trans, log_init, lengths = _tensors(caller, x, log_trans, log_init, lengths)
+        trans = [log_trans]
     if not isinstance(path, torch.Tensor):
         path = torch.as_tensor(path, device=x.device)
     elif path.layout != torch.strided:
-        raise TypeError(f"spchain.torch.chain_path_score: path must be a dense tensor, not one of layout {path.layout}")
-    return _CHAIN_PATH_SCORE(x, log_trans, log_init, path, lengths)
+        raise TypeError(f"{caller}: path must be a dense tensor, not one of layout {path.layout}")
+    op = _sparse_chain.CHAIN_PATH_SCORE if len(trans) == 3 else _CHAIN_PATH_SCORE
+    return op(x, *trans, log_init, path, lengths)

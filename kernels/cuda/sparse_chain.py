@@ -1,0 +1,199 @@
+"""Log-space chain sweeps over a sparse transition matrix, for CUDA: the twins of
+``kernels/cpu/sparse_chain.py`` (same arguments, same outputs).
+
+One block per row of the batch (grid-stride over rows), threads over states: per step, each
+thread folds the stored entries of its state's column (forward) or row (backward) into an
+online log-sum-exp, reading the previous message from global memory (the block synchronises
+between steps); the normalisers are block-wide tree reductions. The gradient of the stored
+values runs one thread per (chunk of rows, matrix row) pair, so no two threads write one entry.
+"""
+
+import functools
+import math
+
+import numba
+import numpy as np
+from numba import cuda
+
+from . import config
+from .chain import _block_log_sum_exp, _finite
+from .logspace import lse_push, lse_value
+
+
+@functools.cache
+def _forward_kernel(dtype):
+    dtype = numba.from_dtype(dtype)
+
+    @cuda.jit
+    def forward_kernel(x, t_indptr, t_rows, t_values, init, lengths, pre, norm):
+        rows, v, c = x.shape
+        tid = cuda.threadIdx.x
+        threads = cuda.blockDim.x
+        buf = cuda.shared.array(0, dtype)
+        red_m = buf[:threads]
+        red_s = buf[threads:2 * threads]
+        neg_inf, zero = x.dtype.type(-math.inf), x.dtype.type(0)
+        for b in range(cuda.blockIdx.x, rows, cuda.gridDim.x):
+            length = lengths[b]
+            m, s = neg_inf, zero
+            for j in range(tid, c, threads):
+                pre[b, 0, j] = init[b, j]
+                m, s = lse_push(m, s, init[b, j] + x[b, 0, j])
+            d = _block_log_sum_exp(m, s, red_m, red_s)
+            if tid == 0:
+                norm[b, 0] = d
+            for t in range(length - 1):
+                offset = d if _finite(d) else zero
+                m, s = neg_inf, zero
+                for j in range(tid, c, threads):
+                    mj, sj = neg_inf, zero
+                    for q in range(t_indptr[j], t_indptr[j + 1]):
+                        i = t_rows[q]
+                        mj, sj = lse_push(mj, sj, (pre[b, t, i] + x[b, t, i] - offset) + t_values[q])
+                    pre[b, t + 1, j] = lse_value(mj, sj)
+                    m, s = lse_push(m, s, pre[b, t + 1, j] + x[b, t + 1, j])
+                d = _block_log_sum_exp(m, s, red_m, red_s)  # synchronises: pre[b, t + 1] is complete
+                if tid == 0:
+                    norm[b, t + 1] = d
+            for t in range(length, v):
+                for j in range(tid, c, threads):
+                    pre[b, t, j] = neg_inf
+                if tid == 0:
+                    norm[b, t] = zero
+            cuda.syncthreads()
+
+    return forward_kernel
+
+
+@functools.cache
+def _backward_kernel(dtype):
+    @cuda.jit
+    def backward_kernel(x, indptr, indices, values, lengths, norm, beta):
+        rows, v, c = x.shape
+        tid = cuda.threadIdx.x
+        threads = cuda.blockDim.x
+        neg_inf, zero = x.dtype.type(-math.inf), x.dtype.type(0)
+        for b in range(cuda.blockIdx.x, rows, cuda.gridDim.x):
+            length = lengths[b]
+            for t in range(length - 1, v):
+                for i in range(tid, c, threads):
+                    beta[b, t, i] = zero if t == length - 1 else neg_inf
+            cuda.syncthreads()
+            for t in range(length - 2, -1, -1):
+                d = norm[b, t + 1]
+                for i in range(tid, c, threads):
+                    m, s = neg_inf, zero
+                    for q in range(indptr[i], indptr[i + 1]):
+                        j = indices[q]
+                        m, s = lse_push(m, s, values[q] + (x[b, t + 1, j] + beta[b, t + 1, j]))
+                    beta[b, t, i] = neg_inf if d == neg_inf else lse_value(m, s) - d
+                cuda.syncthreads()
+
+    return backward_kernel
+
+
+@cuda.jit
+def values_grad_kernel(x, indptr, indices, values, lengths, pre, norm, marg, weight, partial):
+    rows, v, c = x.shape
+    chunks = partial.shape[0]
+    start = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    for ki in range(start, chunks * c, stride):
+        k = ki // c
+        i = ki % c
+        for q in range(indptr[i], indptr[i + 1]):
+            partial[k, q] = 0.0
+        for b in range(k * rows // chunks, (k + 1) * rows // chunks):
+            w = weight[b]
+            for t in range(lengths[b] - 1):
+                d = norm[b, t]
+                a = pre[b, t, i] + x[b, t, i]
+                if _finite(d):
+                    a -= d
+                if a == -math.inf:
+                    continue
+                for q in range(indptr[i], indptr[i + 1]):
+                    j = indices[q]
+                    gm = marg[b, t + 1, j]
+                    if gm != 0.0:
+                        partial[k, q] += w * gm * math.exp(a + values[q] - pre[b, t + 1, j])
+
+
+@cuda.jit
+def viterbi_kernel(x, t_indptr, t_rows, t_values, init, lengths, work, backptr, score, path):
+    rows, v, c = x.shape
+    tid = cuda.threadIdx.x
+    threads = cuda.blockDim.x
+    for b in range(cuda.blockIdx.x, rows, cuda.gridDim.x):
+        length = lengths[b]
+        for j in range(tid, c, threads):
+            work[b, 0, j] = init[b, j] + x[b, 0, j]
+        cuda.syncthreads()
+        cur = 0
+        for t in range(length - 1):
+            for j in range(tid, c, threads):
+                best = -math.inf
+                arg = 0
+                for q in range(t_indptr[j], t_indptr[j + 1]):
+                    i = t_rows[q]
+                    ui = work[b, cur, i]
+                    val = ui + t_values[q]
+                    if val != val and ui == ui and t_values[q] == t_values[q]:  # +inf + -inf
+                        val = -math.inf
+                    if val > best or (val != val and best == best):
+                        best = val
+                        arg = i
+                backptr[b, t + 1, j] = arg
+                work[b, 1 - cur, j] = best + x[b, t + 1, j]
+            cuda.syncthreads()
+            cur = 1 - cur
+        if tid == 0:
+            best_j = 0
+            for j in range(1, c):
+                lj, lb = work[b, cur, j], work[b, cur, best_j]
+                if lj > lb or (lj != lj and lb == lb):
+                    best_j = j
+            score[b] = work[b, cur, best_j] if c > 0 else -math.inf
+            for t in range(v):
+                path[b, t] = -1
+            if c > 0:
+                path[b, length - 1] = best_j
+                for t in range(length - 1, 0, -1):
+                    path[b, t - 1] = backptr[b, t, path[b, t]]
+        cuda.syncthreads()
+
+
+def launch_forward(x, t_indptr, t_rows, t_values, init, lengths, pre, norm, stream=0):
+    """Forward sweep; fills ``pre`` and ``norm`` (see ``kernels.cpu.sparse_chain.forward``)."""
+    if x.shape[0] == 0:
+        return
+    threads = config.THREADS_PER_BLOCK
+    shared = 2 * threads * np.dtype(x.dtype).itemsize
+    _forward_kernel(np.dtype(x.dtype))[config.blocks_for(x.shape[0], 1), threads, stream, shared](
+        x, t_indptr, t_rows, t_values, init, lengths, pre, norm)
+
+
+def launch_backward(x, indptr, indices, values, lengths, norm, beta, stream=0):
+    """Backward sweep; fills ``beta`` (see ``kernels.cpu.sparse_chain.backward``)."""
+    if x.shape[0] == 0:
+        return
+    _backward_kernel(np.dtype(x.dtype))[config.blocks_for(x.shape[0], 1), config.THREADS_PER_BLOCK, stream](
+        x, indptr, indices, values, lengths, norm, beta)
+
+
+def launch_values_grad(x, indptr, indices, values, lengths, pre, norm, marg, weight, partial, stream=0):
+    """Expected counts of the stored entries; overwrites ``partial`` (see
+    ``kernels.cpu.sparse_chain.values_grad``)."""
+    work = partial.shape[0] * x.shape[2]
+    if work == 0:
+        return
+    values_grad_kernel[config.blocks_for(work), config.THREADS_PER_BLOCK, stream](
+        x, indptr, indices, values, lengths, pre, norm, marg, weight, partial)
+
+
+def launch_viterbi(x, t_indptr, t_rows, t_values, init, lengths, work, backptr, score, path, stream=0):
+    """Best paths; overwrites ``score`` and ``path`` (see ``kernels.cpu.sparse_chain.viterbi``)."""
+    if x.shape[0] == 0:
+        return
+    viterbi_kernel[config.blocks_for(x.shape[0], 1), config.THREADS_PER_BLOCK, stream](
+        x, t_indptr, t_rows, t_values, init, lengths, work, backptr, score, path)

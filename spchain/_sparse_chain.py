@@ -1,0 +1,178 @@
+"""Sparse transitions of a chain: one (c, c) matrix of log-values shared by all steps, stored
+as SciPy or cupyx CSR, CSC or COO (converted once); absent entries are ``-inf``.
+
+:func:`split` validates such a ``log_trans`` (no repeated entry) and splits it into its
+structure (:class:`Structure`) and its stored values, which a :class:`~._chain_layout.Chain`
+holds as ``trans`` of shape (1, 1, nnz), so that ``spchain._chain_limits`` treats them like
+dense transitions. :func:`forward`, :func:`backward` and :func:`viterbi` are the sweeps of
+``spchain._chain_sweep`` for such a chain: per step, a log-space SpMV over the stored entries
+(``kernels/*/sparse_chain.py``), O(batch · v · (c + nnz)) time, O(batch · v · c) memory, and
+the gradient of the stored values at the stored entries only. The path functions other than
+Viterbi run on the dense matrix (:func:`densified`, O(c²) memory).
+"""
+
+import dataclasses
+
+import numpy as np
+import scipy.sparse
+
+from . import _csr
+
+
+@dataclasses.dataclass(frozen=True)
+class Structure:
+    """The CSR structure of a sparse ``log_trans`` and of its transpose.
+
+    Entry ``q`` of the transpose (``t_indptr``, ``t_rows``: the entries of each column, in order
+    of their row) is entry ``order[q]`` of the matrix (``indptr``, ``indices``).
+    """
+
+    indptr: object
+    indices: object
+    t_indptr: object
+    t_rows: object
+    order: object
+    shape: tuple
+
+
+def is_sparse(a) -> bool:
+    """Whether ``a`` is a SciPy or cupyx sparse matrix or array."""
+    if scipy.sparse.issparse(a):
+        return True
+    module = type(a).__module__
+    return module.startswith("cupyx.") and hasattr(a, "tocsr")
+
+
+def split(backend, log_trans, dtype, caller: str, check: bool = True):
+    """``(Structure, values (nnz,) of dtype)`` of a sparse ``log_trans``, in CSR order; a CSR
+    matrix keeps its own order. ``ValueError`` for a bad structure or a repeated entry."""
+    name = f"{caller}: log_trans"
+    fmt, shape, data, index = _csr.sparse_parts(backend, log_trans, name)
+    csr = _csr.to_csr(backend, fmt, shape, data, *index, name)
+    if check and csr.nnz:
+        marks = np.full(shape[1], -1, np.int64)
+        host = backend.to_host
+        q = int(_first_duplicate(host(csr.indptr), host(csr.indices), marks))
+        if q >= 0:
+            i = int(np.searchsorted(host(csr.indptr), q, side="right") - 1)
+            raise ValueError(f"{name} stores the entry ({i}, {int(host(csr.indices)[q])}) more than once; "
+                             "combine repeated log-values first (their log-sum-exp)")
+    transpose, order = _csr.transposed(backend, csr)
+    structure = Structure(csr.indptr, csr.indices, transpose.indptr, transpose.indices, order, shape)
+    return structure, backend.xp.asarray(csr.data).astype(dtype, copy=False)
+
+
+def _first_duplicate(indptr, indices, marks):
+    from .kernels.cpu.sparse_chain import first_duplicate
+    return first_duplicate(indptr, indices, marks)
+
+
+def _values(chain):
+    return chain.trans.reshape(-1)
+
+
+def forward(chain):
+    """``forward_finite`` of a sparse chain: ``(log_partition (B,), pre (B, v, c), norm (B, v))``."""
+    xp = chain.xp
+    rows, v, c = chain.x.shape
+    pre = xp.empty((rows, v, c), chain.x.dtype)
+    norm = xp.empty((rows, v), chain.x.dtype)
+    if rows:
+        s = chain.sparse
+        t_values = xp.ascontiguousarray(_values(chain)[s.order])
+        chain.backend.kernel("sparse_chain", "forward")(chain.x, s.t_indptr, s.t_rows, t_values, chain.init,
+                                                       chain.lengths, pre, norm)
+    inside = xp.arange(v)[None, :] < chain.lengths[:, None]
+    log_partition = xp.where(inside, norm, 0).sum(axis=1, dtype=np.float64).astype(chain.x.dtype)
+    return log_partition, pre, norm
+
+
+def backward(chain, pre, norm, weight, trans_grad: bool = True):
+    """``backward_finite`` of a sparse chain: ``(d x (B, v, c), d values (1, 1, nnz) or None)``."""
+    from ._chain_sweep import normalised, renormalise
+
+    xp = chain.xp
+    rows, v, c = chain.x.shape
+    grad_trans = xp.zeros(chain.trans.shape, chain.x.dtype) if trans_grad else None
+    if not rows:
+        return xp.zeros_like(chain.x), grad_trans
+    s = chain.sparse
+    values = xp.ascontiguousarray(_values(chain))
+    beta = xp.empty_like(chain.x)
+    chain.backend.kernel("sparse_chain", "backward")(chain.x, s.indptr, s.indices, values, chain.lengths, norm, beta)
+    inside = (xp.arange(v)[None, :] < chain.lengths[:, None])[..., None]
+    marginals, _ = renormalise(xp, xp.where(inside, xp.exp(normalised(xp, pre, chain.x, norm) + beta), 0))
+    if trans_grad and values.shape[0]:
+        chunks = min(rows, _threads(chain.backend))  # the CPU kernels' chunks of rows
+        partial = xp.empty((chunks, values.shape[0]), chain.x.dtype)
+        chain.backend.kernel("sparse_chain", "values_grad")(chain.x, s.indptr, s.indices, values, chain.lengths,
+                                                           pre, norm, marginals, weight, partial)
+        grad_trans = partial.sum(axis=0).reshape(chain.trans.shape)
+    return marginals * weight[:, None, None], grad_trans
+
+
+def _threads(backend) -> int:
+    if backend.on_gpu:
+        return 256
+    import numba
+    return int(numba.get_num_threads())
+
+
+def viterbi(chain):
+    """``viterbi_finite`` of a sparse chain: ``(score (B,), path (B, v) int64)``."""
+    xp = chain.xp
+    rows, v, c = chain.x.shape
+    score = xp.empty(rows, chain.x.dtype)
+    path = xp.empty((rows, v), np.int64)
+    if rows:
+        s = chain.sparse
+        t_values = xp.ascontiguousarray(_values(chain)[s.order])
+        work = xp.empty((rows, 2, c), chain.x.dtype)
+        backptr = xp.empty((rows, v, c), np.int32)
+        chain.backend.kernel("sparse_chain", "viterbi")(chain.x, s.t_indptr, s.t_rows, t_values, chain.init,
+                                                       chain.lengths, work, backptr, score, path)
+        path = xp.where((score == -np.inf)[:, None], -1, path)
+    return score, path
+
+
+def path_counts(chain, state, w):
+    """``d values`` (1, 1, nnz) of ``sum(w * score)`` over the transitions of the paths
+    ``state`` (B, v; ``w`` 0 past each end): ``w`` on each stored entry that a path takes."""
+    xp = chain.xp
+    s = chain.sparse
+    host = chain.backend.to_host
+    src, dst = host(state[:, :-1]).reshape(-1), host(state[:, 1:]).reshape(-1)
+    entry = np.empty(src.shape[0], np.int64)
+    _entry_of(host(s.indptr), host(s.indices), np.ascontiguousarray(src), np.ascontiguousarray(dst), entry)
+    taken = entry >= 0
+    grad = np.zeros(chain.trans.size, chain.x.dtype)
+    np.add.at(grad, entry[taken], host(w[:, 1:]).reshape(-1)[taken])
+    return xp.asarray(grad).reshape(chain.trans.shape)
+
+
+def _entry_of(*args):
+    from .kernels.cpu.sparse_chain import entry_of
+    entry_of(*args)
+
+
+def densified(chain):
+    """``chain`` with its sparse transitions as a dense (1, 1, c, c) matrix, ``-inf`` where absent."""
+    if chain.sparse is None:
+        return chain
+    xp = chain.xp
+    c = chain.sparse.shape[0]
+    dense = xp.full(c * c, -np.inf, chain.x.dtype)
+    rows = _csr.row_of_entries(chain.backend, _csr.Csr(chain.sparse.indptr, chain.sparse.indices, None,
+                                                      chain.sparse.shape))
+    dense[rows.astype(np.int64) * c + chain.sparse.indices] = _values(chain)
+    return dataclasses.replace(chain, trans=dense.reshape(1, 1, c, c), sparse=None)
+
+
+def trans_grad(backend, log_trans, grad, caller: str):
+    """The gradient of a sparse ``log_trans`` from the sweeps' ``grad`` (its values, (1, 1, nnz),
+    or a dense (1, 1, c, c) one): a CSR matrix of the same structure (in CSR order)."""
+    structure, _ = split(backend, log_trans, grad.dtype, caller, check=False)
+    if grad.ndim == 4:
+        rows = _csr.row_of_entries(backend, _csr.Csr(structure.indptr, structure.indices, None, structure.shape))
+        grad = grad[0, 0][rows, structure.indices]
+    return backend.sparse.csr_matrix((grad.reshape(-1), structure.indices, structure.indptr), shape=structure.shape)

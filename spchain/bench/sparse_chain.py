@@ -1,0 +1,91 @@
+"""The sparse-chain workload: a large-state HMM with left-to-right banded transitions.
+
+c = 4096 states, each to itself and its 7 successors (a sparse CSR ``log_trans`` shared by all
+steps), batch 64, v 500, float32, forward + backward (the gradients of ``x`` and of the stored
+transition values). spchain with the sparse matrix beside spchain's own dense chain (``-inf``
+at absent entries) and the sequential ``torch.logsumexp`` recursion. At full size the dense
+chain does c / 9 ≈ 455 times the work and the recursion needs a (batch, c, c) tensor a step
+(4 GiB), so both run fewer steps (the dense chain at the full batch: its cost per step has a
+part, the exponentials of the c × c matrix, that does not grow with the batch; the recursion
+at batch 4 too); their labels give the factor by which their times scale (linearly in the
+steps v - 1, and for the recursion about linearly in the batch), and they get no error
+figure at full size.
+"""
+
+import warnings
+
+import torch
+
+from .. import torch as st
+from .chain import sequential
+from .core import Case
+
+CASES = ["forward + backward"]
+SIZES = {False: (64, 500, 4096), True: (4, 20, 64)}  # (batch, v, c) for full and quick runs
+DENSE_SIZE = {"spchain dense chain": (64, 3), "torch sequential logsumexp": (4, 3)}
+"""(batch, v) of the dense baselines at full size."""
+WIDTH = 7  # successors of each state besides itself
+
+
+def make_inputs(quick: bool, device: str, seed: int = 0):
+    """``(x, log_trans CSR, dense log_trans, log_init)``: random emissions, a random band."""
+    batch, v, c = SIZES[quick]
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, v, c, generator=g)
+    rows = torch.arange(c).repeat_interleave(WIDTH + 1)
+    cols = rows + torch.arange(WIDTH + 1).repeat(c)
+    keep = cols < c
+    rows, cols = rows[keep], cols[keep]
+    values = torch.log_softmax(torch.randn(c, WIDTH + 1, generator=g), -1).reshape(-1)[keep]
+    crow = torch.cat([torch.zeros(1, dtype=torch.int64), torch.bincount(rows, minlength=c).cumsum(0)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sparse = torch.sparse_csr_tensor(crow, cols, values, size=(c, c)).to(device)
+    dense = torch.full((c, c), -torch.inf)
+    dense[rows, cols] = values
+    log_init = torch.log_softmax(torch.randn(c, generator=g), -1)
+    return x.to(device), sparse, dense.to(device), log_init.to(device)
+
+
+def make_case(name: str, quick: bool, device: str = "cpu") -> Case:
+    x, sparse, dense, log_init = make_inputs(quick, device)
+    batch, v, c = SIZES[quick]
+
+    def label(name):
+        if quick:
+            return name, x
+        small_batch, small_v = DENSE_SIZE[name]
+        factor = batch * (v - 1) / (small_batch * (small_v - 1))
+        return (f"{name} at batch {small_batch} v {small_v}: x{factor:.0f} less work, scale its time by that",
+                x[:small_batch, :small_v].clone())
+
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    def timed(fn, x, trans, full):
+        def run():
+            leaf = x.detach().requires_grad_()
+            t = trans.detach().requires_grad_()
+            out = fn(leaf, t, log_init)
+            out.sum().backward()
+            sync()
+            return (out.detach(), leaf.grad) if full else None
+        return run
+
+    def torch_sequential(x, trans, init):
+        return sequential(x, trans[None, None].expand(1, x.shape[1] - 1, c, c), init)
+
+    def reference():
+        with torch.no_grad():
+            x64 = x.double().requires_grad_()
+        with torch.enable_grad():
+            out = st.chain_logsumexp(x64, dense.double(), log_init.double())
+            out.sum().backward()
+        return out.detach(), x64.grad
+
+    (dense_name, dense_x), (torch_name, torch_x) = label("spchain dense chain"), label("torch sequential logsumexp")
+    methods = {
+        "spchain": timed(st.chain_logsumexp, x, sparse, True),
+        dense_name: timed(st.chain_logsumexp, dense_x, dense, quick),
+        torch_name: timed(torch_sequential, torch_x, dense, quick),
+    }
+    return Case("sparse-chain", name, methods, reference if quick else None, device)

@@ -1,0 +1,95 @@
+"""The chain and path functions of ``spchain.torch`` with a sparse CSR ``log_trans``.
+
+``custom_op`` takes dense tensors only, so the public functions pass a sparse CSR tensor as
+its ``crow_indices``, ``col_indices`` and ``values`` (:func:`tensors`), and the operators here
+(``spchain::sparse_<name>``) rebuild it as a SciPy / cupyx CSR matrix for the array-level
+functions. The gradient of ``values`` is that of the stored entries; autograd takes it
+through ``log_trans.values()`` to a sparse CSR gradient of exactly ``log_trans``'s structure.
+"""
+
+import torch
+
+from .. import _backend, _chain_layout
+from .. import chain as _chain
+from .. import paths as _paths
+from ._operator import Operator
+
+
+def is_csr(t) -> bool:
+    """Whether ``t`` is a sparse CSR tensor."""
+    return isinstance(t, torch.Tensor) and t.layout == torch.sparse_csr
+
+
+def tensors(caller, x, log_trans, log_init, lengths, dense_tensors):
+    """``(x, crow, col, values, log_init, lengths)`` as the sparse operators take them, by
+    ``dense_tensors`` (``spchain.torch.chain._tensors``) for all but the structure;
+    ``ValueError`` unless ``log_trans`` is one (c, c) matrix with ``x`` of shape (..., v, c)."""
+    if log_trans.dim() != 2:
+        raise ValueError(f"{caller}: a sparse CSR log_trans must be one (c, c) matrix, got shape "
+                         f"{tuple(log_trans.shape)}")
+    x, values, log_init, lengths = dense_tensors(caller, x, log_trans.values(), log_init, lengths)
+    _chain_layout.layout(caller, tuple(x.shape), tuple(log_trans.shape),
+                         None if log_init is None else tuple(log_init.shape),
+                         None if lengths is None else tuple(lengths.shape))
+    return x, log_trans.crow_indices(), log_trans.col_indices(), values, log_init, lengths
+
+
+def _dense_args(args):
+    """The array-level arguments: ``(x, crow, col, values, *rest)`` to ``(x, matrix, *rest)``."""
+    x, crow, col, values, *rest = args
+    c = x.shape[-1]
+    matrix = _backend.backend_of(values).sparse.csr_matrix((values, col, crow), shape=(c, c))
+    return (x, matrix, *rest)
+
+
+def _operator(name, forward, fake, *, schema_tail="", returns, outputs=1, backward=None):
+    """``Operator`` ``sparse_<name>`` over the array-level ``forward`` / ``backward`` of a chain
+    or path function whose ``log_trans`` is the second argument."""
+    schema = f"(Tensor x, Tensor crow, Tensor col, Tensor values, Tensor? log_init{schema_tail}) -> {returns}"
+
+    def sparse_fake(x, crow, col, values, *rest):
+        return fake(x, values.new_empty((x.shape[-1], x.shape[-1])), *rest)
+
+    def sparse_backward(args, results, grads, needs):
+        grad_x, grad_trans, grad_init = backward(_dense_args(args), results, grads, needs)
+        return grad_x, None if grad_trans is None else grad_trans.data, grad_init
+
+    return Operator(f"sparse_{name}", schema, lambda *args: forward(*_dense_args(args)), sparse_fake,
+                    outputs=outputs, backward=None if backward is None else sparse_backward,
+                    differentiable=(0, 3, 4) if backward is not None else ())
+
+
+def _forward(f, name):
+    return lambda *args: f(*args, caller=f"spchain.torch.{name}")
+
+
+def _fakes():
+    from . import chain, paths
+    return chain, paths
+
+
+def _lazy_fake(module, name):
+    return lambda *args: getattr(_fakes()[module], name)(*args)
+
+
+_LENGTHS = ", Tensor? lengths"
+CHAIN_LOGSUMEXP = _operator("chain_logsumexp", _forward(_chain.chain_logsumexp_forward, "chain_logsumexp"),
+                            _lazy_fake(0, "_logsumexp_fake"), schema_tail=_LENGTHS,
+                            returns="(Tensor, Tensor, Tensor)", backward=_chain.chain_logsumexp_backward)
+CHAIN_MARGINALS = _operator("chain_marginals", _forward(_chain.chain_marginals_forward, "chain_marginals"),
+                            _lazy_fake(0, "_marginals_fake"), schema_tail=_LENGTHS, returns="Tensor")
+VITERBI = _operator("viterbi", _forward(_chain.viterbi_forward, "viterbi"), _lazy_fake(0, "_viterbi_fake"),
+                    schema_tail=_LENGTHS, returns="(Tensor, Tensor)", outputs=2, backward=_chain.viterbi_backward)
+CHAIN_ENTROPY = _operator("chain_entropy", _forward(_paths.chain_entropy_forward, "chain_entropy"),
+                          _lazy_fake(1, "_entropy_fake"), schema_tail=_LENGTHS,
+                          returns="(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+                          backward=_paths.chain_entropy_backward)
+CHAIN_SAMPLE = _operator("chain_sample", _forward(_paths.chain_sample_forward, "chain_sample"),
+                         _lazy_fake(1, "_sample_fake"), schema_tail=f"{_LENGTHS}, int num_samples, int? seed",
+                         returns="Tensor")
+CHAIN_KBEST = _operator("chain_kbest", _forward(_paths.chain_kbest_forward, "chain_kbest"),
+                        _lazy_fake(1, "_kbest_fake"), schema_tail=f"{_LENGTHS}, int k", returns="(Tensor, Tensor)",
+                        outputs=2)
+CHAIN_PATH_SCORE = _operator("chain_path_score", _forward(_paths.chain_path_score_forward, "chain_path_score"),
+                             _lazy_fake(1, "_path_score_fake"), schema_tail=f", Tensor path{_LENGTHS}",
+                             returns="Tensor", backward=_paths.chain_path_score_backward)

@@ -1,0 +1,188 @@
+"""Sparse transitions of the chain and path functions (spchain/_sparse_chain.py,
+kernels/cpu/sparse_chain.py): equal to the dense chain with ``-inf`` at absent entries."""
+
+import numpy as np
+import pytest
+import scipy.sparse
+
+import spchain as sc
+from spchain.chain import (chain_logsumexp_backward, chain_logsumexp_forward, viterbi_backward,
+                           viterbi_forward)
+from spchain.paths import (chain_entropy_backward, chain_entropy_forward, chain_path_score_backward,
+                           chain_path_score_forward)
+
+
+def sparse_trans(rng, c, density=0.4, fmt="csr", dtype=np.float64, minus_inf=True):
+    """A random sparse log_trans and its dense twin (``-inf`` where absent); some stored
+    entries are ``-inf``, some rows and columns empty."""
+    mask = rng.random((c, c)) < density
+    if c > 2:
+        mask[1] = False  # a state with no successor
+        mask[:, 2] = False  # a state with no predecessor
+    values = rng.normal(size=(c, c))
+    if minus_inf and mask.any():
+        values[tuple(np.argwhere(mask)[0])] = -np.inf  # a stored -inf
+    dense = np.where(mask, values, -np.inf).astype(dtype)
+    rows, cols = np.nonzero(mask)
+    matrix = scipy.sparse.coo_matrix((values[mask].astype(dtype), (rows, cols)), shape=(c, c)).asformat(fmt)
+    return matrix, dense
+
+
+def banded(c, width, dtype=np.float64, rng=None):
+    """Left-to-right transitions: each state to itself and its ``width`` successors."""
+    rows = np.repeat(np.arange(c), width + 1)
+    cols = rows + np.tile(np.arange(width + 1), c)
+    keep = cols < c
+    values = (rng.normal(size=keep.sum()) if rng is not None else np.full(keep.sum(), -np.log(width + 1)))
+    matrix = scipy.sparse.csr_matrix((values.astype(dtype), (rows[keep], cols[keep])), shape=(c, c))
+    return matrix, np.where(matrix.toarray() != 0, matrix.toarray(), -np.inf).astype(dtype)
+
+
+def values_of(matrix, dense_grad):
+    """A dense gradient at the stored entries of ``matrix``, in its CSR order."""
+    csr = matrix.tocsr()
+    rows = np.repeat(np.arange(csr.shape[0]), np.diff(csr.indptr))
+    return dense_grad[rows, csr.indices]
+
+
+CASES = [  # (batch, v, c, lengths)
+    ((3,), 5, 7, None),
+    ((4,), 6, 5, [6, 1, 3, 2]),
+    ((2, 3), 4, 9, None),
+    ((), 3, 4, None),
+    ((0,), 4, 3, None),
+    ((3,), 1, 5, None),
+    ((5,), 7, 1, [7, 2, 1, 5, 3]),
+    ((2,), 11, 13, [11, 6]),
+]
+
+
+@pytest.mark.parametrize("batch, v, c, lengths", CASES)
+@pytest.mark.parametrize("fmt", ["csr", "csc", "coo"])
+def test_chain_functions_equal_the_dense_chain(rng, batch, v, c, lengths, fmt):
+    x = rng.normal(size=batch + (v, c))
+    x[(..., 0, 0)] = -np.inf
+    init = rng.normal(size=c)
+    matrix, dense = sparse_trans(rng, c, fmt=fmt)
+    kw = {} if lengths is None else {"lengths": np.array(lengths)}
+    np.testing.assert_allclose(sc.chain_logsumexp(x, matrix, init, **kw), sc.chain_logsumexp(x, dense, init, **kw),
+                               rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(sc.chain_marginals(x, matrix, init, **kw), sc.chain_marginals(x, dense, init, **kw),
+                               rtol=1e-12, atol=1e-12)
+    score, path = sc.viterbi(x, matrix, init, **kw)
+    want_score, want_path = sc.viterbi(x, dense, init, **kw)
+    np.testing.assert_array_equal(score, want_score)
+    np.testing.assert_array_equal(path, want_path)
+
+
+@pytest.mark.parametrize("batch, v, c, lengths", CASES)
+def test_gradients_equal_the_dense_ones_at_the_stored_entries(rng, batch, v, c, lengths):
+    x = rng.normal(size=batch + (v, c))
+    init = rng.normal(size=c)
+    matrix, dense = sparse_trans(rng, c)
+    lengths = None if lengths is None else np.array(lengths)
+    weight = rng.normal(size=batch)
+    needs = (True, True, True)
+    for forward, backward, grads in ((chain_logsumexp_forward, chain_logsumexp_backward, (weight,)),
+                                     (viterbi_forward, viterbi_backward, (weight, None))):
+        got = backward((x, matrix, init, lengths), forward(x, matrix, init, lengths), grads, needs)
+        want = backward((x, dense, init, lengths), forward(x, dense, init, lengths), grads, needs)
+        assert scipy.sparse.isspmatrix_csr(got[1]) and got[1].shape == (c, c)
+        np.testing.assert_array_equal(got[1].indptr, matrix.indptr)
+        np.testing.assert_array_equal(got[1].indices, matrix.indices)
+        np.testing.assert_allclose(got[1].data, values_of(matrix, want[1]), rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(got[2], want[2], rtol=1e-10, atol=1e-12)
+
+
+def test_value_gradient_is_a_finite_difference(rng):
+    x = rng.normal(size=(3, 6, 5))
+    matrix, _ = sparse_trans(rng, 5, density=0.6, minus_inf=False)
+    results = chain_logsumexp_forward(x, matrix)
+    grad = chain_logsumexp_backward((x, matrix, None, None), results, (np.ones(3),), (False, True, False))[1]
+    eps = 1e-6
+    for q in range(matrix.nnz):
+        up, down = matrix.copy(), matrix.copy()
+        up.data[q] += eps
+        down.data[q] -= eps
+        numeric = (sc.chain_logsumexp(x, up).sum() - sc.chain_logsumexp(x, down).sum()) / (2 * eps)
+        assert abs(grad.data[q] - numeric) < 1e-6
+
+
+@pytest.mark.parametrize("batch, v, c, lengths", CASES)
+def test_path_functions_equal_the_dense_chain(rng, batch, v, c, lengths):
+    x = rng.normal(size=batch + (v, c))
+    init = rng.normal(size=c)
+    matrix, dense = sparse_trans(rng, c, density=0.7)
+    lengths = None if lengths is None else np.array(lengths)
+    kw = {} if lengths is None else {"lengths": lengths}
+    np.testing.assert_allclose(sc.chain_entropy(x, matrix, init, **kw), sc.chain_entropy(x, dense, init, **kw),
+                               rtol=1e-12, atol=1e-12)
+    got, want = (sc.chain_kbest(x, t, init, k=3, **kw) for t in (matrix, dense))
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+    got, want = (sc.chain_sample(x, t, init, num_samples=2, seed=5, **kw) for t in (matrix, dense))
+    np.testing.assert_array_equal(got, want)
+    path = np.maximum(sc.viterbi(x, dense, init, **kw)[1], 0)  # any path, possible or not
+    np.testing.assert_array_equal(sc.chain_path_score(x, matrix, init, path, **kw),
+                                  sc.chain_path_score(x, dense, init, path, **kw))
+    weight = rng.normal(size=batch)
+    for forward, backward, args in ((chain_entropy_forward, chain_entropy_backward, (x, matrix, init, lengths)),
+                                    (chain_path_score_forward, chain_path_score_backward,
+                                     (x, matrix, init, path, lengths))):
+        dense_args = tuple(dense if a is matrix else a for a in args)
+        needs = (True, True, True)
+        got = backward(args, forward(*args), (weight,), needs)
+        want = backward(dense_args, forward(*dense_args), (weight,), needs)
+        np.testing.assert_allclose(got[1].data, values_of(matrix, want[1]), rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-10, atol=1e-12)
+
+
+def test_left_to_right_band_float32_and_long_chain(rng):
+    matrix, dense = banded(31, 7, np.float32, rng)
+    x = rng.normal(size=(4, 300, 31)).astype(np.float32)
+    got, want = sc.chain_logsumexp(x, matrix), sc.chain_logsumexp(x, dense)
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    np.testing.assert_allclose(sc.chain_marginals(x, matrix), sc.chain_marginals(x, dense), atol=1e-5)
+    np.testing.assert_array_equal(sc.viterbi(x, matrix)[1], sc.viterbi(x, dense)[1])
+
+
+def test_plus_inf_and_all_minus_inf_values_equal_the_dense_chain(rng):
+    x = rng.normal(size=(3, 4, 4))
+    matrix, dense = sparse_trans(rng, 4, density=0.8, minus_inf=False)
+    matrix.data[1] = np.inf
+    dense = np.where(matrix.toarray() != 0, matrix.toarray(), -np.inf)
+    np.testing.assert_array_equal(sc.chain_logsumexp(x, matrix), sc.chain_logsumexp(x, dense))
+    np.testing.assert_array_equal(sc.viterbi(x, matrix)[1], sc.viterbi(x, dense)[1])
+    matrix.data[:] = -np.inf
+    assert (sc.chain_logsumexp(x, matrix) == -np.inf).all()
+    assert (sc.viterbi(x, matrix)[1] == -1).all()
+    empty = scipy.sparse.csr_matrix((4, 4))
+    assert (sc.chain_logsumexp(x, empty) == -np.inf).all()
+    np.testing.assert_array_equal(sc.chain_logsumexp(x[:, :1], empty), sc.chain_logsumexp(x[:, :1], np.zeros((4, 4))))
+
+
+def test_the_callers_matrix_is_not_written(rng):
+    matrix, _ = sparse_trans(rng, 6)
+    before = matrix.copy()
+    x = rng.normal(size=(2, 5, 6))
+    results = chain_logsumexp_forward(x, matrix)
+    chain_logsumexp_backward((x, matrix, None, None), results, (np.ones(2),), (True, True, False))
+    for name in ("data", "indices", "indptr"):
+        np.testing.assert_array_equal(getattr(matrix, name), getattr(before, name))
+
+
+@pytest.mark.parametrize("trans, error, match", [
+    (scipy.sparse.csr_matrix(np.ones((3, 4))), ValueError, r"log_trans must end in \(c, c\) = \(4, 4\)"),
+    (scipy.sparse.csr_matrix(np.ones((3, 3))), ValueError, r"log_trans must end in \(c, c\) = \(4, 4\)"),
+    (scipy.sparse.csr_matrix((np.ones(2), np.array([1, 1]), np.array([0, 2, 2, 2, 2])), shape=(4, 4)),
+     ValueError, r"log_trans stores the entry \(0, 1\) more than once"),
+    (scipy.sparse.csr_matrix((np.ones(1), np.array([5]), np.array([0, 1, 1, 1, 1])), shape=(4, 4)),
+     ValueError, "log_trans: indices holds 5"),
+    (scipy.sparse.csr_matrix(np.ones((4, 4), np.int64)), TypeError, "log_trans has dtype int64"),
+    (scipy.sparse.dia_matrix(np.ones((4, 4))), TypeError, "not DIA"),
+])
+def test_bad_sparse_transitions(trans, error, match):
+    with pytest.raises(error, match=match):
+        sc.chain_logsumexp(np.zeros((2, 3, 4)), trans)
