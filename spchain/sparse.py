@@ -228,7 +228,8 @@ def sddmm_parts(backend: Backend, fmt: str, shape: Shape, index: tuple[Array, Ar
 
 
 def prune(w: Array, sparsity: float | None = None, *, method: Literal["magnitude", "random", "n:m"] = "magnitude",
-          seed: Seed = None, block: tuple[int, int] | None = None, n: int | None = None, m: int | None = None) -> Sparse:
+          seed: Seed = None, block: tuple[int, int] | None = None, n: int | None = None,
+          m: int | None = None) -> Sparse:
     """Keep ``w.size - round(sparsity * w.size)`` entries of a dense matrix, as CSR.
 
     Parameters
@@ -317,7 +318,8 @@ def linear(backend: Backend, csr: Csr, values: Array, x: Array, bias: Array | No
 
 
 def linear_backward(backend: Backend, csr: Csr, transpose: tuple[Csr, Array] | None, values: Array, grad_y: Array,
-                    x: Array, dtype: np.dtype[Any], need_x: bool, need_values: bool) -> tuple[Array | None, Array | None]:
+                    x: Array, dtype: np.dtype[Any], need_x: bool,
+                    need_values: bool) -> tuple[Array | None, Array | None]:
     """Gradients of :func:`linear` for ``x`` (batch, in) and for ``values`` (nnz), when needed.
 
     ``transpose`` is ``transposed(backend, csr)`` on the CPU (cached by the caller: the input
