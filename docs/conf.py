@@ -26,7 +26,8 @@ autodoc_member_order = "bysource"
 autodoc_typehints = "description"
 autodoc_default_options = {"members": False}
 # Annotations show the aliases of spchain/_typing.py by name, not their expansions.
-autodoc_type_aliases = {"Array": "spchain._typing.Array", "Shape": "spchain._typing.Shape"}
+autodoc_type_aliases = {"Array": "spchain._typing.Array", "Shape": "spchain._typing.Shape",
+                        "Sparse": "spchain._typing.Sparse", "Seed": "spchain._typing.Seed"}
 
 # The build machine reaches only PyPI: no intersphinx, nothing fetched at build time.
 exclude_patterns = ["_build"]

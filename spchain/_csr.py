@@ -3,10 +3,16 @@ into one :class:`Csr` of raw arrays (:func:`to_csr`), and the checks of sizes, s
 fractions and dense operands that ``spchain.sparse`` and ``spchain.blocksparse`` share.
 The caller's arrays are never written to: conversions build new arrays."""
 
+from __future__ import annotations
+
 import operator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+
+from ._backend import Backend
+from ._typing import Array, Shape, Sparse
 
 FORMATS = ("csr", "csc", "coo")
 _INT32_MAX = np.iinfo(np.int32).max
@@ -21,9 +27,9 @@ class Csr:
     row, repeat, or hold zeros.
     """
 
-    indptr: object
-    indices: object
-    data: object
+    indptr: Array
+    indices: Array
+    data: Array | None
     shape: tuple[int, int]
 
     @property
@@ -34,7 +40,7 @@ class Csr:
 # --- validation and conversion -------------------------------------------------------------
 
 
-def sparse_parts(backend, a, caller: str):
+def sparse_parts(backend: Backend, a: Sparse, caller: str) -> tuple[str, Shape, Array, tuple[Array, Array]]:
     """``(format, shape, data, (index arrays))`` of a SciPy or cupyx CSR, CSC or COO object.
 
     The index arrays are ``(indptr, indices)`` for CSR and CSC, ``(row, col)`` for COO.
@@ -49,7 +55,7 @@ def sparse_parts(backend, a, caller: str):
     return a.format, tuple(int(s) for s in a.shape), a.data, index
 
 
-def check_size(caller: str, name: str, value) -> int:
+def check_size(caller: str, name: str, value: Any) -> int:
     """``value`` as a non-negative int: ``TypeError`` for a non-integer (a float such as 2.5 or
     2.0, a bool), ``ValueError`` for a negative one; never a silent truncation."""
     if isinstance(value, (bool, np.bool_)):
@@ -63,7 +69,7 @@ def check_size(caller: str, name: str, value) -> int:
     return size
 
 
-def check_shape(caller: str, shape) -> tuple[int, int]:
+def check_shape(caller: str, shape: Any) -> tuple[int, int]:
     """``shape`` as a pair of non-negative ints: ``ValueError`` for anything but a pair or for a
     negative size, ``TypeError`` for a size that is not an int (2.5, True)."""
     try:
@@ -76,7 +82,7 @@ def check_shape(caller: str, shape) -> tuple[int, int]:
         raise ValueError(f"{caller}: shape must be non-negative, got {shape!r}") from None
 
 
-def _index_arrays(caller: str, shape, **arrays):
+def _index_arrays(caller: str, shape: tuple[int, int], **arrays: Array) -> list[Array]:
     """The index ``arrays`` checked (1-D integers) and converted to one dtype: int32 when all fit."""
     nnz = 0
     for name, a in arrays.items():
@@ -90,7 +96,7 @@ def _index_arrays(caller: str, shape, **arrays):
     return [a.astype(dtype, copy=False) for a in arrays.values()]
 
 
-def _check_indptr(caller: str, indptr, n_major: int, axis: str, nnz: int) -> None:
+def _check_indptr(caller: str, indptr: Array, n_major: int, axis: str, nnz: int) -> None:
     if indptr.shape[0] != n_major + 1:
         raise ValueError(f"{caller}: indptr has length {indptr.shape[0]}; expected {n_major + 1} (the {axis} + 1)")
     first, last = int(indptr[0]), int(indptr[-1])
@@ -103,7 +109,7 @@ def _check_indptr(caller: str, indptr, n_major: int, axis: str, nnz: int) -> Non
         raise ValueError(f"{caller}: indptr ends at {last} but there are {nnz} stored entries")
 
 
-def _check_bounds(caller: str, name: str, index, size: int) -> None:
+def _check_bounds(caller: str, name: str, index: Array, size: int) -> None:
     if index.shape[0] == 0:
         return
     low, high = int(index.min()), int(index.max())
@@ -112,7 +118,8 @@ def _check_bounds(caller: str, name: str, index, size: int) -> None:
         raise ValueError(f"{caller}: {name} holds {bad}, out of range for a dimension of size {size}")
 
 
-def to_csr(backend, fmt: str, shape, data, first, second, caller: str) -> Csr:
+def to_csr(backend: Backend, fmt: str, shape: Shape, data: Array | None, first: Array, second: Array,
+           caller: str) -> Csr:
     """Validate a CSR, CSC or COO structure and return it as a :class:`Csr`.
 
     ``first, second`` are ``indptr, indices`` (CSR, CSC) or ``row, col`` (COO); ``data`` may be
@@ -146,7 +153,7 @@ def to_csr(backend, fmt: str, shape, data, first, second, caller: str) -> Csr:
     return csr if fmt == "csr" else transposed(backend, csr)[0]
 
 
-def _group(backend, keys, n_groups: int):
+def _group(backend: Backend, keys: Array, n_groups: int) -> tuple[Array, Array]:
     """``(indptr, order)``: a stable sort of entry positions by ``keys`` (each in 0..n_groups-1)."""
     xp = backend.xp
     if backend.on_gpu:
@@ -159,13 +166,13 @@ def _group(backend, keys, n_groups: int):
     return indptr, order
 
 
-def row_of_entries(backend, csr: Csr):
+def row_of_entries(backend: Backend, csr: Csr) -> Array:
     """The row of every stored entry of ``csr`` (nnz)."""
     xp = backend.xp
     return xp.repeat(xp.arange(csr.shape[0], dtype=csr.indices.dtype), xp.diff(csr.indptr))
 
 
-def transposed(backend, csr: Csr):
+def transposed(backend: Backend, csr: Csr) -> tuple[Csr, Array]:
     """``(csr_t, order)``: the CSR structure of the transpose, and ``order`` (nnz) such that
     entry ``q`` of ``csr_t`` is entry ``order[q]`` of ``csr`` (its data, if any, is gathered)."""
     indptr, order = _group(backend, csr.indices, csr.shape[1])
@@ -174,7 +181,7 @@ def transposed(backend, csr: Csr):
     return Csr(indptr, rows, data, csr.shape[::-1]), order
 
 
-def check_fraction(caller: str, name: str, value) -> float:
+def check_fraction(caller: str, name: str, value: object) -> float:
     """``value`` as a float in [0, 1]: ``TypeError`` if it is not a real number, else ``ValueError``."""
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise TypeError(f"{caller}: {name} must be a number in [0, 1], not {type(value).__name__}")
@@ -186,7 +193,7 @@ def check_fraction(caller: str, name: str, value) -> float:
 # --- dense operands ------------------------------------------------------------------------
 
 
-def check_dense(caller: str, **operands) -> None:
+def check_dense(caller: str, **operands: object) -> None:
     """``TypeError`` naming the first of ``operands`` that is not an array at all (``None``, a
     Python scalar or sequence): each must be a NumPy or CuPy array (torch tensors and sparse
     matrices get their own messages further on)."""
@@ -196,7 +203,7 @@ def check_dense(caller: str, **operands) -> None:
                             "convert with numpy.asarray")
 
 
-def _operand(backend, a, caller: str, name: str, ndims: tuple[int, ...]):
+def _operand(backend: Backend, a: Array, caller: str, name: str, ndims: tuple[int, ...]) -> Array:
     if isinstance(a, np.matrix):  # a 2-D ndarray whose indexing and reductions keep 2 axes
         a = np.asarray(a)
     if backend.sparse.issparse(a):
@@ -207,7 +214,7 @@ def _operand(backend, a, caller: str, name: str, ndims: tuple[int, ...]):
     return a
 
 
-def contiguous(backend, a):
+def contiguous(backend: Backend, a: Array) -> Array:
     """``a`` as a C-contiguous array (itself if it already is).
 
     On the CPU a Fortran-ordered matrix (a transposed view, say) is copied by the parallel

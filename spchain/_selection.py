@@ -1,15 +1,19 @@
 """Entry selection of the sparse layer: the largest scores, random positions, positions to
 CSR, and the drop-and-grow step of dynamic sparsity (SET, RigL)."""
 
+from __future__ import annotations
+
 import numpy as np
 
 from . import _backend
+from ._backend import Backend
 from ._csr import _INT32_MAX, Csr, row_of_entries
+from ._typing import Array, Seed, Shape
 
 _SCORE_BLOCK = 1 << 20
 """Dense gradient entries scored at a time when regrowing by gradient (bounds its memory)."""
 
-def largest(backend, scores, count: int):
+def largest(backend: Backend, scores: Array, count: int) -> Array:
     """Sorted positions of the ``count`` largest ``scores`` (1-D); NaN counts as the largest
     value, and ties go to the lower position. O(len(scores)) (a partition, not a sort)."""
     xp = backend.xp
@@ -25,7 +29,8 @@ def largest(backend, scores, count: int):
     return xp.sort(xp.concatenate([above, tied]))
 
 
-def random_positions(backend, total: int, count: int, taken=None, seed=None):
+def random_positions(backend: Backend, total: int, count: int, taken: Array | None = None,
+                     seed: Seed = None) -> Array:
     """``count`` sorted flat positions in ``0 .. total - 1`` drawn uniformly without replacement,
     avoiding the sorted positions ``taken``.
 
@@ -49,7 +54,7 @@ def random_positions(backend, total: int, count: int, taken=None, seed=None):
     return backend.xp.asarray(np.sort(chosen).astype(np.int64))
 
 
-def positions_to_csr(backend, positions, shape):
+def positions_to_csr(backend: Backend, positions: Array, shape: Shape) -> tuple[Array, Array]:
     """``(indptr, indices)`` of the sorted flat (row-major) ``positions`` in an ``shape`` matrix."""
     xp = backend.xp
     m, n = shape
@@ -61,7 +66,8 @@ def positions_to_csr(backend, positions, shape):
     return indptr.astype(dtype), cols.astype(dtype)
 
 
-def drop_and_grow(backend, csr: Csr, values, n_move: int, *, grad_y=None, x=None, seed=None, caller: str):
+def drop_and_grow(backend: Backend, csr: Csr, values: Array, n_move: int, *, grad_y: Array | None = None,
+                  x: Array | None = None, seed: Seed = None, caller: str) -> tuple[Array, Array, Array, Array]:
     """A new structure of the same size with ``n_move`` entries moved.
 
     Drops the ``n_move`` stored entries of smallest ``|values|`` (among equal magnitudes the
@@ -91,7 +97,7 @@ def drop_and_grow(backend, csr: Csr, values, n_move: int, *, grad_y=None, x=None
     return indptr, indices, old_slots, xp.searchsorted(new_positions, kept)
 
 
-def _largest_gradients(backend, grad_y, x, count: int, taken):
+def _largest_gradients(backend: Backend, grad_y: Array, x: Array, count: int, taken: Array) -> Array:
     """Sorted positions of the ``count`` largest ``|grad_y.T @ x|`` outside ``taken`` (sorted)."""
     xp = backend.xp
     m, n = grad_y.shape[1], x.shape[1]

@@ -18,18 +18,24 @@ and drop-and-grow in ``spchain._selection``.
 array([3., 8.])
 """
 
+from __future__ import annotations
+
+from typing import Any, Literal
+
 import numpy as np
 import scipy.sparse
 
 from . import _backend, _checks, blocksparse
+from ._backend import Backend
 from ._csr import Csr, _operand, check_dense, check_fraction, contiguous, sparse_parts, to_csr
 from ._dask import scales_out
 from ._selection import largest, positions_to_csr, random_positions
+from ._typing import Array, Seed, Shape, Sparse
 
 __all__ = ["spmm", "sddmm", "prune"]
 
 
-def _cupyx_csr(backend, csr: Csr, data):
+def _cupyx_csr(backend: Backend, csr: Csr, data: Array) -> Sparse:
     """A cupyx CSR matrix of ``csr``'s structure and ``data``, safe to hand to cupyx.
 
     cupyx sorts and sums a non-canonical matrix in place before multiplying; so a
@@ -45,13 +51,14 @@ def _cupyx_csr(backend, csr: Csr, data):
 # --- products ------------------------------------------------------------------------------
 
 
-def matmul(backend, csr: Csr, b, dtype, bias=None):
+def matmul(backend: Backend, csr: Csr, b: Array, dtype: np.dtype[Any], bias: Array | None = None) -> Array:
     """``csr @ b`` (plus ``bias[:, None]``) for a dense (k, n) ``b``: an (m, n) array.
 
     C-contiguous on the CPU (the parallel Numba kernel); on the GPU, cuSPARSE's layout.
     """
     xp = backend.xp
     m, n = csr.shape[0], b.shape[1]
+    assert csr.data is not None, "matmul multiplies by a structure with values"
     data = csr.data.astype(dtype, copy=False)
     b = b.astype(dtype, copy=False)
     if bias is not None:
@@ -70,7 +77,7 @@ def matmul(backend, csr: Csr, b, dtype, bias=None):
     return out
 
 
-def sampled(backend, csr: Csr, a, b, dtype):
+def sampled(backend: Backend, csr: Csr, a: Array, b: Array, dtype: np.dtype[Any]) -> Array:
     """``data[p] = a[row_p, :] . b[col_p, :]`` for every stored entry ``p`` of ``csr`` (SDDMM)."""
     xp = backend.xp
     if csr.nnz == 0 or a.shape[1] == 0:
@@ -83,7 +90,8 @@ def sampled(backend, csr: Csr, a, b, dtype):
     return out
 
 
-def _new_csr(backend, like, data, indices, indptr, shape, copy: bool):
+def _new_csr(backend: Backend, like: object, data: Array, indices: Array, indptr: Array, shape: Shape,
+             copy: bool) -> Sparse:
     """A CSR object of ``backend``: a ``csr_matrix`` if ``like`` is a (SciPy) matrix or on the
     GPU (cupyx has no array classes), else a ``csr_array``."""
     if backend.on_gpu or isinstance(like, scipy.sparse.spmatrix):
@@ -94,7 +102,7 @@ def _new_csr(backend, like, data, indices, indptr, shape, copy: bool):
 
 
 @scales_out
-def spmm(a, b):
+def spmm(a: Sparse, b: Array) -> Array:
     """Sparse times dense: ``a @ b``.
 
     Parameters
@@ -143,7 +151,8 @@ def spmm(a, b):
     return spmm_parts(backend, *sparse_parts(backend, a, caller), b, caller)[1]
 
 
-def spmm_parts(backend, fmt: str, shape, data, index, b, caller: str):
+def spmm_parts(backend: Backend, fmt: str, shape: Shape, data: Array, index: tuple[Array, Array], b: Array,
+               caller: str) -> tuple[Csr, Array]:
     """:func:`spmm` on unpacked parts: ``(csr, product)``, ``csr`` the validated structure."""
     b = _operand(backend, b, caller, "b", (1, 2))
     if shape[1] != b.shape[0]:
@@ -155,7 +164,7 @@ def spmm_parts(backend, fmt: str, shape, data, index, b, caller: str):
 
 
 @scales_out
-def sddmm(pattern, a, b):
+def sddmm(pattern: Sparse, a: Array, b: Array) -> Sparse:
     """Sampled dense-dense product: ``a @ b.T`` at the stored entries of ``pattern`` only.
 
     Parameters
@@ -202,7 +211,8 @@ def sddmm(pattern, a, b):
     return _new_csr(backend, pattern, data, csr.indices, csr.indptr, shape, copy=True)
 
 
-def sddmm_parts(backend, fmt: str, shape, index, a, b, caller: str):
+def sddmm_parts(backend: Backend, fmt: str, shape: Shape, index: tuple[Array, Array], a: Array, b: Array,
+                caller: str) -> tuple[Csr, Array]:
     """:func:`sddmm` on an unpacked pattern: ``(csr, data)``; ``csr`` may share the caller's arrays."""
     a = _operand(backend, a, caller, "a", (2,))
     b = _operand(backend, b, caller, "b", (2,))
@@ -217,7 +227,9 @@ def sddmm_parts(backend, fmt: str, shape, index, a, b, caller: str):
 # --- selecting entries ---------------------------------------------------------------------
 
 
-def prune(w, sparsity=None, *, method="magnitude", seed=None, block=None, n=None, m=None):
+def prune(w: Array, sparsity: float | None = None, *, method: Literal["magnitude", "random", "n:m"] = "magnitude",
+          seed: Seed = None, block: tuple[int, int] | None = None, n: int | None = None,
+          m: int | None = None) -> Sparse:
     """Keep ``w.size - round(sparsity * w.size)`` entries of a dense matrix, as CSR.
 
     Parameters
@@ -269,7 +281,8 @@ def prune(w, sparsity=None, *, method="magnitude", seed=None, block=None, n=None
     return _new_csr(backend, None, data, indices, indptr, w.shape, copy=False)
 
 
-def prune_parts(backend, w, sparsity, method, seed, caller: str):
+def prune_parts(backend: Backend, w: Array, sparsity: float, method: str, seed: Seed,
+                caller: str) -> tuple[Array, Array, Array]:
     """:func:`prune` as raw CSR arrays ``(indptr, indices, data)``."""
     w = _operand(backend, w, caller, "w", (2,))
     _checks.float_dtype(caller, w=w)
@@ -289,7 +302,8 @@ def prune_parts(backend, w, sparsity, method, seed, caller: str):
 # --- sparse linear layers (the array level of spchain.torch.sparse_linear) -----------------
 
 
-def linear(backend, csr: Csr, values, x, bias, dtype):
+def linear(backend: Backend, csr: Csr, values: Array, x: Array, bias: Array | None,
+           dtype: np.dtype[Any]) -> tuple[Array, Array]:
     """``y = x @ W.T + bias`` for the CSR weight ``W`` (``csr``'s structure, ``values``).
 
     ``x`` is (batch, in) in any layout. Returns ``(y, x_saved)``: ``y`` (batch, out) and ``x``
@@ -303,7 +317,9 @@ def linear(backend, csr: Csr, values, x, bias, dtype):
     return matmul(backend, weight, xt, dtype, bias).T, xt.T
 
 
-def linear_backward(backend, csr: Csr, transpose, values, grad_y, x, dtype, need_x: bool, need_values: bool):
+def linear_backward(backend: Backend, csr: Csr, transpose: tuple[Csr, Array] | None, values: Array, grad_y: Array,
+                    x: Array, dtype: np.dtype[Any], need_x: bool,
+                    need_values: bool) -> tuple[Array | None, Array | None]:
     """Gradients of :func:`linear` for ``x`` (batch, in) and for ``values`` (nnz), when needed.
 
     ``transpose`` is ``transposed(backend, csr)`` on the CPU (cached by the caller: the input
@@ -322,6 +338,7 @@ def linear_backward(backend, csr: Csr, transpose, values, grad_y, x, dtype, need
                     weight = _cupyx_csr(backend, csr, values.astype(dtype, copy=False))
                     grad_x = (weight.T @ grad_yt.astype(dtype, copy=False)).T
         else:
+            assert transpose is not None, "the CPU path multiplies by the cached transpose"
             t_csr, order = transpose
             grad_x = matmul(backend, Csr(t_csr.indptr, t_csr.indices, values[order], t_csr.shape), grad_yt, dtype).T
     if need_values:

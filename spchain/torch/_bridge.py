@@ -14,15 +14,21 @@ current CUDA stream, so no synchronisation is needed on either side.
 
 import contextlib
 import functools
+from collections.abc import Callable, Container, Iterator
+from contextlib import AbstractContextManager
+from typing import Any
 
 import numpy as np
 import torch
+from numpy.typing import NDArray
 from torch.autograd.function import once_differentiable
+from torch.utils.dlpack import from_dlpack
 
 from .. import _backend
+from .._typing import Array
 
 
-def to_array(t: torch.Tensor):
+def to_array(t: torch.Tensor) -> Array:
     """A NumPy (CPU) or CuPy (CUDA) array sharing ``t``'s memory.
 
     ``t`` is detached; a non-contiguous ``t`` is made contiguous first (one copy), so that
@@ -40,7 +46,7 @@ def to_array(t: torch.Tensor):
     raise TypeError(f"spchain supports CPU and CUDA tensors, not {t.device.type} ones")
 
 
-def to_tensor(a) -> torch.Tensor:
+def to_tensor(a: Array) -> torch.Tensor:
     """A tensor sharing ``a``'s memory (a NumPy or CuPy array).
 
     A NumPy array that is read-only or not row-major contiguous (negative strides included)
@@ -50,10 +56,10 @@ def to_tensor(a) -> torch.Tensor:
         if not (a.flags.c_contiguous and a.flags.writeable):
             a = np.array(a, order="C")
         return torch.from_numpy(a)  # the same view as torch.from_dlpack, several times faster
-    return torch.from_dlpack(a)
+    return from_dlpack(a)  # torch.from_dlpack itself, under the name torch declares public
 
 
-def check_same_device(caller: str, **tensors) -> torch.device:
+def check_same_device(caller: str, **tensors: object) -> torch.device:
     """The one device of ``tensors`` (``None`` values ignored); ``ValueError`` naming two that differ."""
     device = None
     first = None
@@ -69,7 +75,7 @@ def check_same_device(caller: str, **tensors) -> torch.device:
     return device if device is not None else torch.device("cpu")
 
 
-def check_dense(caller: str, optional=(), **tensors) -> torch.device:
+def check_dense(caller: str, optional: Container[str] = (), **tensors: object) -> torch.device:
     """The one device of ``tensors``, each a dense (strided) tensor: ``TypeError`` naming the
     first that is not a tensor (``None`` is allowed for the names in ``optional``) or not dense,
     ``ValueError`` naming two on different devices. Traceable by ``torch.compile``.
@@ -89,7 +95,7 @@ def check_dense(caller: str, optional=(), **tensors) -> torch.device:
     return check_same_device(caller, **tensors)
 
 
-def _torch_matmul(a, b, out=None):
+def _torch_matmul(a: NDArray[Any], b: NDArray[Any], out: NDArray[Any] | None = None) -> NDArray[Any]:
     """``np.matmul`` computed by torch's BLAS on zero-copy views (NumPy's own for operands
     torch cannot take as they are: read-only, negatively strided, or of mixed dtypes)."""
     operands = [t for t in (a, b, out) if t is not None]
@@ -105,7 +111,7 @@ def _torch_matmul(a, b, out=None):
     return out
 
 
-def bridge(device: torch.device):
+def bridge(device: torch.device) -> AbstractContextManager[None]:
     """The one context in which ``spchain.torch`` runs the array level for tensors on ``device``:
     :func:`on_device`, with NumPy's floating-point warnings off (log space meets ``-inf``,
     ``inf - inf`` and ``0 * inf`` by design; the array level gives them their documented values)."""
@@ -113,20 +119,20 @@ def bridge(device: torch.device):
 
 
 class _Bridge:
-    def __init__(self, device):
+    def __init__(self, device: torch.device) -> None:
         self._device = on_device(device)
         self._errstate = np.errstate(divide="ignore", invalid="ignore", over="ignore")
 
-    def __enter__(self):
+    def __enter__(self) -> None:
         self._device.__enter__()
         self._errstate.__enter__()
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: Any) -> bool | None:
         self._errstate.__exit__(*exc)
         return self._device.__exit__(*exc)
 
 
-def on_device(device: torch.device):
+def on_device(device: torch.device) -> AbstractContextManager[None]:
     """A context manager that runs spchain's array level for tensors on ``device``: on the CPU
     with torch's BLAS (one thread pool for the whole program, see ``_backend.matmul``), on
     CUDA with CuPy and spchain's kernels on ``device`` and torch's current stream there."""
@@ -136,15 +142,15 @@ def on_device(device: torch.device):
 class _TorchBlas:
     """Lends torch's BLAS to ``_backend.matmul`` while active (a class: entered on every call)."""
 
-    def __enter__(self):
+    def __enter__(self) -> None:
         self._token = _backend.CPU_MATMUL.set(_torch_matmul)
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         _backend.CPU_MATMUL.reset(self._token)
 
 
 @contextlib.contextmanager
-def _on_cuda(device: torch.device):
+def _on_cuda(device: torch.device) -> Iterator[None]:
     cp = _backend.cupy()
     index = device.index if device.index is not None else torch.cuda.current_device()
     stream = torch.cuda.current_stream(index)
@@ -152,7 +158,7 @@ def _on_cuda(device: torch.device):
         yield
 
 
-def first_order(op: str):
+def first_order(op: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """``@once_differentiable`` for the backward of ``op``, which also refuses to run where
     autograd records a graph (``create_graph=True``: Hessians, gradient penalties): a clear
     ``RuntimeError`` instead of a gradient that silently carries no graph.
@@ -174,11 +180,11 @@ def first_order(op: str):
     RuntimeError: square: double backward (create_graph=True) is not implemented; its gradient would carry no graph, so higher derivatives (Hessians, gradient penalties) would be silently wrong
     """
 
-    def decorate(backward):
+    def decorate(backward: Callable[..., Any]) -> Callable[..., Any]:
         backward = once_differentiable(backward)
 
         @functools.wraps(backward)
-        def checked(ctx, *grads):
+        def checked(ctx: Any, *grads: Any) -> Any:
             if torch.is_grad_enabled():
                 raise RuntimeError(
                     f"{op}: double backward (create_graph=True) is not implemented; its gradient "

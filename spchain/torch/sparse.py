@@ -16,11 +16,14 @@ tensor([2., 1.])
 """
 
 import warnings
+from collections.abc import Sequence
+from typing import Any, Literal
 
 import torch
 
 from .. import _backend, _csr
 from .. import sparse as _sparse
+from .._typing import Array, Seed, Shape
 from ._bridge import check_dense, check_same_device, on_device, to_array, to_tensor
 from ._operator import Operator
 
@@ -31,21 +34,21 @@ _FORMATS = {torch.sparse_coo: "coo", torch.sparse_csr: "csr", torch.sparse_csc: 
 _SMALL_INDEX = (torch.int8, torch.uint8, torch.int16, torch.int32)
 
 
-def as_array(t: torch.Tensor):
+def as_array(t: torch.Tensor) -> Array:
     """A NumPy/CuPy array of ``t``; a column-major (transposed) 2-D tensor crosses without a copy."""
     if t.dim() == 2 and not t.is_contiguous() and t.t().is_contiguous():
         return to_array(t.t()).T
     return to_array(t)
 
 
-def index_dtype(first, second, shape) -> torch.dtype:
+def index_dtype(first: torch.Tensor, second: torch.Tensor, shape: Sequence[int]) -> torch.dtype:
     """The index dtype :func:`spchain._csr.to_csr` gives a structure of the index tensors
     ``first, second``: int32 where both are and every size fits, else int64."""
     small = max(*shape, first.shape[0], second.shape[0]) <= _csr._INT32_MAX
     return torch.int32 if small and first.dtype in _SMALL_INDEX and second.dtype in _SMALL_INDEX else torch.int64
 
 
-def _sparse_tensor(t, caller: str):
+def _sparse_tensor(t: object, caller: str) -> tuple[str, Shape, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(format, shape, data, first, second)`` tensors of a 2-D COO, CSR or CSC tensor."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{caller} takes a torch sparse tensor (COO, CSR or CSC), not {type(t).__name__}")
@@ -63,7 +66,7 @@ def _sparse_tensor(t, caller: str):
         return fmt, tuple(t.shape), t.values(), t.ccol_indices(), t.row_indices()
 
 
-def _no_low_precision(caller: str, **tensors) -> None:
+def _no_low_precision(caller: str, **tensors: torch.Tensor) -> None:
     """``TypeError`` for a float16/bfloat16 tensor: these products take float32 and float64."""
     for name, t in tensors.items():
         if t.dtype in _LOW:
@@ -71,14 +74,15 @@ def _no_low_precision(caller: str, **tensors) -> None:
                             "spchain supports float32 and float64")
 
 
-def csr_tensor(crow, col, values, shape) -> torch.Tensor:
+def csr_tensor(crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor, shape: Shape) -> torch.Tensor:
     """A torch sparse CSR tensor of validated parts, without torch's (once a process) beta warning."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "Sparse CSR tensor support is in beta")
         return torch.sparse_csr_tensor(crow, col, values, size=shape, check_invariants=False)
 
 
-def _spmm_forward(b, data, first, second, fmt, shape):
+def _spmm_forward(b: Array, data: Array, first: Array, second: Array, fmt: str,
+                  shape: Sequence[int]) -> tuple[Array, Array, Array, Array | None]:
     """``(a @ b, indptr, indices, data)``: the product and the CSR form of ``a`` it ran on."""
     caller = "spchain.torch.spmm"
     backend = _backend.backend_of(data, first, second, b, caller=caller)
@@ -86,14 +90,16 @@ def _spmm_forward(b, data, first, second, fmt, shape):
     return out, csr.indptr, csr.indices, csr.data
 
 
-def _spmm_fake(b, data, first, second, fmt, shape):
+def _spmm_fake(b: torch.Tensor, data: torch.Tensor, first: torch.Tensor, second: torch.Tensor, fmt: str,
+               shape: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     index = index_dtype(first, second, shape)
     dtype = torch.promote_types(b.dtype, data.dtype)
     return (b.new_empty((shape[0], *b.shape[1:]), dtype=dtype), first.new_empty(shape[0] + 1, dtype=index),
             first.new_empty(second.shape[0], dtype=index), torch.empty_like(data))
 
 
-def _spmm_backward(args, results, grads, needs):
+def _spmm_backward(args: Sequence[Any], results: Sequence[Array], grads: Sequence[Array],
+                   needs: Sequence[bool]) -> tuple[Array]:
     _, indptr, indices, data = results
     grad = grads[0] if grads[0].ndim == 2 else grads[0][:, None]
     backend = _backend.backend_of(grad, indices)
@@ -102,7 +108,8 @@ def _spmm_backward(args, results, grads, needs):
     return (grad_b if grads[0].ndim == 2 else grad_b[:, 0],)
 
 
-def _sddmm_forward(first, second, a, b, fmt, shape):
+def _sddmm_forward(first: Array, second: Array, a: Array, b: Array, fmt: str,
+                   shape: Sequence[int]) -> tuple[Array, Array, Array]:
     """``(indptr, indices, data)`` of the result: new arrays, never the pattern's."""
     caller = "spchain.torch.sddmm"
     backend = _backend.backend_of(first, second, a, b, caller=caller)
@@ -110,7 +117,8 @@ def _sddmm_forward(first, second, a, b, fmt, shape):
     return csr.indptr.copy(), csr.indices.copy(), data
 
 
-def _sddmm_fake(first, second, a, b, fmt, shape):
+def _sddmm_fake(first: torch.Tensor, second: torch.Tensor, a: torch.Tensor, b: torch.Tensor, fmt: str,
+                shape: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     index = index_dtype(first, second, shape)
     return (first.new_empty(shape[0] + 1, dtype=index), first.new_empty(second.shape[0], dtype=index),
             a.new_empty(second.shape[0], dtype=torch.promote_types(a.dtype, b.dtype)))
@@ -125,7 +133,7 @@ _SDDMM = Operator("sddmm", "(Tensor first, Tensor second, Tensor a, Tensor b, st
                   " -> (Tensor, Tensor, Tensor)", _sddmm_forward, _sddmm_fake, outputs=3)
 
 
-def spmm(a, b):
+def spmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Sparse times dense for tensors: ``a @ b``, differentiable with respect to ``b``.
 
     Parameters
@@ -170,10 +178,11 @@ def spmm(a, b):
     if a.requires_grad and torch.is_grad_enabled():
         raise TypeError(f"{caller} differentiates with respect to the dense operand only, and a requires grad; "
                         "for a trainable sparse weight use spchain.torch.sparse_linear or SparseLinear")
-    return _SPMM(b, data, first, second, fmt, list(shape))
+    out: torch.Tensor = _SPMM(b, data, first, second, fmt, list(shape))
+    return out
 
 
-def sddmm(pattern, a, b):
+def sddmm(pattern: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Sampled dense-dense product for tensors: ``a @ b.T`` at ``pattern``'s stored entries.
 
     Parameters
@@ -206,7 +215,8 @@ def sddmm(pattern, a, b):
     return csr_tensor(indptr, indices, data, shape)
 
 
-def prune(w, sparsity, *, method="magnitude", seed=None):
+def prune(w: torch.Tensor, sparsity: float, *, method: Literal["magnitude", "random"] = "magnitude",
+          seed: Seed = None) -> torch.Tensor:
     """Keep ``w.numel() - round(sparsity * w.numel())`` entries of a dense matrix tensor.
 
     Parameters and selection as :func:`spchain.prune`: ``"magnitude"`` keeps the largest
