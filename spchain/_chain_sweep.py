@@ -57,16 +57,21 @@ def use_gemm(chain: Chain) -> bool:
     """Whether the scaled-GEMM sweep is expected to beat the kernel sweep.
 
     On the CPU, where each transition matrix serves many row-steps (shared transitions), the
-    kernel sweep runs the scaled kernels (:mod:`spchain._chain_scaled`), which beat the GEMM
-    sweep at every shape measured on a 2-core CPU (forward + backward, c 4 to 512, batch 1 to
-    256, v 32, float32; 1.1x at batch 256 and c 16, 27x at batch 256 and c 50), so they
-    always run. Otherwise (one matrix per row and step) the log-space kernels cost about
-    ``rows * c²`` exponentials a step, the GEMM sweep a fixed overhead of array calls, ``G * c²``
-    exponentials and a call per transition matrix, and O(rows * c) elementwise work, the
-    ``rows * c²`` multiply-adds going to BLAS; the constants are seconds fitted on a 2-core CPU.
-    On the GPU the GEMM sweep pays kernel launches and host synchronisations every step: on an
-    H100 the kernel sweep was 3.5x (forward) and 5.4x (forward + backward) faster at batch 500,
-    v 40, c 200, so the GPU always takes it.
+    kernel sweep runs the scaled kernels (:mod:`spchain._chain_scaled`). Both do
+    ``group · c²`` multiply-adds per step and matrix (``group`` rows share it); BLAS does
+    them faster, but the GEMM sweep pays about 0.6 ms of array calls a step. Fitted on a
+    2-core CPU (forward + backward, float32, v 40, c 8 to 256, 16 to 1024 rows per matrix):
+    the GEMM sweep wins from ``group · c²`` of about 4·10⁶ with one matrix for all steps and
+    10⁶ with one per step (whose exponentials and gradients the kernels pay per step). At the
+    chain workload's sizes (500 rows, c 200, per step) the GEMM sweep is 1.6x faster; at the
+    CRF's (256 rows, c 50, shared) the scaled kernels are 1.6x faster. Otherwise (one matrix
+    per row and step) the log-space kernels cost about ``rows * c²`` exponentials a step, the
+    GEMM sweep a fixed overhead of array calls, ``G * c²`` exponentials and a call per
+    transition matrix, and O(rows * c) elementwise work, the ``rows * c²`` multiply-adds going
+    to BLAS; the constants are seconds fitted on a 2-core CPU. On the GPU the GEMM sweep pays
+    kernel launches and host synchronisations every step: on an H100 the kernel sweep was 3.5x
+    (forward) and 5.4x (forward + backward) faster at batch 500, v 40, c 200, so the GPU
+    always takes it.
     """
     rows, _, c = chain.x.shape
     if c == 0:  # nothing to multiply: the kernels' empty sums give -inf
@@ -74,8 +79,10 @@ def use_gemm(chain: Chain) -> bool:
     if _SWEEP.get() != "auto":
         return _SWEEP.get() == "gemm"
     groups = chain.trans.shape[0]
-    if chain.backend.on_gpu or _chain_scaled.applies(chain):
+    if chain.backend.on_gpu:
         return False
+    if _chain_scaled.applies(chain):
+        return chain.group * c * c >= (1e6 if chain.trans.shape[1] > 1 else 4e6)
     kernel = rows * (1.0e-9 * c * c + 5e-7)
     gemm = 3e-5 + groups * (1.5e-9 * c * c + 1.5e-6) + 1.5e-8 * rows * c
     return gemm < kernel

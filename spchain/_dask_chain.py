@@ -20,6 +20,8 @@ spchain function on NumPy or CuPy chunks.
   in-memory ``chain_marginals`` on itself with a virtual first position (the incoming
   message, as ``log_init``) and a virtual last one (the backward message, as a last
   transition into state 0).
+- A sparse ``log_trans`` (SciPy or cupyx) joins every task as it is, and the time axis is
+  gathered into one chunk: the chains run batch-parallel only.
 - ``viterbi`` gathers the time axis into one chunk first (``x.rechunk({-2: -1})``) and is
   batch-parallel only: decoding needs the whole chain of a row in one task.
 """
@@ -34,7 +36,7 @@ import dask.array as da
 import numpy as np
 from numpy.typing import DTypeLike
 
-from . import _backend, _checks, chain, semiring
+from . import _backend, _checks, _sparse_chain, chain, semiring
 from ._dask_array import LETTERS as _LETTERS
 from ._dask_array import Lazy
 from ._typing import Array, Shape
@@ -105,6 +107,8 @@ def chain_logsumexp(x: Lazy, log_trans: Lazy, log_init: Lazy | None = None, *,
     x, log_trans, log_init, lengths, shape, per_step, result = _inputs(
         chain.chain_logsumexp, x, log_trans, log_init, lengths)
     nb = len(shape)
+    if _sparse_chain.is_sparse(log_trans):  # batch-parallel only: a transfer matrix would be dense (c, c)
+        x = x.rechunk({-2: -1})
     meta = xp_of(x).empty((0,) * nb, result.dtype)
     if x.numblocks[-2] > 1:
         product = tree_product(_transfer_matrices(x, log_trans, log_init, lengths, nb, per_step, result.dtype))
@@ -120,6 +124,8 @@ def chain_marginals(x: Lazy, log_trans: Lazy, log_init: Lazy | None = None, *,
     x, log_trans, log_init, lengths, shape, per_step, result = _inputs(
         chain.chain_marginals, x, log_trans, log_init, lengths)
     nb = len(shape)
+    if _sparse_chain.is_sparse(log_trans):  # batch-parallel only: a transfer matrix would be dense (c, c)
+        x = x.rechunk({-2: -1})
     x_shape = x.shape
     meta = xp_of(x).empty((0,) * (nb + 2), result.dtype)
     if x.numblocks[-2] > 1:

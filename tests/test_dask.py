@@ -132,6 +132,23 @@ def test_path_functions_reject_bad_arguments_when_the_graph_is_built(rng):
         sc.chain_path_score(x, np.zeros((3, 3)), None, np.zeros((3, 5), np.int64))
 
 
+def test_sparse_transitions_run_batch_parallel_and_equal_the_in_memory_results(client, rng):
+    c = 6
+    log_trans = scipy.sparse.random(c, c, density=0.5, format="csr", random_state=2)
+    log_trans.data = np.log(log_trans.data)
+    x = rng.normal(size=(8, 7, c))
+    lengths = rng.integers(1, 8, 8)
+    dx = chunked(x, (3, 3, c))                         # batch and time chunks
+    got = client.compute([sc.chain_logsumexp(dx, log_trans, lengths=lengths),
+                          sc.chain_marginals(dx, log_trans, lengths=lengths),
+                          sc.viterbi(dx, log_trans, lengths=lengths)[1],
+                          sc.chain_entropy(dx, log_trans, lengths=lengths)], sync=True)
+    want = [sc.chain_logsumexp(x, log_trans, lengths=lengths), sc.chain_marginals(x, log_trans, lengths=lengths),
+            sc.viterbi(x, log_trans, lengths=lengths)[1], sc.chain_entropy(x, log_trans, lengths=lengths)]
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+
+
 def test_marginals_of_a_broadcast_x_sum_over_the_chunks(client, rng):
     x = rng.normal(size=(1, 6, 3))                      # one x for 5 transition matrices
     trans = log_stochastic(rng, (5, 3, 3))

@@ -12,8 +12,8 @@ BLOCKS = re.findall(r"```python\n(.*?)```", README, re.S)
 
 
 def test_the_readme_has_one_example_per_capability():
-    assert len(BLOCKS) == 3
-    assert all(name in README for name in ("SparseLinear", "chain_logsumexp", "BlockDiagonalLinear", "Dask"))
+    assert len(BLOCKS) == 4
+    assert all(name in README for name in ("SparseLinear", "chain_logsumexp", "LinearChainCRF", "BlockDiagonalLinear", "Dask"))
 
 
 @pytest.mark.parametrize("block", range(len(BLOCKS)))
