@@ -7,7 +7,10 @@ spchain function on NumPy or CuPy chunks.
   ``log_init`` and ``lengths`` map blockwise; the inputs broadcast as in memory (a size-1
   axis joins every chunk of the others) and their chunks are aligned to one another. With one
   chunk along ``x``'s time axis, each task is the in-memory call on its rows: the same
-  result, bit for bit. The state axes are gathered into one chunk.
+  result, bit for bit where the task takes the sweep the whole call takes (the automatic
+  choice of :func:`spchain.chain_sweep` weighs the rows sharing a transition matrix, so a
+  chunk may take the other exact sweep: the same result to round-off). The state axes are
+  gathered into one chunk.
 - **Time-parallel** (``chain_logsumexp``, ``chain_marginals``; ``x`` chunked along its time
   axis): each time chunk reduces to its log transfer matrix, the log-space product of
   ``T_t + x_t`` over its positions (:func:`spchain.log_chain_product`; the first chunk's

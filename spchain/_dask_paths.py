@@ -6,8 +6,9 @@ Reached through :func:`spchain._dask.scales_out`, as the chain functions of
 and every task calls the in-memory function on its chunks. A path needs its whole chain in
 one task, so the time axis is gathered into one chunk first (``x.rechunk({-2: -1})``).
 
-- ``chain_entropy``, ``chain_path_score`` and ``chain_kbest`` equal the in-memory results
-  bit for bit.
+- ``chain_path_score`` and ``chain_kbest`` equal the in-memory results bit for bit;
+  ``chain_entropy`` too where a task takes the chain sweep of the whole call (else to
+  round-off, as in ``_dask_chain``).
 - ``chain_sample`` draws each block's paths with its own generator, seeded from ``seed`` and
   the flat index of the block's first chain (``numpy.random.SeedSequence``): the draws follow
   the same posterior, are reproducible for a given ``seed`` and chunking (a task that a worker
