@@ -30,12 +30,13 @@ def to_array(t: torch.Tensor):
     """
     if t.dtype == torch.bfloat16:
         raise TypeError("bfloat16 tensors have no NumPy/CuPy dtype; convert with t.float() first")
-    t = t.detach()
+    if t.requires_grad:
+        t = t.detach()
     if not t.is_contiguous():
         t = t.contiguous()
-    if t.device.type == "cpu":
+    if t.is_cpu:
         return t.numpy()  # the same view as np.from_dlpack, several times faster
-    if t.device.type == "cuda":
+    if t.is_cuda:
         return _backend.cupy().from_dlpack(t)
     raise TypeError(f"spchain supports CPU and CUDA tensors, not {t.device.type} ones")
 
@@ -79,6 +80,7 @@ def check_dense(caller: str, optional=(), **tensors) -> torch.device:
     ...
     TypeError: f: b must be a dense tensor, not one of layout torch.sparse_coo
     """
+    device = first = None
     for name, t in tensors.items():
         if t is None and name in optional:
             continue
@@ -86,7 +88,11 @@ def check_dense(caller: str, optional=(), **tensors) -> torch.device:
             raise TypeError(f"{caller}: {name} must be a torch.Tensor, not {type(t).__name__}")
         if t.layout != torch.strided:
             raise TypeError(f"{caller}: {name} must be a dense tensor, not one of layout {t.layout}")
-    return check_same_device(caller, **tensors)
+        if device is None:
+            device, first = t.device, name
+        elif t.device != device:
+            raise ValueError(f"{caller}: {first} is on {device} but {name} is on {t.device}")
+    return device if device is not None else torch.device("cpu")
 
 
 def _torch_matmul(a, b, out=None):
@@ -109,12 +115,12 @@ def bridge(device: torch.device):
     """The one context in which ``spchain.torch`` runs the array level for tensors on ``device``:
     :func:`on_device`, with NumPy's floating-point warnings off (log space meets ``-inf``,
     ``inf - inf`` and ``0 * inf`` by design; the array level gives them their documented values)."""
-    return _Bridge(device)
+    return _CpuBridge() if device.type != "cuda" else _Bridge(_on_cuda(device))
 
 
 class _Bridge:
     def __init__(self, device):
-        self._device = on_device(device)
+        self._device = device
         self._errstate = np.errstate(divide="ignore", invalid="ignore", over="ignore")
 
     def __enter__(self):
@@ -124,6 +130,19 @@ class _Bridge:
     def __exit__(self, *exc):
         self._errstate.__exit__(*exc)
         return self._device.__exit__(*exc)
+
+
+class _CpuBridge:
+    """:class:`_Bridge` on the CPU in one object (entered on every small call)."""
+
+    def __enter__(self):
+        self._errstate = np.errstate(divide="ignore", invalid="ignore", over="ignore")
+        self._errstate.__enter__()
+        self._token = _backend.CPU_MATMUL.set(_torch_matmul)
+
+    def __exit__(self, *exc):
+        _backend.CPU_MATMUL.reset(self._token)
+        self._errstate.__exit__(*exc)
 
 
 def on_device(device: torch.device):

@@ -35,7 +35,10 @@ def plain_eager(tensors) -> bool:
     if (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active() or torch.jit.is_tracing()
             or _python_dispatch._get_current_dispatch_mode() is not None):
         return False
-    return all(type(t) in _PLAIN and (t.is_cpu or t.is_cuda) for t in tensors)
+    for t in tensors:
+        if type(t) not in _PLAIN or not (t.is_cpu or t.is_cuda):
+            return False
+    return True
 
 
 class Operator:
@@ -103,12 +106,16 @@ class Operator:
 
     def __call__(self, *args):
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        low = next((t.dtype for t in tensors if t.dtype in _LOW), None)
+        low, requires = None, False
+        for t in tensors:
+            requires = requires or t.requires_grad
+            if low is None and t.dtype in _LOW:
+                low = t.dtype
         if low is not None:
             args = [a.float() if isinstance(a, torch.Tensor) and a.dtype in _LOW else a for a in args]
-        if self.backward is None:  # results without a graph, also where compile traces the joint graph
+        if self.backward is None and requires:  # results without a graph, also where compile traces the joint graph
             args = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
-        grad = self.backward is not None and torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+        grad = requires and self.backward is not None and torch.is_grad_enabled()
         if plain_eager(tensors):  # without a graph, only the public results become tensors
             results = self._eager.apply(*args) if grad else self._run(args, self.outputs)
         else:
@@ -151,6 +158,9 @@ class Operator:
 
 
 def _device(args) -> torch.device:
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a.device
     return next(t.device for t in _flat_tensors(args))
 
 
