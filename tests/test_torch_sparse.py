@@ -314,29 +314,6 @@ def test_structure_cache_is_bounded_by_bytes_and_keeps_the_latest(rng, monkeypat
     assert not built
 
 
-def test_grad_for_x_only_skips_the_value_gradient_as_torch_ops_do(rng, monkeypatch):
-    indptr, indices = random_structure(rng, 6, 5, 0.5)
-    values = torch.randn(indices.numel(), dtype=torch.float64, requires_grad=True)
-    bias = torch.randn(6, dtype=torch.float64, requires_grad=True)
-    x = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
-    sampled = []
-    real = torch_linear._sparse.sampled
-    monkeypatch.setattr(torch_linear._sparse, "sampled", lambda *a: sampled.append(1) or real(*a))
-    y = st.sparse_linear(x, values, indptr, indices, (6, 5), bias)
-    (grad_x,) = torch.autograd.grad(y.square().sum(), [x], retain_graph=True)
-    assert not sampled
-    grad_values, grad_x2 = torch.autograd.grad(y.square().sum(), [values, x], retain_graph=True)  # leaves asked for
-    assert len(sampled) == 1 and grad_values.shape == values.shape
-    torch.testing.assert_close(grad_x2, grad_x)
-    sampled.clear()
-    weight = torch.from_numpy(dense_weight(values, indptr, indices, (6, 5)))
-    torch.testing.assert_close(grad_x, 2 * (x.detach() @ weight.T + bias.detach()) @ weight)
-    y.square().sum().backward(inputs=[values], retain_graph=True)
-    assert len(sampled) == 1 and x.grad is None and bias.grad is None and values.grad is not None
-    y.square().sum().backward()
-    assert len(sampled) == 2 and x.grad is not None and bias.grad is not None
-
-
 def test_a_new_structure_at_a_reused_address_is_validated_not_taken_from_the_cache(rng):
     indptr, indices = torch.tensor([0, 1, 2]), torch.tensor([0, 1])
     x = torch.randn(3, 2)

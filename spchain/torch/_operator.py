@@ -239,25 +239,11 @@ def _eager_function(op: Operator):
             if torch.is_grad_enabled():
                 raise _double_backward_error(op.name)
             args, results = _restore(ctx)
-            needs = [bool(ctx.needs_input_grad[k]) and _will_use(ctx, k) for k in op.differentiable]
-            if not any(needs):
-                return (None,) * len(args)
+            needs = [bool(ctx.needs_input_grad[k]) for k in op.differentiable]
             gradients = op._gradients(args, results, list(grads[:op.outputs]), needs)
             return _place(len(args), op.differentiable, needs, gradients)
 
     return Eager
-
-
-def _will_use(ctx, k) -> bool:
-    """Whether this backward pass uses the gradient of argument ``k`` (a tensor, saved by
-    :func:`_save`): not where ``torch.autograd.grad`` (or ``backward(inputs=...)``) asks for
-    other inputs only, as torch's own operators skip such gradients (``nn.Linear``'s weight
-    gradient for ``grad(y, x)``)."""
-    node = ctx.next_functions[ctx.arguments[0].index(k)][0]  # one edge a tensor argument
-    try:
-        return node is not None and torch._C._will_engine_execute_node(node)
-    except RuntimeError:  # a leaf that autograd.grad asks for is captured, not executed: used
-        return True
 
 
 def _transform_function(name, forward_op, backward_op, outputs, differentiable):
