@@ -229,14 +229,16 @@ def backend_of(*arrays: Any, caller: str = "spchain") -> Backend:
     for a in arrays:
         if a is None or isinstance(a, (int, float, np.generic)):
             continue
-        if _is_torch_tensor(a):
+        if type(a) is np.ndarray:  # the common case first: small calls pay for every check
+            current = NUMPY
+        elif _is_torch_tensor(a):
             hint = " and requires grad" if a.requires_grad else ""
             raise TypeError(
                 f"{caller} got a torch.Tensor{hint}; the array API takes NumPy/CuPy arrays: "
                 f"use spchain.torch.{caller.rsplit('.', 1)[-1]} for tensors (it supports autograd), "
                 "or pass t.detach().numpy()"
             )
-        if isinstance(a, np.ndarray) or scipy.sparse.issparse(a):
+        elif isinstance(a, np.ndarray) or scipy.sparse.issparse(a):
             current = NUMPY
         elif _is_cupy_object(a):
             cp = cupy()
@@ -247,6 +249,6 @@ def backend_of(*arrays: Any, caller: str = "spchain") -> Backend:
             raise TypeError(f"{caller} takes NumPy/SciPy or CuPy/cupyx arrays, not {type(a).__name__}")
         if found is None:
             found = current
-        elif found != current:
+        elif found is not current and found != current:
             raise ValueError(f"{caller}: inputs are on different devices: {found} and {current}")
     return found if found is not None else NUMPY

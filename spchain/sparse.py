@@ -50,6 +50,15 @@ def _cupyx_csr(backend: Backend, csr: Csr, data: Array) -> Sparse:
 
 # --- products ------------------------------------------------------------------------------
 
+_SERIAL_WORK = 2**17
+"""Multiply-adds below which a CPU product runs on one thread (its ``_serial`` kernel, the same
+arithmetic): starting the threads would cost about as much as such a product."""
+
+
+def _threads(backend: Backend, kernel: str, work: int) -> str:
+    """The name of ``kernel``'s one-thread version for small products on the CPU, else ``kernel``."""
+    return f"{kernel}_serial" if work < _SERIAL_WORK and not backend.on_gpu else kernel
+
 
 def matmul(backend: Backend, csr: Csr, b: Array, dtype: np.dtype[Any], bias: Array | None = None) -> Array:
     """``csr @ b`` (plus ``bias[:, None]``) for a dense (k, n) ``b``: an (m, n) array.
@@ -72,8 +81,8 @@ def matmul(backend: Backend, csr: Csr, b: Array, dtype: np.dtype[Any], bias: Arr
         return out if bias is None else out + bias[:, None]
     out = np.empty((m, n), dtype)
     if out.size:
-        backend.kernel("sparse", "spmm")(csr.indptr, csr.indices, data, contiguous(backend, b),
-                                         np.zeros(m, dtype) if bias is None else bias, out)
+        backend.kernel("sparse", _threads(backend, "spmm", csr.nnz * n))(
+            csr.indptr, csr.indices, data, contiguous(backend, b), np.zeros(m, dtype) if bias is None else bias, out)
     return out
 
 
@@ -86,7 +95,7 @@ def sampled(backend: Backend, csr: Csr, a: Array, b: Array, dtype: np.dtype[Any]
     b = contiguous(backend, b.astype(dtype, copy=False))
     out = xp.empty(csr.nnz, dtype)
     with backend.use():
-        backend.kernel("sparse", "sddmm")(csr.indptr, csr.indices, a, b, out)
+        backend.kernel("sparse", _threads(backend, "sddmm", csr.nnz * a.shape[1]))(csr.indptr, csr.indices, a, b, out)
     return out
 
 

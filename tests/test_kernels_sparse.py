@@ -14,15 +14,16 @@ def random_csr(rng, m, n, density, index_dtype=np.int32):
     return indptr.astype(index_dtype), cols.astype(index_dtype), rng.standard_normal(cols.size)
 
 
+@pytest.mark.parametrize("kernel", ["spmm", "spmm_serial"])
 @pytest.mark.parametrize("index_dtype", [np.int32, np.int64])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_spmm_matches_scipy_with_bias(rng, index_dtype, dtype):
+def test_spmm_matches_scipy_with_bias(rng, index_dtype, dtype, kernel):
     indptr, indices, data = random_csr(rng, 37, 23, 0.2, index_dtype)
     data = data.astype(dtype)
     b = rng.standard_normal((23, 9)).astype(dtype)
     bias = rng.standard_normal(37).astype(dtype)
     out = np.full((37, 9), np.nan, dtype)
-    cpu_sparse.spmm(indptr, indices, data, b, bias, out)
+    getattr(cpu_sparse, kernel)(indptr, indices, data, b, bias, out)
     want = scipy.sparse.csr_matrix((data.astype(np.float64), indices, indptr), shape=(37, 23)) @ b + bias[:, None]
     np.testing.assert_allclose(out, want, rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-5)
 
@@ -48,12 +49,12 @@ def test_transpose(rng, shape, dtype):
 
 # --- SDDMM on both targets: CUDA under the simulator (NUMBA_ENABLE_CUDASIM=1) or on a GPU ----
 
-TARGETS = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda_kernel)]
+TARGETS = ["cpu", "cpu serial", pytest.param("cuda", marks=pytest.mark.cuda_kernel)]
 
 
 def sddmm(target, indptr, indices, a, b, out):
-    if target == "cpu":
-        cpu_sparse.sddmm(indptr, indices, a, b, out)
+    if target.startswith("cpu"):
+        (cpu_sparse.sddmm_serial if target == "cpu serial" else cpu_sparse.sddmm)(indptr, indices, a, b, out)
     else:
         from spchain.kernels.cuda import sparse as cuda_sparse
 

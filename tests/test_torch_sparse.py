@@ -287,6 +287,33 @@ def test_the_cache_holds_the_most_recently_used_structures_only(rng, monkeypatch
     assert len(built) == 1 and len(torch_linear._STRUCTURES) == 2
 
 
+def test_structure_cache_is_bounded_by_bytes_and_keeps_the_latest(rng, monkeypatch):
+    structures = [random_structure(rng, 8, 8, 0.5) for _ in range(3)]
+
+    def call(cache, indptr, indices):
+        monkeypatch.setattr(torch_linear, "_STRUCTURES", cache)
+        x = torch.randn(2, 8, requires_grad=True)
+        st.sparse_linear(x, torch.randn(indices.numel()), indptr, indices, (8, 8)).sum().backward()
+
+    one = torch_linear._StructureCache()
+    call(one, *structures[0])
+    entry = one.nbytes
+    assert entry >= 3 * structures[0][1].numel() * structures[0][1].element_size()  # indices, transpose, order
+    two = torch_linear._StructureCache(budget=2 * entry + entry // 2)  # room for two of about that size
+    for indptr, indices in structures:
+        call(two, indptr, indices)
+    assert len(two) == 2 and two.nbytes <= 2 * entry + entry // 2
+    tiny = torch_linear._StructureCache(budget=0)  # the most recent one stays, whatever its size
+    for indptr, indices in structures:
+        call(tiny, indptr, indices)
+    assert len(tiny) == 1 and tiny.nbytes > 0
+    built = []
+    real = torch_linear._csr.transposed
+    monkeypatch.setattr(torch_linear._csr, "transposed", lambda *a: built.append(1) or real(*a))
+    call(tiny, *structures[2])
+    assert not built
+
+
 def test_a_new_structure_at_a_reused_address_is_validated_not_taken_from_the_cache(rng):
     indptr, indices = torch.tensor([0, 1, 2]), torch.tensor([0, 1])
     x = torch.randn(3, 2)

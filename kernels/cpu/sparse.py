@@ -25,33 +25,46 @@ def spmm(indptr, indices, data, b, bias, out):
     entries are taken eight at a time, then four, then one.
     Complexity: O(nnz * n) multiply-adds, O(m * n) writes.
     """
-    n = b.shape[1]
     for i in prange(out.shape[0]):
-        o = out[i]
-        o[:] = bias[i]
-        p = indptr[i]
-        end = indptr[i + 1]
-        while p + 8 <= end:
-            v0, v1, v2, v3 = data[p], data[p + 1], data[p + 2], data[p + 3]
-            v4, v5, v6, v7 = data[p + 4], data[p + 5], data[p + 6], data[p + 7]
-            b0, b1, b2, b3 = b[indices[p]], b[indices[p + 1]], b[indices[p + 2]], b[indices[p + 3]]
-            b4, b5, b6, b7 = b[indices[p + 4]], b[indices[p + 5]], b[indices[p + 6]], b[indices[p + 7]]
-            for c in range(n):
-                o[c] += (v0 * b0[c] + v1 * b1[c] + v2 * b2[c] + v3 * b3[c]) + (
-                    v4 * b4[c] + v5 * b5[c] + v6 * b6[c] + v7 * b7[c])
-            p += 8
-        if p + 4 <= end:
-            v0, v1, v2, v3 = data[p], data[p + 1], data[p + 2], data[p + 3]
-            b0, b1, b2, b3 = b[indices[p]], b[indices[p + 1]], b[indices[p + 2]], b[indices[p + 3]]
-            for c in range(n):
-                o[c] += v0 * b0[c] + v1 * b1[c] + v2 * b2[c] + v3 * b3[c]
-            p += 4
-        while p < end:
-            v0 = data[p]
-            b0 = b[indices[p]]
-            for c in range(n):
-                o[c] += v0 * b0[c]
-            p += 1
+        _spmm_row(indptr, indices, data, b, bias, out, i)
+
+
+@njit(cache=True, fastmath=_FAST)
+def spmm_serial(indptr, indices, data, b, bias, out):
+    """:func:`spmm` on one thread, row after row (the same arithmetic): for small products,
+    where starting the threads would cost more than the product."""
+    for i in range(out.shape[0]):
+        _spmm_row(indptr, indices, data, b, bias, out, i)
+
+
+@njit(inline="always")
+def _spmm_row(indptr, indices, data, b, bias, out, i):
+    n = b.shape[1]
+    o = out[i]
+    o[:] = bias[i]
+    p = indptr[i]
+    end = indptr[i + 1]
+    while p + 8 <= end:
+        v0, v1, v2, v3 = data[p], data[p + 1], data[p + 2], data[p + 3]
+        v4, v5, v6, v7 = data[p + 4], data[p + 5], data[p + 6], data[p + 7]
+        b0, b1, b2, b3 = b[indices[p]], b[indices[p + 1]], b[indices[p + 2]], b[indices[p + 3]]
+        b4, b5, b6, b7 = b[indices[p + 4]], b[indices[p + 5]], b[indices[p + 6]], b[indices[p + 7]]
+        for c in range(n):
+            o[c] += (v0 * b0[c] + v1 * b1[c] + v2 * b2[c] + v3 * b3[c]) + (
+                v4 * b4[c] + v5 * b5[c] + v6 * b6[c] + v7 * b7[c])
+        p += 8
+    if p + 4 <= end:
+        v0, v1, v2, v3 = data[p], data[p + 1], data[p + 2], data[p + 3]
+        b0, b1, b2, b3 = b[indices[p]], b[indices[p + 1]], b[indices[p + 2]], b[indices[p + 3]]
+        for c in range(n):
+            o[c] += v0 * b0[c] + v1 * b1[c] + v2 * b2[c] + v3 * b3[c]
+        p += 4
+    while p < end:
+        v0 = data[p]
+        b0 = b[indices[p]]
+        for c in range(n):
+            o[c] += v0 * b0[c]
+        p += 1
 
 
 @njit(parallel=True, cache=True, fastmath=_FAST)
@@ -62,30 +75,42 @@ def sddmm(indptr, indices, a, b, out):
     C-contiguous. Overwrites ``out`` (nnz). Rows run in parallel.
     Complexity: O(nnz * k) multiply-adds.
     """
+    for i in prange(a.shape[0]):
+        _sddmm_row(indptr, indices, a, b, out, i)
+
+
+@njit(cache=True, fastmath=_FAST)
+def sddmm_serial(indptr, indices, a, b, out):
+    """:func:`sddmm` on one thread, row after row (the same arithmetic), for small products."""
+    for i in range(a.shape[0]):
+        _sddmm_row(indptr, indices, a, b, out, i)
+
+
+@njit(inline="always")
+def _sddmm_row(indptr, indices, a, b, out, i):
     k = a.shape[1]
     zero = out.dtype.type(0)
-    for i in prange(a.shape[0]):
-        ai = a[i]
-        p = indptr[i]
-        end = indptr[i + 1]
-        while p + 4 <= end:
-            b0, b1, b2, b3 = b[indices[p]], b[indices[p + 1]], b[indices[p + 2]], b[indices[p + 3]]
-            s0 = s1 = s2 = s3 = zero
-            for c in range(k):
-                x = ai[c]
-                s0 += x * b0[c]
-                s1 += x * b1[c]
-                s2 += x * b2[c]
-                s3 += x * b3[c]
-            out[p], out[p + 1], out[p + 2], out[p + 3] = s0, s1, s2, s3
-            p += 4
-        while p < end:
-            b0 = b[indices[p]]
-            s0 = zero
-            for c in range(k):
-                s0 += ai[c] * b0[c]
-            out[p] = s0
-            p += 1
+    ai = a[i]
+    p = indptr[i]
+    end = indptr[i + 1]
+    while p + 4 <= end:
+        b0, b1, b2, b3 = b[indices[p]], b[indices[p + 1]], b[indices[p + 2]], b[indices[p + 3]]
+        s0 = s1 = s2 = s3 = zero
+        for c in range(k):
+            x = ai[c]
+            s0 += x * b0[c]
+            s1 += x * b1[c]
+            s2 += x * b2[c]
+            s3 += x * b3[c]
+        out[p], out[p + 1], out[p + 2], out[p + 3] = s0, s1, s2, s3
+        p += 4
+    while p < end:
+        b0 = b[indices[p]]
+        s0 = zero
+        for c in range(k):
+            s0 += ai[c] * b0[c]
+        out[p] = s0
+        p += 1
 
 
 @njit(cache=True)

@@ -13,15 +13,13 @@ current CUDA stream, so no synchronisation is needed on either side.
 """
 
 import contextlib
-import functools
-from collections.abc import Callable, Container, Iterator
+from collections.abc import Container, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
 import torch
 from numpy.typing import NDArray
-from torch.autograd.function import once_differentiable
 from torch.utils.dlpack import from_dlpack
 
 from .. import _backend
@@ -36,12 +34,13 @@ def to_array(t: torch.Tensor) -> Array:
     """
     if t.dtype == torch.bfloat16:
         raise TypeError("bfloat16 tensors have no NumPy/CuPy dtype; convert with t.float() first")
-    t = t.detach()
+    if t.requires_grad:
+        t = t.detach()
     if not t.is_contiguous():
         t = t.contiguous()
-    if t.device.type == "cpu":
+    if t.is_cpu:
         return t.numpy()  # the same view as np.from_dlpack, several times faster
-    if t.device.type == "cuda":
+    if t.is_cuda:
         return _backend.cupy().from_dlpack(t)
     raise TypeError(f"spchain supports CPU and CUDA tensors, not {t.device.type} ones")
 
@@ -85,6 +84,7 @@ def check_dense(caller: str, optional: Container[str] = (), **tensors: object) -
     ...
     TypeError: f: b must be a dense tensor, not one of layout torch.sparse_coo
     """
+    device = first = None
     for name, t in tensors.items():
         if t is None and name in optional:
             continue
@@ -92,7 +92,11 @@ def check_dense(caller: str, optional: Container[str] = (), **tensors: object) -
             raise TypeError(f"{caller}: {name} must be a torch.Tensor, not {type(t).__name__}")
         if t.layout != torch.strided:
             raise TypeError(f"{caller}: {name} must be a dense tensor, not one of layout {t.layout}")
-    return check_same_device(caller, **tensors)
+        if device is None:
+            device, first = t.device, name
+        elif t.device != device:
+            raise ValueError(f"{caller}: {first} is on {device} but {name} is on {t.device}")
+    return device if device is not None else torch.device("cpu")
 
 
 def _torch_matmul(a: NDArray[Any], b: NDArray[Any], out: NDArray[Any] | None = None) -> NDArray[Any]:
@@ -115,12 +119,12 @@ def bridge(device: torch.device) -> AbstractContextManager[None]:
     """The one context in which ``spchain.torch`` runs the array level for tensors on ``device``:
     :func:`on_device`, with NumPy's floating-point warnings off (log space meets ``-inf``,
     ``inf - inf`` and ``0 * inf`` by design; the array level gives them their documented values)."""
-    return _Bridge(device)
+    return _CpuBridge() if device.type != "cuda" else _Bridge(_on_cuda(device))
 
 
 class _Bridge:
-    def __init__(self, device: torch.device) -> None:
-        self._device = on_device(device)
+    def __init__(self, device: AbstractContextManager[None]) -> None:
+        self._device = device
         self._errstate = np.errstate(divide="ignore", invalid="ignore", over="ignore")
 
     def __enter__(self) -> None:
@@ -130,6 +134,19 @@ class _Bridge:
     def __exit__(self, *exc: Any) -> bool | None:
         self._errstate.__exit__(*exc)
         return self._device.__exit__(*exc)
+
+
+class _CpuBridge:
+    """:class:`_Bridge` on the CPU in one object (entered on every small call)."""
+
+    def __enter__(self) -> None:
+        self._errstate = np.errstate(divide="ignore", invalid="ignore", over="ignore")
+        self._errstate.__enter__()
+        self._token = _backend.CPU_MATMUL.set(_torch_matmul)
+
+    def __exit__(self, *exc: Any) -> None:
+        _backend.CPU_MATMUL.reset(self._token)
+        self._errstate.__exit__(*exc)
 
 
 def on_device(device: torch.device) -> AbstractContextManager[None]:
@@ -156,43 +173,3 @@ def _on_cuda(device: torch.device) -> Iterator[None]:
     stream = torch.cuda.current_stream(index)
     with cp.cuda.Device(index), cp.cuda.ExternalStream(stream.cuda_stream, index):
         yield
-
-
-def first_order(op: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """``@once_differentiable`` for the backward of ``op``, which also refuses to run where
-    autograd records a graph (``create_graph=True``: Hessians, gradient penalties): a clear
-    ``RuntimeError`` instead of a gradient that silently carries no graph.
-
-    >>> class Square(torch.autograd.Function):
-    ...     @staticmethod
-    ...     def forward(ctx, x):
-    ...         ctx.save_for_backward(x)
-    ...         return x * x
-    ...     @staticmethod
-    ...     @first_order("square")
-    ...     def backward(ctx, grad):
-    ...         (x,) = ctx.saved_tensors
-    ...         return 2 * x * grad
-    >>> x = torch.ones(2, requires_grad=True)
-    >>> torch.autograd.grad(Square.apply(x).sum(), x, create_graph=True)
-    Traceback (most recent call last):
-    ...
-    RuntimeError: square: double backward (create_graph=True) is not implemented; its gradient would carry no graph, so higher derivatives (Hessians, gradient penalties) would be silently wrong
-    """
-
-    def decorate(backward: Callable[..., Any]) -> Callable[..., Any]:
-        backward = once_differentiable(backward)
-
-        @functools.wraps(backward)
-        def checked(ctx: Any, *grads: Any) -> Any:
-            if torch.is_grad_enabled():
-                raise RuntimeError(
-                    f"{op}: double backward (create_graph=True) is not implemented; its gradient "
-                    "would carry no graph, so higher derivatives (Hessians, gradient penalties) "
-                    "would be silently wrong"
-                )
-            return backward(ctx, *grads)
-
-        return checked
-
-    return decorate

@@ -35,7 +35,10 @@ def plain_eager(tensors) -> bool:
     if (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active() or torch.jit.is_tracing()
             or _python_dispatch._get_current_dispatch_mode() is not None):
         return False
-    return all(type(t) in _PLAIN and (t.is_cpu or t.is_cuda) for t in tensors)
+    for t in tensors:
+        if type(t) not in _PLAIN or not (t.is_cpu or t.is_cuda):
+            return False
+    return True
 
 
 class Operator:
@@ -62,6 +65,9 @@ class Operator:
     leading_batch
         Positions of the tensor arguments whose leading axes are batch axes that the function
         maps over independently: ``vmap`` over those makes one call; over others, a call a slice.
+    backward_reads
+        Positions of the arguments that ``backward`` reads (default all); the others reach it
+        as ``None``, so that no array is made of them (a non-contiguous one would be copied).
 
     Examples
     --------
@@ -74,9 +80,10 @@ class Operator:
     """
 
     def __init__(self, name, schema, forward, fake, *, outputs=1, backward=None, differentiable=(),
-                 leading_batch=()):
+                 leading_batch=(), backward_reads=None):
         self.name = f"spchain.torch.{name}"
         self.forward, self.backward = forward, backward
+        self._reads = None if backward_reads is None else frozenset(backward_reads)
         self.outputs, self.differentiable = outputs, tuple(differentiable)
         op = torch.library.custom_op(f"spchain::{name}", self._forward_op, mutates_args=(), schema=schema)
         op.register_fake(fake)
@@ -99,14 +106,18 @@ class Operator:
 
     def __call__(self, *args):
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        low = next((t.dtype for t in tensors if t.dtype in _LOW), None)
+        low, requires = None, False
+        for t in tensors:
+            requires = requires or t.requires_grad
+            if low is None and t.dtype in _LOW:
+                low = t.dtype
         if low is not None:
             args = [a.float() if isinstance(a, torch.Tensor) and a.dtype in _LOW else a for a in args]
-        if self.backward is None:  # results without a graph, also where compile traces the joint graph
+        if self.backward is None and requires:  # results without a graph, also where compile traces the joint graph
             args = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
-        grad = self.backward is not None and torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-        if plain_eager(tensors):
-            results = self._eager.apply(*args) if grad else self._run(args)
+        grad = requires and self.backward is not None and torch.is_grad_enabled()
+        if plain_eager(tensors):  # without a graph, only the public results become tensors
+            results = self._eager.apply(*args) if grad else self._run(args, self.outputs)
         else:
             results = self._transform.apply(*args) if grad else self.op(*args)
         public = results[:self.outputs] if isinstance(results, tuple) else (results,)
@@ -114,18 +125,21 @@ class Operator:
             public = tuple(r.to(low) if r.is_floating_point() else r for r in public)
         return public if self.outputs > 1 else public[0]
 
-    def _run(self, args):
+    def _run(self, args, count=None):
+        """The forward's results as tensors (the first ``count`` of them; default all)."""
         with bridge(_device(args)):
             results = self.forward(*_arrays(args))
-        return tuple(to_tensor(r) for r in (results if isinstance(results, tuple) else (results,)))
+        return tuple(to_tensor(r) for r in (results if isinstance(results, tuple) else (results,))[:count])
 
     def _forward_op(self, *args):
         results = _own(self._run(args), args)
         return results if len(results) > 1 else results[0]
 
     def _gradients(self, args, results, grads, needs):
+        read = args if self._reads is None else \
+            [a if k in self._reads or not isinstance(a, torch.Tensor) else None for k, a in enumerate(args)]
         with bridge(_device(args)):
-            arrays = self.backward(_arrays(args), _arrays(results), _arrays(grads), needs)
+            arrays = self.backward(_arrays(read), _arrays(results), _arrays(grads), needs)
         return [to_tensor(g).to(args[k].dtype) if need else None
                 for k, need, g in zip(self.differentiable, needs, arrays)]
 
@@ -144,6 +158,9 @@ class Operator:
 
 
 def _device(args) -> torch.device:
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a.device
     return next(t.device for t in _flat_tensors(args))
 
 

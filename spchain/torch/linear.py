@@ -36,16 +36,18 @@ class _StructureCache:
 
     Keyed by the index arrays' data pointers, dtypes and lengths, the shape and the device (the
     operator sees array views, not the caller's tensor objects, also under ``torch.compile``);
-    it holds the ``size`` most recently used structures. An entry holds private copies of the
+    it holds the most recently used structures, at most ``size`` of them and at most ``budget``
+    bytes of arrays in all (default 256 MiB; the most recent one is kept whatever its size), so
+    that the structures that ``prune_and_regrow`` leaves behind do not pin memory. An entry holds private copies of the
     validated structure, and every lookup compares the arrays' contents with them (O(nnz),
     next to an O(nnz * batch) product), validating and rebuilding on any difference: version
     counters are not trusted (writes through a NumPy view or ``.data`` do not bump them, and
     an unchecked index would reach a kernel), nor is an address that a new tensor may reuse.
     """
 
-    def __init__(self, size=64):
+    def __init__(self, size=64, budget=256 * 2**20):
         self._entries = collections.OrderedDict()
-        self._size = size
+        self._size, self._budget, self._bytes = size, budget, 0
 
     def get(self, backend, arrays, shape, caller, key_arrays=None):
         """``(csr, transpose)`` for the structure ``arrays = (indptr, indices)``: ``csr`` on
@@ -64,14 +66,32 @@ class _StructureCache:
                 return entry
         csr = _csr.to_csr(backend, "csr", shape, None, *(a.copy() for a in arrays), caller)
         entry = csr, (None if backend.on_gpu else _csr.transposed(backend, csr))
+        self._forget(key)
         self._entries[key] = entry
-        self._entries.move_to_end(key)
-        while len(self._entries) > self._size:
-            self._entries.popitem(last=False)
+        self._bytes += _nbytes(entry)
+        while len(self._entries) > 1 and (len(self._entries) > self._size or self._bytes > self._budget):
+            self._forget(next(iter(self._entries)))
         return entry
+
+    def _forget(self, key) -> None:
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self._bytes -= _nbytes(entry)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of the arrays that the cache holds."""
+        return self._bytes
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+def _nbytes(entry) -> int:
+    csr, transpose = entry
+    arrays = [csr.indptr, csr.indices] + ([] if transpose is None else [transpose[0].indptr, transpose[0].indices,
+                                                                       transpose[1]])
+    return sum(a.nbytes for a in arrays)
 
 
 def _address(a) -> int:
@@ -124,7 +144,7 @@ _OPERATOR = Operator(
     "sparse_linear",
     "(Tensor xt, Tensor values, Tensor indptr, Tensor indices, int[] shape, Tensor? bias)"
     " -> (Tensor, Tensor, Tensor, Tensor)",
-    _forward, _fake, outputs=1, backward=_backward, differentiable=(0, 1, 5))
+    _forward, _fake, outputs=1, backward=_backward, differentiable=(0, 1, 5), backward_reads=(1, 2, 3))
 
 
 def sparse_linear(x, values, indptr, indices, shape, bias=None):
@@ -164,9 +184,10 @@ def sparse_linear(x, values, indptr, indices, shape, bias=None):
     A torch operator (``spchain::sparse_linear``): it compiles with ``fullgraph=True``,
     exports, and runs under ``torch.func`` (``grad``, ``vmap``, per-sample gradients). The
     structure is validated once and cached with its transpose (the csr2csc order the input
-    gradient needs), for the 64 most recently used structures; each call only compares the
-    tensors with the cached copy (O(nnz), however they were changed: in place, through
-    ``.data`` or a NumPy view) and validates and rebuilds on any difference. The backward
+    gradient needs), for the 64 most recently used structures (at most 256 MiB of them, so
+    that structures left behind by ``prune_and_regrow`` do not pin memory); each call only
+    compares the tensors with the cached copy (O(nnz), however they were changed: in place,
+    through ``.data`` or a NumPy view) and validates and rebuilds on any difference. The backward
     differentiates the structure its forward ran on; changing ``x``, ``values``, ``indptr`` or
     ``indices`` in place between them raises autograd's version-counter error, as
     ``nn.Linear`` does. Double backward (``create_graph=True``) raises a ``RuntimeError``.
