@@ -13,7 +13,7 @@ current CUDA stream, so no synchronisation is needed on either side.
 """
 
 import contextlib
-from collections.abc import Container, Iterator
+from collections.abc import Callable, Container, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -59,19 +59,9 @@ def to_tensor(a: Array) -> torch.Tensor:
 
 
 def check_same_device(caller: str, **tensors: object) -> torch.device:
-    """The one device of ``tensors`` (``None`` values ignored); ``ValueError`` naming two that differ."""
-    device = None
-    first = None
-    for name, t in tensors.items():
-        if t is None:
-            continue
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{caller}: {name} must be a torch.Tensor, not {type(t).__name__}")
-        if device is None:
-            device, first = t.device, name
-        elif t.device != device:
-            raise ValueError(f"{caller}: {first} is on {device} but {name} is on {t.device}")
-    return device if device is not None else torch.device("cpu")
+    """The one device of ``tensors`` (``None`` values ignored, any layout); ``ValueError``
+    naming two that differ, ``TypeError`` naming one that is not a tensor."""
+    return _checked(caller, tensors, lambda name: True, dense=False)
 
 
 def check_dense(caller: str, optional: Container[str] = (), **tensors: object) -> torch.device:
@@ -84,13 +74,18 @@ def check_dense(caller: str, optional: Container[str] = (), **tensors: object) -
     ...
     TypeError: f: b must be a dense tensor, not one of layout torch.sparse_coo
     """
+    return _checked(caller, tensors, optional.__contains__, dense=True)
+
+
+def _checked(caller: str, tensors: dict[str, object], may_be_none: Callable[[str], bool], dense: bool) -> torch.device:
+    """The checks of :func:`check_dense` and :func:`check_same_device`, in one pass."""
     device = first = None
     for name, t in tensors.items():
-        if t is None and name in optional:
+        if t is None and may_be_none(name):
             continue
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{caller}: {name} must be a torch.Tensor, not {type(t).__name__}")
-        if t.layout != torch.strided:
+        if dense and t.layout != torch.strided:
             raise TypeError(f"{caller}: {name} must be a dense tensor, not one of layout {t.layout}")
         if device is None:
             device, first = t.device, name
