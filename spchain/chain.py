@@ -18,6 +18,7 @@ from ._chain_layout import Chain, prepare
 from ._chain_sweep import chain_sweep
 from ._dask import scales_out
 
+
 def _viterbi_grads(chain: Chain, path, weight, trans_grad: bool = True):
     """Sub-gradients of ``sum(weight * score)``: ``weight`` on every step of the best path.
 
