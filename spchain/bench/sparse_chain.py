@@ -21,7 +21,7 @@ from .chain import sequential
 from .core import Case
 
 CASES = ["forward + backward"]
-SIZES = {False: (64, 500, 4096), True: (4, 20, 64)}  # (batch, v, c) for full and quick runs
+SIZES = {False: {"batch": 64, "v": 500, "c": 4096}, True: {"batch": 4, "v": 20, "c": 64}}
 DENSE_SIZE = {"spchain dense chain": (64, 3), "torch sequential logsumexp": (4, 3)}
 """(batch, v) of the dense baselines at full size."""
 WIDTH = 7  # successors of each state besides itself
@@ -29,7 +29,7 @@ WIDTH = 7  # successors of each state besides itself
 
 def make_inputs(quick: bool, device: str, seed: int = 0):
     """``(x, log_trans CSR, dense log_trans, log_init)``: random emissions, a random band."""
-    batch, v, c = SIZES[quick]
+    batch, v, c = SIZES[quick].values()
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(batch, v, c, generator=g)
     rows = torch.arange(c).repeat_interleave(WIDTH + 1)
@@ -49,7 +49,7 @@ def make_inputs(quick: bool, device: str, seed: int = 0):
 
 def make_case(name: str, quick: bool, device: str = "cpu") -> Case:
     x, sparse, dense, log_init = make_inputs(quick, device)
-    batch, v, c = SIZES[quick]
+    batch, v, c = SIZES[quick].values()
 
     def label(name):
         if quick:
