@@ -59,15 +59,21 @@ CHAIN_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", CHAIN_CASES)
-def test_batch_chunks_equal_the_in_memory_result(client, rng, case):
-    spec = CHAIN_CASES[case]
+def chain_inputs(rng, spec):
+    """``(x, log_trans, log_init, lengths, batch shape)`` of a ``CHAIN_CASES`` entry, with a ``-inf``."""
     x = rng.normal(size=spec["x"])
     x[0, ..., 1, 0] = -np.inf
     trans = log_stochastic(rng, spec["trans"])
     init = None if spec["init"] is None else rng.normal(size=spec["init"])
     batch = np.broadcast_shapes(spec["x"][:-2], spec["trans"][:-3 if len(spec["trans"]) > len(spec["x"]) else -2])
     lengths = rng.integers(1, spec["x"][-2] + 1, batch) if spec["lengths"] else None
+    return x, trans, init, lengths, batch
+
+
+@pytest.mark.parametrize("case", CHAIN_CASES)
+def test_batch_chunks_equal_the_in_memory_result(client, rng, case):
+    spec = CHAIN_CASES[case]
+    x, trans, init, lengths, batch = chain_inputs(rng, spec)
     dx = chunked(x, spec["chunks"])
     dlengths = None if lengths is None else chunked(lengths, spec["chunks"][:len(batch)])
     got = client.compute([sc.chain_logsumexp(dx, trans, init, lengths=dlengths),
@@ -86,12 +92,7 @@ def test_batch_chunks_equal_the_in_memory_result(client, rng, case):
 @pytest.mark.parametrize("case", CHAIN_CASES)
 def test_path_functions_on_batch_chunks_equal_the_in_memory_results(client, rng, case):
     spec = CHAIN_CASES[case]
-    x = rng.normal(size=spec["x"])
-    x[0, ..., 1, 0] = -np.inf
-    trans = log_stochastic(rng, spec["trans"])
-    init = None if spec["init"] is None else rng.normal(size=spec["init"])
-    batch = np.broadcast_shapes(spec["x"][:-2], spec["trans"][:-3 if len(spec["trans"]) > len(spec["x"]) else -2])
-    lengths = rng.integers(1, spec["x"][-2] + 1, batch) if spec["lengths"] else None
+    x, trans, init, lengths, batch = chain_inputs(rng, spec)
     path = rng.integers(0, spec["x"][-1], batch + spec["x"][-2:-1])
     time_chunked = spec["chunks"][:-2] + (4,) + spec["chunks"][-1:]      # gathered into one chunk
     dx, dpath = chunked(x, time_chunked), chunked(path, spec["chunks"][:-1])
