@@ -3,15 +3,18 @@ random block structure, the dense view, block and N:M pruning of a dense weight,
 drop-and-grow step of dynamic sparsity at block granularity."""
 
 import warnings
+from collections.abc import Sequence
 
 import numpy as np
 import torch
+from numpy.typing import NDArray
 
 from .. import _backend, _csr, _selection
 from .. import blocksparse as _blocksparse
+from .._typing import Shape
 from ._bridge import on_device, to_array, to_tensor
 
-def check_block(caller: str, block, shape) -> tuple[int, int]:
+def check_block(caller: str, block: object, shape: Sequence[int]) -> tuple[int, int]:
     """``block`` as ``(R, C)``; ``ValueError`` unless ``shape`` (out, in) is a whole number of blocks."""
     if (not isinstance(block, (tuple, list)) or len(block) != 2
             or any(isinstance(s, bool) or not isinstance(s, (int, np.integer)) for s in block)):
@@ -23,14 +26,15 @@ def check_block(caller: str, block, shape) -> tuple[int, int]:
     return r, c
 
 
-def random_structure(shape, block, count: int, seed: int):
+def random_structure(shape: Shape, block: Sequence[int], count: int,
+                     seed: int) -> tuple[NDArray[np.integer], NDArray[np.integer]]:
     """``(indptr, indices)`` numpy arrays: ``count`` uniformly random blocks on the block grid."""
     grid = (shape[0] // block[0], shape[1] // block[1])
     positions = _selection.random_positions(_backend.NUMPY, grid[0] * grid[1], count, seed=seed)
     return _selection.positions_to_csr(_backend.NUMPY, positions, grid)
 
 
-def dense_weight(values, indptr, indices, shape) -> torch.Tensor:
+def dense_weight(values: torch.Tensor, indptr: torch.Tensor, indices: torch.Tensor, shape: Shape) -> torch.Tensor:
     """The dense ``shape`` matrix of the BSR weight (differentiable in ``values``)."""
     r, c = values.shape[1:]
     gm, gn = shape[0] // r, shape[1] // c
@@ -39,14 +43,16 @@ def dense_weight(values, indptr, indices, shape) -> torch.Tensor:
     return grid.view(gm, gn, r, c).transpose(1, 2).reshape(shape)
 
 
-def bsr_tensor(indptr, indices, values, shape) -> torch.Tensor:
+def bsr_tensor(indptr: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, shape: Shape) -> torch.Tensor:
     """A torch sparse BSR tensor of validated parts, without torch's (once a process) beta warning."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "Sparse BSR tensor support is in beta")
         return torch.sparse_bsr_tensor(indptr, indices, values, size=shape, check_invariants=False)
 
 
-def prune_dense(weight: torch.Tensor, sparsity, method, seed, block, pattern, caller: str):
+def prune_dense(weight: torch.Tensor, sparsity: float | None, method: str, seed: int | None,
+                block: tuple[int, int] | None, pattern: str | None,
+                caller: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(indptr, indices, values)`` tensors of ``weight`` pruned by :func:`spchain.prune`: to
     blocks (``block``, BSR values (nnzb, R, C)) or to an ``"n:m"`` ``pattern`` (CSR)."""
     low = weight.dtype == torch.bfloat16  # no NumPy dtype: select on an exact float32 copy
@@ -62,7 +68,7 @@ def prune_dense(weight: torch.Tensor, sparsity, method, seed, block, pattern, ca
         return to_tensor(indptr), to_tensor(indices), values
 
 
-def parse_pattern(caller: str, pattern) -> tuple[int, int]:
+def parse_pattern(caller: str, pattern: object) -> tuple[int, int]:
     """``(n, m)`` of an ``"n:m"`` string."""
     parts = pattern.split(":") if isinstance(pattern, str) else ()
     if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
@@ -72,10 +78,11 @@ def parse_pattern(caller: str, pattern) -> tuple[int, int]:
 
 def norms(values: torch.Tensor) -> torch.Tensor:
     """The Frobenius norm of each block, in float64."""
-    return torch.linalg.vector_norm(values.double().reshape(values.shape[0], -1), dim=1)
+    out: torch.Tensor = torch.linalg.vector_norm(values.double().reshape(values.shape[0], -1), dim=1)
+    return out
 
 
-def _gradient_norms(grad_y, x, block) -> torch.Tensor:
+def _gradient_norms(grad_y: torch.Tensor, x: torch.Tensor, block: Sequence[int]) -> torch.Tensor:
     """Flat (row-major) block-grid norms of the dense gradient ``grad_y.T @ x``, in row blocks."""
     r, c = block
     m, n = grad_y.shape[1], x.shape[1]
@@ -88,7 +95,9 @@ def _gradient_norms(grad_y, x, block) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def drop_and_grow(values, indptr, indices, shape, n_move: int, *, gradient, seed: int, caller: str):
+def drop_and_grow(values: torch.Tensor, indptr: torch.Tensor, indices: torch.Tensor, shape: Shape, n_move: int, *,
+                  gradient: tuple[torch.Tensor, torch.Tensor] | None, seed: int,
+                  caller: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`spchain._selection.drop_and_grow` at block granularity, on tensors.
 
     Drops the ``n_move`` blocks of smallest Frobenius norm (ties drop the later block) and grows
@@ -117,4 +126,4 @@ def drop_and_grow(values, indptr, indices, shape, n_move: int, *, gradient, seed
         new_positions = xp.sort(xp.concatenate([kept, grown]))
         new_indptr, new_indices = _selection.positions_to_csr(backend, new_positions, grid)
         new_slots = xp.searchsorted(new_positions, kept)
-        return tuple(to_tensor(a) for a in (new_indptr, new_indices, old_slots, new_slots))
+        return to_tensor(new_indptr), to_tensor(new_indices), to_tensor(old_slots), to_tensor(new_slots)

@@ -21,18 +21,39 @@ forward-mode AD (``jvp``, ``jacfwd``) torch's ``NotImplementedError``: never a s
 first-order answer.
 """
 
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, cast, overload
+
 import torch
 from torch.utils import _python_dispatch
 
+from .._typing import Array
 from ._bridge import bridge, to_array, to_tensor
+
+if TYPE_CHECKING:
+    from torch._functorch.autograd_function import VmapInfo
 
 _LOW = (torch.float16, torch.bfloat16)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
+Forward = Callable[..., Array | tuple[Array, ...]]
+"""An array-level forward: the operator's arguments (tensors as arrays) to its results."""
+Fake = Callable[..., torch.Tensor | tuple[torch.Tensor, ...]]
+"""A forward on fake tensors."""
+Backward = Callable[[Sequence[Any], Sequence[Any], Sequence[Any], Sequence[bool]], Sequence[Array | None]]
+"""``backward(args, results, grads, needs)`` on arrays (``args`` hold arrays, ``None`` and the
+schema's other values)."""
+Public = TypeVar("Public", bound=torch.Tensor | tuple[torch.Tensor, ...])
+"""What calling an :class:`Operator` returns: a tensor, or a tuple of its ``outputs`` tensors."""
+Batched = tuple[torch.Tensor | tuple[torch.Tensor, ...], int | tuple[int, ...]]
+"""What a vmap rule returns: the batched results and the batch axis of each."""
 
-def plain_eager(tensors) -> bool:
+
+def plain_eager(tensors: Iterable[torch.Tensor]) -> bool:
     """Whether ``tensors`` are ordinary CPU/CUDA tensors outside every tracer and transform."""
-    if (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active() or torch.jit.is_tracing()
+    # torch.jit.is_tracing is public (documented) but neither in torch.jit's __all__ nor annotated
+    if (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+            or torch.jit.is_tracing()  # type: ignore[attr-defined, no-untyped-call]
             or _python_dispatch._get_current_dispatch_mode() is not None):
         return False
     for t in tensors:
@@ -41,7 +62,7 @@ def plain_eager(tensors) -> bool:
     return True
 
 
-class Operator:
+class Operator(Generic[Public]):
     """An array-level forward/backward pair as the torch operator ``spchain::<name>``.
 
     Parameters
@@ -79,8 +100,25 @@ class Operator:
     tensor([2., 2.])
     """
 
-    def __init__(self, name, schema, forward, fake, *, outputs=1, backward=None, differentiable=(),
-                 leading_batch=(), backward_reads=None):
+    @overload
+    def __init__(self: "Operator[torch.Tensor]", name: str, schema: str, forward: Forward, fake: Fake, *,
+                 outputs: Literal[1] = ..., backward: Backward | None = ..., differentiable: Iterable[int] = ...,
+                 leading_batch: Sequence[int] = ..., backward_reads: Iterable[int] | None = ...) -> None: ...
+
+    @overload
+    def __init__(self: "Operator[tuple[torch.Tensor, torch.Tensor]]", name: str, schema: str, forward: Forward,
+                 fake: Fake, *, outputs: Literal[2], backward: Backward | None = ...,
+                 differentiable: Iterable[int] = ..., leading_batch: Sequence[int] = ...,
+                 backward_reads: Iterable[int] | None = ...) -> None: ...
+
+    @overload
+    def __init__(self: "Operator[tuple[torch.Tensor, ...]]", name: str, schema: str, forward: Forward, fake: Fake, *,
+                 outputs: int, backward: Backward | None = ..., differentiable: Iterable[int] = ...,
+                 leading_batch: Sequence[int] = ..., backward_reads: Iterable[int] | None = ...) -> None: ...
+
+    def __init__(self, name: str, schema: str, forward: Forward, fake: Fake, *, outputs: int = 1,
+                 backward: Backward | None = None, differentiable: Iterable[int] = (),
+                 leading_batch: Sequence[int] = (), backward_reads: Iterable[int] | None = None) -> None:
         self.name = f"spchain.torch.{name}"
         self.forward, self.backward = forward, backward
         self._reads = None if backward_reads is None else frozenset(backward_reads)
@@ -104,7 +142,8 @@ class Operator:
                                               self.differentiable)
         op.register_autograd(self._transform.backward, setup_context=self._transform.setup_context)
 
-    def __call__(self, *args):
+    def __call__(self, *arguments: object) -> Public:
+        args: Sequence[object] = arguments
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         low, requires = None, False
         for t in tensors:
@@ -116,26 +155,29 @@ class Operator:
         if self.backward is None and requires:  # results without a graph, also where compile traces the joint graph
             args = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
         grad = requires and self.backward is not None and torch.is_grad_enabled()
+        # the ignores: torch leaves Function.apply unannotated
         if plain_eager(tensors):  # without a graph, only the public results become tensors
-            results = self._eager.apply(*args) if grad else self._run(args, self.outputs)
+            results = self._eager.apply(*args) if grad else self._run(args, self.outputs)  # type: ignore[no-untyped-call]
         else:
-            results = self._transform.apply(*args) if grad else self.op(*args)
+            results = self._transform.apply(*args) if grad else self.op(*args)  # type: ignore[no-untyped-call]
         public = results[:self.outputs] if isinstance(results, tuple) else (results,)
         if low is not None:
             public = tuple(r.to(low) if r.is_floating_point() else r for r in public)
-        return public if self.outputs > 1 else public[0]
+        return cast(Public, public if self.outputs > 1 else public[0])
 
-    def _run(self, args, count=None):
+    def _run(self, args: Sequence[object], count: int | None = None) -> tuple[torch.Tensor, ...]:
         """The forward's results as tensors (the first ``count`` of them; default all)."""
         with bridge(_device(args)):
             results = self.forward(*_arrays(args))
         return tuple(to_tensor(r) for r in (results if isinstance(results, tuple) else (results,))[:count])
 
-    def _forward_op(self, *args):
+    def _forward_op(self, *args: object) -> torch.Tensor | tuple[torch.Tensor, ...]:
         results = _own(self._run(args), args)
         return results if len(results) > 1 else results[0]
 
-    def _gradients(self, args, results, grads, needs):
+    def _gradients(self, args: Sequence[Any], results: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
+                   needs: Sequence[bool]) -> list[torch.Tensor | None]:
+        assert self.backward is not None  # only operators with a backward register gradients
         read = args if self._reads is None else \
             [a if k in self._reads or not isinstance(a, torch.Tensor) else None for k, a in enumerate(args)]
         with bridge(_device(args)):
@@ -143,28 +185,28 @@ class Operator:
         return [to_tensor(g).to(args[k].dtype) if need else None
                 for k, need, g in zip(self.differentiable, needs, arrays)]
 
-    def _backward_op(self, *args):
-        *args, results, grads, needs = args
-        grads = self._gradients(args, results, grads, needs)
+    def _backward_op(self, *flat: Any) -> list[torch.Tensor]:
+        *args, results, grads, needs = flat
+        gradients = self._gradients(args, results, grads, needs)
         like = args[self.differentiable[0]]  # one empty tensor per missing gradient: returns may not alias
-        return list(_own([like.new_empty(0) if g is None else g for g in grads], args + list(results)))
+        return list(_own([like.new_empty(0) if g is None else g for g in gradients], args + list(results)))
 
-    def _backward_fake(self, *args):
-        *args, results, grads, needs = args
+    def _backward_fake(self, *flat: Any) -> list[torch.Tensor]:
+        *args, results, grads, needs = flat
         like = args[self.differentiable[0]]  # an optional argument may be None
         # contiguous, as _backward_op returns them, whatever the arguments' strides
         return [args[k].new_empty(args[k].shape) if need else like.new_empty(0)
                 for k, need in zip(self.differentiable, needs)]
 
 
-def _device(args) -> torch.device:
+def _device(args: Sequence[object]) -> torch.device:
     for a in args:
         if isinstance(a, torch.Tensor):
             return a.device
     return next(t.device for t in _flat_tensors(args))
 
 
-def _flat_tensors(args):
+def _flat_tensors(args: Iterable[object]) -> Iterator[torch.Tensor]:
     for a in args:
         if isinstance(a, torch.Tensor):
             yield a
@@ -172,9 +214,9 @@ def _flat_tensors(args):
             yield from (t for t in a if isinstance(t, torch.Tensor))
 
 
-def _arrays(args):
+def _arrays(args: Iterable[object]) -> list[Any]:
     """Tensors, also inside lists, as arrays; everything else as it is."""
-    def convert(a):
+    def convert(a: object) -> object:
         if isinstance(a, torch.Tensor):
             return to_array(a)
         if isinstance(a, (list, tuple)) and any(isinstance(t, torch.Tensor) for t in a):
@@ -183,7 +225,7 @@ def _arrays(args):
     return [convert(a) for a in args]
 
 
-def _own(results, args):
+def _own(results: Iterable[torch.Tensor], args: Iterable[object]) -> tuple[torch.Tensor, ...]:
     """``results`` as contiguous tensors sharing no memory with ``args`` (an operator's
     outputs may not alias its inputs)."""
     inputs = {t.untyped_storage().data_ptr() for t in _flat_tensors(args) if t.numel()}
@@ -191,7 +233,10 @@ def _own(results, args):
                  for r in results)
 
 
-def _save(ctx, inputs, results, outputs):
+# ctx is autograd's node object, typed Any as in torch: FunctionCtx does not declare
+# saved_tensors or needs_input_grad, and _save keeps the arguments on it.
+def _save(ctx: Any, inputs: Sequence[object], results: torch.Tensor | tuple[torch.Tensor, ...],
+          outputs: int) -> None:
     """Save the tensor arguments and the results; keep the other arguments on ``ctx``."""
     results = results if isinstance(results, tuple) else (results,)
     slots = tuple(k for k, a in enumerate(inputs) if isinstance(a, torch.Tensor))
@@ -202,7 +247,7 @@ def _save(ctx, inputs, results, outputs):
         ctx.mark_non_differentiable(*fixed)
 
 
-def _restore(ctx):
+def _restore(ctx: Any) -> tuple[list[Any], list[torch.Tensor]]:
     """``(args, results)`` saved by :func:`_save` (autograd checks their versions here)."""
     slots, args = ctx.arguments
     saved = ctx.saved_tensors
@@ -212,30 +257,31 @@ def _restore(ctx):
     return args, list(saved[len(slots):])
 
 
-def _place(count, differentiable, needs, grads):
+def _place(count: int, differentiable: Sequence[int], needs: Sequence[bool],
+           grads: Iterable[torch.Tensor | None]) -> tuple[torch.Tensor | None, ...]:
     """Gradients for all ``count`` arguments: ``grads`` at ``differentiable`` where needed."""
-    out = [None] * count
+    out: list[torch.Tensor | None] = [None] * count
     for k, need, g in zip(differentiable, needs, grads):
         if need:
             out[k] = g
     return tuple(out)
 
 
-def _double_backward_error(name):
+def _double_backward_error(name: str) -> RuntimeError:
     return RuntimeError(f"{name}: double backward (create_graph=True, Hessians, gradient penalties, nested "
                         "torch.func.grad) is not implemented")
 
 
-def _eager_function(op: Operator):
+def _eager_function(op: Operator[Any]) -> type[torch.autograd.Function]:
     class Eager(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, *args):
+        def forward(ctx: Any, *args: Any) -> tuple[torch.Tensor, ...]:
             results = op._run(args)
             _save(ctx, args, results, op.outputs)
             return results
 
         @staticmethod
-        def backward(ctx, *grads):
+        def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
             if torch.is_grad_enabled():
                 raise _double_backward_error(op.name)
             args, results = _restore(ctx)
@@ -246,7 +292,8 @@ def _eager_function(op: Operator):
     return Eager
 
 
-def _transform_function(name, forward_op, backward_op, outputs, differentiable):
+def _transform_function(name: str, forward_op: torch._ops.OpOverload, backward_op: torch._ops.OpOverload, outputs: int,
+                        differentiable: tuple[int, ...]) -> type[torch.autograd.Function]:
     """The ``autograd.Function`` over the operators; its methods close over operators, numbers
     and module functions only, which ``torch.compile`` can trace."""
 
@@ -256,55 +303,60 @@ def _transform_function(name, forward_op, backward_op, outputs, differentiable):
         generate_vmap_rule = True
 
         @staticmethod
-        def forward(counts, needs, *flat):
+        def forward(counts: tuple[int, int, int], needs: list[bool], *flat: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, ...]:
             args, results, grads = _unflatten(counts, flat)
             return tuple(backward_op(*args, results, grads, needs))
 
         @staticmethod
-        def setup_context(ctx, inputs, output):
+        def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
             pass
 
         @staticmethod
-        def backward(ctx, *grads):
+        def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
             raise _double_backward_error(name)
 
     class Transform(torch.autograd.Function):
         generate_vmap_rule = True
 
         @staticmethod
-        def forward(*args):
-            return forward_op(*args)
+        def forward(*args: Any) -> torch.Tensor | tuple[torch.Tensor, ...]:
+            out: torch.Tensor | tuple[torch.Tensor, ...] = forward_op(*args)
+            return out
 
         @staticmethod
-        def setup_context(ctx, inputs, output):
+        def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
             _save(ctx, inputs, output, outputs)
 
         @staticmethod
-        def backward(ctx, *grads):
+        def backward(ctx: Any, *incoming: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
             args, results = _restore(ctx)
             needs = [bool(ctx.needs_input_grad[k]) for k in differentiable]
-            grads = list(grads[:outputs])
+            grads = list(incoming[:outputs])
             if torch.compiler.is_compiling():  # compiled graphs have no double backward anyway
                 gradients = backward_op(*args, results, grads, needs)
             else:
-                counts = (len(args), len(results), len(grads))
-                gradients = Backward.apply(counts, needs, *args, *results, *grads)
+                counts = (len(args), len(results), len(grads))  # the ignore: Function.apply is unannotated
+                gradients = Backward.apply(counts, needs, *args, *results, *grads)  # type: ignore[no-untyped-call]
             return _place(len(args), differentiable, needs, gradients)
 
     return Transform
 
 
-def _unflatten(counts, flat):
+def _unflatten(counts: tuple[int, int, int], flat: Sequence[torch.Tensor | None]
+               ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None], list[torch.Tensor | None]]:
     n_args, n_results, _ = counts
     return list(flat[:n_args]), list(flat[n_args:n_args + n_results]), list(flat[n_args + n_results:])
 
 
-def _batch_rule(op, leading):
+# A vmap rule's in_dims hold an int or None per argument, a list of them per Tensor[] argument;
+# _lead and _select take them as Any, as their shape follows the argument's.
+def _batch_rule(op: torch._ops.OpOverload, leading: Sequence[int]) -> Callable[..., Batched]:
     """vmap of ``op``: one call with the batch as leading axis where every batched argument
     allows it (unbatched ones expanded, so that each slice gets its own gradient), else one
     call a slice."""
 
-    def rule(info, in_dims, *args):
+    def rule(info: "VmapInfo", in_dims: tuple[Any, ...], *args: Any) -> Batched:
         positions = {k % len(args) for k in leading}
         batched = [k for k, d in enumerate(in_dims) if _batched(d)]
         if all(k in positions for k in batched):
@@ -319,11 +371,11 @@ def _batch_rule(op, leading):
     return rule
 
 
-def _batched(d):
+def _batched(d: Any) -> bool:
     return any(x is not None for x in d) if isinstance(d, (list, tuple)) else d is not None
 
 
-def _lead(a, d, size):
+def _lead(a: object, d: Any, size: int) -> object:
     if isinstance(a, (list, tuple)):
         return [None if t is None else _lead(t, dd, size) for t, dd in zip(a, d)]
     if not isinstance(a, torch.Tensor):
@@ -331,7 +383,7 @@ def _lead(a, d, size):
     return a.movedim(d, 0) if d is not None else a.expand(size, *a.shape)
 
 
-def _select(a, d, i):
+def _select(a: object, d: Any, i: int) -> object:
     if isinstance(a, (list, tuple)):
         return [None if t is None else _select(t, dd, i) for t, dd in zip(a, d)]
     return a.select(d, i) if isinstance(a, torch.Tensor) and d is not None else a

@@ -7,20 +7,31 @@ functions. The gradient of ``values`` is that of the stored entries; autograd ta
 through ``log_trans.values()`` to a sparse CSR gradient of exactly ``log_trans``'s structure.
 """
 
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Literal, TypeGuard, overload
+
 import torch
 
 from .. import _backend, _chain_layout
 from .. import chain as _chain
 from .. import paths as _paths
-from ._operator import Operator
+from .._typing import Array, Sparse
+from ._operator import Fake, Forward, Operator
+
+if TYPE_CHECKING:
+    from .chain import ChainTensors, TensorLike
 
 
-def is_csr(t) -> bool:
+def is_csr(t: object) -> TypeGuard[torch.Tensor]:
     """Whether ``t`` is a sparse CSR tensor."""
     return isinstance(t, torch.Tensor) and t.layout == torch.sparse_csr
 
 
-def tensors(caller, x, log_trans, log_init, lengths, dense_tensors):
+def tensors(caller: str, x: "TensorLike", log_trans: torch.Tensor, log_init: "TensorLike | None",
+            lengths: "TensorLike | None",
+            dense_tensors: "Callable[[str, TensorLike, TensorLike, TensorLike | None, TensorLike | None], ChainTensors]",
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``(x, crow, col, values, log_init, lengths)`` as the sparse operators take them, by
     ``dense_tensors`` (``spchain.torch.chain._tensors``) for all but the structure;
     ``ValueError`` unless ``log_trans`` is one (c, c) matrix with ``x`` of shape (..., v, c)."""
@@ -34,7 +45,12 @@ def tensors(caller, x, log_trans, log_init, lengths, dense_tensors):
     return x, log_trans.crow_indices(), log_trans.col_indices(), values, log_init, lengths
 
 
-def _dense_args(args):
+DenseBackward = Callable[[Sequence[Any], Sequence[Any], Sequence[Any], Sequence[bool]],
+                         Sequence[Array | Sparse | None]]
+"""The array-level backward of a chain or path function (the gradient of a sparse ``log_trans`` is sparse)."""
+
+
+def _dense_args(args: Sequence[Any]) -> tuple[Any, ...]:
     """The array-level arguments: ``(x, crow, col, values, *rest)`` to ``(x, matrix, *rest)``."""
     x, crow, col, values, *rest = args
     c = x.shape[-1]
@@ -42,15 +58,29 @@ def _dense_args(args):
     return (x, matrix, *rest)
 
 
-def _operator(name, forward, fake, *, schema_tail="", returns, outputs=1, backward=None):
+@overload
+def _operator(name: str, forward: Forward, fake: Fake, *, schema_tail: str = ..., returns: str,
+              outputs: Literal[1] = ..., backward: DenseBackward | None = ...) -> Operator[torch.Tensor]: ...
+
+
+@overload
+def _operator(name: str, forward: Forward, fake: Fake, *, schema_tail: str = ..., returns: str,
+              outputs: Literal[2], backward: DenseBackward | None = ...) -> Operator[tuple[torch.Tensor, torch.Tensor]]: ...
+
+
+def _operator(name: str, forward: Forward, fake: Fake, *, schema_tail: str = "", returns: str,
+              outputs: Literal[1, 2] = 1, backward: DenseBackward | None = None) -> Operator[Any]:
     """``Operator`` ``sparse_<name>`` over the array-level ``forward`` / ``backward`` of a chain
     or path function whose ``log_trans`` is the second argument."""
     schema = f"(Tensor x, Tensor crow, Tensor col, Tensor values, Tensor? log_init{schema_tail}) -> {returns}"
 
-    def sparse_fake(x, crow, col, values, *rest):
+    def sparse_fake(x: torch.Tensor, crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor,
+                    *rest: object) -> torch.Tensor | tuple[torch.Tensor, ...]:
         return fake(x, values.new_empty((x.shape[-1], x.shape[-1])), *rest)
 
-    def sparse_backward(args, results, grads, needs):
+    def sparse_backward(args: Sequence[Any], results: Sequence[Array], grads: Sequence[Array | None],
+                        needs: Sequence[bool]) -> tuple[Array | None, Array | None, Array | None]:
+        assert backward is not None  # used only with a backward
         grad_x, grad_trans, grad_init = backward(_dense_args(args), results, grads, needs)
         return grad_x, None if grad_trans is None else grad_trans.data, grad_init
 
@@ -59,16 +89,16 @@ def _operator(name, forward, fake, *, schema_tail="", returns, outputs=1, backwa
                     differentiable=(0, 3, 4) if backward is not None else ())
 
 
-def _forward(f, name):
+def _forward(f: Forward, name: str) -> Forward:
     return lambda *args: f(*args, caller=f"spchain.torch.{name}")
 
 
-def _fakes():
+def _fakes() -> tuple[ModuleType, ModuleType]:
     from . import chain, paths
     return chain, paths
 
 
-def _lazy_fake(module, name):
+def _lazy_fake(module: int, name: str) -> Fake:
     return lambda *args: getattr(_fakes()[module], name)(*args)
 
 

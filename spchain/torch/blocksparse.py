@@ -15,11 +15,14 @@ gradient and any optimizer state stay O(nnz).
 """
 
 import math
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from .. import _backend, _checks, _csr
 from .. import blocksparse as _blocksparse
+from .._typing import Array, Shape
 from ._bridge import check_same_device
 from ._operator import Operator
 
@@ -28,24 +31,29 @@ __all__ = ["block_sparse_linear"]
 _CALLER = "spchain.torch.block_sparse_linear"
 
 
-def _structure(backend, values, indptr, indices, shape):
+def _structure(backend: _backend.Backend, values: Array, indptr: Array, indices: Array,
+               shape: Shape) -> _blocksparse.Bsr:
     return _blocksparse.to_bsr(backend, shape, values, indptr, indices, _CALLER)
 
 
-def _forward(x, values, indptr, indices, shape, bias):
+def _forward(x: Array, values: Array, indptr: Array, indices: Array, shape: Sequence[int],
+             bias: Array | None) -> tuple[Array, Array]:
     backend = _backend.backend_of(x, values, indptr, indices, bias, caller=_CALLER)
     dtype = _checks.float_dtype(_CALLER, x=x, values=values, bias=bias)
     bsr = _structure(backend, values, indptr, indices, tuple(shape))
-    return _blocksparse.linear(backend, bsr, values, x, bias, dtype)
+    yt_xt: tuple[Array, Array] = _blocksparse.linear(backend, bsr, values, x, bias, dtype)
+    return yt_xt
 
 
-def _fake(x, values, indptr, indices, shape, bias):
+def _fake(x: torch.Tensor, values: torch.Tensor, indptr: torch.Tensor, indices: torch.Tensor, shape: Sequence[int],
+          bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     dtype = torch.promote_types(x.dtype, values.dtype) if bias is None else \
         torch.promote_types(torch.promote_types(x.dtype, values.dtype), bias.dtype)
     return x.new_empty((shape[0], x.shape[0]), dtype=dtype), x.new_empty((x.shape[1], x.shape[0]), dtype=dtype)
 
 
-def _backward(args, results, grads, needs):
+def _backward(args: Sequence[Any], results: Sequence[Array], grads: Sequence[Array],
+              needs: Sequence[bool]) -> tuple[Array | None, Array | None, Array | None]:
     x, values, indptr, indices, shape, bias = args
     _, xt = results
     grad_yt = grads[0]
@@ -67,7 +75,8 @@ _OPERATOR = Operator(
     _forward, _fake, outputs=1, backward=_backward, differentiable=(0, 1, 5))
 
 
-def block_sparse_linear(x, values, indptr, indices, shape, bias=None):
+def block_sparse_linear(x: torch.Tensor, values: torch.Tensor, indptr: torch.Tensor, indices: torch.Tensor,
+                        shape: tuple[int, int], bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W.T + bias`` for a block-sparse (BSR) weight ``W``; differentiable.
 
     Parameters

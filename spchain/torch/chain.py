@@ -4,17 +4,29 @@ and ``spchain::viterbi`` over the array-level pairs of :mod:`spchain.chain` (see
 :class:`._operator.Operator`)."""
 
 import functools
+from collections.abc import Callable, Sequence
+from typing import Any, TypeAlias, Union, cast
 
 import torch
 
 from .. import _chain_layout
 from .. import chain as _chain
+from .._typing import Shape
 from . import _sparse_chain
 from ._bridge import check_same_device
 from ._operator import Operator
 
+TensorLike: TypeAlias = Union[torch.Tensor, Sequence[Any], float]
+"""A tensor, or a (nested) list or a Python number that becomes one."""
+ChainTensors: TypeAlias = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+"""``(x, log_trans, log_init, lengths)`` as dense tensors on one device."""
+ChainFake: TypeAlias = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None],
+                                tuple[Shape, Shape, torch.Tensor]]
+"""The batch shape, ``(v, c)`` and an empty tensor of the result dtype, of chain arguments."""
 
-def _tensors(caller, x, log_trans, log_init, lengths):
+
+def _tensors(caller: str, x: TensorLike, log_trans: TensorLike, log_init: TensorLike | None,
+             lengths: TensorLike | None) -> ChainTensors:
     """The arguments as dense tensors on one device: lists and Python numbers become tensors
     of the first tensor's floating dtype and device (numbers broadcast as in
     :func:`spchain.chain_logsumexp`); lengths may be a list, or on the CPU (as
@@ -24,7 +36,7 @@ def _tensors(caller, x, log_trans, log_init, lengths):
     like = next((t for t in named.values() if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
     dtype = like.dtype if like is not None else torch.get_default_dtype()
     device = like.device if like is not None else None
-    out = []
+    out: list[torch.Tensor | None] = []
     for name, t in named.items():
         if t is None:
             if name in ("x", "log_trans"):
@@ -41,12 +53,13 @@ def _tensors(caller, x, log_trans, log_init, lengths):
             raise TypeError(f"{caller}: {name} must be a tensor (or a list or a number), not {type(t).__name__}")
         out.append(t)
     check_same_device(caller, **dict(zip(named, out)))
-    return out
+    return cast(ChainTensors, tuple(out))  # x and log_trans are not None (checked above)
 
 
-def _chain_fake(caller):
+def _chain_fake(caller: str) -> ChainFake:
     """The shapes of the results of the chain functions, by the array level's one rule."""
-    def fake(x, log_trans, log_init, lengths):
+    def fake(x: torch.Tensor, log_trans: torch.Tensor, log_init: torch.Tensor | None,
+             lengths: torch.Tensor | None) -> tuple[Shape, Shape, torch.Tensor]:
         batch_shape, _ = _chain_layout.layout(caller, tuple(x.shape), tuple(log_trans.shape),
                                        None if log_init is None else tuple(log_init.shape),
                                        None if lengths is None else tuple(lengths.shape))
@@ -55,18 +68,21 @@ def _chain_fake(caller):
     return fake
 
 
-def _logsumexp_fake(*args):
-    batch_shape, (v, c), like = _chain_fake("spchain.torch.chain_logsumexp")(*args)
+def _logsumexp_fake(x: torch.Tensor, log_trans: torch.Tensor, log_init: torch.Tensor | None,
+                    lengths: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    batch_shape, (v, c), like = _chain_fake("spchain.torch.chain_logsumexp")(x, log_trans, log_init, lengths)
     return like.new_empty(batch_shape), like.new_empty(batch_shape + (v, c)), like.new_empty(batch_shape + (v,))
 
 
-def _marginals_fake(*args):
-    _, _, like = _chain_fake("spchain.torch.chain_marginals")(*args)
-    return like.new_empty(args[0].shape)
+def _marginals_fake(x: torch.Tensor, log_trans: torch.Tensor, log_init: torch.Tensor | None,
+                    lengths: torch.Tensor | None) -> torch.Tensor:
+    _, _, like = _chain_fake("spchain.torch.chain_marginals")(x, log_trans, log_init, lengths)
+    return like.new_empty(x.shape)
 
 
-def _viterbi_fake(*args):
-    batch_shape, (v, _), like = _chain_fake("spchain.torch.viterbi")(*args)
+def _viterbi_fake(x: torch.Tensor, log_trans: torch.Tensor, log_init: torch.Tensor | None,
+                  lengths: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    batch_shape, (v, _), like = _chain_fake("spchain.torch.viterbi")(x, log_trans, log_init, lengths)
     return like.new_empty(batch_shape), like.new_empty(batch_shape + (v,), dtype=torch.int64)
 
 
@@ -86,7 +102,8 @@ _VITERBI = Operator(
     outputs=2, backward=_chain.viterbi_backward, differentiable=(0, 1, 2))
 
 
-def chain_logsumexp(x, log_trans, log_init=None, *, lengths=None):
+def chain_logsumexp(x: TensorLike, log_trans: TensorLike, log_init: TensorLike | None = None, *,
+                    lengths: TensorLike | None = None) -> torch.Tensor:
     """:func:`spchain.chain_logsumexp` for tensors, differentiable in ``x``, ``log_trans``
     and ``log_init``.
 
@@ -111,7 +128,8 @@ def chain_logsumexp(x, log_trans, log_init=None, *, lengths=None):
     return _CHAIN_LOGSUMEXP(*_tensors("spchain.torch.chain_logsumexp", x, log_trans, log_init, lengths))
 
 
-def chain_marginals(x, log_trans, log_init=None, *, lengths=None):
+def chain_marginals(x: TensorLike, log_trans: TensorLike, log_init: TensorLike | None = None, *,
+                    lengths: TensorLike | None = None) -> torch.Tensor:
     """:func:`spchain.chain_marginals` for tensors: the posterior marginals, shape of ``x``.
 
     The result carries no graph (it is itself a gradient).
@@ -130,7 +148,8 @@ def chain_marginals(x, log_trans, log_init=None, *, lengths=None):
     return _CHAIN_MARGINALS(*_tensors("spchain.torch.chain_marginals", x, log_trans, log_init, lengths))
 
 
-def viterbi(x, log_trans, log_init=None, *, lengths=None):
+def viterbi(x: TensorLike, log_trans: TensorLike, log_init: TensorLike | None = None, *,
+            lengths: TensorLike | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`spchain.viterbi` for tensors: ``(score, path)``; ``score`` is differentiable
     (its gradient is the one-hot of the best path), ``path`` (int64) is not.
 

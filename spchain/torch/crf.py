@@ -1,5 +1,8 @@
 """A linear-chain conditional random field layer on spchain's chains."""
 
+from collections.abc import Sequence
+from typing import Literal
+
 import torch
 from torch import nn
 
@@ -43,7 +46,7 @@ class LinearChainCRF(nn.Module):
     torch.Size([2, 7])
     """
 
-    def __init__(self, num_tags: int, *, sparse_transitions=None):
+    def __init__(self, num_tags: int, *, sparse_transitions: None = None) -> None:
         super().__init__()
         if sparse_transitions is not None:
             raise NotImplementedError("LinearChainCRF: sparse_transitions is not implemented yet "
@@ -56,7 +59,7 @@ class LinearChainCRF(nn.Module):
         self.transitions = nn.Parameter(torch.empty(num_tags, num_tags))
         self.reset_parameters()
 
-    def reset_parameters(self):
+    def reset_parameters(self) -> None:
         """Uniform in (-0.1, 0.1), as pytorch-crf."""
         for p in (self.start_transitions, self.end_transitions, self.transitions):
             nn.init.uniform_(p, -0.1, 0.1)
@@ -64,7 +67,8 @@ class LinearChainCRF(nn.Module):
     def extra_repr(self) -> str:
         return f"num_tags={self.num_tags}"
 
-    def _chain(self, emissions, lengths):
+    def _chain(self, emissions: torch.Tensor, lengths: torch.Tensor | Sequence[int] | None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(x, lengths)``: the emissions with the end scores added at each chain's last position."""
         if not isinstance(emissions, torch.Tensor) or emissions.ndim != 3 or emissions.shape[-1] != self.num_tags:
             raise ValueError(f"LinearChainCRF: emissions must have shape (batch, v, num_tags = {self.num_tags}), "
@@ -80,12 +84,14 @@ class LinearChainCRF(nn.Module):
         x = emissions.index_put(index, emissions[index] + self.end_transitions)  # one copy, no (batch, v) mask
         return x, lengths
 
-    def log_partition(self, emissions, lengths=None):
+    def log_partition(self, emissions: torch.Tensor,
+                      lengths: torch.Tensor | Sequence[int] | None = None) -> torch.Tensor:
         """The log-partition of each chain, (batch,)."""
         x, lengths = self._chain(emissions, lengths)
         return chain_logsumexp(x, self.transitions, self.start_transitions, lengths=lengths)
 
-    def nll(self, emissions, tags, lengths=None, reduction: str = "mean"):
+    def nll(self, emissions: torch.Tensor, tags: torch.Tensor, lengths: torch.Tensor | Sequence[int] | None = None,
+            reduction: Literal["mean", "sum", "none"] = "mean") -> torch.Tensor:
         """The negative log-likelihood of ``tags`` (batch, v): ``log Z - score(tags)``.
 
         ``reduction``: ``"mean"`` (over the batch), ``"sum"`` or ``"none"`` ((batch,)).
@@ -103,20 +109,23 @@ class LinearChainCRF(nn.Module):
         out = log_z - score
         return out if reduction == "none" else out.sum() if reduction == "sum" else out.mean()
 
-    def decode(self, emissions, lengths=None):
+    def decode(self, emissions: torch.Tensor,
+               lengths: torch.Tensor | Sequence[int] | None = None) -> torch.Tensor:
         """The best tag sequences (Viterbi), int64 (batch, v), -1 past each length."""
         x, lengths = self._chain(emissions.detach(), lengths)
         with torch.no_grad():
             return viterbi(x, self.transitions, self.start_transitions, lengths=lengths)[1]
 
-    def marginals(self, emissions, lengths=None):
+    def marginals(self, emissions: torch.Tensor,
+                  lengths: torch.Tensor | Sequence[int] | None = None) -> torch.Tensor:
         """The posterior marginals of each tag at each position, (batch, v, num_tags)
         (0 past each length)."""
         x, lengths = self._chain(emissions.detach(), lengths)
         with torch.no_grad():
             return chain_marginals(x, self.transitions.detach(), self.start_transitions.detach(), lengths=lengths)
 
-    def sample(self, emissions, lengths=None, *, num_samples: int = 1, seed=None):
+    def sample(self, emissions: torch.Tensor, lengths: torch.Tensor | Sequence[int] | None = None, *,
+               num_samples: int = 1, seed: int | None = None) -> torch.Tensor:
         """Tag sequences drawn from the posterior, int64 (num_samples, batch, v), -1 past each length."""
         x, lengths = self._chain(emissions.detach(), lengths)
         with torch.no_grad():

@@ -16,12 +16,15 @@ torch.Size([3, 2])
 
 import collections
 import math
+from collections.abc import Hashable, Sequence
+from typing import Any, TypeAlias
 
 import numpy as np
 import torch
 
 from .. import _backend, _checks, _csr
 from .. import sparse as _sparse
+from .._typing import Array, Shape
 from ._bridge import check_dense
 from ._operator import Operator
 from .sparse import index_dtype
@@ -29,6 +32,9 @@ from .sparse import index_dtype
 __all__ = ["sparse_linear"]
 
 _CALLER = "spchain.torch.sparse_linear"
+
+_Entry: TypeAlias = tuple[_csr.Csr, tuple[_csr.Csr, Array] | None]
+"""A cached structure and, on the CPU, its transpose ``(csr_t, order)``."""
 
 
 class _StructureCache:
@@ -45,11 +51,12 @@ class _StructureCache:
     an unchecked index would reach a kernel), nor is an address that a new tensor may reuse.
     """
 
-    def __init__(self, size=64, budget=256 * 2**20):
-        self._entries = collections.OrderedDict()
+    def __init__(self, size: int = 64, budget: int = 256 * 2**20) -> None:
+        self._entries: collections.OrderedDict[tuple[Hashable, ...], _Entry] = collections.OrderedDict()
         self._size, self._budget, self._bytes = size, budget, 0
 
-    def get(self, backend, arrays, shape, caller, key_arrays=None):
+    def get(self, backend: _backend.Backend, arrays: tuple[Array, Array], shape: Shape, caller: str,
+            key_arrays: tuple[Array, Array] | None = None) -> _Entry:
         """``(csr, transpose)`` for the structure ``arrays = (indptr, indices)``: ``csr`` on
         private validated copies, ``transpose`` its ``(csr_t, order)`` on the CPU (``None`` on
         the GPU). The entry is the one of ``key_arrays`` (default ``arrays``): the backward
@@ -64,7 +71,7 @@ class _StructureCache:
                     and bool((csr.indices == arrays[1]).all()) and bool((csr.indptr == arrays[0]).all())):
                 self._entries.move_to_end(key)
                 return entry
-        csr = _csr.to_csr(backend, "csr", shape, None, *(a.copy() for a in arrays), caller)
+        csr = _csr.to_csr(backend, "csr", shape, None, arrays[0].copy(), arrays[1].copy(), caller)
         entry = csr, (None if backend.on_gpu else _csr.transposed(backend, csr))
         self._forget(key)
         self._entries[key] = entry
@@ -73,7 +80,7 @@ class _StructureCache:
             self._forget(next(iter(self._entries)))
         return entry
 
-    def _forget(self, key) -> None:
+    def _forget(self, key: tuple[Hashable, ...]) -> None:
         entry = self._entries.pop(key, None)
         if entry is not None:
             self._bytes -= _nbytes(entry)
@@ -87,21 +94,22 @@ class _StructureCache:
         return len(self._entries)
 
 
-def _nbytes(entry) -> int:
+def _nbytes(entry: _Entry) -> int:
     csr, transpose = entry
     arrays = [csr.indptr, csr.indices] + ([] if transpose is None else [transpose[0].indptr, transpose[0].indices,
                                                                        transpose[1]])
     return sum(a.nbytes for a in arrays)
 
 
-def _address(a) -> int:
-    return a.__array_interface__["data"][0] if isinstance(a, np.ndarray) else a.data.ptr
+def _address(a: Array) -> int:
+    return int(a.__array_interface__["data"][0] if isinstance(a, np.ndarray) else a.data.ptr)
 
 
 _STRUCTURES = _StructureCache()
 
 
-def _forward(xt, values, indptr, indices, shape, bias):
+def _forward(xt: Array, values: Array, indptr: Array, indices: Array, shape: Sequence[int],
+             bias: Array | None) -> tuple[Array, Array, Array, Array]:
     """``(y.T, x.T, indptr, indices)``: the product, and what the backward reads (``x.T`` in
     the computation's dtype, the validated structure the product ran on)."""
     backend = _backend.backend_of(xt, values, bias, indptr, indices, caller=_CALLER)
@@ -111,7 +119,8 @@ def _forward(xt, values, indptr, indices, shape, bias):
     return y.T, x_saved.T, csr.indptr.copy(), csr.indices.copy()
 
 
-def _fake(xt, values, indptr, indices, shape, bias):
+def _fake(xt: torch.Tensor, values: torch.Tensor, indptr: torch.Tensor, indices: torch.Tensor, shape: Sequence[int],
+          bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     dtype = torch.promote_types(xt.dtype, values.dtype)
     dtype = dtype if bias is None else torch.promote_types(dtype, bias.dtype)
     index = index_dtype(indptr, indices, shape)
@@ -119,7 +128,8 @@ def _fake(xt, values, indptr, indices, shape, bias):
             indptr.new_empty(shape[0] + 1, dtype=index), indices.new_empty(indices.shape[0], dtype=index))
 
 
-def _backward(args, results, grads, needs):
+def _backward(args: Sequence[Any], results: Sequence[Array], grads: Sequence[Array],
+              needs: Sequence[bool]) -> tuple[Array | None, Array | None, Array | None]:
     _, values, indptr, indices, shape, _ = args
     _, xt, ran_indptr, ran_indices = results
     grad_yt = grads[0]
@@ -147,7 +157,8 @@ _OPERATOR = Operator(
     _forward, _fake, outputs=1, backward=_backward, differentiable=(0, 1, 5), backward_reads=(1, 2, 3))
 
 
-def sparse_linear(x, values, indptr, indices, shape, bias=None):
+def sparse_linear(x: torch.Tensor, values: torch.Tensor, indptr: torch.Tensor, indices: torch.Tensor,
+                  shape: tuple[int, int], bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W.T + bias`` for a sparse weight ``W`` given as CSR arrays; differentiable.
 
     Parameters

@@ -12,6 +12,7 @@ under ``torch.func``, in float16/bfloat16 too). The block layers
 """
 
 import math
+from typing import Any, Literal
 
 import torch
 
@@ -29,11 +30,13 @@ class _Batch:
     """The input and output gradient of one training batch, held by reference (for RigL)."""
 
     __slots__ = ("x", "grad_y")
+    x: torch.Tensor
+    grad_y: torch.Tensor | None
 
-    def __init__(self, x):
+    def __init__(self, x: torch.Tensor) -> None:
         self.x, self.grad_y = x, None
 
-    def record(self, grad_y):
+    def record(self, grad_y: torch.Tensor) -> None:
         self.grad_y = grad_y
 
 
@@ -47,7 +50,7 @@ def _torch_seed() -> int:
     return int(torch.randint(0, 2**62, ()).item())
 
 
-def _moved(t: torch.Tensor, old_slots, new_slots) -> torch.Tensor:
+def _moved(t: torch.Tensor, old_slots: torch.Tensor, new_slots: torch.Tensor) -> torch.Tensor:
     out = torch.zeros_like(t)
     out[new_slots] = t[old_slots]
     return out
@@ -121,7 +124,18 @@ class SparseLinear(torch.nn.Module):
     205
     """
 
-    def __init__(self, in_features, out_features, bias=True, *, sparsity=0.9, block=None, device=None, dtype=None):
+    in_features: int
+    out_features: int
+    block: tuple[int, int] | None
+    weight_values: torch.nn.Parameter
+    bias: torch.nn.Parameter | None
+    indptr: torch.Tensor
+    indices: torch.Tensor
+    _last_batch: _Batch | None
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, sparsity: float = 0.9,
+                 block: tuple[int, int] | None = None, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         super().__init__()
         caller = "SparseLinear"
         in_features = _csr.check_size(caller, "in_features", in_features)
@@ -137,9 +151,10 @@ class SparseLinear(torch.nn.Module):
                     torch.empty(out_features, device=device, dtype=dtype) if bias else None)
         self.reset_parameters()
 
-    def _setup(self, in_features, out_features, indptr, indices, values, bias):
+    def _setup(self, in_features: int, out_features: int, indptr: torch.Tensor, indices: torch.Tensor,
+               values: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.in_features, self.out_features = in_features, out_features
-        self.block = None if values.dim() == 1 else tuple(values.shape[1:])
+        self.block = None if values.dim() == 1 else (values.shape[1], values.shape[2])
         self.weight_values = torch.nn.Parameter(values)
         self.register_buffer("indptr", indptr.to(values.device))
         self.register_buffer("indices", indices.to(values.device))
@@ -169,7 +184,9 @@ class SparseLinear(torch.nn.Module):
                 self.bias.uniform_(-bound, bound)
 
     @classmethod
-    def from_dense(cls, linear: torch.nn.Linear, sparsity=None, method="magnitude", *, block=None, pattern=None):
+    def from_dense(cls, linear: torch.nn.Linear, sparsity: float | None = None,
+                   method: Literal["magnitude", "random"] = "magnitude", *, block: tuple[int, int] | None = None,
+                   pattern: str | None = None) -> "SparseLinear":
         """A ``SparseLinear`` keeping ``linear``'s weights chosen by :func:`spchain.prune`, and its bias.
 
         ``method`` "magnitude" or "random" keeps ``sparsity`` of the entries, or with
@@ -207,6 +224,7 @@ class SparseLinear(torch.nn.Module):
         weight = linear.weight.detach()
         seed = _torch_seed() if method == "random" else None
         if block is None and pattern is None:
+            assert sparsity is not None  # checked above: no pattern, so a sparsity
             csr = prune(weight, sparsity, method=method, seed=seed)
             indptr, indices, values = csr.crow_indices(), csr.col_indices(), csr.values().clone()
         else:
@@ -219,7 +237,7 @@ class SparseLinear(torch.nn.Module):
         module._setup(linear.in_features, linear.out_features, indptr, indices, values, bias)
         return module
 
-    def __getstate__(self):
+    def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_last_batch"] = None  # activations, not part of the layer: never pickled or deep-copied
         return state
@@ -253,12 +271,12 @@ class SparseLinear(torch.nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"nnz={self.nnz}, sparsity={self.sparsity:.4g}{block}")
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         product = sparse_linear if self.block is None else block_sparse_linear
         y = product(x, self.weight_values, self.indptr, self.indices, (self.out_features, self.in_features), self.bias)
         if self.training and y.requires_grad and not torch.compiler.is_compiling():  # a hook would break the graph
             self._last_batch = _Batch(x.detach())
-            y.register_hook(self._last_batch.record)
+            y.register_hook(self._last_batch.record)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         return y
 
     def weight_csr(self) -> torch.Tensor:
@@ -279,7 +297,8 @@ class SparseLinear(torch.nn.Module):
                 linear.bias.copy_(self.bias)
         return linear
 
-    def prune_and_regrow(self, fraction, *, regrow="random", optimizer=None) -> None:
+    def prune_and_regrow(self, fraction: float, *, regrow: Literal["random", "gradient"] = "random",
+                         optimizer: torch.optim.Optimizer | None = None) -> None:
         """Move ``round(fraction * nnz)`` connections: drop the smallest ``|weight_values|``, grow as many new.
 
         With ``block``, whole blocks move: the ``round(fraction * nnzb)`` blocks of smallest

@@ -10,31 +10,35 @@ import torch
 from .. import paths as _paths
 from . import _sparse_chain
 from ._operator import Operator
-from .chain import _chain_fake, _tensors
+from .chain import TensorLike, _chain_fake, _tensors
 
 
-def _entropy_fake(*args):
-    batch_shape, (v, c), like = _chain_fake("spchain.torch.chain_entropy")(*args)
+def _entropy_fake(x: torch.Tensor, log_trans: torch.Tensor, log_init: torch.Tensor | None,
+                  lengths: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    batch_shape, (v, c), like = _chain_fake("spchain.torch.chain_entropy")(x, log_trans, log_init, lengths)
     return (like.new_empty(batch_shape), like.new_empty(batch_shape + (v, c)), like.new_empty(batch_shape + (v,)),
             like.new_empty(batch_shape + (v, c)), like.new_empty(batch_shape),
             like.new_empty(batch_shape, dtype=torch.bool))
 
 
-def _sample_fake(x, log_trans, log_init, lengths, num_samples, seed):
+def _sample_fake(x: torch.Tensor, log_trans: torch.Tensor, log_init: torch.Tensor | None, lengths: torch.Tensor | None,
+                 num_samples: int, seed: int | None) -> torch.Tensor:
     caller = "spchain.torch.chain_sample"
     num_samples = _paths._count(caller, "num_samples", num_samples, 0)
     batch_shape, (v, _), like = _chain_fake(caller)(x, log_trans, log_init, lengths)
     return like.new_empty((num_samples,) + batch_shape + (v,), dtype=torch.int64)
 
 
-def _kbest_fake(x, log_trans, log_init, lengths, k):
+def _kbest_fake(x: torch.Tensor, log_trans: torch.Tensor, log_init: torch.Tensor | None, lengths: torch.Tensor | None,
+                k: int) -> tuple[torch.Tensor, torch.Tensor]:
     caller = "spchain.torch.chain_kbest"
     k = _paths._count(caller, "k", k, 1)
     batch_shape, (v, _), like = _chain_fake(caller)(x, log_trans, log_init, lengths)
     return like.new_empty((k,) + batch_shape), like.new_empty((k,) + batch_shape + (v,), dtype=torch.int64)
 
 
-def _path_score_fake(x, log_trans, log_init, path, lengths):
+def _path_score_fake(x: torch.Tensor, log_trans: torch.Tensor, log_init: torch.Tensor | None, path: torch.Tensor,
+                     lengths: torch.Tensor | None) -> torch.Tensor:
     caller = "spchain.torch.chain_path_score"
     batch_shape, _, like = _chain_fake(caller)(x, log_trans, log_init, lengths)
     return like.new_empty(_paths.path_layout(caller, tuple(x.shape), batch_shape, tuple(path.shape)))
@@ -58,7 +62,8 @@ _CHAIN_PATH_SCORE = Operator(
     backward=_paths.chain_path_score_backward, differentiable=(0, 1, 2))
 
 
-def chain_sample(x, log_trans, log_init=None, *, lengths=None, num_samples=1, seed=None):
+def chain_sample(x: TensorLike, log_trans: TensorLike, log_init: TensorLike | None = None, *,
+                 lengths: TensorLike | None = None, num_samples: int = 1, seed: int | None = None) -> torch.Tensor:
     """:func:`spchain.chain_sample` for tensors: int64 paths ``(num_samples, *batch, v)``.
 
     Examples
@@ -73,7 +78,8 @@ def chain_sample(x, log_trans, log_init=None, *, lengths=None, num_samples=1, se
     return _CHAIN_SAMPLE(*_tensors("spchain.torch.chain_sample", x, log_trans, log_init, lengths), num_samples, seed)
 
 
-def chain_entropy(x, log_trans, log_init=None, *, lengths=None):
+def chain_entropy(x: TensorLike, log_trans: TensorLike, log_init: TensorLike | None = None, *,
+                  lengths: TensorLike | None = None) -> torch.Tensor:
     """:func:`spchain.chain_entropy` for tensors, differentiable in ``x``, ``log_trans`` and
     ``log_init`` (the exact gradient, a Hessian-vector product of the log-partition).
 
@@ -91,7 +97,8 @@ def chain_entropy(x, log_trans, log_init=None, *, lengths=None):
     return _CHAIN_ENTROPY(*_tensors("spchain.torch.chain_entropy", x, log_trans, log_init, lengths))
 
 
-def chain_kbest(x, log_trans, log_init=None, *, k, lengths=None):
+def chain_kbest(x: TensorLike, log_trans: TensorLike, log_init: TensorLike | None = None, *, k: int,
+                lengths: TensorLike | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`spchain.chain_kbest` for tensors: ``(scores (k, *batch), paths (k, *batch, v))``
     (no gradient; :func:`chain_path_score` of a path gives a differentiable score).
 
@@ -110,7 +117,8 @@ def chain_kbest(x, log_trans, log_init=None, *, k, lengths=None):
     return _CHAIN_KBEST(*_tensors("spchain.torch.chain_kbest", x, log_trans, log_init, lengths), k)
 
 
-def chain_path_score(x, log_trans, log_init, path, *, lengths=None):
+def chain_path_score(x: TensorLike, log_trans: TensorLike, log_init: TensorLike | None, path: TensorLike, *,
+                     lengths: TensorLike | None = None) -> torch.Tensor:
     """:func:`spchain.chain_path_score` for tensors, differentiable in ``x``, ``log_trans``
     and ``log_init``.
 

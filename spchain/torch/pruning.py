@@ -15,6 +15,7 @@ fraction of RigL and SET, for ``SparseLinear.prune_and_regrow``.
 
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Literal
 
 import torch
 
@@ -73,8 +74,8 @@ def _skipped(skip: Skip, linears: Mapping[str, torch.nn.Module]) -> Callable[[st
     return lambda name, module: name in names
 
 
-def sparsify(model: torch.nn.Module, sparsity: float, *, method: str = "magnitude", distribution: str = "uniform",
-             skip: Skip = None, block: tuple[int, int] | None = None) -> list[str]:
+def sparsify(model: torch.nn.Module, sparsity: float, *, method: Literal["magnitude", "random"] = "magnitude",
+             distribution: str = "uniform", skip: Skip = None, block: tuple[int, int] | None = None) -> list[str]:
     """Replace ``model``'s ``nn.Linear`` layers, in place, by :class:`SparseLinear` layers.
 
     Only modules of type ``nn.Linear`` itself are replaced: subclasses (such as the output
