@@ -103,8 +103,73 @@ def test_bad_inputs_are_errors(call, error, match):
         call(st.LinearChainCRF(4))
 
 
-def test_sparse_transitions_are_not_implemented_yet():
-    with pytest.raises(NotImplementedError, match="sparse_transitions is not implemented yet"):
-        st.LinearChainCRF(4, sparse_transitions=object())
+def sparse_pair(num_tags, allowed, seed=0):
+    """A LinearChainCRF with sparse transitions and random parameters, and the dense one with
+    the same scores (``-inf`` at the transitions not allowed)."""
+    torch.manual_seed(seed)
+    sparse = st.LinearChainCRF(num_tags, sparse_transitions=allowed).double()
+    dense = st.LinearChainCRF(num_tags).double()
+    with torch.no_grad():
+        for p in sparse.parameters():
+            p.normal_()
+        full = torch.full((num_tags, num_tags), -torch.inf, dtype=torch.float64)
+        full[torch.as_tensor(allowed)] = sparse.transitions
+        dense.transitions.copy_(full)
+        dense.start_transitions.copy_(sparse.start_transitions)
+        dense.end_transitions.copy_(sparse.end_transitions)
+    return sparse, dense
+
+
+@pytest.mark.parametrize("num_tags, lengths", [(5, [7, 3, 1, 6]), (1, [2, 1]), (4, [1])])
+def test_sparse_transitions_equal_the_dense_crf_with_minus_inf(num_tags, lengths):
+    gen = torch.Generator().manual_seed(num_tags)
+    allowed = torch.rand(num_tags, num_tags, generator=gen) < 0.5
+    allowed[0, 0] = True
+    sparse, dense = sparse_pair(num_tags, allowed)
+    assert sparse.transitions.shape == (int(allowed.sum()),)
+    emissions, _, lengths, _ = batch(num_tags, lengths, seed=2)
+    tags = dense.decode(emissions, lengths).clamp(min=0)  # a possible path, with finite scores
+    tags[-1, 0] = num_tags - 1  # and one that may take a transition not allowed (+inf NLL then)
+    for reduction in ("none", "sum"):
+        torch.testing.assert_close(sparse.nll(emissions, tags, lengths, reduction), dense.nll(emissions, tags, lengths, reduction))
+    for crf in (sparse, dense):  # the gradients, of the possible paths
+        crf.nll(emissions[:-1], tags[:-1], lengths[:-1], "sum").backward()
+    torch.testing.assert_close(sparse.transitions.grad, dense.transitions.grad[allowed])
+    torch.testing.assert_close(sparse.start_transitions.grad, dense.start_transitions.grad)
+    torch.testing.assert_close(sparse.end_transitions.grad, dense.end_transitions.grad)
+    assert torch.equal(sparse.decode(emissions, lengths), dense.decode(emissions, lengths))
+    torch.testing.assert_close(sparse.marginals(emissions, lengths), dense.marginals(emissions, lengths))
+    samples = sparse.sample(emissions, lengths, num_samples=50, seed=3)
+    steps = torch.stack([samples[..., :-1], samples[..., 1:]], -1).reshape(-1, 2)
+    steps = steps[(steps >= 0).all(-1)]
+    assert allowed[steps[:, 0], steps[:, 1]].all()
+
+
+def test_sparse_transitions_structures():
+    allowed = torch.ones(4, 4, dtype=torch.bool).triu().tril(1)  # stay or move one tag on
+    from_mask = st.LinearChainCRF(4, sparse_transitions=allowed)
+    from_numpy = st.LinearChainCRF(4, sparse_transitions=allowed.numpy())
+    from_sparse = st.LinearChainCRF(4, sparse_transitions=allowed.double().to_sparse_csr())
+    for crf in (from_mask, from_numpy, from_sparse):
+        assert crf.transition_indptr.tolist() == [0, 2, 4, 6, 7]
+        assert crf.transition_indices.tolist() == [0, 1, 1, 2, 2, 3, 3]
+        assert crf.transitions.shape == (7,)
+    assert set(from_mask.state_dict()) == {"start_transitions", "end_transitions", "transitions",
+                                           "transition_indptr", "transition_indices"}
+    assert "allowed_transitions=7" in repr(from_mask)
+    # a stored zero is an allowed transition
+    stored_zero = torch.sparse_coo_tensor(torch.tensor([[0, 2], [1, 3]]), torch.zeros(2), (4, 4), check_invariants=True)
+    assert st.LinearChainCRF(4, sparse_transitions=stored_zero).transition_indices.tolist() == [1, 3]
+
+
+@pytest.mark.parametrize("structure, error, match", [
+    (torch.ones(4, 3, dtype=torch.bool), ValueError, r"must have shape \(4, 4\)"),
+    (torch.ones(4, 4), TypeError, "must be a bool mask"),
+    (torch.ones(3, 3).to_sparse_csr(), ValueError, r"must have shape \(4, 4\)"),
+    (object(), TypeError, "must be a bool mask or a torch sparse tensor"),
+])
+def test_bad_sparse_transitions_are_errors(structure, error, match):
+    with pytest.raises(error, match=match):
+        st.LinearChainCRF(4, sparse_transitions=structure)
     with pytest.raises(ValueError, match="num_tags must be a positive int"):
         st.LinearChainCRF(0)

@@ -8,6 +8,7 @@ from torch import nn
 
 from .chain import chain_logsumexp, chain_marginals, viterbi
 from .paths import chain_path_score, chain_sample
+from .sparse import csr_tensor
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -26,9 +27,14 @@ class LinearChainCRF(nn.Module):
     ----------
     num_tags : int
         The number of tags (states).
-    sparse_transitions : optional
-        Reserved for sparse transition structures (large tag sets); not implemented yet: any
-        value but ``None`` raises ``NotImplementedError``.
+    sparse_transitions : (num_tags, num_tags) bool tensor or array, or torch sparse tensor, optional
+        The allowed transitions (``True``, or the stored positions of a sparse tensor); all
+        others score ``-inf``. ``transitions`` then holds the scores of the allowed ones only
+        (shape ``(nnz,)``, row-major order, structure in the buffers ``transition_indptr`` and
+        ``transition_indices``), and every method runs the sparse chain: time and memory grow
+        with the allowed transitions, not ``num_tags ** 2`` (large tag sets, banded or
+        left-to-right models). ``None`` (default): all transitions, a dense ``(num_tags,
+        num_tags)`` matrix.
 
     Notes
     -----
@@ -44,19 +50,34 @@ class LinearChainCRF(nn.Module):
     >>> loss.backward()
     >>> crf.decode(emissions, lengths=torch.tensor([7, 4])).shape
     torch.Size([2, 7])
+    >>> banded = st.LinearChainCRF(5, sparse_transitions=torch.ones(5, 5, dtype=torch.bool).triu().tril(1))
+    >>> banded.transitions.shape                          # stay, or move one tag on
+    torch.Size([9])
+    >>> steps = banded.decode(emissions).diff()
+    >>> bool(((steps == 0) | (steps == 1)).all())
+    True
     """
 
-    def __init__(self, num_tags: int, *, sparse_transitions: None = None) -> None:
+    transition_indptr: torch.Tensor | None
+    transition_indices: torch.Tensor | None
+
+    def __init__(self, num_tags: int, *, sparse_transitions: object = None) -> None:
         super().__init__()
-        if sparse_transitions is not None:
-            raise NotImplementedError("LinearChainCRF: sparse_transitions is not implemented yet "
-                                      "(it needs the sparse chain of issue 13); leave it None")
         if isinstance(num_tags, bool) or not isinstance(num_tags, int) or num_tags < 1:
             raise ValueError(f"LinearChainCRF: num_tags must be a positive int, got {num_tags!r}")
         self.num_tags = num_tags
         self.start_transitions = nn.Parameter(torch.empty(num_tags))
         self.end_transitions = nn.Parameter(torch.empty(num_tags))
-        self.transitions = nn.Parameter(torch.empty(num_tags, num_tags))
+        if sparse_transitions is None:
+            self.transitions = nn.Parameter(torch.empty(num_tags, num_tags))
+            self.register_buffer("transition_indptr", None)
+            self.register_buffer("transition_indices", None)
+        else:
+            allowed = _allowed(sparse_transitions, num_tags)
+            self.transitions = nn.Parameter(torch.empty(int(allowed.sum())))
+            self.register_buffer("transition_indptr", torch.cat([allowed.new_zeros(1, dtype=torch.int64),
+                                                                 allowed.sum(1).cumsum(0)]))
+            self.register_buffer("transition_indices", allowed.nonzero()[:, 1].contiguous())
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -65,7 +86,16 @@ class LinearChainCRF(nn.Module):
             nn.init.uniform_(p, -0.1, 0.1)
 
     def extra_repr(self) -> str:
-        return f"num_tags={self.num_tags}"
+        sparse = "" if self.transition_indptr is None else f", allowed_transitions={self.transitions.numel()}"
+        return f"num_tags={self.num_tags}{sparse}"
+
+    def log_trans(self) -> torch.Tensor:
+        """The transition scores as the chain functions take them: the ``(num_tags, num_tags)``
+        parameter, or a sparse CSR tensor over ``transitions`` (differentiable in it)."""
+        if self.transition_indptr is None or self.transition_indices is None:
+            return self.transitions
+        return csr_tensor(self.transition_indptr, self.transition_indices, self.transitions,
+                          (self.num_tags, self.num_tags))
 
     def _chain(self, emissions: torch.Tensor, lengths: torch.Tensor | Sequence[int] | None
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,7 +118,7 @@ class LinearChainCRF(nn.Module):
                       lengths: torch.Tensor | Sequence[int] | None = None) -> torch.Tensor:
         """The log-partition of each chain, (batch,)."""
         x, lengths = self._chain(emissions, lengths)
-        return chain_logsumexp(x, self.transitions, self.start_transitions, lengths=lengths)
+        return chain_logsumexp(x, self.log_trans(), self.start_transitions, lengths=lengths)
 
     def nll(self, emissions: torch.Tensor, tags: torch.Tensor, lengths: torch.Tensor | Sequence[int] | None = None,
             reduction: Literal["mean", "sum", "none"] = "mean") -> torch.Tensor:
@@ -104,8 +134,8 @@ class LinearChainCRF(nn.Module):
         if not isinstance(tags, torch.Tensor) or tags.shape != emissions.shape[:2]:
             raise ValueError(f"LinearChainCRF.nll: tags must be a tensor of shape (batch, v) = "
                              f"{tuple(emissions.shape[:2])}, got {getattr(tags, 'shape', type(tags).__name__)}")
-        log_z = chain_logsumexp(x, self.transitions, self.start_transitions, lengths=lengths)
-        score = chain_path_score(x, self.transitions, self.start_transitions, tags, lengths=lengths)
+        log_z = chain_logsumexp(x, self.log_trans(), self.start_transitions, lengths=lengths)
+        score = chain_path_score(x, self.log_trans(), self.start_transitions, tags, lengths=lengths)
         out = log_z - score
         return out if reduction == "none" else out.sum() if reduction == "sum" else out.mean()
 
@@ -114,7 +144,7 @@ class LinearChainCRF(nn.Module):
         """The best tag sequences (Viterbi), int64 (batch, v), -1 past each length."""
         x, lengths = self._chain(emissions.detach(), lengths)
         with torch.no_grad():
-            return viterbi(x, self.transitions, self.start_transitions, lengths=lengths)[1]
+            return viterbi(x, self.log_trans(), self.start_transitions, lengths=lengths)[1]
 
     def marginals(self, emissions: torch.Tensor,
                   lengths: torch.Tensor | Sequence[int] | None = None) -> torch.Tensor:
@@ -122,12 +152,34 @@ class LinearChainCRF(nn.Module):
         (0 past each length)."""
         x, lengths = self._chain(emissions.detach(), lengths)
         with torch.no_grad():
-            return chain_marginals(x, self.transitions.detach(), self.start_transitions.detach(), lengths=lengths)
+            return chain_marginals(x, self.log_trans().detach(), self.start_transitions.detach(), lengths=lengths)
 
     def sample(self, emissions: torch.Tensor, lengths: torch.Tensor | Sequence[int] | None = None, *,
                num_samples: int = 1, seed: int | None = None) -> torch.Tensor:
         """Tag sequences drawn from the posterior, int64 (num_samples, batch, v), -1 past each length."""
         x, lengths = self._chain(emissions.detach(), lengths)
         with torch.no_grad():
-            return chain_sample(x, self.transitions, self.start_transitions, lengths=lengths,
+            return chain_sample(x, self.log_trans(), self.start_transitions, lengths=lengths,
                                 num_samples=num_samples, seed=seed)
+
+
+def _allowed(structure: object, num_tags: int) -> torch.Tensor:
+    """The ``(num_tags, num_tags)`` bool mask of a ``sparse_transitions`` argument."""
+    caller = "LinearChainCRF: sparse_transitions"
+    if isinstance(structure, torch.Tensor) and structure.layout != torch.strided:
+        if structure.shape != (num_tags, num_tags):
+            raise ValueError(f"{caller} must have shape ({num_tags}, {num_tags}), got {tuple(structure.shape)}")
+        coo = structure.detach().to_sparse().coalesce().indices().cpu()
+        allowed = torch.zeros(num_tags, num_tags, dtype=torch.bool)
+        allowed[coo[0], coo[1]] = True
+        return allowed
+    try:
+        allowed = torch.as_tensor(structure).detach().cpu()
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise TypeError(f"{caller} must be a bool mask or a torch sparse tensor, not "
+                        f"{type(structure).__name__}") from error
+    if allowed.dtype != torch.bool:
+        raise TypeError(f"{caller} must be a bool mask (or a torch sparse tensor), got dtype {allowed.dtype}")
+    if allowed.shape != (num_tags, num_tags):
+        raise ValueError(f"{caller} must have shape ({num_tags}, {num_tags}), got {tuple(allowed.shape)}")
+    return allowed
