@@ -25,9 +25,10 @@ napoleon_use_rtype = False
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
 autodoc_default_options = {"members": False}
-# Annotations show the aliases of spchain/_typing.py by name, not their expansions.
+# Annotations show the aliases of spchain/_typing.py (and NumPy's ArrayLike) by name, not their expansions.
 autodoc_type_aliases = {"Array": "spchain._typing.Array", "Shape": "spchain._typing.Shape",
-                        "Sparse": "spchain._typing.Sparse", "Seed": "spchain._typing.Seed"}
+                        "Sparse": "spchain._typing.Sparse", "Seed": "spchain._typing.Seed",
+                        "ArrayLike": "numpy.typing.ArrayLike"}
 
 # The build machine reaches only PyPI: no intersphinx, nothing fetched at build time.
 exclude_patterns = ["_build"]
