@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, TypeAlias, Union
+from typing import Any, Literal, TypeAlias, Union
 
 import numpy as np
 import scipy.sparse
@@ -66,7 +66,7 @@ def is_bsr(a: object) -> bool:
     return getattr(a, "format", None) == "bsr" or (isinstance(a, tuple) and len(a) == 2 and isinstance(a[0], tuple))
 
 
-def bsr_parts(a: BsrOperand, caller: str) -> tuple[Array | None, Array, Array, Shape]:
+def bsr_parts(a: BsrOperand, caller: str) -> tuple[Array, Array, Array, Shape]:
     """``(data, indices, indptr, shape)`` of a BSR operand (see :func:`is_bsr`)."""
     if isinstance(a, tuple):
         if len(a[0]) != 3:
@@ -222,8 +222,9 @@ def sddmm(pattern: BsrOperand, a: Array, b: Array) -> BsrOperand:
 # --- pruning -------------------------------------------------------------------------------
 
 
-def prune(w: Array, sparsity: float | None = None, *, method: str = "magnitude", seed: Seed = None,
-          block: tuple[int, int] | None = None, n: int | None = None, m: int | None = None) -> BsrOperand:
+def prune(w: Array, sparsity: float | None = None, *, method: Literal["magnitude", "random", "n:m"] = "magnitude",
+          seed: Seed = None, block: tuple[int, int] | None = None, n: int | None = None,
+          m: int | None = None) -> BsrOperand:
     """Block and N:M pruning: the ``block=`` and ``method="n:m"`` cases of :func:`spchain.prune`.
 
     With ``block=(R, C)`` (``method`` "magnitude" or "random"), keeps
