@@ -6,6 +6,7 @@ import sys
 sys.path.insert(0, os.path.abspath(".."))
 
 import spchain  # noqa: E402
+from sphinx.util.inspect import TypeAliasForwardRef  # noqa: E402
 
 project = "spchain"
 author = "the spchain developers"
@@ -25,9 +26,13 @@ napoleon_use_rtype = False
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
 autodoc_default_options = {"members": False}
-# Annotations show the aliases of spchain/_typing.py by name, not their expansions.
+# Annotations show the aliases of spchain/_typing.py (and NumPy's ArrayLike) by name, not their expansions.
 autodoc_type_aliases = {"Array": "spchain._typing.Array", "Shape": "spchain._typing.Shape",
-                        "Sparse": "spchain._typing.Sparse", "Seed": "spchain._typing.Seed"}
+                        "Sparse": "spchain._typing.Sparse", "Seed": "spchain._typing.Seed",
+                        "ArrayLike": "numpy.typing.ArrayLike"}
+# Sphinx writes such an alias inside a union or a tuple (``Array | None``) by its repr,
+# "TypeAliasForwardRef('spchain._typing.Array')": show its name there too.
+TypeAliasForwardRef.__repr__ = lambda self: self.name
 
 # The build machine reaches only PyPI: no intersphinx, nothing fetched at build time.
 exclude_patterns = ["_build"]

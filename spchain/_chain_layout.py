@@ -6,12 +6,17 @@ that ``spchain.torch``'s fake implementations share it; :func:`prepare` validate
 with it and brings them to the sweeps' :class:`Chain` layout.
 """
 
+from __future__ import annotations
+
 from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
 
 import numpy as np
 import scipy.sparse
 
 from . import _backend, _checks, _sparse_chain
+from ._typing import Array, Shape
 
 
 @dataclass
@@ -23,38 +28,35 @@ class Chain:
     """
 
     backend: _backend.Backend
-    x: object  # (B, v, c), contiguous
-    trans: object  # (G, S, c, c): S = v - 1 per-step matrices, or S = 1 shared by all steps
-    init: object  # (B, c)
-    lengths: object  # (B,) int64, in 1..v
+    x: Array  # (B, v, c), contiguous
+    trans: Array  # (G, S, c, c): S = v - 1 per-step matrices, or S = 1 shared by all steps
+    init: Array  # (B, c)
+    lengths: Array  # (B,) int64, in 1..v
     group: int
     max_length: int
-    batch_shape: tuple
-    order: tuple
-    x_shape: tuple
-    sparse: object = None  # a _sparse_chain.Structure where trans holds its values, (1, 1, nnz)
+    batch_shape: Shape
+    order: Shape
+    x_shape: Shape
+    sparse: _sparse_chain.Structure | None = None  # where trans holds its values, (1, 1, nnz)
 
     @property
-    def xp(self):
+    def xp(self) -> ModuleType:
         return self.backend.xp
 
     @property
     def per_step(self) -> bool:
         """Whether step t uses its own matrix ``trans[:, t]`` (else all use ``trans[:, 0]``)."""
-        return self.trans.shape[1] > 1
+        return bool(self.trans.shape[1] > 1)
 
-    def step_matrices(self, t: int):
+    def step_matrices(self, t: int) -> Array:
         """The (G, c, c) transition matrices of step ``t -> t + 1``."""
         return self.trans[:, t if self.per_step else 0]
 
-    def rows(self, a, tail: tuple = ()):
+    def rows(self, a: Array, tail: Shape = ()) -> Array:
         """A batch-shaped array (``batch_shape + tail``, broadcastable) in row order, (B, *tail)."""
-        nd = len(self.batch_shape)
-        a = self.xp.broadcast_to(a, self.batch_shape + tail)
-        a = a.transpose(self.order + tuple(range(nd, nd + len(tail))))
-        return self.xp.ascontiguousarray(a).reshape((int(np.prod(self.batch_shape)),) + tail)
+        return _rows(self.xp, self.batch_shape, self.order, a, tail)
 
-    def unrows(self, a):
+    def unrows(self, a: Array) -> Array:
         """The inverse of :meth:`rows`: (B, *tail) back to ``batch_shape + tail`` (contiguous)."""
         nd = len(self.batch_shape)
         tail = a.shape[1:]
@@ -63,7 +65,16 @@ class Chain:
             return a
         return a.transpose(tuple(np.argsort(self.order)) + tuple(range(nd, nd + len(tail)))).copy()
 
-def _check_dense(caller: str, name: str, a, required: bool) -> None:
+
+def _rows(xp: ModuleType, batch_shape: Shape, order: Shape, a: Array, tail: Shape) -> Array:
+    """:meth:`Chain.rows` of a chain with this batch shape and order."""
+    nd = len(batch_shape)
+    a = xp.broadcast_to(a, batch_shape + tail)
+    a = a.transpose(order + tuple(range(nd, nd + len(tail))))
+    return xp.ascontiguousarray(a).reshape((int(np.prod(batch_shape)),) + tail)
+
+
+def _check_dense(caller: str, name: str, a: object, required: bool) -> None:
     """``TypeError`` naming ``name`` unless ``a`` is a dense array, a list / tuple or a Python
     scalar (or ``None``, where the argument is optional)."""
     if a is None:
@@ -76,8 +87,8 @@ def _check_dense(caller: str, name: str, a, required: bool) -> None:
     if not (hasattr(a, "dtype") and hasattr(a, "shape") or isinstance(a, (list, tuple, int, float, np.generic))):
         raise TypeError(f"{caller}: {name} must be an array (or a list or a number), not {type(a).__name__}")
 
-def layout(caller: str, x_shape: tuple, trans_shape: tuple, init_shape: tuple | None = None,
-           lengths_shape: tuple | None = None) -> tuple:
+def layout(caller: str, x_shape: Shape, trans_shape: Shape, init_shape: Shape | None = None,
+           lengths_shape: Shape | None = None) -> tuple[Shape, bool]:
     """``(batch_shape, per_step)`` of chain inputs of these shapes; ``ValueError`` where they
     do not fit together.
 
@@ -119,13 +130,14 @@ def layout(caller: str, x_shape: tuple, trans_shape: tuple, init_shape: tuple | 
     return tuple(batch_shape), per_step
 
 
-def prepare(x, log_trans, log_init, lengths, caller: str, check: bool = True) -> Chain:
+def prepare(x: Any, log_trans: Any, log_init: Any, lengths: Any, caller: str, check: bool = True) -> Chain:
     """Validate the inputs of a chain function and bring them to the sweeps' layout.
 
     Lists and Python numbers are converted to arrays; a number broadcasts like a 0-d array
     (a scalar ``log_trans`` is a (c, c) matrix filled with it, a scalar ``log_init`` a
     (c,) vector), so only ``x`` needs its full (..., v, c) shape. ``check=False`` rebuilds
     the layout of inputs that a forward has validated (a backward's): no type or value checks.
+    The inputs are anything a caller passed (hence ``Any``): this is where they are checked.
     """
     sparse = _sparse_chain.is_sparse(log_trans) and len(log_trans.shape) == 2
     if check:
@@ -147,7 +159,7 @@ def prepare(x, log_trans, log_init, lengths, caller: str, check: bool = True) ->
         lengths = xp.asarray(lengths)
         if check and not np.issubdtype(np.dtype(lengths.dtype), np.integer):
             raise TypeError(f"{caller}: lengths must hold integers, got dtype {lengths.dtype}")
-    trans_shape = structure.shape if sparse else log_trans.shape
+    trans_shape = log_trans.shape if structure is None else structure.shape
     batch_shape, per_step = layout(caller, x.shape, trans_shape, None if log_init is None else log_init.shape,
                                    None if lengths is None else lengths.shape)
     v, c = x.shape[-2:]
@@ -168,16 +180,16 @@ def prepare(x, log_trans, log_init, lengths, caller: str, check: bool = True) ->
     steps = v - 1 if per_step else 1
     trans = log_trans.reshape(1, 1, -1) if sparse else \
         xp.ascontiguousarray(log_trans, dtype=dtype).reshape(groups, steps, c, c)
-    chain = Chain(backend, None, trans, None, None, group, v, batch_shape, order, x.shape, structure)
-    chain.x = chain.rows(x.astype(dtype, copy=False), (v, c))
-    chain.init = chain.rows(log_init.astype(dtype, copy=False), (c,))
+    x_rows = _rows(xp, batch_shape, order, x.astype(dtype, copy=False), (v, c))
+    init = _rows(xp, batch_shape, order, log_init.astype(dtype, copy=False), (c,))
+    max_length = v
     if lengths is None:
-        chain.lengths = xp.full((rows,), v, dtype=np.int64)
+        lengths = xp.full((rows,), v, dtype=np.int64)
     else:
-        chain.lengths = chain.rows(lengths.astype(np.int64, copy=False))
+        lengths = _rows(xp, batch_shape, order, lengths.astype(np.int64, copy=False), ())
         if rows:
-            low, high = int(chain.lengths.min()), int(chain.lengths.max())
+            low, high = int(lengths.min()), int(lengths.max())
             if check and (low < 1 or high > v):
                 raise ValueError(f"{caller}: lengths must lie in 1..v = 1..{v}, got values from {low} to {high}")
-            chain.max_length = high
-    return chain
+            max_length = high
+    return Chain(backend, x_rows, trans, init, lengths, group, max_length, batch_shape, order, x.shape, structure)

@@ -6,12 +6,16 @@ goes through a ``+inf`` term) are found by a max-plus sweep over ``+inf`` marks 
 their gradient is the limit as the ``+inf`` terms grow together.
 """
 
+from __future__ import annotations
+
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 
 from ._chain_layout import Chain
 from ._chain_sweep import backward_finite, forward_finite, viterbi_finite
+from ._typing import Array
 
 LIMIT = 2.0**20
 """What ``+inf`` becomes, in float64, for the gradient of a chain whose log-partition is ``+inf``:
@@ -19,12 +23,12 @@ paths through fewer ``+inf`` terms then weigh ``exp(-2**20) = 0`` relative to th
 in the limit, and ``2**20 * k`` stays exact to 1e-10 in float64."""
 
 
-def _with(chain: Chain, f) -> Chain:
+def _with(chain: Chain, f: Callable[[Array], Array]) -> Chain:
     """``chain`` with ``f`` applied to its x, transitions and init."""
     return dataclasses.replace(chain, x=f(chain.x), trans=f(chain.trans), init=f(chain.init))
 
 
-def _plus_inf_rows(chain: Chain):
+def _plus_inf_rows(chain: Chain) -> tuple[Array, Array] | tuple[None, None]:
     """``(None, None)`` where no input holds ``+inf``; else ``(infinite (B,) bool, path (B, v))``:
     the rows whose log-partition is ``+inf`` (a path with no ``-inf`` or NaN term goes through
     a ``+inf`` one) and, for those, such a path (the most ``+inf`` terms; Viterbi's ties)."""
@@ -42,7 +46,7 @@ def _without_plus_inf(chain: Chain) -> Chain:
     return _with(chain, lambda a: chain.xp.where(chain.xp.isposinf(a), -np.inf, a))
 
 
-def forward(chain: Chain):
+def forward(chain: Chain) -> tuple[Array, Array, Array]:
     """:func:`forward_finite`, with ``+inf`` where a possible path goes through a ``+inf``."""
     infinite, _ = _plus_inf_rows(chain)
     if infinite is None:
@@ -51,7 +55,8 @@ def forward(chain: Chain):
     return chain.xp.where(infinite, np.inf, log_partition).astype(chain.x.dtype), pre, norm
 
 
-def backward(chain: Chain, pre, norm, weight, trans_grad: bool = True):
+def backward(chain: Chain, pre: Array, norm: Array, weight: Array,
+             trans_grad: bool = True) -> tuple[Array, Array | None]:
     """:func:`backward_finite` for the outputs of :func:`forward`. A row with a ``+inf``
     log-partition gets the limit of its gradient as its ``+inf`` terms grow together: the
     posterior of the paths with the most ``+inf`` terms."""
@@ -66,12 +71,12 @@ def backward(chain: Chain, pre, norm, weight, trans_grad: bool = True):
     limit_x, limit_trans = backward_finite(limit, limit_pre, limit_norm,
                                            xp.where(infinite, weight, 0).astype(np.float64), trans_grad)
     grad_x = xp.where(infinite[:, None, None], limit_x.astype(chain.x.dtype), grad_x)
-    if trans_grad:
+    if grad_trans is not None and limit_trans is not None:
         grad_trans = grad_trans + limit_trans.astype(chain.x.dtype)
     return grad_x, grad_trans
 
 
-def viterbi(chain: Chain):
+def viterbi(chain: Chain) -> tuple[Array, Array]:
     """:func:`viterbi_finite`, with score ``+inf`` and a path through ``+inf`` terms where a
     possible path goes through one."""
     infinite, marked_path = _plus_inf_rows(chain)

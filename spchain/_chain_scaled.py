@@ -3,9 +3,12 @@ scaled kernels of ``kernels/cpu/chain_scaled.py`` (``c²`` multiply-adds and ``c
 exponentials a step instead of ``c²`` exponentials), exact as the log-space kernels.
 """
 
+from __future__ import annotations
+
 import numpy as np
 
 from ._chain_layout import Chain
+from ._typing import Array
 
 REUSE = 4
 """Row-steps per transition matrix from which exponentiating the matrices once pays."""
@@ -21,7 +24,7 @@ def applies(chain: Chain) -> bool:
     return not chain.backend.on_gpu and c > 0 and rows * max(v - 1, 1) >= REUSE * groups * steps
 
 
-def _scaled(chain: Chain):
+def _scaled(chain: Chain) -> tuple[Array, Array]:
     """``(e, cmax)``: the transitions' exponentials shifted by their column maxima (float64)."""
     trans = chain.trans.astype(np.float64)
     cmax = trans.max(axis=-2) if trans.shape[-2] else np.full(trans.shape[:-2] + trans.shape[-1:], -np.inf)
@@ -30,14 +33,14 @@ def _scaled(chain: Chain):
     return e, cmax
 
 
-def forward(chain: Chain, pre, norm) -> None:
+def forward(chain: Chain, pre: Array, norm: Array) -> None:
     """Fills ``pre`` and ``norm`` as ``chain_forward`` does."""
     e, cmax = _scaled(chain)
     chain.backend.kernel("chain_scaled", "chain_forward_scaled")(
         chain.x, chain.trans, e, cmax, chain.group, chain.init, chain.lengths, pre, norm)
 
 
-def backward(chain: Chain, pre, norm, weight, grad_trans):
+def backward(chain: Chain, pre: Array, norm: Array, weight: Array, grad_trans: Array | None) -> Array:
     """The posterior marginals (B, v, c); fills ``grad_trans`` (if not ``None``) with the
     ``weight``-ed expected transition counts."""
     e, cmax = _scaled(chain)

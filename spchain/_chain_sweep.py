@@ -10,20 +10,25 @@
 The functions here assume finite or ``-inf`` inputs (``spchain._chain_limits`` handles ``+inf``).
 """
 
+from __future__ import annotations
+
 import contextlib
 import contextvars
+from collections.abc import Iterator
+from types import ModuleType
 
 import numpy as np
 
 from . import _chain_scaled, _logspace
 from ._chain_layout import Chain
+from ._typing import Array
 
 SWEEPS = ("auto", "gemm", "kernel")
 _SWEEP = contextvars.ContextVar("spchain.chain_sweep", default="auto")
 
 
 @contextlib.contextmanager
-def chain_sweep(sweep: str):
+def chain_sweep(sweep: str) -> Iterator[None]:
     """Force the sweep of the chain functions inside a ``with`` block (of this thread or task).
 
     Both sweeps are exact; ``"gemm"`` (scaled GEMMs) is fast where many chains share a
@@ -82,13 +87,13 @@ def use_gemm(chain: Chain) -> bool:
     if chain.backend.on_gpu:
         return False
     if _chain_scaled.applies(chain):
-        return chain.group * c * c >= (1e6 if chain.trans.shape[1] > 1 else 4e6)
+        return bool(chain.group * c * c >= (1e6 if chain.trans.shape[1] > 1 else 4e6))
     kernel = rows * (1.0e-9 * c * c + 5e-7)
     gemm = 3e-5 + groups * (1.5e-9 * c * c + 1.5e-6) + 1.5e-8 * rows * c
-    return gemm < kernel
+    return bool(gemm < kernel)
 
 
-def normalise(xp, q):
+def normalise(xp: ModuleType, q: Array) -> tuple[tuple[Array, Array, Array], Array]:
     """The normalised message ``â = q - lse(q)`` (``q`` itself where the lse is not finite),
     as the scaled operand of the next step's product (:func:`_logspace.scaled` of ``â``,
     taken from the exponentials of the lse itself), and ``lse(q)`` over the last axis."""
@@ -100,12 +105,12 @@ def normalise(xp, q):
     return (e, shift - offset, top - offset), lse[..., 0]
 
 
-def normalised(xp, pre, x, norm):
+def normalised(xp: ModuleType, pre: Array, x: Array, norm: Array) -> Array:
     """The normalised forward message ``â_t`` from what the forward sweep saved."""
     return (pre + x) - _logspace.finite_or_zero(xp, norm)[..., None]
 
 
-def forward_finite(chain: Chain):
+def forward_finite(chain: Chain) -> tuple[Array, Array, Array]:
     """Forward sweep: ``(log_partition (B,), pre (B, v, c), norm (B, v))``."""
     if chain.sparse is not None:
         from . import _sparse_chain
@@ -126,7 +131,7 @@ def forward_finite(chain: Chain):
     return log_partition, pre, norm
 
 
-def _forward_gemm(chain: Chain, pre, norm):
+def _forward_gemm(chain: Chain, pre: Array, norm: Array) -> None:
     xp = chain.xp
     rows, v, c = chain.x.shape
     groups = chain.trans.shape[0]
@@ -138,7 +143,7 @@ def _forward_gemm(chain: Chain, pre, norm):
     for t in range(chain.max_length - 1):
         trans = chain.step_matrices(t)
 
-        def before(t=t):
+        def before(t: int = t) -> Array:
             return normalised(xp, pre4[:, :, t], x[:, :, t], norm3[:, :, t])
 
         _logspace.log_product(xp, u, _logspace.scaled(xp, trans, -2), before, trans, out=pre4[:, :, t + 1])
@@ -147,7 +152,8 @@ def _forward_gemm(chain: Chain, pre, norm):
     norm3[:, :, chain.max_length:] = 0
 
 
-def backward_finite(chain: Chain, pre, norm, weight, trans_grad: bool = True):
+def backward_finite(chain: Chain, pre: Array, norm: Array, weight: Array,
+                    trans_grad: bool = True) -> tuple[Array, Array | None]:
     """Gradients of ``sum(weight * log_partition)``: ``(d x (B, v, c), d trans (G, S, c, c))``.
 
     ``d x`` holds ``weight`` times the posterior marginals; ``d init`` is ``d x[:, 0]``.
@@ -177,7 +183,7 @@ def backward_finite(chain: Chain, pre, norm, weight, trans_grad: bool = True):
     return grad_x, grad_trans
 
 
-def renormalise(xp, marginals):
+def renormalise(xp: ModuleType, marginals: Array) -> tuple[Array, Array]:
     """``marginals`` divided by their sum over the last axis, and the log of that sum (0 where
     the sum is 0 or not finite, which stays as it is).
 
@@ -191,7 +197,7 @@ def renormalise(xp, marginals):
     return marginals / total, xp.log(total)
 
 
-def _backward_gemm(chain: Chain, pre, norm, weight, grad_trans):
+def _backward_gemm(chain: Chain, pre: Array, norm: Array, weight: Array, grad_trans: Array | None) -> Array:
     """The backward sweep by scaled GEMMs, one step at a time; fills ``grad_trans`` if given."""
     xp = chain.xp
     rows, v, c = chain.x.shape
@@ -205,7 +211,7 @@ def _backward_gemm(chain: Chain, pre, norm, weight, grad_trans):
     grad_x = xp.zeros(shape + (v, c), chain.x.dtype)
     beta = xp.full(shape + (c,), -np.inf, chain.x.dtype)
 
-    def message(t):
+    def message(t: int) -> Array:
         return normalised(xp, pre4[:, :, t], x[:, :, t], norm3[:, :, t])
 
     forward = message(chain.max_length - 1)
@@ -223,7 +229,9 @@ def _backward_gemm(chain: Chain, pre, norm, weight, grad_trans):
             before = xp.where(active, forward, -np.inf)
             step = t - 1 if chain.per_step else 0
             _, counts = _logspace.log_matmul_grads(xp, before, trans, pre4[:, :, t], grad_x[:, :, t], need_a=False)
-            reached = active.any(axis=1)[..., None]  # (G, 1, 1): a group no chain of which takes this step
+            # (G, 1, 1): a group no chain of which takes this step (NumPy's stubs type any(axis=1) of an
+            # array of unknown rank as possibly a scalar)
+            reached = active.any(axis=1)[..., None]  # type: ignore[index]
             grad_trans[:, step] += xp.where(reached, counts, 0)  # gets 0, even for a NaN matrix
         y = xp.where(active, x[:, :, t] + beta, -np.inf)
         d = norm3[:, :, t, None]
@@ -231,7 +239,7 @@ def _backward_gemm(chain: Chain, pre, norm, weight, grad_trans):
     return grad_x.reshape(rows, v, c)
 
 
-def viterbi_finite(chain: Chain):
+def viterbi_finite(chain: Chain) -> tuple[Array, Array]:
     """Best paths: ``(score (B,), path (B, v) int64, -1 past each length)``."""
     if chain.sparse is not None:
         from . import _sparse_chain

@@ -23,24 +23,31 @@ Terms of probability 0 (a ``-inf`` potential never taken) count 0, never ``0 · 
 step works on (rows, c, c) arrays, one step at a time: O(batch · v · c) memory kept.
 """
 
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import ModuleType
+
 import numpy as np
 
 from . import _logspace
+from ._chain_layout import Chain
 from ._chain_limits import forward as _forward
 from ._chain_sweep import normalised as _normalised
+from ._typing import Array
 
 
-def _grouped(chain, a):
+def _grouped(chain: Chain, a: Array) -> Array:
     """(B, ...) → (G, group, ...)."""
     return a.reshape((chain.trans.shape[0], chain.group) + a.shape[1:])
 
 
-def _weighted(xp, p, value):
+def _weighted(xp: ModuleType, p: Array, value: Array) -> Array:
     """``p * value`` with 0 where ``p`` is 0 (so ``0 · -inf`` is 0)."""
     return xp.where(p > 0, p * value, 0)
 
 
-def entropy(chain):
+def entropy(chain: Chain) -> tuple[Array, tuple[Array, Array, Array, Array, Array]]:
     """``(H (B,), saved)``: the entropies and what :func:`entropy_grads` needs."""
     xp = chain.xp
     rows, v, c = chain.x.shape
@@ -61,7 +68,7 @@ def entropy(chain):
     return value, (pre, norm, fwd, mean, possible)
 
 
-def _expected_score(chain, pre, norm, fwd):
+def _expected_score(chain: Chain, pre: Array, norm: Array, fwd: Array) -> Array:
     xp = chain.xp
     rows, v, c = chain.x.shape
     if not rows:
@@ -72,7 +79,8 @@ def _expected_score(chain, pre, norm, fwd):
     return _weighted(xp, xp.exp(alpha), at_end).sum(axis=-1)
 
 
-def entropy_grads(chain, saved, weight, trans_grad: bool = True):
+def entropy_grads(chain: Chain, saved: Sequence[Array], weight: Array,
+                  trans_grad: bool = True) -> tuple[Array, Array | None]:
     """Gradients of ``sum(weight * H)``: ``(d x (B, v, c), d trans (G, S, c, c) or None)``;
     ``d init`` is ``d x[:, 0]``."""
     xp = chain.xp
@@ -104,7 +112,7 @@ def entropy_grads(chain, saved, weight, trans_grad: bool = True):
         later = (x[:, :, t] + beta - _logspace.finite_or_zero(xp, d))[..., None, :]
         xi = xp.where(active[..., None] & xp.isfinite(d)[..., None], xp.exp(alpha[:, :, t - 1, :, None] + trans + later), 0)
         gain = trans + (x[:, :, t] + bwd)[..., None, :]
-        if trans_grad:
+        if grad_trans is not None:
             step = t - 1 if chain.per_step else 0
             counts = _weighted(xp, xi, fwd4[:, :, t - 1, :, None] + gain - e[..., None])
             grad_trans[:, step] += (w[..., None] * counts).sum(axis=1)

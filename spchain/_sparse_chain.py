@@ -11,12 +11,20 @@ the gradient of the stored values at the stored entries only. The path functions
 Viterbi run on the dense matrix (:func:`densified`, O(c²) memory).
 """
 
+from __future__ import annotations
+
 import dataclasses
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import scipy.sparse
 
 from . import _csr
+from ._backend import Backend
+from ._typing import Array, Sparse
+
+if TYPE_CHECKING:
+    from ._chain_layout import Chain
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,15 +35,15 @@ class Structure:
     of their row) is entry ``order[q]`` of the matrix (``indptr``, ``indices``).
     """
 
-    indptr: object
-    indices: object
-    t_indptr: object
-    t_rows: object
-    order: object
-    shape: tuple
+    indptr: Array
+    indices: Array
+    t_indptr: Array
+    t_rows: Array
+    order: Array
+    shape: tuple[int, int]
 
 
-def is_sparse(a) -> bool:
+def is_sparse(a: object) -> bool:
     """Whether ``a`` is a SciPy or cupyx sparse matrix or array."""
     if scipy.sparse.issparse(a):
         return True
@@ -43,7 +51,8 @@ def is_sparse(a) -> bool:
     return module.startswith("cupyx.") and hasattr(a, "tocsr")
 
 
-def split(backend, log_trans, dtype, caller: str, check: bool = True):
+def split(backend: Backend, log_trans: Sparse, dtype: np.dtype[Any], caller: str,
+          check: bool = True) -> tuple[Structure, Array]:
     """``(Structure, values (nnz,) of dtype)`` of a sparse ``log_trans``, in CSR order; a CSR
     matrix keeps its own order. ``ValueError`` for a bad structure or a repeated entry."""
     name = f"{caller}: log_trans"
@@ -52,33 +61,39 @@ def split(backend, log_trans, dtype, caller: str, check: bool = True):
     if check and csr.nnz:
         marks = np.full(shape[1], -1, np.int64)
         host = backend.to_host
-        q = int(_first_duplicate(host(csr.indptr), host(csr.indices), marks))
+        q = _first_duplicate(host(csr.indptr), host(csr.indices), marks)
         if q >= 0:
             i = int(np.searchsorted(host(csr.indptr), q, side="right") - 1)
             raise ValueError(f"{name} stores the entry ({i}, {int(host(csr.indices)[q])}) more than once; "
                              "combine repeated log-values first (their log-sum-exp)")
     transpose, order = _csr.transposed(backend, csr)
-    structure = Structure(csr.indptr, csr.indices, transpose.indptr, transpose.indices, order, shape)
+    structure = Structure(csr.indptr, csr.indices, transpose.indptr, transpose.indices, order, csr.shape)
     return structure, backend.xp.asarray(csr.data).astype(dtype, copy=False)
 
 
-def _first_duplicate(indptr, indices, marks):
+def _first_duplicate(indptr: Array, indices: Array, marks: Array) -> int:
     from .kernels.cpu.sparse_chain import first_duplicate
-    return first_duplicate(indptr, indices, marks)
+    return int(first_duplicate(indptr, indices, marks))
 
 
-def _values(chain):
+def _structure(chain: Chain) -> Structure:
+    """The structure of a sparse chain's transitions (the sweeps here run on sparse chains only)."""
+    assert chain.sparse is not None
+    return chain.sparse
+
+
+def _values(chain: Chain) -> Array:
     return chain.trans.reshape(-1)
 
 
-def forward(chain):
+def forward(chain: Chain) -> tuple[Array, Array, Array]:
     """``forward_finite`` of a sparse chain: ``(log_partition (B,), pre (B, v, c), norm (B, v))``."""
     xp = chain.xp
     rows, v, c = chain.x.shape
     pre = xp.empty((rows, v, c), chain.x.dtype)
     norm = xp.empty((rows, v), chain.x.dtype)
     if rows:
-        s = chain.sparse
+        s = _structure(chain)
         t_values = xp.ascontiguousarray(_values(chain)[s.order])
         chain.backend.kernel("sparse_chain", "forward")(chain.x, s.t_indptr, s.t_rows, t_values, chain.init,
                                                        chain.lengths, pre, norm)
@@ -87,7 +102,8 @@ def forward(chain):
     return log_partition, pre, norm
 
 
-def backward(chain, pre, norm, weight, trans_grad: bool = True):
+def backward(chain: Chain, pre: Array, norm: Array, weight: Array,
+             trans_grad: bool = True) -> tuple[Array, Array | None]:
     """``backward_finite`` of a sparse chain: ``(d x (B, v, c), d values (1, 1, nnz) or None)``."""
     from ._chain_sweep import normalised, renormalise
 
@@ -96,7 +112,7 @@ def backward(chain, pre, norm, weight, trans_grad: bool = True):
     grad_trans = xp.zeros(chain.trans.shape, chain.x.dtype) if trans_grad else None
     if not rows:
         return xp.zeros_like(chain.x), grad_trans
-    s = chain.sparse
+    s = _structure(chain)
     values = xp.ascontiguousarray(_values(chain))
     beta = xp.empty_like(chain.x)
     chain.backend.kernel("sparse_chain", "backward")(chain.x, s.indptr, s.indices, values, chain.lengths, norm, beta)
@@ -111,21 +127,21 @@ def backward(chain, pre, norm, weight, trans_grad: bool = True):
     return marginals * weight[:, None, None], grad_trans
 
 
-def _threads(backend) -> int:
+def _threads(backend: Backend) -> int:
     if backend.on_gpu:
         return 256
     import numba
     return int(numba.get_num_threads())
 
 
-def viterbi(chain):
+def viterbi(chain: Chain) -> tuple[Array, Array]:
     """``viterbi_finite`` of a sparse chain: ``(score (B,), path (B, v) int64)``."""
     xp = chain.xp
     rows, v, c = chain.x.shape
     score = xp.empty(rows, chain.x.dtype)
     path = xp.empty((rows, v), np.int64)
     if rows:
-        s = chain.sparse
+        s = _structure(chain)
         t_values = xp.ascontiguousarray(_values(chain)[s.order])
         work = xp.empty((rows, 2, c), chain.x.dtype)
         backptr = xp.empty((rows, v, c), np.int32)
@@ -135,11 +151,11 @@ def viterbi(chain):
     return score, path
 
 
-def path_counts(chain, state, w):
+def path_counts(chain: Chain, state: Array, w: Array) -> Array:
     """``d values`` (1, 1, nnz) of ``sum(w * score)`` over the transitions of the paths
     ``state`` (B, v; ``w`` 0 past each end): ``w`` on each stored entry that a path takes."""
     xp = chain.xp
-    s = chain.sparse
+    s = _structure(chain)
     host = chain.backend.to_host
     src, dst = host(state[:, :-1]).reshape(-1), host(state[:, 1:]).reshape(-1)
     entry = np.empty(src.shape[0], np.int64)
@@ -150,12 +166,12 @@ def path_counts(chain, state, w):
     return xp.asarray(grad).reshape(chain.trans.shape)
 
 
-def _entry_of(*args):
+def _entry_of(*args: Array) -> None:
     from .kernels.cpu.sparse_chain import entry_of
     entry_of(*args)
 
 
-def densified(chain):
+def densified(chain: Chain) -> Chain:
     """``chain`` with its sparse transitions as a dense (1, 1, c, c) matrix, ``-inf`` where absent."""
     if chain.sparse is None:
         return chain
@@ -168,7 +184,7 @@ def densified(chain):
     return dataclasses.replace(chain, trans=dense.reshape(1, 1, c, c), sparse=None)
 
 
-def trans_grad(backend, log_trans, grad, caller: str):
+def trans_grad(backend: Backend, log_trans: Sparse, grad: Array, caller: str) -> Sparse:
     """The gradient of a sparse ``log_trans`` from the sweeps' ``grad`` (its values, (1, 1, nnz),
     or a dense (1, 1, c, c) one): a CSR matrix of the same structure (in CSR order)."""
     structure, _ = split(backend, log_trans, grad.dtype, caller, check=False)

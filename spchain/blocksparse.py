@@ -15,13 +15,22 @@ consume. The caller's arrays are never written to.
 array([1., 1., 5., 5.])
 """
 
+from __future__ import annotations
+
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, Literal, TypeAlias, Union
 
 import numpy as np
 import scipy.sparse
 
 from . import _backend, _checks, _csr, _selection
 from . import sparse as _sparse
+from ._backend import Backend
+from ._typing import Array, Seed, Shape, Sparse
+
+BsrOperand: TypeAlias = Union[Sparse, tuple[tuple[Array, Array, Array], Shape]]
+"""A BSR operand: a SciPy ``bsr_matrix`` / ``bsr_array`` or ``((data, indices, indptr), shape)``."""
 
 
 @dataclass(frozen=True)
@@ -33,9 +42,9 @@ class Bsr:
     (duplicates add up) or hold zeros.
     """
 
-    indptr: object
-    indices: object
-    data: object
+    indptr: Array
+    indices: Array
+    data: Array | None
     shape: tuple[int, int]
     blocksize: tuple[int, int]
 
@@ -52,12 +61,12 @@ class Bsr:
 # --- validation ----------------------------------------------------------------------------
 
 
-def is_bsr(a) -> bool:
+def is_bsr(a: object) -> bool:
     """Whether ``a`` is a BSR operand: a SciPy BSR object or a ``((data, indices, indptr), shape)`` tuple."""
     return getattr(a, "format", None) == "bsr" or (isinstance(a, tuple) and len(a) == 2 and isinstance(a[0], tuple))
 
 
-def bsr_parts(a, caller: str):
+def bsr_parts(a: BsrOperand, caller: str) -> tuple[Array, Array, Array, Shape]:
     """``(data, indices, indptr, shape)`` of a BSR operand (see :func:`is_bsr`)."""
     if isinstance(a, tuple):
         if len(a[0]) != 3:
@@ -66,7 +75,8 @@ def bsr_parts(a, caller: str):
     return a.data, a.indices, a.indptr, a.shape
 
 
-def to_bsr(backend, shape, data, indptr, indices, caller: str, *, blocksize=None) -> Bsr:
+def to_bsr(backend: Backend, shape: Shape, data: Array | None, indptr: Array, indices: Array, caller: str, *,
+           blocksize: Shape | None = None) -> Bsr:
     """Validate a BSR structure and return it as a :class:`Bsr`.
 
     The block size is ``data.shape[1:]`` (or ``blocksize`` for a pattern without data). The
@@ -79,6 +89,8 @@ def to_bsr(backend, shape, data, indptr, indices, caller: str, *, blocksize=None
         if data.ndim != 3:
             raise ValueError(f"{caller}: BSR data must be 3-D (nnzb, R, C), got shape {data.shape}")
         blocksize = data.shape[1:]
+    if blocksize is None:
+        raise TypeError(f"{caller}: a BSR structure without data needs a blocksize")
     r, c = (int(s) for s in blocksize)
     if r < 1 or c < 1 or m % r or n % c:
         raise ValueError(f"{caller}: shape {(m, n)} is not a whole number of {(r, c)} blocks")
@@ -88,7 +100,7 @@ def to_bsr(backend, shape, data, indptr, indices, caller: str, *, blocksize=None
     return Bsr(grid.indptr, grid.indices, data, (m, n), (r, c))
 
 
-def _operand(backend, a, caller: str, name: str, ndims):
+def _operand(backend: Backend, a: Array, caller: str, name: str, ndims: Sequence[int]) -> Array:
     if backend.sparse.issparse(a) or isinstance(a, tuple):
         raise TypeError(f"{caller}: {name} must be a dense array, not {type(a).__name__}")
     if a.ndim not in ndims:
@@ -96,7 +108,7 @@ def _operand(backend, a, caller: str, name: str, ndims):
     return a
 
 
-def _like(a, backend, data, indices, indptr, shape):
+def _like(a: object, backend: Backend, data: Array, indices: Array, indptr: Array, shape: Shape) -> BsrOperand:
     """A BSR result of ``a``'s kind: a SciPy object of its class, else a tuple."""
     if isinstance(a, tuple) or backend.on_gpu:
         return (data, indices, indptr), tuple(shape)
@@ -107,13 +119,15 @@ def _like(a, backend, data, indices, indptr, shape):
 # --- products ------------------------------------------------------------------------------
 
 
-def matmul(backend, bsr: Bsr, b, dtype, bias=None, *, transpose=None):
+def matmul(backend: Backend, bsr: Bsr, b: Array, dtype: np.dtype[Any], bias: Array | None = None, *,
+           transpose: tuple[tuple[Array, Array], Array] | None = None) -> Array:
     """``bsr @ b`` (plus ``bias[:, None]``) for a dense (N, n) ``b``: a C-contiguous (M, n) array.
 
     With ``transpose=(t_grid, order)`` (from :func:`transposed`) it is ``bsr.T @ b`` instead,
     read from the same blocks.
     """
     xp = backend.xp
+    assert bsr.data is not None, "matmul multiplies by a structure with values"
     data = bsr.data.astype(dtype, copy=False)
     if transpose is None:
         indptr, indices, slots, m = bsr.indptr, bsr.indices, xp.arange(bsr.nnzb, dtype=bsr.indices.dtype), bsr.shape[0]
@@ -132,14 +146,14 @@ def matmul(backend, bsr: Bsr, b, dtype, bias=None, *, transpose=None):
     return out
 
 
-def transposed(backend, bsr: Bsr):
+def transposed(backend: Backend, bsr: Bsr) -> tuple[tuple[Array, Array], Array]:
     """``((indptr, indices), order)``: the block structure of ``bsr.T`` and, for each of its
     blocks, the slot of ``bsr`` it transposes."""
     t_grid, order = _csr.transposed(backend, _csr.Csr(bsr.indptr, bsr.indices, None, bsr.grid))
     return (t_grid.indptr, t_grid.indices), order
 
 
-def sampled(backend, bsr: Bsr, a, b, dtype):
+def sampled(backend: Backend, bsr: Bsr, a: Array, b: Array, dtype: np.dtype[Any]) -> Array:
     """``out[p] = a[rows of block p] @ b[cols of block p].T`` for every stored block: (nnzb, R, C)."""
     xp = backend.xp
     out = xp.zeros((bsr.nnzb, *bsr.blocksize), dtype)
@@ -151,7 +165,7 @@ def sampled(backend, bsr: Bsr, a, b, dtype):
     return out
 
 
-def spmm(a, b):
+def spmm(a: BsrOperand, b: Array) -> Array:
     """``a @ b`` for a BSR ``a``: the BSR case of :func:`spchain.spmm`.
 
     ``a`` is a SciPy ``bsr_matrix`` / ``bsr_array`` or ``((data, indices, indptr), shape)``
@@ -178,7 +192,7 @@ def spmm(a, b):
     return out[:, 0] if b.ndim == 1 else out
 
 
-def sddmm(pattern, a, b):
+def sddmm(pattern: BsrOperand, a: Array, b: Array) -> BsrOperand:
     """Block-sampled dense-dense product: the BSR case of :func:`spchain.sddmm`.
 
     Returns a BSR of ``pattern``'s kind with exactly its blocks (in its order, duplicates kept),
@@ -208,7 +222,9 @@ def sddmm(pattern, a, b):
 # --- pruning -------------------------------------------------------------------------------
 
 
-def prune(w, sparsity=None, *, method="magnitude", seed=None, block=None, n=None, m=None):
+def prune(w: Array, sparsity: float | None = None, *, method: Literal["magnitude", "random", "n:m"] = "magnitude",
+          seed: Seed = None, block: tuple[int, int] | None = None, n: int | None = None,
+          m: int | None = None) -> BsrOperand:
     """Block and N:M pruning: the ``block=`` and ``method="n:m"`` cases of :func:`spchain.prune`.
 
     With ``block=(R, C)`` (``method`` "magnitude" or "random"), keeps
@@ -245,13 +261,14 @@ def prune(w, sparsity=None, *, method="magnitude", seed=None, block=None, n=None
     return _like(None, backend, data, indices, indptr, w.shape)
 
 
-def _check_count(caller: str, name: str, value) -> int:
+def _check_count(caller: str, name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{caller}: {name} must be an int, not {type(value).__name__}")
     return int(value)
 
 
-def n_m_parts(backend, w, sparsity, n, m, caller: str):
+def n_m_parts(backend: Backend, w: Array, sparsity: float | None, n: int | None, m: int | None,
+              caller: str) -> tuple[Array, Array, Array]:
     """:func:`prune` with ``method="n:m"`` as raw CSR arrays ``(indptr, indices, data)``."""
     xp = backend.xp
     n, m = _check_count(caller, "n", n), _check_count(caller, "m", m)
@@ -272,8 +289,10 @@ def n_m_parts(backend, w, sparsity, n, m, caller: str):
     return indptr, indices.ravel(), xp.take_along_axis(w, indices, axis=1).ravel()
 
 
-def block_parts(backend, w, sparsity, method, seed, block, caller: str):
-    """:func:`prune` with ``block=(R, C)`` as raw BSR arrays ``(data, indices, indptr)``."""
+def block_parts(backend: Backend, w: Array, sparsity: float | None, method: str, seed: Seed,
+                block: Any, caller: str) -> tuple[Array, Array, Array]:
+    """:func:`prune` with ``block=(R, C)`` as raw BSR arrays ``(data, indices, indptr)``; ``block``
+    is the caller's, checked here (hence ``Any``)."""
     xp = backend.xp
     try:
         r, c = (_check_count(caller, "block", s) for s in block)
@@ -301,7 +320,8 @@ def block_parts(backend, w, sparsity, method, seed, block, caller: str):
 # --- block-sparse linear layers (the array level of spchain.torch.block_sparse_linear) ------
 
 
-def linear(backend, bsr: Bsr, values, x, bias, dtype):
+def linear(backend: Backend, bsr: Bsr, values: Array, x: Array, bias: Array | None,
+           dtype: np.dtype[Any]) -> tuple[Array, Array]:
     """``y.T`` for ``y = x @ W.T + bias``, the BSR weight ``W`` being ``bsr``'s structure with ``values``.
 
     ``x`` is (batch, in) in any layout. Returns ``(yt, xt)``: ``yt`` (out, batch), the kernel's
@@ -313,7 +333,9 @@ def linear(backend, bsr: Bsr, values, x, bias, dtype):
     return matmul(backend, weight, xt, dtype, bias), xt
 
 
-def linear_backward(backend, bsr: Bsr, transpose, values, grad_yt, xt, dtype, need_x: bool, need_values: bool):
+def linear_backward(backend: Backend, bsr: Bsr, transpose: tuple[tuple[Array, Array], Array] | None, values: Array,
+                    grad_yt: Array, xt: Array, dtype: np.dtype[Any], need_x: bool,
+                    need_values: bool) -> tuple[Array | None, Array | None]:
     """Gradients of :func:`linear` for ``x`` (batch, in) and ``values`` (nnzb, R, C), when needed,
     from the gradient ``grad_yt`` (out, batch) of its output.
 

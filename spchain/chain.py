@@ -11,15 +11,28 @@ messages (O(batch · v · c)), never a (batch, v, c, c) tensor. Each differentia
 an array-level pair ``<op>_forward`` / ``<op>_backward`` that ``spchain.torch`` runs.
 """
 
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
 import numpy as np
+from numpy.typing import ArrayLike
 
 from . import _backend, _chain_limits, _logspace, _sparse_chain
 from ._chain_layout import Chain, prepare
 from ._chain_sweep import chain_sweep
 from ._dask import scales_out
+from ._typing import Array, Sparse
+
+__all__ = ["chain_logsumexp", "chain_marginals", "viterbi", "chain_sweep"]
+
+Grads = tuple[Array | None, Array | Sparse | None, Array | None]
+"""The gradients ``(d x, d log_trans, d log_init)`` of a backward, ``None`` where not needed
+(``d log_trans`` a CSR matrix for a sparse ``log_trans``)."""
 
 
-def _viterbi_grads(chain: Chain, path, weight, trans_grad: bool = True):
+def _viterbi_grads(chain: Chain, path: Array, weight: Array, trans_grad: bool = True) -> tuple[Array, Array | None]:
     """Sub-gradients of ``sum(weight * score)``: ``weight`` on every step of the best path.
 
     Returns ``(d x (B, v, c), d trans (G, S, c, c) or None)``; ``d init`` is ``d x[:, 0]``.
@@ -44,7 +57,8 @@ def _viterbi_grads(chain: Chain, path, weight, trans_grad: bool = True):
 
 
 @scales_out
-def chain_logsumexp(x, log_trans, log_init=None, *, lengths=None):
+def chain_logsumexp(x: ArrayLike, log_trans: ArrayLike | Sparse, log_init: ArrayLike | None = None, *,
+                    lengths: ArrayLike | None = None) -> Array:
     """Log-partition of batched chains: ``log(init^T D(e^x0) T_1 D(e^x1) ... T_{v-1} e^x{v-1})``.
 
     The HMM forward algorithm, exact for every ``v >= 1``, in O(batch · v · c) memory.
@@ -91,7 +105,9 @@ def chain_logsumexp(x, log_trans, log_init=None, *, lengths=None):
         return chain.unrows(log_partition)
 
 
-def chain_logsumexp_forward(x, log_trans, log_init=None, lengths=None, caller: str = "spchain.chain_logsumexp"):
+def chain_logsumexp_forward(x: ArrayLike, log_trans: ArrayLike | Sparse, log_init: ArrayLike | None = None,
+                            lengths: ArrayLike | None = None,
+                            caller: str = "spchain.chain_logsumexp") -> tuple[Array, Array, Array]:
     """:func:`chain_logsumexp` with its checks naming ``caller``, and what its gradient needs.
 
     Returns
@@ -108,7 +124,8 @@ def chain_logsumexp_forward(x, log_trans, log_init=None, lengths=None, caller: s
         return chain.unrows(log_partition), chain.unrows(pre), chain.unrows(norm)
 
 
-def chain_logsumexp_backward(inputs, results, grads, needs):
+def chain_logsumexp_backward(inputs: Sequence[Any], results: Sequence[Array], grads: Sequence[Array],
+                             needs: Sequence[bool]) -> Grads:
     """Gradients ``(d x, d log_trans, d log_init)`` of ``sum(grad * log_partition)`` from the
     inputs ``(x, log_trans, log_init, lengths)`` of :func:`chain_logsumexp_forward`, its
     results ``(log_partition, pre, norm)`` and ``grads = (grad,)`` (``None`` where ``needs``
@@ -116,7 +133,8 @@ def chain_logsumexp_backward(inputs, results, grads, needs):
     ``d x`` is ``grad`` times the posterior marginals, ``d log_trans`` the expected transition
     counts, ``d log_init`` the first marginals. The inputs are trusted (no second validation).
     """
-    chain = prepare(*inputs, "spchain.chain_logsumexp", check=False)
+    x, log_trans, log_init, lengths = inputs
+    chain = prepare(x, log_trans, log_init, lengths, "spchain.chain_logsumexp", check=False)
     _, v, c = chain.x.shape
     _, pre, norm = results
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"), chain.backend.use():
@@ -126,14 +144,16 @@ def chain_logsumexp_backward(inputs, results, grads, needs):
         return _input_grads(chain, needs, inputs, grad_x, grad_trans)
 
 
-def _input_grads(chain: Chain, needs, inputs, grad_x, grad_trans):
+def _input_grads(chain: Chain, needs: Sequence[bool], inputs: Sequence[Any], grad_x: Array,
+                 grad_trans: Array | None) -> Grads:
     """The gradients of ``(x, log_trans, log_init)`` where ``needs`` says, from the sweeps'
     (B, v, c) and (G, S, c, c) ones (``d log_init`` is ``d x`` at the first position)."""
     x, log_trans, log_init, _ = inputs
     need_x, need_trans, need_init = needs
-    if need_trans and _sparse_chain.is_sparse(log_trans):
+    # grad_trans is None unless need_trans (the sweeps computed it where trans_grad = need_trans)
+    if grad_trans is not None and _sparse_chain.is_sparse(log_trans):
         grad_trans = _sparse_chain.trans_grad(chain.backend, log_trans, grad_trans, "spchain")
-    elif need_trans:
+    elif grad_trans is not None:
         grad_trans = grad_trans.reshape(log_trans.shape)
     return (_logspace.reduce_to(chain.unrows(grad_x), x.shape) if need_x else None,
             grad_trans if need_trans else None,
@@ -141,7 +161,8 @@ def _input_grads(chain: Chain, needs, inputs, grad_x, grad_trans):
 
 
 @scales_out
-def chain_marginals(x, log_trans, log_init=None, *, lengths=None):
+def chain_marginals(x: ArrayLike, log_trans: ArrayLike | Sparse, log_init: ArrayLike | None = None, *,
+                    lengths: ArrayLike | None = None) -> Array:
     """Posterior marginals of each state at each position: the gradient of
     ``chain_logsumexp(...).sum()`` with respect to ``x``.
 
@@ -163,7 +184,8 @@ def chain_marginals(x, log_trans, log_init=None, *, lengths=None):
     return chain_marginals_forward(x, log_trans, log_init, lengths)
 
 
-def chain_marginals_forward(x, log_trans, log_init=None, lengths=None, caller: str = "spchain.chain_marginals"):
+def chain_marginals_forward(x: ArrayLike, log_trans: ArrayLike | Sparse, log_init: ArrayLike | None = None,
+                            lengths: ArrayLike | None = None, caller: str = "spchain.chain_marginals") -> Array:
     """:func:`chain_marginals` with its checks naming ``caller`` (not differentiable: no backward)."""
     chain = prepare(x, log_trans, log_init, lengths, caller)
     xp = chain.xp
@@ -175,7 +197,8 @@ def chain_marginals_forward(x, log_trans, log_init=None, lengths=None, caller: s
 
 
 @scales_out
-def viterbi(x, log_trans, log_init=None, *, lengths=None):
+def viterbi(x: ArrayLike, log_trans: ArrayLike | Sparse, log_init: ArrayLike | None = None, *,
+            lengths: ArrayLike | None = None) -> tuple[Array, Array]:
     """The best state sequence of each chain and its score (the max-product forward algorithm).
 
     Takes the arguments of :func:`chain_logsumexp`.
@@ -203,7 +226,8 @@ def viterbi(x, log_trans, log_init=None, *, lengths=None):
     return viterbi_forward(x, log_trans, log_init, lengths)
 
 
-def viterbi_forward(x, log_trans, log_init=None, lengths=None, caller: str = "spchain.viterbi"):
+def viterbi_forward(x: ArrayLike, log_trans: ArrayLike | Sparse, log_init: ArrayLike | None = None,
+                    lengths: ArrayLike | None = None, caller: str = "spchain.viterbi") -> tuple[Array, Array]:
     """:func:`viterbi` with its checks naming ``caller``: ``(score, path)``, which is all that
     :func:`viterbi_backward` needs besides the inputs."""
     chain = prepare(x, log_trans, log_init, lengths, caller)
@@ -212,13 +236,15 @@ def viterbi_forward(x, log_trans, log_init=None, lengths=None, caller: str = "sp
         return chain.unrows(score), chain.unrows(path)
 
 
-def viterbi_backward(inputs, results, grads, needs):
+def viterbi_backward(inputs: Sequence[Any], results: Sequence[Array], grads: Sequence[Array],
+                     needs: Sequence[bool]) -> Grads:
     """Sub-gradients ``(d x, d log_trans, d log_init)`` of ``sum(grad * score)`` from the
     inputs ``(x, log_trans, log_init, lengths)`` of :func:`viterbi_forward`, its results
     ``(score, path)`` and ``grads = (grad, _)``: ``grad`` on every step of the best path
     (``None`` where ``needs`` is false). The inputs are trusted (no second validation).
     """
-    chain = prepare(*inputs, "spchain.viterbi", check=False)
+    x, log_trans, log_init, lengths = inputs
+    chain = prepare(x, log_trans, log_init, lengths, "spchain.viterbi", check=False)
     v = chain.x.shape[1]
     with chain.backend.use():
         weight = chain.rows(grads[0].astype(chain.x.dtype, copy=False))

@@ -13,25 +13,31 @@ arrays with -1 past each chain's length. A path's score is
 - :func:`chain_path_score`: gathers the scores along given paths.
 """
 
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
+
 import numpy as np
+from numpy.typing import ArrayLike
 
 from . import _chain_layout, _entropy, _sparse_chain
-from .chain import _input_grads, _viterbi_grads
+from .chain import Grads, _input_grads, _viterbi_grads
+from ._chain_layout import Chain
 from ._chain_limits import forward as _forward
 from ._chain_sweep import normalised as _normalised
 from ._dask import scales_out
+from ._typing import Array, Shape, Sparse
 
 
 
-def _prepare(*args, **kwargs):
+def _prepare(x: Any, log_trans: Any, log_init: Any, lengths: Any, caller: str, check: bool = True) -> Chain:
     """``_chain_layout.prepare``, with sparse transitions as a dense matrix (O(c²) memory)."""
-    return _sparse_chain.densified(_chain_layout.prepare(*args, **kwargs))
+    return _sparse_chain.densified(_chain_layout.prepare(x, log_trans, log_init, lengths, caller, check))
 
 
-_QUIET = {"divide": "ignore", "invalid": "ignore", "over": "ignore"}
-
-
-def _count(caller: str, name: str, value, low: int) -> int:
+def _count(caller: str, name: str, value: object, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{caller}: {name} must be an int, got {type(value).__name__}")
     if value < low:
@@ -39,7 +45,7 @@ def _count(caller: str, name: str, value, low: int) -> int:
     return int(value)
 
 
-def _leading(chain, a):
+def _leading(chain: Chain, a: Array) -> Array:
     """(B, N, *tail) in row order → (N, *batch, *tail)."""
     xp = chain.xp
     out = chain.unrows(a)
@@ -55,7 +61,7 @@ of a sum of at least ``TINY`` for c up to 10⁴."""
 FLUSH = 1e-154
 
 
-def _scaled_exp(xp, a):
+def _scaled_exp(xp: ModuleType, a: Array) -> Array:
     """``exp(a - max(a))`` over the last axis in float64, 0 below ``FLUSH`` and where the
     maximum is not finite."""
     a = a.astype(np.float64)
@@ -64,7 +70,7 @@ def _scaled_exp(xp, a):
     return xp.where(xp.isfinite(top) & (e >= FLUSH), e, 0)
 
 
-def _draw_totals(chain, probs, trans_probs):
+def _draw_totals(chain: Chain, probs: Array, trans_probs: Array) -> Array:
     """``totals[b, t, j] = sum_i probs[b, t, i] * trans_probs[g, s, j, i]`` (B, v - 1, c):
     one batched GEMM per step (BLAS / cuBLAS)."""
     xp = chain.xp
@@ -76,7 +82,7 @@ def _draw_totals(chain, probs, trans_probs):
     return xp.ascontiguousarray(totals.transpose(0, 2, 1, 3)).reshape(rows, v - 1, c)
 
 
-def _sample(chain, num_samples: int, seed):
+def _sample(chain: Chain, num_samples: int, seed: int | None) -> Array:
     """``(num_samples, B, v)`` paths drawn from each row's posterior."""
     xp = chain.xp
     rows, v, c = chain.x.shape
@@ -95,7 +101,8 @@ def _sample(chain, num_samples: int, seed):
 
 
 @scales_out
-def chain_sample(x, log_trans, log_init=None, *, lengths=None, num_samples=1, seed=None):
+def chain_sample(x: ArrayLike, log_trans: ArrayLike | Sparse, log_init: ArrayLike | None = None, *,
+                 lengths: ArrayLike | None = None, num_samples: int = 1, seed: int | None = None) -> Array:
     """Paths drawn exactly from each chain's posterior ``p(path) = exp(score(path) - log Z)``.
 
     Forward filtering, backward sampling: the forward messages of :func:`chain_logsumexp`,
@@ -131,17 +138,19 @@ def chain_sample(x, log_trans, log_init=None, *, lengths=None, num_samples=1, se
     return chain_sample_forward(x, log_trans, log_init, lengths, num_samples, seed)
 
 
-def chain_sample_forward(x, log_trans, log_init=None, lengths=None, num_samples=1, seed=None,
-                         caller: str = "spchain.chain_sample"):
+def chain_sample_forward(x: ArrayLike, log_trans: ArrayLike | Sparse, log_init: ArrayLike | None = None,
+                         lengths: ArrayLike | None = None, num_samples: int = 1, seed: int | None = None,
+                         caller: str = "spchain.chain_sample") -> Array:
     """:func:`chain_sample` with its checks naming ``caller`` (not differentiable: no backward)."""
     num_samples = _count(caller, "num_samples", num_samples, 0)
     chain = _prepare(x, log_trans, log_init, lengths, caller)
-    with np.errstate(**_QUIET), chain.backend.use():
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"), chain.backend.use():
         return _leading(chain, _sample(chain, num_samples, seed).transpose(1, 0, 2))
 
 
 @scales_out
-def chain_entropy(x, log_trans, log_init=None, *, lengths=None):
+def chain_entropy(x: ArrayLike, log_trans: ArrayLike | Sparse, log_init: ArrayLike | None = None, *,
+                  lengths: ArrayLike | None = None) -> Array:
     """The entropy of each chain's posterior over paths, ``log Z - E[score]`` (in nats).
 
     The expected score is carried forward beside the forward messages (the expectation
@@ -160,7 +169,9 @@ def chain_entropy(x, log_trans, log_init=None, *, lengths=None):
     return chain_entropy_forward(x, log_trans, log_init, lengths)[0]
 
 
-def chain_entropy_forward(x, log_trans, log_init=None, lengths=None, caller: str = "spchain.chain_entropy"):
+def chain_entropy_forward(x: ArrayLike, log_trans: ArrayLike | Sparse, log_init: ArrayLike | None = None,
+                          lengths: ArrayLike | None = None,
+                          caller: str = "spchain.chain_entropy") -> tuple[Array, ...]:
     """:func:`chain_entropy` with its checks naming ``caller``, and what its gradient needs.
 
     Returns
@@ -171,20 +182,22 @@ def chain_entropy_forward(x, log_trans, log_init=None, lengths=None, caller: str
         carried forward, the expected score of each chain and whether it has a path.
     """
     chain = _prepare(x, log_trans, log_init, lengths, caller)
-    with np.errstate(**_QUIET), chain.backend.use():
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"), chain.backend.use():
         entropy, saved = _entropy.entropy(chain)
         return (chain.unrows(entropy),) + tuple(chain.unrows(a) for a in saved)
 
 
-def chain_entropy_backward(inputs, results, grads, needs):
+def chain_entropy_backward(inputs: Sequence[Any], results: Sequence[Array], grads: Sequence[Array],
+                           needs: Sequence[bool]) -> Grads:
     """Gradients ``(d x, d log_trans, d log_init)`` of ``sum(grad * entropy)`` from the inputs
     ``(x, log_trans, log_init, lengths)`` of :func:`chain_entropy_forward`, its results and
     ``grads = (grad,)`` (``None`` where ``needs`` is false): the exact Hessian-vector product
     ``-∇²A θ`` by the expectation-semiring backward pass. The inputs are trusted."""
-    chain = _prepare(*inputs, "spchain.chain_entropy", check=False)
+    x, log_trans, log_init, lengths = inputs
+    chain = _prepare(x, log_trans, log_init, lengths, "spchain.chain_entropy", check=False)
     _, v, c = chain.x.shape
     pre, norm, fwd, mean, possible = results[1:]
-    with np.errstate(**_QUIET), chain.backend.use():
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"), chain.backend.use():
         saved = [chain.rows(pre, (v, c)), chain.rows(norm, (v,)), chain.rows(fwd, (v, c)), chain.rows(mean),
                  chain.rows(possible)]
         weight = chain.rows(grads[0].astype(chain.x.dtype, copy=False))
@@ -192,7 +205,7 @@ def chain_entropy_backward(inputs, results, grads, needs):
         return _input_grads(chain, needs, inputs, grad_x, grad_trans)
 
 
-def _kbest(chain, k: int):
+def _kbest(chain: Chain, k: int) -> tuple[Array, Array]:
     """``(scores (k, B), paths (k, B, v))``, best first."""
     xp = chain.xp
     rows, v, c = chain.x.shape
@@ -207,7 +220,8 @@ def _kbest(chain, k: int):
 
 
 @scales_out
-def chain_kbest(x, log_trans, log_init=None, *, k, lengths=None):
+def chain_kbest(x: ArrayLike, log_trans: ArrayLike | Sparse, log_init: ArrayLike | None = None, *, k: int,
+                lengths: ArrayLike | None = None) -> tuple[Array, Array]:
     """The ``k`` best paths of each chain and their scores, best first (exact k-best Viterbi).
 
     Every state keeps its ``k`` best partial paths, with back-pointers to a predecessor state
@@ -242,17 +256,19 @@ def chain_kbest(x, log_trans, log_init=None, *, k, lengths=None):
     return chain_kbest_forward(x, log_trans, log_init, lengths, k)
 
 
-def chain_kbest_forward(x, log_trans, log_init=None, lengths=None, k=1, caller: str = "spchain.chain_kbest"):
+def chain_kbest_forward(x: ArrayLike, log_trans: ArrayLike | Sparse, log_init: ArrayLike | None = None,
+                        lengths: ArrayLike | None = None, k: int = 1,
+                        caller: str = "spchain.chain_kbest") -> tuple[Array, Array]:
     """:func:`chain_kbest` with its checks naming ``caller``: ``(scores, paths)`` (no backward:
     :func:`chain_path_score` of a path gives a differentiable score)."""
     k = _count(caller, "k", k, 1)
     chain = _prepare(x, log_trans, log_init, lengths, caller)
-    with np.errstate(**_QUIET), chain.backend.use():
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"), chain.backend.use():
         scores, paths = _kbest(chain, k)
         return _leading(chain, scores.T[..., None])[..., 0], _leading(chain, paths.transpose(1, 0, 2))
 
 
-def _path_rows(chain, path, caller: str, check: bool = True):
+def _path_rows(chain: Chain, path: Array, caller: str, check: bool = True) -> Array:
     """``path`` in row order (B, v), checked (unless ``check`` is false), -1 past each length."""
     xp = chain.xp
     rows, v, c = chain.x.shape
@@ -263,7 +279,7 @@ def _path_rows(chain, path, caller: str, check: bool = True):
     return xp.where(inside, path, -1)
 
 
-def _path_score(chain, path):
+def _path_score(chain: Chain, path: Array) -> Array:
     """The scores (B,) of row-ordered paths (B, v) (-1 past each length)."""
     xp = chain.xp
     rows, v, c = chain.x.shape
@@ -279,7 +295,7 @@ def _path_score(chain, path):
     return score.astype(chain.x.dtype)
 
 
-def path_layout(caller: str, x_shape: tuple, batch_shape: tuple, path_shape: tuple) -> tuple:
+def path_layout(caller: str, x_shape: Shape, batch_shape: Shape, path_shape: Shape) -> Shape:
     """The batch shape of :func:`chain_path_score`'s results: the chains' ``batch_shape``
     broadcast with the leading axes of ``path``; ``ValueError`` where they do not fit."""
     if len(x_shape) < 2 or len(path_shape) < 1 or path_shape[-1] != x_shape[-2]:
@@ -292,7 +308,8 @@ def path_layout(caller: str, x_shape: tuple, batch_shape: tuple, path_shape: tup
                          f"chains' {batch_shape}") from None
 
 
-def _prepare_paths(x, log_trans, log_init, path, lengths, caller: str, check: bool = True):
+def _prepare_paths(x: Any, log_trans: Any, log_init: Any, path: Any, lengths: Any, caller: str,
+                   check: bool = True) -> tuple[Chain, Array]:
     """The chain of ``x`` broadcast against ``path``'s batch axes, and the rows of ``path``
     (``check=False``: inputs that a forward has validated)."""
     if check and (not hasattr(path, "dtype") or not np.issubdtype(np.dtype(path.dtype), np.integer)):
@@ -311,7 +328,8 @@ def _prepare_paths(x, log_trans, log_init, path, lengths, caller: str, check: bo
 
 
 @scales_out
-def chain_path_score(x, log_trans, log_init, path, *, lengths=None):
+def chain_path_score(x: ArrayLike, log_trans: ArrayLike | Sparse, log_init: ArrayLike | None, path: Array, *,
+                     lengths: ArrayLike | None = None) -> Array:
     """The log-score of given paths: ``init[s0] + x[0, s0] + sum_t (log_trans[t][s_{t-1}, s_t] + x[t, s_t])``
     over each chain's length.
 
@@ -340,15 +358,17 @@ def chain_path_score(x, log_trans, log_init, path, *, lengths=None):
     return chain_path_score_forward(x, log_trans, log_init, path, lengths)
 
 
-def chain_path_score_forward(x, log_trans, log_init, path, lengths=None, caller: str = "spchain.chain_path_score"):
+def chain_path_score_forward(x: ArrayLike, log_trans: ArrayLike | Sparse, log_init: ArrayLike | None, path: Array,
+                             lengths: ArrayLike | None = None, caller: str = "spchain.chain_path_score") -> Array:
     """:func:`chain_path_score` with its checks naming ``caller``: the scores, which is all that
     :func:`chain_path_score_backward` needs besides the inputs."""
     chain, rows = _prepare_paths(x, log_trans, log_init, path, lengths, caller)
-    with np.errstate(**_QUIET), chain.backend.use():
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"), chain.backend.use():
         return chain.unrows(_path_score(chain, rows))
 
 
-def chain_path_score_backward(inputs, results, grads, needs):
+def chain_path_score_backward(inputs: Sequence[Any], results: Sequence[Array], grads: Sequence[Array],
+                              needs: Sequence[bool]) -> Grads:
     """Gradients ``(d x, d log_trans, d log_init)`` of ``sum(grad * score)`` from the inputs
     ``(x, log_trans, log_init, path, lengths)`` of :func:`chain_path_score_forward` and
     ``grads = (grad,)``: ``grad`` on every potential the path uses (``None`` where ``needs``
