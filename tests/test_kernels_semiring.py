@@ -72,3 +72,25 @@ def test_cuda_kernel_matches_cpu_twin_with_infinities(small_launch, rng):
     got = run(cuda_semiring.launch_max_matmul, *operands)
     np.testing.assert_array_equal(got[0], want[0])
     np.testing.assert_array_equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("index", [np.int32, np.int64])
+def test_cpu_max_vecmat_every_input_length(rng, dtype, index):
+    """Four terms at a time, then one at a time, with and without NaN (two code paths):
+    every input length from 0 to 9, ties (integer values) and -inf, against the reference."""
+    for k in range(10):
+        for nan in (False, True):
+            u = rng.integers(-2, 3, k).astype(dtype)
+            m = rng.integers(-2, 3, (k, 9)).astype(dtype)
+            u[rng.random(k) < 0.2] = -np.inf
+            m[rng.random(m.shape) < 0.2] = -np.inf
+            if nan:
+                m[rng.random(m.shape) < 0.1] = np.nan
+                u[rng.random(k) < 0.1] = np.nan
+            best, arg = np.empty(9, dtype), np.empty(9, index)
+            cpu_semiring.max_vecmat(u, m, cpu_semiring.has_nan(m), best, arg, np.empty_like(best),
+                                    np.empty_like(arg))
+            want_values, want_argmax = reference.max_matmul(u[None], m)
+            np.testing.assert_array_equal(best, want_values[0])
+            np.testing.assert_array_equal(arg, want_argmax[0])
