@@ -12,6 +12,7 @@ reference, ratios against spchain) and writes a PNG bar chart.
 """
 
 import argparse
+import gc
 import importlib
 import platform
 import sys
@@ -62,8 +63,8 @@ def _parser() -> argparse.ArgumentParser:
                        help=f"run only these workloads ({', '.join(WORKLOADS)})")
     bench.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     bench.add_argument("--repeat", type=int, default=None, help="timed rounds (default 5, quick 3)")
-    bench.add_argument("--budget", type=float, default=20.0,
-                       help="seconds after which a method's timed runs stop repeating (default 20)")
+    bench.add_argument("--budget", type=float, default=None,
+                       help="seconds after which a method's timed runs stop repeating (default 20, quick 2)")
     bench.add_argument("--png", default="spchain-bench.png", help="where to write the bar chart")
     return parser
 
@@ -81,15 +82,18 @@ def main(argv: list[str] | None = None) -> int:
         print("--device cuda: torch sees no CUDA device", file=sys.stderr)
         return 2
     repeat = max(1, args.repeat or (3 if args.quick else 5))
+    budget = args.budget if args.budget is not None else (2.0 if args.quick else 20.0)
     selected = [(w, c) for w in args.only or WORKLOADS for c in workload(w).CASES]
     results = []
     with tqdm(total=len(selected), desc="benchmarks", file=sys.stderr,
               bar_format="{l_bar}{bar}| {elapsed}<{remaining} {postfix}") as bar:
         for name, case_name in selected:
             bar.set_postfix_str(f"{name}: {case_name}")
+            gc.collect()
+            gc.freeze()  # what outlives the cases so far (modules, caches) is left out of later collections
             case = make_case(name, case_name, args.quick, args.device)
             runs = len(case.methods) * (repeat + 2)
-            results.extend(measure(case, repeat, args.budget, lambda: bar.update(1 / runs)))
+            results.extend(measure(case, repeat, budget, lambda: bar.update(1 / runs)))
             del case
     machine = torch.cuda.get_device_name() if args.device == "cuda" else f"{platform.processor() or platform.machine()}"
     title = (f"spchain {importlib.import_module('spchain').__version__} on {machine}, torch {torch.__version__}, "
