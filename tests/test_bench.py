@@ -118,6 +118,14 @@ def test_torch_layer_has_a_compiled_case_for_each_module_and_small_call_cases():
     assert list(bench.make_case("torch-layer", "compiled GroupedLinear", quick=True).methods) == ["spchain", "eager"]
 
 
+def test_quick_leaves_out_the_compiled_cases_and_says_so():
+    assert bench.cases("torch-layer", quick=False) == bench.workload("torch-layer").CASES
+    quick = bench.cases("torch-layer", quick=True)
+    assert quick and not any(c.startswith("compiled") for c in quick)
+    assert "not in --quick: compiled BlockDiagonalLinear" in bench.sizes("torch-layer", True)
+    assert "not in --quick" not in bench.sizes("torch-layer", False) + bench.sizes("chain", True)
+
+
 def test_sparse_training_trains_both_models_on_the_same_task_at_90_percent_erk():
     from spchain.bench import sparse_training
 

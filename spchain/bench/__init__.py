@@ -1,9 +1,9 @@
 """``python -m spchain bench``: spchain beside the baselines it must beat, in one process.
 
 Each workload of DESIGN.md lives in a module here with ``CASES`` (the names of its cases),
-``SIZES`` (``{False: full sizes, True: quick sizes}``, each a dict of named sizes) and
-``make_case(name, quick, device)`` returning a :class:`~.core.Case`, inputs built; asv's suite
-(``asv_bench/``) times the same cases.
+``SIZES`` (``{False: full sizes, True: quick sizes}``, each a dict of named sizes), optionally
+``FULL_ONLY`` (cases that ``--quick`` leaves out), and ``make_case(name, quick, device)``
+returning a :class:`~.core.Case`, inputs built; asv's suite (``asv_bench/``) times the same cases.
 The command prints a table (median time, peak memory, max error against a float64
 reference, ratios against spchain) and writes a PNG bar chart.
 
@@ -41,9 +41,18 @@ def workload(name: str):
     return importlib.import_module(f".{WORKLOADS[name]}", __name__)
 
 
+def cases(name: str, quick: bool) -> list[str]:
+    """The cases of a workload that a run (``--quick`` or not) measures."""
+    module = workload(name)
+    return [c for c in module.CASES if not (quick and c in getattr(module, "FULL_ONLY", ()))]
+
+
 def sizes(name: str, quick: bool) -> str:
-    """The sizes of a workload's cases, as in the table's header: ``"batch 64, features 512"``."""
-    return ", ".join(f"{key} {value:,}" for key, value in workload(name).SIZES[quick].items())
+    """The sizes of a workload's cases, as in the table's header: ``"batch 64, features 512"``,
+    and the cases that ``--quick`` leaves out."""
+    text = ", ".join(f"{key} {value:,}" for key, value in workload(name).SIZES[quick].items())
+    left_out = [c for c in workload(name).CASES if c not in cases(name, quick)]
+    return text + (f"; not in --quick: {', '.join(left_out)}" if left_out else "")
 
 
 def make_case(name: str, case: str, quick: bool, device: str = "cpu") -> Case:
@@ -83,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     repeat = max(1, args.repeat or (3 if args.quick else 5))
     budget = args.budget if args.budget is not None else (2.0 if args.quick else 20.0)
-    selected = [(w, c) for w in args.only or WORKLOADS for c in workload(w).CASES]
+    selected = [(w, c) for w in args.only or WORKLOADS for c in cases(w, args.quick)]
     results = []
     with tqdm(total=len(selected), desc="benchmarks", file=sys.stderr,
               bar_format="{l_bar}{bar}| {elapsed}<{remaining} {postfix}") as bar:
