@@ -72,6 +72,14 @@ def test_measure_times_alternating_methods_and_measures_memory():
     assert big.peak_bytes > 16e6 or math.isnan(big.peak_bytes)
 
 
+def test_measure_stops_a_baseline_at_the_budget_but_runs_spchain_every_round():
+    import time
+
+    case = core.Case("w", "c", {"spchain": lambda: time.sleep(0.001), "baseline": lambda: time.sleep(0.001)})
+    ours, baseline = core.measure(case, repeat=3, budget_s=0.0)
+    assert len(ours.times) == 3 and len(baseline.times) == 1
+
+
 def test_command_prints_a_table_and_writes_a_png(tmp_path, capsys):
     png = tmp_path / "bench.png"
     assert bench.main(["bench", "--quick", "--only", "viterbi", "--repeat", "1", "--png", str(png)]) == 0
