@@ -72,6 +72,14 @@ def test_measure_times_alternating_methods_and_measures_memory():
     assert big.peak_bytes > 16e6 or math.isnan(big.peak_bytes)
 
 
+def test_measure_stops_a_baseline_at_the_budget_but_runs_spchain_every_round():
+    import time
+
+    case = core.Case("w", "c", {"spchain": lambda: time.sleep(0.001), "baseline": lambda: time.sleep(0.001)})
+    ours, baseline = core.measure(case, repeat=3, budget_s=0.0)
+    assert len(ours.times) == 3 and len(baseline.times) == 1
+
+
 def test_command_prints_a_table_and_writes_a_png(tmp_path, capsys):
     png = tmp_path / "bench.png"
     assert bench.main(["bench", "--quick", "--only", "viterbi", "--repeat", "1", "--png", str(png)]) == 0
@@ -116,6 +124,14 @@ def test_torch_layer_has_a_compiled_case_for_each_module_and_small_call_cases():
     assert {"compiled BlockDiagonalLinear", "compiled GroupedLinear", "compiled SparseLinear"} <= set(cases)
     assert {"small SparseLinear(64, 64)", "small logmatmul 4x4", "small block_diag_matmul"} <= set(cases)
     assert list(bench.make_case("torch-layer", "compiled GroupedLinear", quick=True).methods) == ["spchain", "eager"]
+
+
+def test_quick_leaves_out_the_compiled_cases_and_says_so():
+    assert bench.cases("torch-layer", quick=False) == bench.workload("torch-layer").CASES
+    quick = bench.cases("torch-layer", quick=True)
+    assert quick and not any(c.startswith("compiled") for c in quick)
+    assert "not in --quick: compiled BlockDiagonalLinear" in bench.sizes("torch-layer", True)
+    assert "not in --quick" not in bench.sizes("torch-layer", False) + bench.sizes("chain", True)
 
 
 def test_sparse_training_trains_both_models_on_the_same_task_at_90_percent_erk():

@@ -1,5 +1,6 @@
 """asv: the chains-at-scale workload (spchain.bench.dask): a Dask ``LocalCluster`` beside a
-hand-written ``map_blocks`` and one in-memory call.
+hand-written ``map_blocks`` and one in-memory call (at the quick sizes, ``SPCHAIN_BENCH_QUICK=1``,
+Dask's threaded scheduler in the benchmark's process instead of a cluster).
 
 ``peakmem_run`` is the driving process's peak (the in-memory call holds the data there; the
 Dask methods only their results); the workload prints the workers' peaks.

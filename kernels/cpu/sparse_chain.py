@@ -63,13 +63,23 @@ def chunk_of(rows, chunks, k):
     return k * rows // chunks, (k + 1) * rows // chunks
 
 
-@njit(parallel=True, cache=True)
 def forward(x, t_indptr, t_rows, t_values, init, lengths, pre, norm):
     """Forward sweep: fills ``pre`` (B, v, c) and ``norm`` (B, v) as ``chain.chain_forward``
-    does, over the transpose's CSR structure. Chunks of rows run in parallel, each one step
-    at a time for all its rows. O(B * v * (c + nnz)) time, O(c * B) scratch."""
+    does, over the transpose's CSR structure. Chunks of rows (one a thread) run in parallel,
+    each one step at a time for all its rows. O(B * v * (c + nnz)) time, O(c * B) scratch."""
+    forward_chunks(x, t_indptr, t_rows, t_values, init, lengths, pre, norm, _chunks(x))
+
+
+def _chunks(x):
+    """One chunk of rows a thread. Read here, not in the kernels: a kernel that calls
+    ``numba.get_num_threads`` cannot be cached to disk (it compiles again in every process)."""
+    return min(x.shape[0], numba.get_num_threads())
+
+
+@njit(parallel=True, cache=True)
+def forward_chunks(x, t_indptr, t_rows, t_values, init, lengths, pre, norm, chunks):
+    """:func:`forward` in ``chunks`` chunks of rows."""
     rows, v, c = x.shape
-    chunks = min(rows, numba.get_num_threads())
     for chunk in prange(chunks):
         b0, b1 = chunk_of(rows, chunks, chunk)
         width = b1 - b0
@@ -105,12 +115,16 @@ def forward(x, t_indptr, t_rows, t_values, init, lengths, pre, norm):
             norm[b, lengths[b]:] = 0.0
 
 
-@njit(parallel=True, cache=True)
 def backward(x, indptr, indices, values, lengths, norm, beta):
     """Backward sweep: fills ``beta`` (B, v, c) as ``chain.chain_backward`` does; chunks of
     rows in parallel as in :func:`forward`. O(B * v * (c + nnz)) time."""
+    backward_chunks(x, indptr, indices, values, lengths, norm, beta, _chunks(x))
+
+
+@njit(parallel=True, cache=True)
+def backward_chunks(x, indptr, indices, values, lengths, norm, beta, chunks):
+    """:func:`backward` in ``chunks`` chunks of rows."""
     rows, v, c = x.shape
-    chunks = min(rows, numba.get_num_threads())
     for chunk in prange(chunks):
         b0, b1 = chunk_of(rows, chunks, chunk)
         width = b1 - b0

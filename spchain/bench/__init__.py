@@ -1,9 +1,9 @@
 """``python -m spchain bench``: spchain beside the baselines it must beat, in one process.
 
 Each workload of DESIGN.md lives in a module here with ``CASES`` (the names of its cases),
-``SIZES`` (``{False: full sizes, True: quick sizes}``, each a dict of named sizes) and
-``make_case(name, quick, device)`` returning a :class:`~.core.Case`, inputs built; asv's suite
-(``asv_bench/``) times the same cases.
+``SIZES`` (``{False: full sizes, True: quick sizes}``, each a dict of named sizes), optionally
+``FULL_ONLY`` (cases that ``--quick`` leaves out), and ``make_case(name, quick, device)``
+returning a :class:`~.core.Case`, inputs built; asv's suite (``asv_bench/``) times the same cases.
 The command prints a table (median time, peak memory, max error against a float64
 reference, ratios against spchain) and writes a PNG bar chart.
 
@@ -12,6 +12,7 @@ reference, ratios against spchain) and writes a PNG bar chart.
 """
 
 import argparse
+import gc
 import importlib
 import platform
 import sys
@@ -40,9 +41,18 @@ def workload(name: str):
     return importlib.import_module(f".{WORKLOADS[name]}", __name__)
 
 
+def cases(name: str, quick: bool) -> list[str]:
+    """The cases of a workload that a run (``--quick`` or not) measures."""
+    module = workload(name)
+    return [c for c in module.CASES if not (quick and c in getattr(module, "FULL_ONLY", ()))]
+
+
 def sizes(name: str, quick: bool) -> str:
-    """The sizes of a workload's cases, as in the table's header: ``"batch 64, features 512"``."""
-    return ", ".join(f"{key} {value:,}" for key, value in workload(name).SIZES[quick].items())
+    """The sizes of a workload's cases, as in the table's header: ``"batch 64, features 512"``,
+    and the cases that ``--quick`` leaves out."""
+    text = ", ".join(f"{key} {value:,}" for key, value in workload(name).SIZES[quick].items())
+    left_out = [c for c in workload(name).CASES if c not in cases(name, quick)]
+    return text + (f"; not in --quick: {', '.join(left_out)}" if left_out else "")
 
 
 def make_case(name: str, case: str, quick: bool, device: str = "cpu") -> Case:
@@ -62,8 +72,8 @@ def _parser() -> argparse.ArgumentParser:
                        help=f"run only these workloads ({', '.join(WORKLOADS)})")
     bench.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     bench.add_argument("--repeat", type=int, default=None, help="timed rounds (default 5, quick 3)")
-    bench.add_argument("--budget", type=float, default=20.0,
-                       help="seconds after which a method's timed runs stop repeating (default 20)")
+    bench.add_argument("--budget", type=float, default=None,
+                       help="seconds after which a method's timed runs stop repeating (default 20, quick 2)")
     bench.add_argument("--png", default="spchain-bench.png", help="where to write the bar chart")
     return parser
 
@@ -81,15 +91,18 @@ def main(argv: list[str] | None = None) -> int:
         print("--device cuda: torch sees no CUDA device", file=sys.stderr)
         return 2
     repeat = max(1, args.repeat or (3 if args.quick else 5))
-    selected = [(w, c) for w in args.only or WORKLOADS for c in workload(w).CASES]
+    budget = args.budget if args.budget is not None else (2.0 if args.quick else 20.0)
+    selected = [(w, c) for w in args.only or WORKLOADS for c in cases(w, args.quick)]
     results = []
     with tqdm(total=len(selected), desc="benchmarks", file=sys.stderr,
               bar_format="{l_bar}{bar}| {elapsed}<{remaining} {postfix}") as bar:
         for name, case_name in selected:
             bar.set_postfix_str(f"{name}: {case_name}")
+            gc.collect()
+            gc.freeze()  # what outlives the cases so far (modules, caches) is left out of later collections
             case = make_case(name, case_name, args.quick, args.device)
             runs = len(case.methods) * (repeat + 2)
-            results.extend(measure(case, repeat, args.budget, lambda: bar.update(1 / runs)))
+            results.extend(measure(case, repeat, budget, lambda: bar.update(1 / runs)))
             del case
     machine = torch.cuda.get_device_name() if args.device == "cuda" else f"{platform.processor() or platform.machine()}"
     title = (f"spchain {importlib.import_module('spchain').__version__} on {machine}, torch {torch.__version__}, "

@@ -11,7 +11,9 @@ peak resident memory (the Linux high-water mark, reset before each run) for each
 
 Full size: 2·10⁶ chains in chunks of 50,000 rows (x: 5.1 GB in float32; the in-memory call
 holds it and its forward messages, another 5.1 GB: about 11 GiB at its peak, which fits a
-24 GiB machine); quick: 20,000 chains in chunks of 5,000.
+24 GiB machine); quick: 8,000 chains in chunks of 2,000, on Dask's threaded scheduler (two
+threads in the benchmark's process, no cluster to start; the case's name says so), so that the
+table's peak memory is the Dask methods' own and no worker peak is printed.
 """
 
 import sys
@@ -23,7 +25,7 @@ from .. import chain_logsumexp
 from .core import Case
 
 CASES = ["forward"]
-SIZES = {False: {"chains": 2_000_000, "rows per chunk": 50_000}, True: {"chains": 20_000, "rows per chunk": 5_000}}
+SIZES = {False: {"chains": 2_000_000, "rows per chunk": 50_000}, True: {"chains": 8_000, "rows per chunk": 2_000}}
 V, C = 40, 16
 SLAB = 100_000
 """Rows of the float64 reference computed at a time."""
@@ -58,29 +60,14 @@ def _peak_bytes():
 
 def make_case(name: str, quick: bool, device: str = "cpu") -> Case:
     import dask.array as da
-    import distributed
 
     if device != "cpu":
         raise ValueError("chains-at-scale runs on the CPU (a Dask LocalCluster)")
     chains, rows = SIZES[quick].values()
-    cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None)
-    client = distributed.Client(cluster)
     log_trans, log_init = transitions()
     x = da.map_blocks(_chunk, chunks=((rows,) * (chains // rows), (V,), (C,)), dtype=np.float32,
                       meta=np.empty((0, 0, 0), np.float32))
     memory_x = np.concatenate([emissions(k, rows) for k in range(chains // rows)])
-    peaks = {}
-
-    def on_cluster(method, build):
-        def run():
-            client.run(_reset_peak)
-            out = build().compute()
-            worst = max(client.run(_peak_bytes).values())
-            if worst > peaks.get(method, 0) + 2**20:  # report growth past 1 MiB only
-                peaks[method] = worst
-                print(f"chains-at-scale: {method}: workers' peak RSS {worst / 2**20:,.0f} MiB", file=sys.stderr)
-            return out
-        return run
 
     def hand_written():
         return x.map_blocks(chain_logsumexp, log_trans, log_init, drop_axis=(1, 2), dtype=np.float32,
@@ -91,14 +78,45 @@ def make_case(name: str, quick: bool, device: str = "cpu") -> Case:
         return np.concatenate([chain_logsumexp(memory_x[s:s + SLAB].astype(np.float64), t64, i64)
                                for s in range(0, chains, SLAB)])
 
+    run, closing = _in_process() if quick else _on_cluster()
     methods = {
-        "spchain": on_cluster("spchain", lambda: chain_logsumexp(x, log_trans, log_init)),
-        "hand-written map_blocks": on_cluster("hand-written map_blocks", hand_written),
+        "spchain": run("spchain", lambda: chain_logsumexp(x, log_trans, log_init)),
+        "hand-written map_blocks": run("hand-written map_blocks", hand_written),
         "in-memory call": lambda: chain_logsumexp(memory_x, log_trans, log_init),
     }
-    case = Case("chains-at-scale", name, methods, reference)
-    weakref.finalize(case, _close, client, cluster)
+    case = Case("chains-at-scale", f"{name}, threaded scheduler" if quick else name, methods, reference)
+    if closing:
+        weakref.finalize(case, _close, *closing)
     return case
+
+
+def _in_process():
+    """Quick sizes: Dask's threaded scheduler, two threads in this process (no cluster to start;
+    the table's peak memory is then the Dask methods' own)."""
+    def run(method, build):
+        return lambda: build().compute(scheduler="threads", num_workers=2)
+    return run, None
+
+
+def _on_cluster():
+    """Two single-threaded worker processes; each run prints the workers' peak memory when it grew."""
+    import distributed
+
+    cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None)
+    client = distributed.Client(cluster)
+    peaks = {}
+
+    def run(method, build):
+        def timed():
+            client.run(_reset_peak)
+            out = build().compute()
+            worst = max(client.run(_peak_bytes).values())
+            if worst > peaks.get(method, 0) + 2**20:  # report growth past 1 MiB only
+                peaks[method] = worst
+                print(f"chains-at-scale: {method}: workers' peak RSS {worst / 2**20:,.0f} MiB", file=sys.stderr)
+            return out
+        return timed
+    return run, (client, cluster)
 
 
 def _close(client, cluster):

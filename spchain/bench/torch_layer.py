@@ -18,6 +18,9 @@ from .core import Case
 CASES = ["compiled BlockDiagonalLinear", "compiled GroupedLinear", "compiled SparseLinear",
          "small SparseLinear(64, 64)", "small logmatmul 4x4", "small block_diag_matmul"]
 SIZES = {False: {"rows": 2048, "features": 512}, True: {"rows": 512, "features": 256}}  # of the compiled models
+FULL_ONLY = CASES[:3]
+"""Cases that ``bench --quick`` leaves out: torch.compile takes 20-30 s for the three models on
+2 cores with a cold cache, half of the quick run's minute (``--only torch-layer`` runs them)."""
 GROUPS = 4
 
 
