@@ -200,6 +200,14 @@ def _save(ctx, inputs, results, outputs):
     fixed = [r for k, r in enumerate(results) if k >= outputs or not r.is_floating_point()]
     if fixed:
         ctx.mark_non_differentiable(*fixed)
+    ctx.set_materialize_grads(False)  # no zeros for the saved results' gradients: see _public_grads
+
+
+def _public_grads(grads, results, outputs):
+    """The incoming gradients of the public results, zeros where one is unused; the saved
+    results' gradients (always unused) are not filled with zeros, which took as long as a
+    small product for a saved ``x.T``."""
+    return [torch.zeros_like(r) if g is None else g for g, r in zip(grads[:outputs], results)]
 
 
 def _restore(ctx):
@@ -240,7 +248,7 @@ def _eager_function(op: Operator):
                 raise _double_backward_error(op.name)
             args, results = _restore(ctx)
             needs = [bool(ctx.needs_input_grad[k]) for k in op.differentiable]
-            gradients = op._gradients(args, results, list(grads[:op.outputs]), needs)
+            gradients = op._gradients(args, results, _public_grads(grads, results, op.outputs), needs)
             return _place(len(args), op.differentiable, needs, gradients)
 
     return Eager
@@ -283,7 +291,7 @@ def _transform_function(name, forward_op, backward_op, outputs, differentiable):
         def backward(ctx, *grads):
             args, results = _restore(ctx)
             needs = [bool(ctx.needs_input_grad[k]) for k in differentiable]
-            grads = list(grads[:outputs])
+            grads = _public_grads(grads, results, outputs)
             if torch.compiler.is_compiling():  # compiled graphs have no double backward anyway
                 gradients = backward_op(*args, results, grads, needs)
             else:
