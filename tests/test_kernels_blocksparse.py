@@ -105,3 +105,23 @@ def test_sddmm_is_the_dense_product_at_each_block(rng, small_launch, target, blo
     rows = np.repeat(np.arange(4), np.diff(indptr))
     want = np.stack([product[i * r:(i + 1) * r, j * c:(j + 1) * c] for i, j in zip(rows, indices)])
     np.testing.assert_allclose(out, want, rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-5)
+
+
+@pytest.mark.parametrize("blocksize", [(4, 8), (4, 16), (9, 20), (8, 32), (3, 16)])  # panels, row and column edges
+@pytest.mark.parametrize("k", [0, 1, 33])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_cpu_sddmm_register_panels_match_the_dense_product_with_edges_and_inf(rng, blocksize, k, dtype):
+    """The vector-register panels (a block of at least 4 rows and one 64-byte lane panel of
+    columns), their row and column edges, an empty reduction; inf and NaN propagate."""
+    indptr, indices, _ = random_bsr(rng, (3, 4), blocksize, 0.6, dtype, np.int64)
+    r, c = blocksize
+    a = rng.standard_normal((3 * r, k)).astype(dtype)
+    b = rng.standard_normal((4 * c, k)).astype(dtype)
+    if k > 1:
+        a[0, 1], b[c - 1, 0] = np.inf, np.nan
+    out = np.full((indices.size, r, c), np.nan, dtype)
+    cpu_blocksparse.sddmm(indptr, indices, a, b, out)
+    product = a.astype(np.float64) @ b.astype(np.float64).T
+    rows = np.repeat(np.arange(3), np.diff(indptr))
+    want = np.stack([product[i * r:(i + 1) * r, j * c:(j + 1) * c] for i, j in zip(rows, indices)])
+    np.testing.assert_allclose(out, want, rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-5)

@@ -6,14 +6,14 @@ the block column of each stored block) and ``data`` (nnzb, R, C). Every kernel t
 at 0, never decreases and ends at nnzb, and every block index is in range. Blocks may come in
 any order within a block row, repeat (duplicates add up) or hold zeros.
 
-The dense tiles are multiplied as register-blocked micro-GEMMs vectorised along the dense
-operand's contiguous axis. The products with a dense operand (``spmm``) keep a 4 x 64-byte
-panel of the output in vector registers over a whole block (:func:`_panel`, LLVM vectors:
-Numba would keep the output in memory, as it may alias the operands); the edges, and SDDMM,
-go four output rows by four block columns per pass, so that each loaded vector feeds four
-fused multiply-adds.
+The dense tiles are multiplied as register-blocked micro-GEMMs vectorised along a contiguous
+axis: both products keep a 4 x 64-byte panel of the output in vector registers over a whole
+block (:func:`_panel`, LLVM vectors: Numba would keep the output in memory, as it may alias
+the operands). The edges go by loops that Numba vectorises: four output rows by four block
+columns per pass (``spmm``) or dot products (``sddmm``).
 """
 
+import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
@@ -166,21 +166,43 @@ def sddmm(indptr, indices, a, b, out):
     """Block-sampled dense-dense product: ``out[p] = a[rows of block row i] @ b[cols of block p].T``.
 
     Inputs: ``indptr`` (M / R + 1), ``indices`` (nnzb), ``a`` (M, k) and ``b`` (N, k), both
-    C-contiguous. Overwrites ``out`` (nnzb, R, C). Block rows run in parallel; each output
-    value is a dot product over ``k``, two block rows by four block columns at a time (eight
-    running sums that share each loaded vector, nothing stored inside the loop).
-    Complexity: O(nnzb * R * C * k) multiply-adds.
+    C-contiguous. Overwrites ``out`` (nnzb, R, C). First ``b`` is copied, in parallel, into
+    one contiguous (k, C) panel per block column (``b[cols of j].T``); then block rows run
+    in parallel, each block as :func:`_panel` products of ``a``'s rows with its panel. The
+    edges (R % 4 rows, C % L columns) are dot products over ``k``, two rows by four columns
+    at a time (:func:`_dots`).
+    Complexity: O(nnzb * R * C * k) multiply-adds, O(N * k) extra memory.
     """
-    rows, cols = out.shape[1], out.shape[2]
+    rows, cols, k = out.shape[1], out.shape[2], a.shape[1]
+    lanes = _PANEL_BYTES // out.itemsize
+    full_rows, full_cols = rows - rows % _PANEL_ROWS, cols - cols % lanes
+    panels = np.empty((b.shape[0] // cols if full_rows and full_cols else 0, k, cols), out.dtype)
+    for j in prange(panels.shape[0]):
+        panel = panels[j]
+        for c in range(cols):
+            row = b[j * cols + c]
+            for t in range(k):
+                panel[t, c] = row[t]
     for i in prange(indptr.shape[0] - 1):
+        a_rows = a[i * rows:(i + 1) * rows]
         for p in range(indptr[i], indptr[i + 1]):
-            j = indices[p] * cols
-            r = 0
+            j, o = indices[p] * cols, out[p]
+            if panels.shape[0]:
+                o[:full_rows, :full_cols] = 0
+                for c in range(0, full_cols, lanes):
+                    for r in range(0, full_rows, _PANEL_ROWS):
+                        _panel(a_rows, panels[indices[p]], o, r, c)
+                if full_cols < cols:
+                    for r in range(0, full_rows, 2):
+                        _dots(a_rows[r], a_rows[r + 1], b, j + full_cols, o[r, full_cols:], o[r + 1, full_cols:])
+                r = full_rows
+            else:
+                r = 0
             while r + 2 <= rows:
-                _dots(a[i * rows + r], a[i * rows + r + 1], b, j, out[p, r], out[p, r + 1])
+                _dots(a_rows[r], a_rows[r + 1], b, j, o[r], o[r + 1])
                 r += 2
             if r < rows:
-                _dots(a[i * rows + r], a[i * rows + r], b, j, out[p, r], out[p, r])
+                _dots(a_rows[r], a_rows[r], b, j, o[r], o[r])
 
 
 @njit(cache=True, fastmath=_FAST, inline="always")
