@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+import scipy.sparse
 
 import reference
 from spchain.kernels.cpu import blocksparse as cpu_blocksparse
@@ -37,6 +38,26 @@ def test_spmm_matches_the_dense_product_with_bias(rng, small_launch, target, blo
     slots = np.arange(indices.size, dtype=index_dtype)
     kernel(target, "spmm")(indptr, indices, slots, data, b, bias, out)
     want = reference.bsr_dense(data, indices, indptr, (5 * r, 4 * c)) @ b + bias[:, None]
+    np.testing.assert_allclose(out, want, rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-5)
+
+
+@pytest.mark.parametrize("blocksize", [(4, 4), (9, 6), (8, 5), (3, 16)])  # whole 4-row panels and row edges
+@pytest.mark.parametrize("n", [8, 16, 19, 40])  # 64-byte lane panels (16 float32, 8 float64) and column edges
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_cpu_spmm_register_panels_match_scipy_with_edges_and_inf(rng, blocksize, n, dtype, transposed):
+    """The vector-register panels (n of at least one lane panel) and their row and column
+    edges, on row-major or transposed (strided view) blocks; inf and NaN propagate."""
+    indptr, indices, data = random_bsr(rng, (4, 3), blocksize, 0.6, dtype, np.int64)
+    if transposed:
+        data = np.ascontiguousarray(data.transpose(0, 2, 1)).transpose(0, 2, 1)
+    r, c = blocksize
+    b = rng.standard_normal((3 * c, n)).astype(dtype)
+    b[0, n - 1], b[c - 1, 0] = -np.inf, np.nan
+    bias = rng.standard_normal(4 * r).astype(dtype)
+    out = np.full((4 * r, n), np.nan, dtype)
+    cpu_blocksparse.spmm(indptr, indices, np.arange(indices.size), data, b, bias, out)
+    want = scipy.sparse.bsr_array((data.astype(np.float64), indices, indptr), shape=(4 * r, 3 * c)) @ b + bias[:, None]
     np.testing.assert_allclose(out, want, rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-5)
 
 
@@ -82,5 +103,25 @@ def test_sddmm_is_the_dense_product_at_each_block(rng, small_launch, target, blo
     kernel(target, "sddmm")(indptr, indices, a, b, out)
     product = a.astype(np.float64) @ b.astype(np.float64).T
     rows = np.repeat(np.arange(4), np.diff(indptr))
+    want = np.stack([product[i * r:(i + 1) * r, j * c:(j + 1) * c] for i, j in zip(rows, indices)])
+    np.testing.assert_allclose(out, want, rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-5)
+
+
+@pytest.mark.parametrize("blocksize", [(4, 8), (4, 16), (9, 20), (8, 32), (3, 16)])  # panels, row and column edges
+@pytest.mark.parametrize("k", [0, 1, 33])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_cpu_sddmm_register_panels_match_the_dense_product_with_edges_and_inf(rng, blocksize, k, dtype):
+    """The vector-register panels (a block of at least 4 rows and one 64-byte lane panel of
+    columns), their row and column edges, an empty reduction; inf and NaN propagate."""
+    indptr, indices, _ = random_bsr(rng, (3, 4), blocksize, 0.6, dtype, np.int64)
+    r, c = blocksize
+    a = rng.standard_normal((3 * r, k)).astype(dtype)
+    b = rng.standard_normal((4 * c, k)).astype(dtype)
+    if k > 1:
+        a[0, 1], b[c - 1, 0] = np.inf, np.nan
+    out = np.full((indices.size, r, c), np.nan, dtype)
+    cpu_blocksparse.sddmm(indptr, indices, a, b, out)
+    product = a.astype(np.float64) @ b.astype(np.float64).T
+    rows = np.repeat(np.arange(3), np.diff(indptr))
     want = np.stack([product[i * r:(i + 1) * r, j * c:(j + 1) * c] for i, j in zip(rows, indices)])
     np.testing.assert_allclose(out, want, rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-5)

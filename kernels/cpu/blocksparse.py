@@ -6,12 +6,18 @@ the block column of each stored block) and ``data`` (nnzb, R, C). Every kernel t
 at 0, never decreases and ends at nnzb, and every block index is in range. Blocks may come in
 any order within a block row, repeat (duplicates add up) or hold zeros.
 
-The dense tiles are multiplied as register-blocked micro-GEMMs vectorised along the dense
-operand's contiguous axis: four output rows by four block columns per pass, so that each
-loaded vector feeds four fused multiply-adds.
+The dense tiles are multiplied as register-blocked micro-GEMMs vectorised along a contiguous
+axis: both products keep a 4 x 64-byte panel of the output in vector registers over a whole
+block (:func:`_panel`, LLVM vectors: Numba would keep the output in memory, as it may alias
+the operands). The edges go by loops that Numba vectorises: four output rows by four block
+columns per pass (``spmm``) or dot products (``sddmm``).
 """
 
-from numba import njit, prange
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 _FAST = {"reassoc", "contract"}  # lets the loops vectorise; never assumes no inf/NaN
 
@@ -62,6 +68,69 @@ def _tile(a, b, o):
         r += 1
 
 
+_PANEL_ROWS, _PANEL_BYTES = 4, 64  # a 4 x 64-byte output panel: eight AVX2 registers
+
+
+@intrinsic
+def _panel(typingctx, a, b, o, r, t):
+    """``o[r + q, t:t + L] += a[r + q, :] @ b[:, t:t + L]`` for ``q < 4``, ``L = 64 / itemsize``.
+
+    ``a`` (R, C) any strides, ``b`` (C, n) and ``o`` (R, n) C-contiguous, one float dtype. The
+    panel of ``o`` is loaded into four vector accumulators, each step over ``c`` loads one
+    vector of ``b``, broadcasts four values of ``a`` and does four vector fused multiply-adds;
+    the panel is stored once at the end.
+    """
+    arrays = (a, b, o)
+    if (not all(isinstance(x, types.Array) and x.ndim == 2 for x in arrays) or b.layout != "C"
+            or o.layout != "C" or not isinstance(a.dtype, types.Float) or not a.dtype == b.dtype == o.dtype):
+        return None
+
+    def codegen(context, builder, signature, args):
+        a_arr, b_arr, o_arr = (context.make_array(ty)(context, builder, v)
+                               for ty, v in zip(signature.args[:3], args[:3]))
+        element = context.get_data_type(signature.args[0].dtype)
+        size = context.get_abi_sizeof(element)
+        lanes = _PANEL_BYTES // size
+        vector = ir.VectorType(element, lanes)
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vector, [vector] * 3),
+                                             f"llvm.fma.v{lanes}f{size * 8}")
+        undef, zero = ir.Constant(vector, ir.Undefined), ir.Constant(ir.IntType(32), 0)
+        splat_mask = ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes)
+        intp = lambda v: context.get_constant(types.intp, v)  # noqa: E731
+        r0, t0 = (context.cast(builder, v, ty, types.intp) for v, ty in zip(args[3:], signature.args[3:]))
+        a_rows, a_cols = cgutils.unpack_tuple(builder, a_arr.strides)
+        b_rows, o_rows = (cgutils.unpack_tuple(builder, x.strides)[0] for x in (b_arr, o_arr))
+        column = builder.mul(t0, intp(size))
+
+        def pointer(array, offset, kind):
+            return cgutils.pointer_add(builder, array.data, offset, return_type=kind.as_pointer())
+
+        o_ptrs = [pointer(o_arr, builder.add(builder.mul(builder.add(r0, intp(q)), o_rows), column), vector)
+                  for q in range(_PANEL_ROWS)]
+        accumulators = []
+        for ptr in o_ptrs:
+            slot = cgutils.alloca_once(builder, vector)  # promoted to a register by LLVM
+            load = builder.load(ptr)
+            load.align = size
+            builder.store(load, slot)
+            accumulators.append(slot)
+        a_starts = [builder.mul(builder.add(r0, intp(q)), a_rows) for q in range(_PANEL_ROWS)]
+        with cgutils.for_range(builder, cgutils.unpack_tuple(builder, a_arr.shape)[1]) as loop:
+            x = builder.load(pointer(b_arr, builder.add(builder.mul(loop.index, b_rows), column), vector))
+            x.align = size
+            a_column = builder.mul(loop.index, a_cols)
+            for start, slot in zip(a_starts, accumulators):
+                value = builder.load(pointer(a_arr, builder.add(start, a_column), element))
+                splat = builder.shuffle_vector(builder.insert_element(undef, value, zero), undef, splat_mask)
+                builder.store(builder.call(fma, [splat, x, builder.load(slot)]), slot)
+        for ptr, slot in zip(o_ptrs, accumulators):
+            store = builder.store(builder.load(slot), ptr)
+            store.align = size
+        return context.get_dummy_value()
+
+    return types.void(a, b, o, r, t), codegen
+
+
 @njit(parallel=True, cache=True, fastmath=_FAST)
 def spmm(indptr, indices, slots, data, b, bias, out):
     """BSR times dense: ``out[rows of block row i] = bias + sum(data[slots[p]] @ b[cols of block p])``.
@@ -70,17 +139,26 @@ def spmm(indptr, indices, slots, data, b, bias, out):
     holds ``data[slots[p]]``, so a transposed structure reads the original blocks), ``data``
     (any, R, C) with any strides (a transposed view multiplies by the transposed blocks),
     ``b`` (N, n) C-contiguous, ``bias`` (M). Overwrites ``out`` (M, n), C-contiguous.
-    Block rows run in parallel.
+    Block rows run in parallel; each block goes by :func:`_panel` (its edges by :func:`_tile`).
     Complexity: O(nnzb * R * C * n) multiply-adds, O(M * n) writes.
     """
     rows, cols = data.shape[1], data.shape[2]
+    lanes = _PANEL_BYTES // out.itemsize
+    full_rows, full_n = rows - rows % _PANEL_ROWS, b.shape[1] - b.shape[1] % lanes
     for i in prange(indptr.shape[0] - 1):
         o = out[i * rows:(i + 1) * rows]
         for r in range(rows):
             o[r, :] = bias[i * rows + r]
         for p in range(indptr[i], indptr[i + 1]):
             j = indices[p]
-            _tile(data[slots[p]], b[j * cols:(j + 1) * cols], o)
+            a, panel = data[slots[p]], b[j * cols:(j + 1) * cols]
+            for t in range(0, full_n, lanes):  # one lane panel of b stays in L1 over the rows
+                for r in range(0, full_rows, _PANEL_ROWS):
+                    _panel(a, panel, o, r, t)
+            if full_n < o.shape[1]:
+                _tile(a[:full_rows], panel[:, full_n:], o[:full_rows, full_n:])
+            if full_rows < rows:
+                _tile(a[full_rows:], panel, o[full_rows:])
 
 
 @njit(parallel=True, cache=True, fastmath=_FAST)
@@ -88,21 +166,43 @@ def sddmm(indptr, indices, a, b, out):
     """Block-sampled dense-dense product: ``out[p] = a[rows of block row i] @ b[cols of block p].T``.
 
     Inputs: ``indptr`` (M / R + 1), ``indices`` (nnzb), ``a`` (M, k) and ``b`` (N, k), both
-    C-contiguous. Overwrites ``out`` (nnzb, R, C). Block rows run in parallel; each output
-    value is a dot product over ``k``, two block rows by four block columns at a time (eight
-    running sums that share each loaded vector, nothing stored inside the loop).
-    Complexity: O(nnzb * R * C * k) multiply-adds.
+    C-contiguous. Overwrites ``out`` (nnzb, R, C). First ``b`` is copied, in parallel, into
+    one contiguous (k, C) panel per block column (``b[cols of j].T``); then block rows run
+    in parallel, each block as :func:`_panel` products of ``a``'s rows with its panel. The
+    edges (R % 4 rows, C % L columns) are dot products over ``k``, two rows by four columns
+    at a time (:func:`_dots`).
+    Complexity: O(nnzb * R * C * k) multiply-adds, O(N * k) extra memory.
     """
-    rows, cols = out.shape[1], out.shape[2]
+    rows, cols, k = out.shape[1], out.shape[2], a.shape[1]
+    lanes = _PANEL_BYTES // out.itemsize
+    full_rows, full_cols = rows - rows % _PANEL_ROWS, cols - cols % lanes
+    panels = np.empty((b.shape[0] // cols if full_rows and full_cols else 0, k, cols), out.dtype)
+    for j in prange(panels.shape[0]):
+        panel = panels[j]
+        for c in range(cols):
+            row = b[j * cols + c]
+            for t in range(k):
+                panel[t, c] = row[t]
     for i in prange(indptr.shape[0] - 1):
+        a_rows = a[i * rows:(i + 1) * rows]
         for p in range(indptr[i], indptr[i + 1]):
-            j = indices[p] * cols
-            r = 0
+            j, o = indices[p] * cols, out[p]
+            if panels.shape[0]:
+                o[:full_rows, :full_cols] = 0
+                for c in range(0, full_cols, lanes):
+                    for r in range(0, full_rows, _PANEL_ROWS):
+                        _panel(a_rows, panels[indices[p]], o, r, c)
+                if full_cols < cols:
+                    for r in range(0, full_rows, 2):
+                        _dots(a_rows[r], a_rows[r + 1], b, j + full_cols, o[r, full_cols:], o[r + 1, full_cols:])
+                r = full_rows
+            else:
+                r = 0
             while r + 2 <= rows:
-                _dots(a[i * rows + r], a[i * rows + r + 1], b, j, out[p, r], out[p, r + 1])
+                _dots(a_rows[r], a_rows[r + 1], b, j, o[r], o[r + 1])
                 r += 2
             if r < rows:
-                _dots(a[i * rows + r], a[i * rows + r], b, j, out[p, r], out[p, r])
+                _dots(a_rows[r], a_rows[r], b, j, o[r], o[r])
 
 
 @njit(cache=True, fastmath=_FAST, inline="always")

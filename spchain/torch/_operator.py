@@ -245,6 +245,15 @@ def _save(ctx: Any, inputs: Sequence[object], results: torch.Tensor | tuple[torc
     fixed = [r for k, r in enumerate(results) if k >= outputs or not r.is_floating_point()]
     if fixed:
         ctx.mark_non_differentiable(*fixed)
+    ctx.set_materialize_grads(False)  # no zeros for the saved results' gradients: see _public_grads
+
+
+def _public_grads(grads: Sequence[torch.Tensor | None], results: Sequence[torch.Tensor],
+                  outputs: int) -> list[torch.Tensor]:
+    """The incoming gradients of the public results, zeros where one is unused; the saved
+    results' gradients (always unused) are not filled with zeros, which took as long as a
+    small product for a saved ``x.T``."""
+    return [torch.zeros_like(r) if g is None else g for g, r in zip(grads[:outputs], results)]
 
 
 def _restore(ctx: Any) -> tuple[list[Any], list[torch.Tensor]]:
@@ -286,7 +295,7 @@ def _eager_function(op: Operator[Any]) -> type[torch.autograd.Function]:
                 raise _double_backward_error(op.name)
             args, results = _restore(ctx)
             needs = [bool(ctx.needs_input_grad[k]) for k in op.differentiable]
-            gradients = op._gradients(args, results, list(grads[:op.outputs]), needs)
+            gradients = op._gradients(args, results, _public_grads(grads, results, op.outputs), needs)
             return _place(len(args), op.differentiable, needs, gradients)
 
     return Eager
@@ -332,7 +341,7 @@ def _transform_function(name: str, forward_op: torch._ops.OpOverload, backward_o
         def backward(ctx: Any, *incoming: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
             args, results = _restore(ctx)
             needs = [bool(ctx.needs_input_grad[k]) for k in differentiable]
-            grads = list(incoming[:outputs])
+            grads = _public_grads(incoming, results, outputs)
             if torch.compiler.is_compiling():  # compiled graphs have no double backward anyway
                 gradients = backward_op(*args, results, grads, needs)
             else:
