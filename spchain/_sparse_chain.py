@@ -77,8 +77,13 @@ def forward(chain):
     rows, v, c = chain.x.shape
     pre = xp.empty((rows, v, c), chain.x.dtype)
     norm = xp.empty((rows, v), chain.x.dtype)
-    if rows:
-        s = chain.sparse
+    s = chain.sparse
+    if rows and not chain.backend.on_gpu:
+        scaled = _scaled(chain)
+        chain.backend.kernel("sparse_chain_scaled", "forward")(chain.x, s.t_indptr, s.t_rows, scaled.t_values,
+                                                              scaled.t_e, scaled.cmax, chain.init, chain.lengths,
+                                                              pre, norm, min(rows, _threads(chain.backend)))
+    elif rows:
         t_values = xp.ascontiguousarray(_values(chain)[s.order])
         chain.backend.kernel("sparse_chain", "forward")(chain.x, s.t_indptr, s.t_rows, t_values, chain.init,
                                                        chain.lengths, pre, norm)
@@ -97,6 +102,8 @@ def backward(chain, pre, norm, weight, trans_grad: bool = True):
     if not rows:
         return xp.zeros_like(chain.x), grad_trans
     s = chain.sparse
+    if not chain.backend.on_gpu:
+        return _backward_scaled(chain, pre, norm, weight, grad_trans)
     values = xp.ascontiguousarray(_values(chain))
     beta = xp.empty_like(chain.x)
     chain.backend.kernel("sparse_chain", "backward")(chain.x, s.indptr, s.indices, values, chain.lengths, norm, beta)
@@ -109,6 +116,50 @@ def backward(chain, pre, norm, weight, trans_grad: bool = True):
                                                            pre, norm, marginals, weight, partial)
         grad_trans = partial.sum(axis=0).reshape(chain.trans.shape)
     return marginals * weight[:, None, None], grad_trans
+
+
+@dataclasses.dataclass(frozen=True)
+class _Scaled:
+    """The stored values exponentiated once for the scaled CPU kernels (``shifted_exp`` of
+    ``kernels/cpu/sparse_chain_scaled.py``): shifted by their column maxima ``cmax`` (``t_e``
+    in the transpose's order, ``e`` in CSR order) and by their row maxima ``rmax`` (``row_e``)."""
+
+    t_values: object
+    t_e: object
+    e: object
+    cmax: object
+    row_e: object
+    rmax: object
+
+
+def _scaled(chain) -> _Scaled:
+    s = chain.sparse
+    values = np.ascontiguousarray(_values(chain))
+    t_values = np.ascontiguousarray(values[s.order])
+    c, nnz = s.shape[0], values.shape[0]
+    shifted_exp = chain.backend.kernel("sparse_chain_scaled", "shifted_exp")
+    cmax, t_e, rmax, row_e = np.empty(c), np.empty(nnz), np.empty(c), np.empty(nnz)
+    shifted_exp(s.t_indptr, t_values, cmax, t_e)
+    shifted_exp(s.indptr, values, rmax, row_e)
+    e = np.empty(nnz)
+    e[s.order] = t_e
+    return _Scaled(t_values, t_e, e, cmax, row_e, rmax)
+
+
+def _backward_scaled(chain, pre, norm, weight, grad_trans):
+    """:func:`backward` on the CPU: one sweep for the marginals and the value gradient."""
+    s = chain.sparse
+    scaled = _scaled(chain)
+    rows = chain.x.shape[0]
+    nnz = scaled.e.shape[0] if grad_trans is not None else 0
+    partial = np.empty((min(rows, _threads(chain.backend)), nnz))
+    grad_x = np.empty_like(chain.x)
+    chain.backend.kernel("sparse_chain_scaled", "backward")(
+        chain.x, s.indptr, s.indices, np.ascontiguousarray(_values(chain)), scaled.row_e, scaled.rmax, s.t_indptr, s.t_rows,
+        scaled.t_values, s.order, scaled.e, scaled.cmax, chain.lengths, pre, norm, weight, grad_x, partial)
+    if grad_trans is not None:
+        grad_trans = partial.sum(axis=0).astype(chain.x.dtype).reshape(chain.trans.shape)
+    return grad_x, grad_trans
 
 
 def _threads(backend) -> int:
