@@ -27,6 +27,8 @@ _SQRT2 = 1.4142135623730951
 _LN2 = 0.6931471805599453
 _MANTISSA = (1 << 52) - 1
 _ONE = 1023 << 52  # the bits of 1.0
+_TWO52_BITS = 0x4330000000000000  # the bits of 2**52
+_SHIFTER = 6755399441055744.0  # 1.5 * 2**52: adding it rounds to an integer, kept in the low bits
 
 
 @intrinsic
@@ -82,12 +84,18 @@ def exp_nonpositive(x):
 @njit(inline="always")
 def exp_float32(x):
     """``exp(x)`` to float32 accuracy (relative error below 1e-8) for ``x <= 700``, in float64;
-    the same range and special values as :func:`exp_nonpositive`."""
+    the same range and special values as :func:`exp_nonpositive`. Rounds by adding
+    ``1.5 * 2**52`` and builds the power of two by shifting bits, never converting a double to
+    an integer (which AVX2 cannot do on vectors)."""
     x = np.float64(x)
-    t = math.floor(x * _LOG2E + 0.5)
-    if t < -1023.0:
-        t = -1023.0
-    r = (x - t * _LN2_HI) - t * _LN2_LO
+    y = x
+    if y < _FLUSH:  # NaN stays
+        y = _FLUSH
+    if y > 709.0:
+        y = 709.0
+    kd = y * _LOG2E + _SHIFTER
+    t = kd - _SHIFTER
+    r = (y - t * _LN2_HI) - t * _LN2_LO
     p = 1.0 / 5040.0
     p = p * r + 1.0 / 720.0
     p = p * r + 1.0 / 120.0
@@ -96,7 +104,7 @@ def exp_float32(x):
     p = p * r + 0.5
     p = p * r + 1.0
     p = p * r + 1.0
-    out = p * _double_from_bits((np.int64(t) + 1023) << 52)
+    out = p * _double_from_bits((_bits_of_double(kd) + 1023) << 52)
     if x < _FLUSH:
         out = 0.0
     if x > 709.0:
@@ -110,7 +118,7 @@ def log_float32(x):
     callers check their arguments): ``e ln 2 + log m`` with ``m`` in [sqrt(1/2), sqrt(2)) and
     ``log m = 2 atanh((m - 1) / (m + 1))`` by its series to the 9th power."""
     bits = _bits_of_double(np.float64(x))
-    e = np.float64((bits >> 52) - 1023)
+    e = _double_from_bits(((bits >> 52) & 2047) | _TWO52_BITS) - (4503599627370496.0 + 1023.0)
     m = _double_from_bits((bits & _MANTISSA) | _ONE)
     if m > _SQRT2:
         m *= 0.5

@@ -27,7 +27,7 @@ from .exp import exp_like, exp_nonpositive, log_like
 from .sparse_chain import chunk_of
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def shifted_exp(indptr, values, top, e):
     """For each segment ``r`` of a CSR structure (a row, or a column of the transpose): ``top[r]``
     = the maximum of its values (``-inf`` if empty or all ``-inf``, NaN if one is NaN) and
@@ -47,7 +47,7 @@ def shifted_exp(indptr, values, top, e):
             e[q] = p if not p < FLUSH else 0.0
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def _scale_rows(z, p, shift, top, like):
     """``top[k]`` = the maximum of column ``k`` of ``z`` (c, W) (NaN ignored, ``-inf`` if none),
     ``shift[k]`` = ``top[k]`` where finite (else 0) and ``p = exp(z - shift)``, 0 below
@@ -66,7 +66,7 @@ def _scale_rows(z, p, shift, top, like):
             p[j, k] = val if not val < FLUSH else 0.0
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def _lse(indptr, indices, values, z, k, r):
     """``log sum_q exp(values[q] + z[indices[q], k])`` over the entries ``q`` of segment ``r``,
     max-shifted in float64 (``-inf`` for an empty or all ``-inf`` sum, NaN if a term is NaN)."""
@@ -84,7 +84,7 @@ def _lse(indptr, indices, values, z, k, r):
     return shift + math.log(total)
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def _scaled_spmm(indptr, indices, values, e, top_of, z, p, shift, top, acc, out, active, like):
     """``out[r, k] = log sum_q exp(values[q] + z[indices[q], k])`` over the entries of segment
     ``r``, for the columns ``k`` where ``active``: from ``p``, ``shift``, ``top`` of
@@ -112,7 +112,7 @@ def _scaled_spmm(indptr, indices, values, e, top_of, z, p, shift, top, acc, out,
                     out[r, k] = _lse(indptr, indices, values, z, k, r)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, error_model="numpy")
 def forward(x, t_indptr, t_rows, t_values, e, cmax, init, lengths, pre, norm, chunks):
     """Forward sweep: fills ``pre`` (B, v, c) and ``norm`` (B, v) as ``chain.chain_forward``
     does, over the transpose (``t_indptr``, ``t_rows``, ``t_values``: the entries of each column)
@@ -169,7 +169,7 @@ def forward(x, t_indptr, t_rows, t_values, e, cmax, init, lengths, pre, norm, ch
             norm[b, lengths[b]:] = 0.0
 
 
-@njit(cache=True, fastmath={"reassoc", "contract"})
+@njit(cache=True, error_model="numpy", fastmath={"reassoc", "contract"})
 def _dot(a, b):
     total = 0.0
     for k in range(a.shape[0]):
@@ -177,7 +177,7 @@ def _dot(a, b):
     return total
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def _values_grad(indptr, indices, t_indptr, t_rows, t_values, order, cmax, a, gm, pre_next, pa, r, shift, top,
                  active, like, acc, exact):
     """Adds the expected counts of the step from ``a`` (the normalised messages â_t, (c, W)) to
@@ -214,7 +214,7 @@ def _values_grad(indptr, indices, t_indptr, t_rows, t_values, order, cmax, a, gm
             acc[q] += _dot(pi, r[indices[q]])
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, error_model="numpy")
 def backward(x, indptr, indices, values, row_e, rmax, t_indptr, t_rows, t_values, order, e, cmax, lengths, pre,
              norm, weight, grad_x, partial):
     """Backward sweep: fills ``grad_x`` (B, v, c) with ``weight[b]`` times the posterior
@@ -296,7 +296,7 @@ def backward(x, indptr, indices, values, row_e, rmax, t_indptr, t_rows, t_values
             partial[chunk, q] = e[q] * grad_acc[q] + exact[q]
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def _messages(x, pre, norm, b0, t, lengths, a):
     """``a[:, k]`` = the normalised forward message â_t of row ``b0 + k`` (``-inf`` past its length)."""
     for k in range(a.shape[1]):
