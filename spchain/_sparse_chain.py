@@ -5,10 +5,14 @@ as SciPy or cupyx CSR, CSC or COO (converted once); absent entries are ``-inf``.
 structure (:class:`Structure`) and its stored values, which a :class:`~._chain_layout.Chain`
 holds as ``trans`` of shape (1, 1, nnz), so that ``spchain._chain_limits`` treats them like
 dense transitions. :func:`forward`, :func:`backward` and :func:`viterbi` are the sweeps of
-``spchain._chain_sweep`` for such a chain: per step, a log-space SpMV over the stored entries
-(``kernels/*/sparse_chain.py``), O(batch · v · (c + nnz)) time, O(batch · v · c) memory, and
-the gradient of the stored values at the stored entries only. The path functions other than
-Viterbi run on the dense matrix (:func:`densified`, O(c²) memory).
+``spchain._chain_sweep`` for such a chain: per step, an SpMV over the stored entries,
+O(batch · v · (c + nnz)) time, O(batch · v · c) memory, and the gradient of the stored values
+at the stored entries only. On the CPU the forward and backward sweeps exponentiate the stored
+values once and run scaled SpMVs (``kernels/cpu/sparse_chain_scaled.py``: ``c``
+exponentials and logarithms and ``nnz`` multiply-adds a step and row, log space only where a
+scaled sum underflows), the backward sweep giving the marginals and the value gradient in one
+pass; on the GPU (and for Viterbi) they run in log space (``kernels/*/sparse_chain.py``). The
+path functions other than Viterbi run on the dense matrix (:func:`densified`, O(c²) memory).
 """
 
 import dataclasses
