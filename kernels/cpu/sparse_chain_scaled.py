@@ -26,6 +26,9 @@ from .chain_scaled import FLUSH, LIMIT, TINY
 from .exp import exp_like, exp_nonpositive, log_like
 from .sparse_chain import chunk_of
 
+BLOCK = 64
+"""States per block where a sweep moves data between (B, v, c) arrays and its (c, W) ones."""
+
 
 @njit(cache=True, error_model="numpy")
 def shifted_exp(indptr, values, top, e):
@@ -48,12 +51,14 @@ def shifted_exp(indptr, values, top, e):
 
 
 @njit(cache=True, error_model="numpy")
-def _scale_rows(z, p, shift, top, like):
+def _scale_rows(z, p, shift, top, total, like):
     """``top[k]`` = the maximum of column ``k`` of ``z`` (c, W) (NaN ignored, ``-inf`` if none),
-    ``shift[k]`` = ``top[k]`` where finite (else 0) and ``p = exp(z - shift)``, 0 below
-    ``FLUSH`` (NaN stays). Returns nothing; ``like`` is a sample of the data's dtype."""
+    ``shift[k]`` = ``top[k]`` where finite (else 0), ``p = exp(z - shift)``, 0 below ``FLUSH``
+    (NaN stays), and ``total[k]`` the sum of column ``k`` of ``p``; ``like`` is a sample of the
+    data's dtype."""
     c, width = z.shape
     top[:] = -np.inf
+    total[:] = 0.0
     for j in range(c):
         for k in range(width):
             if z[j, k] > top[k]:
@@ -64,32 +69,34 @@ def _scale_rows(z, p, shift, top, like):
         for k in range(width):
             val = exp_like(like, z[j, k] - shift[k])
             p[j, k] = val if not val < FLUSH else 0.0
+            total[k] += p[j, k]
 
 
 @njit(cache=True, error_model="numpy")
-def _lse(indptr, indices, values, z, k, r):
-    """``log sum_q exp(values[q] + z[indices[q], k])`` over the entries ``q`` of segment ``r``,
-    max-shifted in float64 (``-inf`` for an empty or all ``-inf`` sum, NaN if a term is NaN)."""
+def _lse(indptr, indices, values, z, zoff, k, r):
+    """``log sum_q exp(values[q] + z[indices[q], k] - zoff)`` over the entries ``q`` of segment
+    ``r``, max-shifted (``-inf`` for an empty or all ``-inf`` sum, NaN if a term is NaN)."""
     top = -np.inf
     for q in range(indptr[r], indptr[r + 1]):
-        val = values[q] + z[indices[q], k]
+        val = values[q] + (z[indices[q], k] - zoff)
         if val > top:
             top = val
     shift = top if math.isfinite(top) else 0.0
     total = 0.0
     for q in range(indptr[r], indptr[r + 1]):
-        total += exp_nonpositive(values[q] + z[indices[q], k] - shift)
+        total += exp_nonpositive(values[q] + (z[indices[q], k] - zoff) - shift)
     if top == -np.inf:
         return -np.inf if total == 0.0 else total
     return shift + math.log(total)
 
 
 @njit(cache=True, error_model="numpy")
-def _scaled_spmm(indptr, indices, values, e, top_of, z, p, shift, top, acc, out, active, like):
-    """``out[r, k] = log sum_q exp(values[q] + z[indices[q], k])`` over the entries of segment
-    ``r``, for the columns ``k`` where ``active``: from ``p``, ``shift``, ``top`` of
-    :func:`_scale_rows` of ``z``, as ``shift + top_of[r] + log sum_q e[q] p[indices[q]]``,
-    recomputed by :func:`_lse` where that sum is below ``TINY`` or not a number."""
+def _scaled_spmm(indptr, indices, values, e, top_of, z, zoff, p, shift, top, acc, out, active, like):
+    """``out[r, k] = log sum_q exp(values[q] + z[indices[q], k] - zoff[k])`` over the entries
+    of segment ``r``, for the columns ``k`` where ``active``: from ``p``, ``top`` of
+    :func:`_scale_rows` of ``z`` and ``shift`` (its shift less ``zoff``), as ``shift +
+    top_of[r] + log sum_q e[q] p[indices[q]]``, recomputed by :func:`_lse` where that sum is
+    below ``TINY`` or not a number."""
     segments, width = out.shape
     for r in range(segments):
         row = acc[r]
@@ -109,7 +116,7 @@ def _scaled_spmm(indptr, indices, values, e, top_of, z, p, shift, top, acc, out,
                 if a == a and (top_of[r] == -np.inf or top[k] == -np.inf):
                     out[r, k] = -np.inf  # every term -inf, none NaN
                 else:
-                    out[r, k] = _lse(indptr, indices, values, z, k, r)
+                    out[r, k] = _lse(indptr, indices, values, z, zoff[k], k, r)
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
@@ -123,11 +130,11 @@ def forward(x, t_indptr, t_rows, t_values, e, cmax, init, lengths, pre, norm, ch
     for chunk in prange(chunks):
         b0, b1 = chunk_of(rows, chunks, chunk)
         width = b1 - b0
-        u = np.empty((c, width))  # the normalised message, state-major
+        u = np.empty((c, width))  # pre + x, state-major
         p = np.empty((c, width))
         acc = np.empty((c, width))
         out = np.empty((c, width))
-        top, shift, total = np.empty(width), np.empty(width), np.empty(width)
+        top, shift, total, offset = np.empty(width), np.empty(width), np.empty(width), np.empty(width)
         active = np.empty(width, np.bool_)
         longest = 0
         for k in range(width):
@@ -137,32 +144,28 @@ def forward(x, t_indptr, t_rows, t_values, e, cmax, init, lengths, pre, norm, ch
             for j in range(c):
                 u[j, k] = init[b, j] + x[b, 0, j]
         for t in range(longest):
-            _scale_rows(u, p, shift, top, like)
-            total[:] = 0.0
-            for j in range(c):
-                for k in range(width):
-                    total[k] += p[j, k]  # the flushed terms are below 1e-154 of the sum
+            _scale_rows(u, p, shift, top, total, like)  # the flushed terms are below 1e-154 of the sum
             for k in range(width):
                 lse = shift[k] + math.log(total[k]) if top[k] != -np.inf else (
                     -np.inf if total[k] == 0.0 else total[k])
                 if t < lengths[b0 + k]:
                     norm[b0 + k, t] = lse
-                offset = lse if math.isfinite(lse) else 0.0
-                shift[k] -= offset  # p = exp(u - shift) with u normalised below
-                for j in range(c):
-                    u[j, k] -= offset
+                offset[k] = lse if math.isfinite(lse) else 0.0  # â_t = u - offset
+                shift[k] -= offset[k]  # p = exp(â_t - shift)
                 active[k] = t + 1 < lengths[b0 + k]
             if t + 1 == longest:
                 break
-            _scaled_spmm(t_indptr, t_rows, t_values, e, cmax, u, p, shift, top, acc, out, active, like)
-            for k in range(width):
-                b = b0 + k
-                if active[k]:
-                    for j in range(c):
-                        pre[b, t + 1, j] = out[j, k]
-                        u[j, k] = pre[b, t + 1, j] + x[b, t + 1, j]
-                else:
-                    u[:, k] = -np.inf
+            _scaled_spmm(t_indptr, t_rows, t_values, e, cmax, u, offset, p, shift, top, acc, out, active, like)
+            for j0 in range(0, c, BLOCK):  # blocks of states, so that ``out`` stays in cache
+                j1 = min(j0 + BLOCK, c)
+                for k in range(width):
+                    b = b0 + k
+                    for j in range(j0, j1):
+                        if active[k]:
+                            pre[b, t + 1, j] = out[j, k]
+                            u[j, k] = pre[b, t + 1, j] + x[b, t + 1, j]
+                        else:
+                            u[j, k] = -np.inf
         for k in range(width):
             b = b0 + k
             pre[b, lengths[b]:, :] = -np.inf
@@ -179,7 +182,7 @@ def _dot(a, b):
 
 @njit(cache=True, error_model="numpy")
 def _values_grad(indptr, indices, t_indptr, t_rows, t_values, order, cmax, a, gm, pre_next, pa, r, shift, top,
-                 active, like, acc, exact):
+                 total, active, like, acc, exact):
     """Adds the expected counts of the step from ``a`` (the normalised messages â_t, (c, W)) to
     ``gm`` (the weighted marginals at t + 1) with ``pre_next`` (``pre`` at t + 1, (c, W)):
 
@@ -189,7 +192,7 @@ def _values_grad(indptr, indices, t_indptr, t_rows, t_values, order, cmax, a, gm
     exp(amax[k] + cmax[j] - pre_next[j, k])``), the terms whose factor ``r`` would pass
     ``exp(LIMIT)`` (or is not a number) exactly in log space into ``exact``."""
     c, width = a.shape
-    _scale_rows(a, pa, shift, top, like)
+    _scale_rows(a, pa, shift, top, total, like)
     for k in range(width):
         if not active[k] or top[k] == -np.inf:  # no step, or no message: no term
             pa[:, k] = 0.0
@@ -234,13 +237,16 @@ def backward(x, indptr, indices, values, row_e, rmax, t_indptr, t_rows, t_values
         b0, b1 = chunk_of(rows, chunks, chunk)
         width = b1 - b0
         a = np.empty((c, width))  # â_t
+        xs, ps = np.empty((c, width)), np.empty((c, width))  # x and pre at t, state-major
+        xs_before, ps_before = np.empty((c, width)), np.empty((c, width))  # at t - 1
         beta = np.empty((c, width))  # beta_t
         gm = np.empty((c, width))  # weight * marginals at t
-        z = np.empty((c, width))  # x + beta, then pre, at t
+        z = np.empty((c, width))  # x + beta at t
         p = np.empty((c, width))
         acc = np.empty((c, width))
         out = np.empty((c, width))
-        top, shift, total = np.empty(width), np.empty(width), np.empty(width)
+        top, shift, total, zero = np.empty(width), np.empty(width), np.empty(width), np.zeros(width)
+        scale, d = np.empty(width), np.empty(width)
         active = np.empty(width, np.bool_)
         grad_acc = np.zeros(nnz)
         exact = np.zeros(nnz)
@@ -249,7 +255,7 @@ def backward(x, indptr, indices, values, row_e, rmax, t_indptr, t_rows, t_values
             longest = max(longest, lengths[b0 + k])
             grad_x[b0 + k, lengths[b0 + k]:, :] = 0.0
         t = longest - 1
-        _messages(x, pre, norm, b0, t, lengths, a)
+        _messages(x, pre, norm, b0, t, lengths, a, xs, ps)
         beta[:] = 0.0
         while True:
             total[:] = 0.0
@@ -259,52 +265,57 @@ def backward(x, indptr, indices, values, row_e, rmax, t_indptr, t_rows, t_values
                     total[k] += gm[i, k]
             for k in range(width):
                 b = b0 + k
-                scale = weight[b] / total[k] if total[k] > 0.0 and math.isfinite(total[k]) else weight[b]
-                if t < lengths[b]:
-                    for i in range(c):
-                        grad_x[b, t, i] = gm[i, k] * scale
-                        gm[i, k] = grad_x[b, t, i]
+                scale[k] = weight[b] / total[k] if total[k] > 0.0 and math.isfinite(total[k]) else weight[b]
                 active[k] = 0 < t < lengths[b]  # the step t - 1 -> t is taken
-                if active[k]:
-                    for j in range(c):
-                        z[j, k] = x[b, t, j] + beta[j, k]
-                else:
-                    z[:, k] = -np.inf
+                d[k] = norm[b, t]
+            for i in range(c):
+                for k in range(width):
+                    gm[i, k] *= scale[k]
+                    z[i, k] = xs[i, k] + beta[i, k] if active[k] else -np.inf
+            for i0 in range(0, c, BLOCK):
+                i1 = min(i0 + BLOCK, c)
+                for k in range(width):
+                    if t < lengths[b0 + k]:
+                        for i in range(i0, i1):
+                            grad_x[b0 + k, t, i] = gm[i, k]
             if t == 0:
                 break
-            _messages(x, pre, norm, b0, t - 1, lengths, a)  # â_{t-1}
-            _scale_rows(z, p, shift, top, like)
-            _scaled_spmm(indptr, indices, values, row_e, rmax, z, p, shift, top, acc, out, active, like)
-            for k in range(width):
-                b = b0 + k
-                d = norm[b, t]
-                if active[k]:
-                    for i in range(c):
-                        # the chain died at t: nothing before it has a posterior
-                        beta[i, k] = -np.inf if d == -np.inf else out[i, k] - d
-                else:
-                    beta[:, k] = 0.0  # the last position of a chain, or past it
-            if nnz:
+            _messages(x, pre, norm, b0, t - 1, lengths, a, xs_before, ps_before)  # â_{t-1}
+            _scale_rows(z, p, shift, top, total, like)
+            _scaled_spmm(indptr, indices, values, row_e, rmax, z, zero, p, shift, top, acc, out, active, like)
+            for i in range(c):
                 for k in range(width):
-                    if active[k]:
-                        for j in range(c):
-                            z[j, k] = pre[b0 + k, t, j]
-                _values_grad(indptr, indices, t_indptr, t_rows, t_values, order, cmax, a, gm, z, p, acc, shift, top,
-                             active, like, grad_acc, exact)
+                    # 0 at the last position of a chain (or past it); -inf where the chain died
+                    # at t: nothing before it has a posterior
+                    beta[i, k] = (out[i, k] - d[k] if d[k] != -np.inf else -np.inf) if active[k] else 0.0
+            if nnz:
+                _values_grad(indptr, indices, t_indptr, t_rows, t_values, order, cmax, a, gm, ps, p, acc, shift, top,
+                             total, active, like, grad_acc, exact)
+            xs, xs_before = xs_before, xs
+            ps, ps_before = ps_before, ps
             t -= 1
         for q in range(nnz):
             partial[chunk, q] = e[q] * grad_acc[q] + exact[q]
 
 
 @njit(cache=True, error_model="numpy")
-def _messages(x, pre, norm, b0, t, lengths, a):
-    """``a[:, k]`` = the normalised forward message â_t of row ``b0 + k`` (``-inf`` past its length)."""
-    for k in range(a.shape[1]):
-        b = b0 + k
-        if t < lengths[b]:
-            d = norm[b, t]
-            offset = d if math.isfinite(d) else 0.0
-            for i in range(a.shape[0]):
-                a[i, k] = pre[b, t, i] + x[b, t, i] - offset
-        else:
-            a[:, k] = -np.inf
+def _messages(x, pre, norm, b0, t, lengths, a, xs, ps):
+    """``a[:, k]`` = the normalised forward message â_t of row ``b0 + k`` (``-inf`` past its
+    length), ``xs[:, k]`` and ``ps[:, k]`` its ``x`` and ``pre`` at ``t``."""
+    c, width = a.shape
+    for i0 in range(0, c, BLOCK):
+        i1 = min(i0 + BLOCK, c)
+        for k in range(width):
+            b = b0 + k
+            if t < lengths[b]:
+                dt = norm[b, t]
+                offset = dt if math.isfinite(dt) else 0.0
+                for i in range(i0, i1):
+                    xs[i, k] = x[b, t, i]
+                    ps[i, k] = pre[b, t, i]
+                    a[i, k] = pre[b, t, i] + x[b, t, i] - offset
+            else:
+                for i in range(i0, i1):
+                    a[i, k] = -np.inf
+                    xs[i, k] = -np.inf
+                    ps[i, k] = -np.inf
