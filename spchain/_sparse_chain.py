@@ -159,8 +159,8 @@ def _backward_scaled(chain, pre, norm, weight, grad_trans):
     partial = np.empty((min(rows, _threads(chain.backend)), nnz))
     grad_x = np.empty_like(chain.x)
     chain.backend.kernel("sparse_chain_scaled", "backward")(
-        chain.x, s.indptr, s.indices, np.ascontiguousarray(_values(chain)), scaled.row_e, scaled.rmax, s.t_indptr, s.t_rows,
-        scaled.t_values, s.order, scaled.e, scaled.cmax, chain.lengths, pre, norm, weight, grad_x, partial)
+        chain.x, s.indptr, s.indices, np.ascontiguousarray(_values(chain)), scaled.row_e, scaled.rmax, s.t_indptr,
+        s.t_rows, scaled.t_values, s.order, scaled.e, scaled.cmax, chain.lengths, pre, norm, weight, grad_x, partial)
     if grad_trans is not None:
         grad_trans = partial.sum(axis=0).astype(chain.x.dtype).reshape(chain.trans.shape)
     return grad_x, grad_trans
