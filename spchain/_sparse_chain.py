@@ -5,10 +5,14 @@ as SciPy or cupyx CSR, CSC or COO (converted once); absent entries are ``-inf``.
 structure (:class:`Structure`) and its stored values, which a :class:`~._chain_layout.Chain`
 holds as ``trans`` of shape (1, 1, nnz), so that ``spchain._chain_limits`` treats them like
 dense transitions. :func:`forward`, :func:`backward` and :func:`viterbi` are the sweeps of
-``spchain._chain_sweep`` for such a chain: per step, a log-space SpMV over the stored entries
-(``kernels/*/sparse_chain.py``), O(batch · v · (c + nnz)) time, O(batch · v · c) memory, and
-the gradient of the stored values at the stored entries only. The path functions other than
-Viterbi run on the dense matrix (:func:`densified`, O(c²) memory).
+``spchain._chain_sweep`` for such a chain: per step, an SpMV over the stored entries,
+O(batch · v · (c + nnz)) time, O(batch · v · c) memory, and the gradient of the stored values
+at the stored entries only. On the CPU the forward and backward sweeps exponentiate the stored
+values once and run scaled SpMVs (``kernels/cpu/sparse_chain_scaled.py``: ``c``
+exponentials and logarithms and ``nnz`` multiply-adds a step and row, log space only where a
+scaled sum underflows), the backward sweep giving the marginals and the value gradient in one
+pass; on the GPU (and for Viterbi) they run in log space (``kernels/*/sparse_chain.py``). The
+path functions other than Viterbi run on the dense matrix (:func:`densified`, O(c²) memory).
 """
 
 from __future__ import annotations
@@ -92,8 +96,13 @@ def forward(chain: Chain) -> tuple[Array, Array, Array]:
     rows, v, c = chain.x.shape
     pre = xp.empty((rows, v, c), chain.x.dtype)
     norm = xp.empty((rows, v), chain.x.dtype)
-    if rows:
-        s = _structure(chain)
+    s = _structure(chain)
+    if rows and not chain.backend.on_gpu:
+        scaled = _scaled(chain)
+        chain.backend.kernel("sparse_chain_scaled", "forward")(chain.x, s.t_indptr, s.t_rows, scaled.t_values,
+                                                              scaled.t_e, scaled.cmax, chain.init, chain.lengths,
+                                                              pre, norm, min(rows, _threads(chain.backend)))
+    elif rows:
         t_values = xp.ascontiguousarray(_values(chain)[s.order])
         chain.backend.kernel("sparse_chain", "forward")(chain.x, s.t_indptr, s.t_rows, t_values, chain.init,
                                                        chain.lengths, pre, norm)
@@ -113,6 +122,8 @@ def backward(chain: Chain, pre: Array, norm: Array, weight: Array,
     if not rows:
         return xp.zeros_like(chain.x), grad_trans
     s = _structure(chain)
+    if not chain.backend.on_gpu:
+        return _backward_scaled(chain, pre, norm, weight, grad_trans)
     values = xp.ascontiguousarray(_values(chain))
     beta = xp.empty_like(chain.x)
     chain.backend.kernel("sparse_chain", "backward")(chain.x, s.indptr, s.indices, values, chain.lengths, norm, beta)
@@ -125,6 +136,51 @@ def backward(chain: Chain, pre: Array, norm: Array, weight: Array,
                                                            pre, norm, marginals, weight, partial)
         grad_trans = partial.sum(axis=0).reshape(chain.trans.shape)
     return marginals * weight[:, None, None], grad_trans
+
+
+@dataclasses.dataclass(frozen=True)
+class _Scaled:
+    """The stored values exponentiated once for the scaled CPU kernels (``shifted_exp`` of
+    ``kernels/cpu/sparse_chain_scaled.py``): shifted by their column maxima ``cmax`` (``t_e``
+    in the transpose's order, ``e`` in CSR order) and by their row maxima ``rmax`` (``row_e``)."""
+
+    t_values: Array
+    t_e: Array
+    e: Array
+    cmax: Array
+    row_e: Array
+    rmax: Array
+
+
+def _scaled(chain: Chain) -> _Scaled:
+    s = _structure(chain)
+    values = np.ascontiguousarray(_values(chain))
+    t_values = np.ascontiguousarray(values[s.order])
+    c, nnz = s.shape[0], values.shape[0]
+    shifted_exp = chain.backend.kernel("sparse_chain_scaled", "shifted_exp")
+    cmax, t_e, rmax, row_e = np.empty(c), np.empty(nnz), np.empty(c), np.empty(nnz)
+    shifted_exp(s.t_indptr, t_values, cmax, t_e)
+    shifted_exp(s.indptr, values, rmax, row_e)
+    e = np.empty(nnz)
+    e[s.order] = t_e
+    return _Scaled(t_values, t_e, e, cmax, row_e, rmax)
+
+
+def _backward_scaled(chain: Chain, pre: Array, norm: Array, weight: Array,
+                     grad_trans: Array | None) -> tuple[Array, Array | None]:
+    """:func:`backward` on the CPU: one sweep for the marginals and the value gradient."""
+    s = _structure(chain)
+    scaled = _scaled(chain)
+    rows = chain.x.shape[0]
+    nnz = scaled.e.shape[0] if grad_trans is not None else 0
+    partial = np.empty((min(rows, _threads(chain.backend)), nnz))
+    grad_x = np.empty_like(chain.x)
+    chain.backend.kernel("sparse_chain_scaled", "backward")(
+        chain.x, s.indptr, s.indices, np.ascontiguousarray(_values(chain)), scaled.row_e, scaled.rmax, s.t_indptr,
+        s.t_rows, scaled.t_values, s.order, scaled.e, scaled.cmax, chain.lengths, pre, norm, weight, grad_x, partial)
+    if grad_trans is not None:
+        grad_trans = partial.sum(axis=0).astype(chain.x.dtype).reshape(chain.trans.shape)
+    return grad_x, grad_trans
 
 
 def _threads(backend: Backend) -> int:

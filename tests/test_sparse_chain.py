@@ -186,3 +186,47 @@ def test_the_callers_matrix_is_not_written(rng):
 def test_bad_sparse_transitions(trans, error, match):
     with pytest.raises(error, match=match):
         sc.chain_logsumexp(np.zeros((2, 3, 4)), trans)
+
+
+@pytest.mark.parametrize("scale", [1.0, 300.0])  # 300: most scaled sums underflow, recomputed in log space
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_scaled_sweeps_equal_the_dense_chain_where_sums_underflow(rng, scale, dtype):
+    """The CPU sweeps exponentiate the stored values once (kernels/cpu/sparse_chain_scaled.py);
+    at scale 300 most scaled sums and gradient factors leave their range and the entries are
+    recomputed in log space. Ragged lengths, an impossible chain, -inf emissions and values."""
+    batch, v, c = 9, 7, 11
+    x = (rng.normal(size=(batch, v, c)) * scale).astype(dtype)
+    x[2, 1] = -np.inf  # an impossible chain
+    x[3, 2, :4] = -np.inf
+    matrix, dense = sparse_trans(rng, c, density=0.3, dtype=dtype)
+    matrix.data *= scale
+    dense = (dense * scale).astype(dtype)
+    init = (rng.normal(size=c) * scale).astype(dtype)
+    lengths = rng.integers(1, v + 1, batch)
+    lengths[:3] = v
+    weight = np.linspace(-0.5, 2.0, batch).astype(dtype)
+    needs = (True, True, True)
+    got_z, want_z = (chain_logsumexp_forward(x, t, init, lengths) for t in (matrix, dense))
+    got = chain_logsumexp_backward((x, matrix, init, lengths), got_z, (weight,), needs)
+    want = chain_logsumexp_backward((x, dense, init, lengths), want_z, (weight,), needs)
+    tol = 2e-5 if dtype == np.float32 else 1e-11
+    np.testing.assert_allclose(got_z[0], want_z[0], rtol=tol)
+    assert got_z[0][2] == -np.inf
+    assert got[1].dtype == dtype and got[0].dtype == dtype
+    np.testing.assert_allclose(got[0], want[0], rtol=tol, atol=tol)
+    np.testing.assert_allclose(got[2], want[2], rtol=tol, atol=tol)
+    np.testing.assert_allclose(got[1].data, values_of(matrix, want[1]), rtol=tol, atol=tol * batch * v)
+
+
+def test_nan_propagates_as_in_the_dense_chain(rng):
+    x = rng.normal(size=(4, 5, 6))
+    x[1, 2, 3] = np.nan
+    matrix, dense = sparse_trans(rng, 6, density=0.6, minus_inf=False)
+    got, want = sc.chain_logsumexp(x, matrix), sc.chain_logsumexp(x, dense)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    assert np.isnan(got[1]) and not np.isnan(got[[0, 2, 3]]).any()
+    np.testing.assert_allclose(got[[0, 2, 3]], want[[0, 2, 3]], rtol=1e-12)
+    matrix.data[0] = np.nan
+    results = chain_logsumexp_forward(x[[0]], matrix)
+    grads = chain_logsumexp_backward((x[[0]], matrix, None, None), results, (np.ones(1),), (True, True, False))
+    assert np.isnan(results[0]).all() and np.isnan(grads[1].data).any()

@@ -11,6 +11,9 @@ of a CSR structure: absent entries are ``-inf``. Per step, O(c + nnz) time per r
   over rows and steps at the stored entries only.
 
 Every reduction is max-shifted and guards ``-inf``; NaN propagates along stored entries.
+Viterbi runs here on the CPU; the CPU forward and backward sweeps run the scaled kernels of
+``sparse_chain_scaled.py``, and the log-space ones here are the exact twins of
+``kernels/cuda/sparse_chain.py`` (tested against each other and against the dense chain).
 """
 
 import math
