@@ -21,7 +21,7 @@ from .chain import sequential
 from .core import Case
 
 CASES = ["forward + backward"]
-SIZES = {False: {"batch": 64, "v": 500, "c": 4096}, True: {"batch": 4, "v": 20, "c": 64}}
+SIZES = {False: {"batch": 64, "v": 500, "c": 4096}, True: {"batch": 4, "v": 8, "c": 1024}}
 DENSE_SIZE = {"spchain dense chain": (64, 3), "torch sequential logsumexp": (4, 3)}
 """(batch, v) of the dense baselines at full size."""
 WIDTH = 7  # successors of each state besides itself
