@@ -16,6 +16,7 @@ import gc
 import importlib
 import platform
 import sys
+from types import ModuleType
 
 from .core import Case, measure
 from .report import plot, table
@@ -36,7 +37,7 @@ WORKLOADS = {
 """Workload name → module (relative to this package) with ``CASES`` and ``make_case``."""
 
 
-def workload(name: str):
+def workload(name: str) -> ModuleType:
     """The module of one workload of ``WORKLOADS``."""
     return importlib.import_module(f".{WORKLOADS[name]}", __name__)
 
@@ -60,7 +61,8 @@ def make_case(name: str, case: str, quick: bool, device: str = "cpu") -> Case:
     module = workload(name)
     if case not in module.CASES:
         raise ValueError(f"workload {name!r} has no case {case!r}; its cases: {module.CASES}")
-    return module.make_case(case, quick, device)
+    built: Case = module.make_case(case, quick, device)
+    return built
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -11,9 +11,11 @@ import gc
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from collections.abc import Iterable
+from typing import Callable, cast
 
 import numpy as np
+from numpy.typing import NDArray
 
 MiB = 2.0**20
 
@@ -30,8 +32,8 @@ class Case:
 
     workload: str
     name: str
-    methods: dict[str, Callable[[], Any]]
-    reference: Callable[[], Any] | None = None
+    methods: dict[str, Callable[[], object]]
+    reference: Callable[[], object] | None = None
     device: str = "cpu"
     slow: set[str] = field(default_factory=set)
     """Methods so slow that one timed run, without a warm-up, is enough (they compile nothing):
@@ -54,7 +56,7 @@ class Result:
         return float(np.median(self.times))
 
 
-def to_numpy(value):
+def to_numpy(value: object) -> NDArray[np.float64]:
     """``value`` (an array, tensor or scalar) as a float64 NumPy array."""
     if hasattr(value, "detach"):
         value = value.detach().cpu().double().numpy()
@@ -63,7 +65,7 @@ def to_numpy(value):
     return np.asarray(value, dtype=np.float64)
 
 
-def max_rel_error(result, reference) -> float:
+def max_rel_error(result: object, reference: object) -> float:
     """Largest ``|result - reference|`` over the largest ``|reference|``, over every part.
 
     Entries that are equal (equal infinities included) count as exact; an infinity or NaN
@@ -72,8 +74,9 @@ def max_rel_error(result, reference) -> float:
     if not isinstance(reference, tuple):
         result, reference = (result,), (reference,)
     worst = 0.0
-    for r, ref in zip(result, reference):
-        r, ref = to_numpy(r), to_numpy(ref)
+    # A method's result has its reference's structure: a tuple where the reference is one.
+    for part, ref_part in zip(cast(Iterable[object], result), reference):
+        r, ref = to_numpy(part), to_numpy(ref_part)
         if r.shape != ref.shape:
             return math.inf
         same = (r == ref) | (np.isnan(r) & np.isnan(ref))
@@ -108,7 +111,7 @@ def _release_free_heap() -> None:
         pass
 
 
-def peak_host_bytes(fn: Callable[[], Any]) -> float:
+def peak_host_bytes(fn: Callable[[], object]) -> float:
     """Resident memory that ``fn()`` added at its peak (Linux high-water mark, reset first).
 
     torch's CPU allocations are invisible to ``tracemalloc``, so resident memory is the
@@ -130,7 +133,7 @@ def peak_host_bytes(fn: Callable[[], Any]) -> float:
     return float(max(peak - before, 0))
 
 
-def peak_device_bytes(fn: Callable[[], Any]) -> float:
+def peak_device_bytes(fn: Callable[[], object]) -> float:
     """Device memory that ``fn()`` added at its peak: torch's allocator plus CuPy's pool."""
     import torch
 
@@ -153,20 +156,20 @@ def peak_device_bytes(fn: Callable[[], Any]) -> float:
 class _CupyPeakHook:
     """A CuPy memory hook that records the pool's high-water mark."""
 
-    def __init__(self, start: int):
+    def __init__(self, start: int) -> None:
         from cupy.cuda import memory_hook
 
-        class Hook(memory_hook.MemoryHook):
+        class Hook(memory_hook.MemoryHook):  # type: ignore[misc]  # CuPy ships no type information
             name = "spchain_peak"
 
-            def __init__(hook):
+            def __init__(hook) -> None:
                 hook.used = hook.peak = start
 
-            def malloc_postprocess(hook, device_id, size, mem_size, mem_ptr, pmem_id):
+            def malloc_postprocess(hook, device_id: int, size: int, mem_size: int, mem_ptr: int, pmem_id: int) -> None:
                 hook.used += mem_size
                 hook.peak = max(hook.peak, hook.used)
 
-            def free_postprocess(hook, device_id, mem_size, mem_ptr, pmem_id):
+            def free_postprocess(hook, device_id: int, mem_size: int, mem_ptr: int, pmem_id: int) -> None:
                 hook.used -= mem_size
 
         self.start = start
@@ -176,12 +179,13 @@ class _CupyPeakHook:
     def peak(self) -> int:
         return self._hook.peak
 
-    def __enter__(self):
+    def __enter__(self) -> "_CupyPeakHook":
         self._hook.__enter__()
         return self
 
-    def __exit__(self, *exc):
-        return self._hook.__exit__(*exc)
+    def __exit__(self, *exc: object) -> bool | None:
+        suppress: bool | None = self._hook.__exit__(*exc)
+        return suppress
 
 
 def measure(case: Case, repeat: int, budget_s: float, tick: Callable[[], None] = lambda: None) -> list[Result]:
@@ -195,11 +199,12 @@ def measure(case: Case, repeat: int, budget_s: float, tick: Callable[[], None] =
     """
     peak = peak_device_bytes if case.device == "cuda" else peak_host_bytes
     reference = case.reference() if case.reference is not None else None
-    times = {name: [] for name in case.methods}
+    times: dict[str, list[float]] = {name: [] for name in case.methods}
     first = next(iter(case.methods))
-    peaks, errors = {}, {}
+    peaks: dict[str, float] = {}
+    errors: dict[str, float] = {}
 
-    def run(name):
+    def run(name: str) -> object:
         start = time.perf_counter()
         out = case.methods[name]()
         times[name].append(time.perf_counter() - start)

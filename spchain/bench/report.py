@@ -24,9 +24,9 @@ def _ratio(value: float, base: float) -> str:
 
 def rows(results: list[Result]) -> list[tuple[str, ...]]:
     """One row a method; ratios are against the first method of each case (spchain's)."""
-    out = []
-    for _, group in groupby(results, key=lambda r: (r.workload, r.case)):
-        group = list(group)
+    out: list[tuple[str, ...]] = []
+    for _, members in groupby(results, key=lambda r: (r.workload, r.case)):
+        group = list(members)
         base = group[0]
         for r in group:
             err = "-" if math.isnan(r.max_rel_error) else f"{r.max_rel_error:.1e}"
