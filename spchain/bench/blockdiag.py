@@ -11,8 +11,15 @@ model: on the CPU it measures, too, what the product costs the torch operations 
 """
 
 import copy
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from numpy.typing import NDArray
 
 from .core import Case
+
+if TYPE_CHECKING:
+    import torch
 
 CASES = ["8 groups of 64", "8 groups of 64 between Linear layers"]
 METHODS = ("spchain", "torch.einsum", "torch.matmul broadcast", "torch per-group loop")
@@ -20,11 +27,12 @@ SIZES = {False: {"rows": 8192, "groups": 8, "features per group": 64},
          True: {"rows": 2048, "groups": 8, "features per group": 64}}
 
 
-def forward_backward(product, leaves, grad, device: str):
+def forward_backward(product: Callable[[], "torch.Tensor"], leaves: Sequence["torch.Tensor"], grad: "torch.Tensor",
+                     device: str) -> Callable[[], tuple["torch.Tensor", ...]]:
     """A callable that runs ``y = product()`` and returns ``(y, *gradients of sum(y * grad) in leaves)``."""
     import torch
 
-    def run():
+    def run() -> tuple["torch.Tensor", ...]:
         y = product()
         grads = torch.autograd.grad(y, leaves, grad)
         if device == "cuda":
@@ -34,7 +42,7 @@ def forward_backward(product, leaves, grad, device: str):
     return run
 
 
-def as_numpy(*tensors):
+def as_numpy(*tensors: "torch.Tensor") -> list[NDArray[Any]]:
     """Float64 NumPy copies of ``tensors``, for the references."""
     return [t.detach().cpu().double().numpy() for t in tensors]
 
@@ -52,7 +60,7 @@ def make_case(name: str, quick: bool, device: str = "cpu") -> Case:
     grad = torch.randn(rows, groups, d, generator=gen).to(device)
     layers = [torch.nn.Linear(groups * d, groups * d, device=device) for _ in range(2)] if in_model else []
 
-    products = {
+    products: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
         "spchain": sct.block_diag_matmul,
         "torch.einsum": lambda h, w: torch.einsum("bgi,gio->bgo", h, w),
         "torch.matmul broadcast": lambda h, w: torch.matmul(h.unsqueeze(-2), w).squeeze(-2),
@@ -61,7 +69,8 @@ def make_case(name: str, quick: bool, device: str = "cpu") -> Case:
     if in_model:
         del products["torch.matmul broadcast"]
 
-    def run(product, x, w, layers):
+    def run(product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor, w: torch.Tensor,
+            layers: list[torch.nn.Linear]) -> Callable[[], torch.Tensor]:
         """``product`` on x's blocks, or between the two layers in the model case."""
         if not layers:
             return lambda: product(x.view(rows, groups, d), w)
@@ -69,7 +78,7 @@ def make_case(name: str, quick: bool, device: str = "cpu") -> Case:
         relu = torch.nn.functional.relu
         return lambda: last(relu(product(relu(first(x)).view(rows, groups, d), w).flatten(1))).view(rows, groups, d)
 
-    def reference():
+    def reference() -> tuple[NDArray[Any], ...]:
         x64, w64 = (t.detach().double().requires_grad_() for t in (x, w))
         layers64 = [copy.deepcopy(layer).double() for layer in layers]
         einsum = run(products["torch.einsum"], x64, w64, layers64)

@@ -7,6 +7,8 @@ layer. Forward (under ``torch.no_grad``) and forward + backward (``x`` requires 
 is the output and the input gradient). torch is imported when a case is built.
 """
 
+from collections.abc import Callable, Sequence
+
 from .core import Case
 
 CASES = [f"{name} {kind}" for name in ("90% block 16", "90% block 32", "75% block 16", "75% block 32", "2:4")
@@ -33,7 +35,8 @@ def make_case(name: str, quick: bool, device: str = "cpu") -> Case:
         with torch.no_grad():
             dense.weight.mul_(torch.from_numpy(mask))
         layer = st.SparseLinear.from_dense(dense, 0.5).to(device)
-        methods = {"spchain": layer}
+        methods: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], Sequence[torch.Tensor]]] = {
+            "spchain": (layer, list(layer.parameters()))}
     else:
         sparsity, block = int(pattern[0].rstrip("%")) / 100, int(pattern[2])
         bsr = sc.prune(weight, sparsity, method="random", seed=0, block=(block, block))
@@ -43,32 +46,30 @@ def make_case(name: str, quick: bool, device: str = "cpu") -> Case:
         bias = torch.nn.Parameter(dense.bias.detach().clone().to(device))
         indptr, indices = torch.from_numpy(bsr.indptr).to(device), torch.from_numpy(bsr.indices).to(device)
 
-        def block_layer(x):
+        def block_layer(x: torch.Tensor) -> torch.Tensor:
             return st.block_sparse_linear(x, values, indptr, indices, (features, features), bias)
 
-        block_layer.parameters = lambda: [values, bias]
-        methods = {"spchain": block_layer,
-                   # exactly the block weights' entries (block counts round differently from entry counts)
-                   "SparseLinear (unstructured)": st.SparseLinear.from_dense(dense, 1 - bsr.nnz / weight.size).to(device)}
+        # exactly the block weights' entries (block counts round differently from entry counts)
+        unstructured = st.SparseLinear.from_dense(dense, 1 - bsr.nnz / weight.size).to(device)
+        methods = {"spchain": (block_layer, [values, bias]),
+                   "SparseLinear (unstructured)": (unstructured, list(unstructured.parameters()))}
     dense = dense.to(device)
-    methods["nn.Linear (dense)"] = dense
+    methods["nn.Linear (dense)"] = (dense, list(dense.parameters()))
     x = torch.randn(batch, features).to(device).requires_grad_(backward)
     grad_y = torch.randn(batch, features).to(device)
 
-    def synchronize():
+    def synchronize() -> None:
         if device == "cuda":
             torch.cuda.synchronize()
 
-    def run(layer):
-        leaves = list(layer.parameters())
-
-        def forward():
+    def run(layer: Callable[[torch.Tensor], torch.Tensor], leaves: Sequence[torch.Tensor]) -> Callable[[], object]:
+        def forward() -> torch.Tensor:
             with torch.no_grad():
                 y = layer(x)
             synchronize()
             return y
 
-        def forward_backward():
+        def forward_backward() -> tuple[torch.Tensor, torch.Tensor | None]:
             for t in (x, *leaves):
                 t.grad = None  # as optimizer.zero_grad() does
             y = layer(x)
@@ -78,10 +79,10 @@ def make_case(name: str, quick: bool, device: str = "cpu") -> Case:
 
         return forward_backward if backward else forward
 
-    def reference():
+    def reference() -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         w64, b64 = dense.weight.detach().double(), dense.bias.detach().double()
         y = x.detach().double() @ w64.T + b64
         return (y, grad_y.double() @ w64) if backward else y
 
-    ordered = {m: run(methods[m]) for m in METHODS if m in methods}
+    ordered = {m: run(*methods[m]) for m in METHODS if m in methods}
     return Case("block-sparse", name, ordered, reference, device)

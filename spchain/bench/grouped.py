@@ -7,10 +7,18 @@ padded ``bmm`` of capacity-style MoE code (G × largest group rows), and torch's
 ``nn.functional.grouped_mm`` where this torch has it for float32 on the device.
 """
 
+from collections.abc import Callable
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
 import numpy as np
+from numpy.typing import NDArray
 
 from .blockdiag import as_numpy, forward_backward
 from .core import Case
+
+if TYPE_CHECKING:
+    import torch
 
 CASES = ["16 uneven groups"]
 METHODS = ("spchain", "torch per-group loop", "torch padded bmm", "torch grouped_mm")
@@ -21,12 +29,13 @@ SIZES = {False: {"rows": 16384, "groups": 16, "features in and out": 512},
 def group_sizes(rows: int, groups: int) -> list[int]:
     """Uneven, reproducible group sizes summing to ``rows`` (Dirichlet(1) shares)."""
     rng = np.random.default_rng(0)
-    return rng.multinomial(rows, rng.dirichlet(np.ones(groups))).tolist()
+    sizes: list[int] = rng.multinomial(rows, rng.dirichlet(np.ones(groups))).tolist()
+    return sizes
 
 
-def _grouped_mm(torch, device: str):
+def _grouped_mm(torch: ModuleType, device: str) -> Callable[..., "torch.Tensor"] | None:
     """``torch.nn.functional.grouped_mm`` if it runs forward and backward in float32 on ``device``."""
-    fn = getattr(torch.nn.functional, "grouped_mm", None)
+    fn: Callable[..., Any] | None = getattr(torch.nn.functional, "grouped_mm", None)  # not in every torch
     if fn is None:
         return None
     try:
@@ -52,12 +61,12 @@ def make_case(name: str, quick: bool, device: str = "cpu") -> Case:
     grad = torch.randn(rows, d, generator=gen).to(device)
     offsets = torch.tensor(np.cumsum(sizes), dtype=torch.int32, device=device)
 
-    def padded_bmm():
+    def padded_bmm() -> torch.Tensor:
         padded = torch.nn.utils.rnn.pad_sequence(x.split(sizes), batch_first=True)
         y = torch.bmm(padded, w)
         return torch.cat([y[g, :size] for g, size in enumerate(sizes)])
 
-    products = {
+    products: dict[str, Callable[[], torch.Tensor]] = {
         "spchain": lambda: sct.grouped_matmul(x, w, sizes),
         "torch per-group loop": lambda: torch.cat([part @ w[g] for g, part in enumerate(x.split(sizes))]),
         "torch padded bmm": padded_bmm,
@@ -66,7 +75,7 @@ def make_case(name: str, quick: bool, device: str = "cpu") -> Case:
     if grouped_mm is not None:
         products["torch grouped_mm"] = lambda: grouped_mm(x, w, offs=offsets)
 
-    def reference():
+    def reference() -> tuple[NDArray[Any], NDArray[Any], NDArray[Any]]:
         x64, w64, grad64 = as_numpy(x, w, grad)
         bounds = np.cumsum([0, *sizes])
         parts = [slice(bounds[g], bounds[g + 1]) for g in range(groups)]

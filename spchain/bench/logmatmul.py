@@ -5,6 +5,8 @@ spchain's ``logmatmul`` beside the broadcasting PyTorch version,
 backward) a (64, 256, 256, 256) tensor.
 """
 
+from typing import Callable
+
 import torch
 
 from .. import torch as st
@@ -14,20 +16,24 @@ CASES = ["forward", "forward + backward"]
 SIZES = {False: {"batch": 64, "n": 256}, True: {"batch": 2, "n": 192}}
 
 
-def broadcasting(a, b):
+def broadcasting(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """The obvious PyTorch log-semiring product: an (..., m, k, n) tensor."""
     return torch.logsumexp(a[..., :, :, None] + b[..., None, :, :], dim=-2)
 
 
-def _reference(a, b, grads: bool):
+def _reference(a: torch.Tensor, b: torch.Tensor,
+               grads: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Float64 broadcasting product, one matrix of the batch at a time (bounded memory)."""
-    outs, grads_a, grads_b = [], [], []
+    outs: list[torch.Tensor] = []
+    grads_a: list[torch.Tensor] = []
+    grads_b: list[torch.Tensor] = []
     for i in range(a.shape[0]):
         ai = a[i].detach().double().requires_grad_(grads)
         bi = b[i].detach().double().requires_grad_(grads)
         out = broadcasting(ai, bi)
         if grads:
             out.sum().backward()
+            assert ai.grad is not None and bi.grad is not None  # leaves that require grad
             grads_a.append(ai.grad)
             grads_b.append(bi.grad)
         outs.append(out.detach())
@@ -41,14 +47,14 @@ def make_case(name: str, quick: bool, device: str = "cpu") -> Case:
     g = torch.Generator().manual_seed(0)
     a = (3 * torch.randn(batch, n, n, generator=g)).to(device)
     b = (3 * torch.randn(batch, n, n, generator=g)).to(device)
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync: Callable[[], None] = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     grads = name == "forward + backward"
     if grads:
         a.requires_grad_()
         b.requires_grad_()
 
-    def timed(fn):
-        def run():
+    def timed(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Callable[[], object]:
+        def run() -> object:
             if not grads:
                 with torch.no_grad():
                     out = fn(a, b)

@@ -7,6 +7,8 @@ result is the output and the input gradient). All three hold the same weights, s
 compared with one float64 dense reference. torch is imported when a case is built.
 """
 
+from collections.abc import Callable, Sequence
+
 from .core import Case
 
 CASES = ["99% forward", "99% forward+backward", "90% forward", "90% forward+backward"]
@@ -33,21 +35,22 @@ def make_case(name: str, quick: bool, device: str = "cpu") -> Case:
     x = torch.randn(batch, features).to(device).requires_grad_(backward)
     grad_y = torch.randn(batch, features).to(device)
 
-    def coo_layer(x):
-        return torch.sparse.mm(coo_weight, x.t()).t() + coo_bias
+    def coo_layer(x: torch.Tensor) -> torch.Tensor:
+        product: torch.Tensor = torch.sparse.mm(coo_weight, x.t())  # torch.sparse.mm is unannotated
+        return product.t() + coo_bias
 
-    def synchronize():
+    def synchronize() -> None:
         if device == "cuda":
             torch.cuda.synchronize()
 
-    def run(layer, leaves):
-        def forward():
+    def run(layer: Callable[[torch.Tensor], torch.Tensor], leaves: Sequence[torch.Tensor]) -> Callable[[], object]:
+        def forward() -> torch.Tensor:
             with torch.no_grad():
                 y = layer(x)
             synchronize()
             return y
 
-        def forward_backward():
+        def forward_backward() -> tuple[torch.Tensor, torch.Tensor | None]:
             for t in (x, *leaves):
                 t.grad = None  # as optimizer.zero_grad() does: gradients are assigned, not accumulated
             y = layer(x)
@@ -57,7 +60,7 @@ def make_case(name: str, quick: bool, device: str = "cpu") -> Case:
 
         return forward_backward if backward else forward
 
-    def reference():
+    def reference() -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         w64, b64 = dense.weight.detach().double(), dense.bias.detach().double()
         y = x.detach().double() @ w64.T + b64
         return (y, grad_y.double() @ w64) if backward else y

@@ -3,6 +3,8 @@ transitions, float32), decoding. spchain's ``viterbi`` beside the broadcasting P
 max-product recursion with stored argmaxes and a gather-based backtrack.
 """
 
+from typing import Callable
+
 import torch
 
 from .. import torch as st
@@ -12,7 +14,8 @@ from .core import Case
 CASES = ["decode"]
 
 
-def broadcasting(x, log_trans, log_init):
+def broadcasting(x: torch.Tensor, log_trans: torch.Tensor,
+                 log_init: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The obvious PyTorch Viterbi: a (batch, c, c) tensor a step, then backtracking."""
     delta = log_init + x[:, 0]
     backptrs = []
@@ -30,17 +33,17 @@ def broadcasting(x, log_trans, log_init):
 
 def make_case(name: str, quick: bool, device: str = "cpu") -> Case:
     x, log_trans, log_init = make_inputs(quick, device, seed=1)
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync: Callable[[], None] = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
-    def timed(fn):
-        def run():
+    def timed(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], object]) -> Callable[[], object]:
+        def run() -> object:
             with torch.no_grad():
                 out = fn(x, log_trans, log_init)
             sync()
             return out
         return run
 
-    def reference():
+    def reference() -> tuple[torch.Tensor, torch.Tensor]:
         return broadcasting(x.double(), log_trans.double(), log_init.double())
 
     methods = {"spchain": timed(st.viterbi), "torch broadcasting max": timed(broadcasting)}
