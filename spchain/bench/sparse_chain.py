@@ -13,6 +13,7 @@ figure at full size.
 """
 
 import warnings
+from collections.abc import Callable
 
 import torch
 
@@ -27,7 +28,8 @@ DENSE_SIZE = {"spchain dense chain": (64, 3), "torch sequential logsumexp": (4, 
 WIDTH = 7  # successors of each state besides itself
 
 
-def make_inputs(quick: bool, device: str, seed: int = 0):
+def make_inputs(quick: bool, device: str,
+                seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(x, log_trans CSR, dense log_trans, log_init)``: random emissions, a random band."""
     batch, v, c = SIZES[quick].values()
     g = torch.Generator().manual_seed(seed)
@@ -51,7 +53,7 @@ def make_case(name: str, quick: bool, device: str = "cpu") -> Case:
     x, sparse, dense, log_init = make_inputs(quick, device)
     batch, v, c = SIZES[quick].values()
 
-    def label(name):
+    def label(name: str) -> tuple[str, torch.Tensor]:
         if quick:
             return name, x
         small_batch, small_v = DENSE_SIZE[name]
@@ -59,10 +61,11 @@ def make_case(name: str, quick: bool, device: str = "cpu") -> Case:
         return (f"{name} at batch {small_batch} v {small_v}: x{factor:.0f} less work, scale its time by that",
                 x[:small_batch, :small_v].clone())
 
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync: Callable[[], None] = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
-    def timed(fn, x, trans, full):
-        def run():
+    def timed(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor,
+              trans: torch.Tensor, full: bool) -> Callable[[], object]:
+        def run() -> tuple[torch.Tensor, torch.Tensor | None] | None:
             leaf = x.detach().requires_grad_()
             t = trans.detach().requires_grad_()
             out = fn(leaf, t, log_init)
@@ -71,10 +74,10 @@ def make_case(name: str, quick: bool, device: str = "cpu") -> Case:
             return (out.detach(), leaf.grad) if full else None
         return run
 
-    def torch_sequential(x, trans, init):
+    def torch_sequential(x: torch.Tensor, trans: torch.Tensor, init: torch.Tensor) -> torch.Tensor:
         return sequential(x, trans[None, None].expand(1, x.shape[1] - 1, c, c), init)
 
-    def reference():
+    def reference() -> tuple[torch.Tensor, torch.Tensor | None]:
         with torch.no_grad():
             x64 = x.double().requires_grad_()
         with torch.enable_grad():

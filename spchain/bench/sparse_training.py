@@ -16,12 +16,17 @@ median over epochs. torch is imported when :func:`run` is called.
 
 import argparse
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 FULL = {"features": 512, "hidden": 2048, "classes": 10, "train": 20480, "epochs": 8, "batch": 256, "every": 50}
 QUICK = {"features": 32, "hidden": 256, "classes": 4, "train": 4096, "epochs": 6, "batch": 128, "every": 20}
 
 
-def teacher_task(features: int, classes: int, train: int, test: int, seed: int = 0):
+def teacher_task(features: int, classes: int, train: int, test: int,
+                 seed: int = 0) -> tuple["torch.Tensor", "torch.Tensor", "torch.Tensor", "torch.Tensor"]:
     """``(x_train, y_train, x_test, y_test)``: Gaussian points labelled by a random tanh teacher."""
     import torch
 
@@ -33,7 +38,8 @@ def teacher_task(features: int, classes: int, train: int, test: int, seed: int =
     return x[:train], y[:train], x[train:], y[train:]
 
 
-def run(features, hidden, classes, train, epochs, batch, every, sparsity=0.9, seed=0) -> dict:
+def run(features: int, hidden: int, classes: int, train: int, epochs: int, batch: int, every: int,
+        sparsity: float = 0.9, seed: int = 0) -> dict[str, float]:
     """Train both models; return their test accuracies, median seconds per epoch, and weight counts."""
     import numpy as np
     import torch
@@ -53,7 +59,7 @@ def run(features, hidden, classes, train, epochs, batch, every, sparsity=0.9, se
     drop = st.CosineDropFraction(0.3, end_step=3 * epochs * steps_per_epoch // 4)
     models = {"dense": dense, "sparse": sparse}
     optimizers = {name: torch.optim.Adam(m.parameters(), lr=1e-3) for name, m in models.items()}
-    times = {name: [] for name in models}
+    times: dict[str, list[float]] = {name: [] for name in models}
     for epoch in range(epochs):
         order = torch.randperm(train, generator=torch.Generator().manual_seed(seed + 1 + epoch))
         for name, model in models.items():
@@ -70,7 +76,7 @@ def run(features, hidden, classes, train, epochs, batch, every, sparsity=0.9, se
                         layer.prune_and_regrow(drop(at), regrow="gradient", optimizer=optimizer)
                 optimizer.step()
             times[name].append(time.perf_counter() - start)
-    result = {}
+    result: dict[str, float] = {}
     for name, model in models.items():
         with torch.no_grad():
             result[f"{name} accuracy"] = (model(x_test).argmax(1) == y_test).float().mean().item()
@@ -80,7 +86,7 @@ def run(features, hidden, classes, train, epochs, batch, every, sparsity=0.9, se
     return result
 
 
-def main(argv=None) -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m spchain.bench.sparse_training", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="the tutorial's small size")
     size = QUICK if parser.parse_args(argv).quick else FULL
