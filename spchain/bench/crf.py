@@ -7,6 +7,7 @@ with torch 2.13) on the (batch, v - 1, c, c) edge potentials it takes, gold scor
 """
 
 import warnings
+from collections.abc import Callable
 
 import torch
 
@@ -17,7 +18,8 @@ CASES = ["nll forward + backward"]
 SIZES = {False: {"batch": 256, "v": 64, "tags": 50}, True: {"batch": 64, "v": 32, "tags": 50}}
 
 
-def plain_nll(emissions, tags, mask, start, trans, end):
+def plain_nll(emissions: torch.Tensor, tags: torch.Tensor, mask: torch.Tensor,
+              start: torch.Tensor, trans: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
     """The summed NLL by the sequential ``torch.logsumexp`` recursion, masked past each length."""
     batch, v, _ = emissions.shape
     rows = torch.arange(batch, device=emissions.device)
@@ -32,7 +34,8 @@ def plain_nll(emissions, tags, mask, start, trans, end):
     return (torch.logsumexp(alpha + end, dim=-1) - score - end[last]).sum()
 
 
-def gold_score(emissions, tags, mask, start, trans, end):
+def gold_score(emissions: torch.Tensor, tags: torch.Tensor, mask: torch.Tensor,
+               start: torch.Tensor, trans: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
     """The summed scores of the gold tags, by gathers, masked past each length."""
     rows = torch.arange(emissions.shape[0], device=emissions.device)
     inside = mask.to(emissions.dtype)
@@ -41,7 +44,8 @@ def gold_score(emissions, tags, mask, start, trans, end):
     return score + end[tags[rows, mask.sum(1) - 1]].sum()
 
 
-def struct_nll(emissions, tags, mask, start, trans, end):
+def struct_nll(emissions: torch.Tensor, tags: torch.Tensor, mask: torch.Tensor,
+               start: torch.Tensor, trans: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
     """The summed NLL with torch-struct's ``LinearChainCRF`` partition (edge potentials
     ``phi[b, n, j, i]``: state i at n → j at n + 1)."""
     import torch_struct
@@ -53,11 +57,11 @@ def struct_nll(emissions, tags, mask, start, trans, end):
     phi = torch.cat([phi[:, :1] + (start + x[:, 0])[:, None, None, :], phi[:, 1:]], 1)
     with warnings.catch_warnings():  # torch-struct 0.5 defines no arg_constraints
         warnings.simplefilter("ignore", UserWarning)
-        log_z = torch_struct.LinearChainCRF(phi, lengths=lengths).partition
+        log_z: torch.Tensor = torch_struct.LinearChainCRF(phi, lengths=lengths).partition
     return log_z.sum() - gold_score(emissions, tags, mask, start, trans, end)
 
 
-def make_inputs(quick: bool, device: str, seed: int = 0):
+def make_inputs(quick: bool, device: str, seed: int = 0) -> tuple[list[torch.Tensor], st.LinearChainCRF]:
     """``(emissions, tags, lengths, mask)`` and a LinearChainCRF with random parameters."""
     batch, v, tags = SIZES[quick].values()
     g = torch.Generator().manual_seed(seed)
@@ -75,12 +79,12 @@ def make_inputs(quick: bool, device: str, seed: int = 0):
 
 def make_case(name: str, quick: bool, device: str = "cpu") -> Case:
     (emissions, tags, lengths, mask), crf = make_inputs(quick, device)
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync: Callable[[], None] = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     emissions.requires_grad_()
     params = [crf.start_transitions, crf.transitions, crf.end_transitions]
 
-    def timed(loss, leaves):
-        def run():
+    def timed(loss: Callable[[], torch.Tensor], leaves: list[torch.Tensor]) -> Callable[[], object]:
+        def run() -> tuple[torch.Tensor | None, ...]:
             for t in leaves:
                 t.grad = None
             out = loss()
@@ -111,7 +115,7 @@ def make_case(name: str, quick: bool, device: str = "cpu") -> Case:
         methods["torch-struct LinearChainCRF"] = timed(lambda: struct_nll(emissions, tags, mask, *params),
                                                        [emissions, *params])
 
-    def reference():
+    def reference() -> tuple[torch.Tensor | None, ...]:
         e = emissions.detach().double().requires_grad_()
         leaves = [p.detach().double().requires_grad_() for p in params]
         out = plain_nll(e, tags, mask, *leaves)

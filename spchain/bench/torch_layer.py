@@ -8,6 +8,7 @@
 """
 
 import copy
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -27,15 +28,16 @@ GROUPS = 4
 class _Model(nn.Module):
     """Linear → ``layer`` → ReLU → Linear; ``extra`` (group sizes) goes to ``layer``."""
 
-    def __init__(self, layer, features):
+    def __init__(self, layer: nn.Module, features: int) -> None:
         super().__init__()
         self.first, self.layer, self.last = nn.Linear(features, features), layer, nn.Linear(features, features)
 
-    def forward(self, x, *extra):
-        return self.last(torch.relu(self.layer(self.first(x), *extra)))
+    def forward(self, x: torch.Tensor, *extra: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.last(torch.relu(self.layer(self.first(x), *extra)))
+        return out
 
 
-def _layer(name, features):
+def _layer(name: str, features: int) -> tuple[nn.Module, list[int] | tuple[()]]:
     if name == "compiled BlockDiagonalLinear":
         return st.BlockDiagonalLinear(features, features, groups=GROUPS), ()
     if name == "compiled SparseLinear":
@@ -44,13 +46,13 @@ def _layer(name, features):
     return st.GroupedLinear(GROUPS, features, features), sizes
 
 
-def _compiled_case(name, quick, device):
+def _compiled_case(name: str, quick: bool, device: str) -> Case:
     rows, features = SIZES[quick].values()
     torch.manual_seed(0)
     layer, sizes = _layer(name, features)
     model = _Model(layer, features).to(device)
     x = torch.randn(rows, features, device=device)
-    extra = () if not sizes else (torch.tensor([rows - sum(sizes[1:])] + sizes[1:]),)
+    extra: tuple[torch.Tensor, ...] = () if not sizes else (torch.tensor([rows - sum(sizes[1:])] + sizes[1:]),)
     compiled = torch.compile(model)
     double = copy.deepcopy(model).double()
     return Case("torch-layer", name, {"spchain": _step(compiled, model, x, extra, device),
@@ -58,9 +60,10 @@ def _compiled_case(name, quick, device):
                 lambda: _step(double, double, x.double(), extra, device)(), device)
 
 
-def _step(fn, model, x, extra, device):
+def _step(fn: Callable[..., torch.Tensor], model: nn.Module, x: torch.Tensor, extra: tuple[torch.Tensor, ...],
+          device: str) -> Callable[[], tuple[torch.Tensor | None, ...]]:
     """Forward + backward of ``fn``: the output and the parameters' gradients."""
-    def run():
+    def run() -> tuple[torch.Tensor | None, ...]:
         model.zero_grad(set_to_none=True)
         out = fn(x, *extra)
         out.sum().backward()
@@ -70,12 +73,15 @@ def _step(fn, model, x, extra, device):
     return run
 
 
-def _small_case(name, device):
+def _small_case(name: str, device: str) -> Case:
     g = torch.Generator().manual_seed(0)
+    ours: Callable[..., torch.Tensor]
+    theirs: Callable[..., torch.Tensor]
     if name == "small SparseLinear(64, 64)":
         torch.manual_seed(0)
         layer = st.SparseLinear(64, 64, sparsity=0.0).to(device)
         dense = nn.Linear(64, 64).to(device)
+        assert layer.bias is not None  # bias=True, the default
         with torch.no_grad():
             dense.weight.copy_(layer(torch.eye(64, device=device)).T - layer.bias[:, None])
             dense.bias.copy_(layer.bias)
@@ -89,8 +95,8 @@ def _small_case(name, device):
                   torch.randn(4, 4, 4, generator=g).to(device).requires_grad_()]
         ours, theirs = st.block_diag_matmul, lambda x, w: torch.einsum("rgi,gio->rgo", x, w)
 
-    def timed(fn):
-        def run():
+    def timed(fn: Callable[..., torch.Tensor]) -> Callable[[], tuple[torch.Tensor, ...]]:
+        def run() -> tuple[torch.Tensor, ...]:
             out = fn(*inputs)
             grads = torch.autograd.grad(out.sum(), inputs)
             if device == "cuda":
