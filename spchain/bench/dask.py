@@ -18,42 +18,52 @@ table's peak memory is the Dask methods' own and no worker peak is printed.
 
 import sys
 import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 import numpy as np
+from numpy.typing import NDArray
 
 from .. import chain_logsumexp
 from .core import Case
+
+if TYPE_CHECKING:
+    import dask.array
+    import distributed
 
 CASES = ["forward"]
 SIZES = {False: {"chains": 2_000_000, "rows per chunk": 50_000}, True: {"chains": 8_000, "rows per chunk": 2_000}}
 V, C = 40, 16
 SLAB = 100_000
 """Rows of the float64 reference computed at a time."""
+Runner: TypeAlias = Callable[[str, Callable[[], "dask.array.Array"]], Callable[[], object]]
+"""``run(method, build)``: a timed callable computing the Dask array that ``build()`` makes."""
 
 
-def emissions(block_id: int, rows: int):
+def emissions(block_id: int, rows: int) -> NDArray[np.float32]:
     """The emission logs of one chunk, (rows, v, c) float32, seeded by the chunk's number."""
     return np.random.default_rng((0, block_id)).standard_normal((rows, V, C), dtype=np.float32)
 
 
-def _chunk(block_info=None):
+def _chunk(block_info: dict[Any, dict[str, Any]] | None = None) -> NDArray[np.float32]:
+    assert block_info is not None  # map_blocks passes it
     info = block_info[None]
     return emissions(info["chunk-location"][0], info["chunk-shape"][0])
 
 
-def transitions():
+def transitions() -> tuple[NDArray[np.float32], NDArray[np.float32]]:
     """Per-step log transitions (1, v-1, c, c) and the log initial weights (c,), float32."""
     rng = np.random.default_rng(1)
     log_trans = np.log(rng.dirichlet(np.ones(C), size=(1, V - 1, C))).astype(np.float32)
     return log_trans, np.log(rng.dirichlet(np.ones(C))).astype(np.float32)
 
 
-def _reset_peak():
+def _reset_peak() -> None:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
 
 
-def _peak_bytes():
+def _peak_bytes() -> int:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
@@ -69,18 +79,20 @@ def make_case(name: str, quick: bool, device: str = "cpu") -> Case:
                       meta=np.empty((0, 0, 0), np.float32))
     memory_x = np.concatenate([emissions(k, rows) for k in range(chains // rows)])
 
-    def hand_written():
-        return x.map_blocks(chain_logsumexp, log_trans, log_init, drop_axis=(1, 2), dtype=np.float32,
-                            meta=np.empty((0,), np.float32))
+    def hand_written() -> da.Array:
+        out: da.Array = x.map_blocks(chain_logsumexp, log_trans, log_init, drop_axis=(1, 2), dtype=np.float32,
+                                     meta=np.empty((0,), np.float32))
+        return out
 
-    def reference():
+    def reference() -> NDArray[np.float64]:
         t64, i64 = log_trans.astype(np.float64), log_init.astype(np.float64)
         return np.concatenate([chain_logsumexp(memory_x[s:s + SLAB].astype(np.float64), t64, i64)
                                for s in range(0, chains, SLAB)])
 
     run, closing = _in_process() if quick else _on_cluster()
     methods = {
-        "spchain": run("spchain", lambda: chain_logsumexp(x, log_trans, log_init)),
+        # a Dask array in, a Dask array out (@scales_out; its annotation names the in-memory result)
+        "spchain": run("spchain", lambda: cast(da.Array, chain_logsumexp(x, log_trans, log_init))),
         "hand-written map_blocks": run("hand-written map_blocks", hand_written),
         "in-memory call": lambda: chain_logsumexp(memory_x, log_trans, log_init),
     }
@@ -90,24 +102,24 @@ def make_case(name: str, quick: bool, device: str = "cpu") -> Case:
     return case
 
 
-def _in_process():
+def _in_process() -> tuple[Runner, None]:
     """Quick sizes: Dask's threaded scheduler, two threads in this process (no cluster to start;
     the table's peak memory is then the Dask methods' own)."""
-    def run(method, build):
+    def run(method: str, build: Callable[[], "dask.array.Array"]) -> Callable[[], object]:
         return lambda: build().compute(scheduler="threads", num_workers=2)
     return run, None
 
 
-def _on_cluster():
+def _on_cluster() -> tuple[Runner, tuple["distributed.Client", "distributed.LocalCluster"]]:
     """Two single-threaded worker processes; each run prints the workers' peak memory when it grew."""
     import distributed
 
     cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None)
     client = distributed.Client(cluster)
-    peaks = {}
+    peaks: dict[str, int] = {}
 
-    def run(method, build):
-        def timed():
+    def run(method: str, build: Callable[[], "dask.array.Array"]) -> Callable[[], object]:
+        def timed() -> object:
             client.run(_reset_peak)
             out = build().compute()
             worst = max(client.run(_peak_bytes).values())
@@ -119,6 +131,6 @@ def _on_cluster():
     return run, (client, cluster)
 
 
-def _close(client, cluster):
+def _close(client: "distributed.Client", cluster: "distributed.LocalCluster") -> None:
     client.close()
     cluster.close()
