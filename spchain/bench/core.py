@@ -10,9 +10,9 @@ import ctypes
 import gc
 import math
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from collections.abc import Iterable
-from typing import Callable, cast
+from typing import cast
 
 import numpy as np
 from numpy.typing import NDArray

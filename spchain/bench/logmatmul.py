@@ -5,7 +5,7 @@ spchain's ``logmatmul`` beside the broadcasting PyTorch version,
 backward) a (64, 256, 256, 256) tensor.
 """
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -3,7 +3,7 @@ transitions, float32), decoding. spchain's ``viterbi`` beside the broadcasting P
 max-product recursion with stored argmaxes and a gather-based backtrack.
 """
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
