@@ -70,6 +70,16 @@ def chain_inputs(rng, spec):
     return x, trans, init, lengths, batch
 
 
+def assert_same_results(got, want):
+    """Paths bit for bit; scores to round-off (a chunk may take the other sweep)."""
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        if g.dtype.kind == "f":
+            np.testing.assert_allclose(g, w, rtol=1e-13, atol=1e-13)
+        else:
+            np.testing.assert_array_equal(g, w)
+
+
 @pytest.mark.parametrize("case", CHAIN_CASES)
 def test_batch_chunks_equal_the_in_memory_result(client, rng, case):
     spec = CHAIN_CASES[case]
@@ -81,12 +91,7 @@ def test_batch_chunks_equal_the_in_memory_result(client, rng, case):
                           *sc.viterbi(dx, trans, init, lengths=dlengths)], sync=True)
     want = [sc.chain_logsumexp(x, trans, init, lengths=lengths), sc.chain_marginals(x, trans, init, lengths=lengths),
             *sc.viterbi(x, trans, init, lengths=lengths)]
-    for g, w in zip(got, want):  # paths bit for bit; scores to round-off (a chunk may take the other sweep)
-        assert g.shape == w.shape and g.dtype == w.dtype
-        if g.dtype.kind == "f":
-            np.testing.assert_allclose(g, w, rtol=1e-13, atol=1e-13)
-        else:
-            np.testing.assert_array_equal(g, w)
+    assert_same_results(got, want)
 
 
 @pytest.mark.parametrize("case", CHAIN_CASES)
@@ -102,12 +107,7 @@ def test_path_functions_on_batch_chunks_equal_the_in_memory_results(client, rng,
                           *sc.chain_kbest(dx, trans, init, k=3, lengths=dlengths)], sync=True)
     want = [sc.chain_entropy(x, trans, init, lengths=lengths), sc.chain_path_score(x, trans, init, path, lengths=lengths),
             *sc.chain_kbest(x, trans, init, k=3, lengths=lengths)]
-    for g, w in zip(got, want):  # paths bit for bit; scores to round-off (a chunk may take the other sweep)
-        assert g.shape == w.shape and g.dtype == w.dtype
-        if g.dtype.kind == "f":
-            np.testing.assert_allclose(g, w, rtol=1e-13, atol=1e-13)
-        else:
-            np.testing.assert_array_equal(g, w)
+    assert_same_results(got, want)
 
 
 def test_samples_on_batch_chunks_follow_the_posterior_and_repeat_for_a_seed(client, rng):
