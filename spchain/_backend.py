@@ -71,8 +71,8 @@ class Backend:
         return numba_cuda().external_stream(self.xp.cuda.get_current_stream().ptr)
 
     def kernel(self, module: str, op: str) -> Callable[..., Any]:
-        """Kernel ``op`` of ``kernels/cpu/<module>.py``, or on the GPU the launcher
-        ``launch_<op>`` of ``kernels/cuda/<module>.py``, bound to CuPy's current stream.
+        """Kernel ``op`` of ``spchain/kernels/cpu/<module>.py``, or on the GPU the launcher
+        ``launch_<op>`` of ``spchain/kernels/cuda/<module>.py``, bound to CuPy's current stream.
 
         Importing the kernel module here, on first use, keeps ``import spchain`` light.
         """

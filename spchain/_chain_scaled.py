@@ -1,5 +1,5 @@
 """The kernel sweep on the CPU where each transition matrix serves many row-steps: the
-scaled kernels of ``kernels/cpu/chain_scaled.py`` (``c²`` multiply-adds and ``c``
+scaled kernels of ``spchain/kernels/cpu/chain_scaled.py`` (``c²`` multiply-adds and ``c``
 exponentials a step instead of ``c²`` exponentials), exact as the log-space kernels.
 """
 

@@ -3,7 +3,7 @@
 - where many rows share one transition matrix, each step is one GEMM in scaled (exp) space
   (BLAS / cuBLAS) whose underflowed entries are recomputed in log space
   (:func:`spchain._logspace.log_product`);
-- otherwise the Numba kernels of ``kernels/*/chain.py`` run the whole log-space sweep, an
+- otherwise the Numba kernels of ``spchain/kernels/*/chain.py`` run the whole log-space sweep, an
   online log-sum-exp over chunks of states, one row of the batch per thread (CPU) or block (GPU).
 
 :func:`use_gemm` chooses between them by a cost model, unless :func:`chain_sweep` forces one.

@@ -8,10 +8,10 @@ dense transitions. :func:`forward`, :func:`backward` and :func:`viterbi` are the
 ``spchain._chain_sweep`` for such a chain: per step, an SpMV over the stored entries,
 O(batch · v · (c + nnz)) time, O(batch · v · c) memory, and the gradient of the stored values
 at the stored entries only. On the CPU the forward and backward sweeps exponentiate the stored
-values once and run scaled SpMVs (``kernels/cpu/sparse_chain_scaled.py``: ``c``
+values once and run scaled SpMVs (``spchain/kernels/cpu/sparse_chain_scaled.py``: ``c``
 exponentials and logarithms and ``nnz`` multiply-adds a step and row, log space only where a
 scaled sum underflows), the backward sweep giving the marginals and the value gradient in one
-pass; on the GPU (and for Viterbi) they run in log space (``kernels/*/sparse_chain.py``). The
+pass; on the GPU (and for Viterbi) they run in log space (``spchain/kernels/*/sparse_chain.py``). The
 path functions other than Viterbi run on the dense matrix (:func:`densified`, O(c²) memory).
 """
 
@@ -141,7 +141,7 @@ def backward(chain: Chain, pre: Array, norm: Array, weight: Array,
 @dataclasses.dataclass(frozen=True)
 class _Scaled:
     """The stored values exponentiated once for the scaled CPU kernels (``shifted_exp`` of
-    ``kernels/cpu/sparse_chain_scaled.py``): shifted by their column maxima ``cmax`` (``t_e``
+    ``spchain/kernels/cpu/sparse_chain_scaled.py``): shifted by their column maxima ``cmax`` (``t_e``
     in the transpose's order, ``e`` in CSR order) and by their row maxima ``rmax`` (``row_e``)."""
 
     t_values: Array

@@ -1,4 +1,4 @@
-"""The scaled kernel sweep (spchain/_chain_scaled.py, kernels/cpu/chain_scaled.py): shared
+"""The scaled kernel sweep (spchain/_chain_scaled.py, spchain/kernels/cpu/chain_scaled.py): shared
 transitions give what the log-space kernels give on the same matrices repeated per row and
 step (where the scaled kernels do not apply), also where scaled sums underflow and fall back
 to log space."""

@@ -1,4 +1,4 @@
-"""The chain kernels: CPU (kernels/cpu/chain.py) and their CUDA twins (kernels/cuda/chain.py).
+"""The chain kernels: CPU (spchain/kernels/cpu/chain.py) and their CUDA twins (spchain/kernels/cuda/chain.py).
 
 The CUDA launchers run here on NumPy arrays under NUMBA_ENABLE_CUDASIM=1 with tiny launch
 sizes (several blocks, grid-stride loops, several state chunks and state tiles), and must

@@ -1,4 +1,4 @@
-"""The vectorisable exp of the CPU kernels (kernels/cpu/exp.py) against numpy.exp."""
+"""The vectorisable exp of the CPU kernels (spchain/kernels/cpu/exp.py) against numpy.exp."""
 
 import numpy as np
 from numba import njit
@@ -86,4 +86,5 @@ def test_the_like_functions_pick_by_the_sample_type():
     np.testing.assert_allclose(out[0], np.exp(x64), rtol=1e-8)
     assert (np.abs(out[1] - np.exp(x64)) <= 2 * np.spacing(np.exp(x64))).all()
     np.testing.assert_allclose(out[2], np.log(x32), rtol=0, atol=2e-9)
-    np.testing.assert_array_equal(out[3], np.log(x64))
+    # libm's log against NumPy's SIMD one (AVX-512 here): equal within one unit in the last place
+    assert (np.abs(out[3] - np.log(x64)) <= np.spacing(np.log(x64))).all()

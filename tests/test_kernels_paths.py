@@ -1,4 +1,4 @@
-"""The path kernels: CPU (kernels/cpu/paths.py) and their CUDA twins (kernels/cuda/paths.py).
+"""The path kernels: CPU (spchain/kernels/cpu/paths.py) and their CUDA twins (spchain/kernels/cuda/paths.py).
 
 The CUDA launchers run here on NumPy arrays under NUMBA_ENABLE_CUDASIM=1 with tiny launch
 sizes (several blocks, grid-stride loops) and must give what the CPU kernels give.

@@ -1,4 +1,4 @@
-"""The max-plus kernel (kernels/cpu/semiring.py) and its CUDA twin, under the simulator."""
+"""The max-plus kernel (spchain/kernels/cpu/semiring.py) and its CUDA twin, under the simulator."""
 
 import numpy as np
 import pytest

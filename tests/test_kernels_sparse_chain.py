@@ -1,5 +1,5 @@
-"""The sparse chain kernels: CPU (kernels/cpu/sparse_chain.py) against the dense CPU chain
-kernels with -inf at absent entries, and their CUDA twins (kernels/cuda/sparse_chain.py)
+"""The sparse chain kernels: CPU (spchain/kernels/cpu/sparse_chain.py) against the dense CPU chain
+kernels with -inf at absent entries, and their CUDA twins (spchain/kernels/cuda/sparse_chain.py)
 against the CPU ones, under NUMBA_ENABLE_CUDASIM=1 with tiny launch sizes."""
 
 import numpy as np

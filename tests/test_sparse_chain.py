@@ -1,5 +1,5 @@
 """Sparse transitions of the chain and path functions (spchain/_sparse_chain.py,
-kernels/cpu/sparse_chain.py): equal to the dense chain with ``-inf`` at absent entries."""
+spchain/kernels/cpu/sparse_chain.py): equal to the dense chain with ``-inf`` at absent entries."""
 
 import numpy as np
 import pytest
@@ -191,7 +191,7 @@ def test_bad_sparse_transitions(trans, error, match):
 @pytest.mark.parametrize("scale", [1.0, 300.0])  # 300: most scaled sums underflow, recomputed in log space
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_scaled_sweeps_equal_the_dense_chain_where_sums_underflow(rng, scale, dtype):
-    """The CPU sweeps exponentiate the stored values once (kernels/cpu/sparse_chain_scaled.py);
+    """The CPU sweeps exponentiate the stored values once (spchain/kernels/cpu/sparse_chain_scaled.py);
     at scale 300 most scaled sums and gradient factors leave their range and the entries are
     recomputed in log space. Ragged lengths, an impossible chain, -inf emissions and values."""
     batch, v, c = 9, 7, 11

@@ -1,4 +1,4 @@
-"""The max-plus matrix product for CUDA: the twin of ``kernels/cpu/semiring.py``."""
+"""The max-plus matrix product for CUDA: the twin of ``spchain/kernels/cpu/semiring.py``."""
 
 import math
 

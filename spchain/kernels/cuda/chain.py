@@ -1,4 +1,4 @@
-"""Log-space chain sweeps for CUDA: the twins of ``kernels/cpu/chain.py`` (same arguments,
+"""Log-space chain sweeps for CUDA: the twins of ``spchain/kernels/cpu/chain.py`` (same arguments,
 same outputs; see that module for the normalised messages they compute).
 
 One block per row of the batch (grid-stride over rows), threads over states. The message of

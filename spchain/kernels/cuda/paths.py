@@ -1,4 +1,4 @@
-"""Paths of log-space chains for CUDA: the twins of ``kernels/cpu/paths.py`` (same arguments,
+"""Paths of log-space chains for CUDA: the twins of ``spchain/kernels/cpu/paths.py`` (same arguments,
 same outputs). One thread per sample (``chain_sample``) or per row (``chain_kbest``),
 grid-stride loops; scratch lives in the arrays the launchers are given.
 """
@@ -10,7 +10,7 @@ from numba import cuda
 from . import config
 
 WALK_CHUNK = 16
-"""As in ``kernels/cpu/paths.py`` (the same sums, so the same draws)."""
+"""As in ``spchain/kernels/cpu/paths.py`` (the same sums, so the same draws)."""
 
 
 @cuda.jit(device=True)

@@ -1,5 +1,5 @@
 """Log-space chain sweeps over a sparse transition matrix, for CUDA: the twins of
-``kernels/cpu/sparse_chain.py`` (same arguments, same outputs).
+``spchain/kernels/cpu/sparse_chain.py`` (same arguments, same outputs).
 
 One block per row of the batch (grid-stride over rows), threads over states: per step, each
 thread folds the stored entries of its state's column (forward) or row (backward) into an

@@ -1,6 +1,6 @@
 """Log-space chain sweeps over a sparse transition matrix shared by all steps, for the CPU.
 
-The sweeps of ``kernels/cpu/chain.py`` (same messages, same normalisers, see its docstring)
+The sweeps of ``spchain/kernels/cpu/chain.py`` (same messages, same normalisers, see its docstring)
 with each step's dense log-space product replaced by a log-space SpMV over the stored entries
 of a CSR structure: absent entries are ``-inf``. Per step, O(c + nnz) time per row.
 
@@ -13,7 +13,7 @@ of a CSR structure: absent entries are ``-inf``. Per step, O(c + nnz) time per r
 Every reduction is max-shifted and guards ``-inf``; NaN propagates along stored entries.
 Viterbi runs here on the CPU; the CPU forward and backward sweeps run the scaled kernels of
 ``sparse_chain_scaled.py``, and the log-space ones here are the exact twins of
-``kernels/cuda/sparse_chain.py`` (tested against each other and against the dense chain).
+``spchain/kernels/cuda/sparse_chain.py`` (tested against each other and against the dense chain).
 """
 
 import math

@@ -1,7 +1,7 @@
 """Sparse chain sweeps for the CPU by scaled SpMVs: what ``sparse_chain.py`` computes, with
 the exponentials of the stored values taken once instead of one per stored entry a step.
 
-Shapes, messages and normalisers as in ``kernels/cpu/chain.py``. The caller exponentiates
+Shapes, messages and normalisers as in ``spchain/kernels/cpu/chain.py``. The caller exponentiates
 the stored values once, shifted by the maximum of their column (``e``, ``cmax``; for the
 forward product and the value gradient) and of their row (``row_e``, ``rmax``; for the
 backward product), in float64, 0 below ``FLUSH`` (see :func:`shifted_exp`). A step of a row

@@ -1,6 +1,6 @@
 """Chain sweeps for the CPU where many rows share each transition matrix: scaled products.
 
-Shapes and messages as in ``kernels/cpu/chain.py``. Each transition matrix is exponentiated
+Shapes and messages as in ``spchain/kernels/cpu/chain.py``. Each transition matrix is exponentiated
 once by the caller, shifted by its column maxima: ``e[g, s, i, j] = exp(trans[g, s, i, j] -
 cmax[g, s, j])`` in float64, 0 below ``FLUSH`` (and where the column is all ``-inf``). A step
 is then ``c`` exponentials and ``c²`` multiply-adds instead of ``c²`` exponentials:

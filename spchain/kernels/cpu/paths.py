@@ -1,6 +1,6 @@
 """Paths of log-space chains, for the CPU: posterior sampling and k-best Viterbi.
 
-Shapes as in ``kernels/cpu/chain.py``: B rows, v positions, c states, row ``b`` uses
+Shapes as in ``spchain/kernels/cpu/chain.py``: B rows, v positions, c states, row ``b`` uses
 ``trans[b // group]`` (G, S, c, c), S = v - 1 per-step matrices or S = 1 shared.
 Paths are int64, -1 past each row's length.
 """
