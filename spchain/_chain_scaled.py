@@ -1,6 +1,11 @@
-"""The kernel sweep on the CPU where each transition matrix serves many row-steps: the
-scaled kernels of ``spchain/kernels/cpu/chain_scaled.py`` (``c²`` multiply-adds and ``c``
-exponentials a step instead of ``c²`` exponentials), exact as the log-space kernels.
+"""Scaled (exp-space) forms of the chain sweeps, exact as the log-space kernels.
+
+- On the CPU, where each transition matrix serves many row-steps: the scaled kernels of
+  ``spchain/kernels/cpu/chain_scaled.py`` (``c²`` multiply-adds and ``c`` exponentials a step
+  instead of ``c²`` exponentials).
+- On the GPU: the expected transition counts as batched GEMMs (:func:`transition_grad_gemm`,
+  array-API code that the CPU tests run on NumPy arrays), instead of a serial kernel walking
+  the batch rows of each matrix entry.
 """
 
 from __future__ import annotations
@@ -8,10 +13,14 @@ from __future__ import annotations
 import numpy as np
 
 from ._chain_layout import Chain
+from ._logspace import finite_or_zero
 from ._typing import Array
 
 REUSE = 4
 """Row-steps per transition matrix from which exponentiating the matrices once pays."""
+
+LIMIT = 299.0
+"""The batched counts' scale factors stay below ``exp(LIMIT)``, as the CPU kernels' do."""
 
 PARTS = 8
 """Row chunks per transition matrix that the transition gradient sums in parallel, at most."""
@@ -62,3 +71,66 @@ def backward(chain: Chain, pre: Array, norm: Array, weight: Array, grad_trans: A
             kernels("chain", "chain_transition_grad")(chain.x, chain.trans, chain.group, chain.lengths, pre, norm,
                                                       marg, weight, grad_trans)
     return marg
+
+
+def transition_grad_gemm(chain: Chain, pre: Array, norm: Array, marg: Array, weight: Array,
+                         grad_trans: Array) -> None:
+    """Overwrite ``grad_trans`` (G, S, c, c) with the ``weight``-ed expected transition counts,
+    ``chain_transition_grad``'s result, by one batched GEMM (batch ``G · S``).
+
+    The count of ``i -> j`` at step ``t`` of row ``b`` is ``w_b · marg[b, t+1, j] ·
+    exp(â_t[i] + trans[i, j] - pre[b, t+1, j])``; it factors as ``p[i] · e[i, j] · r[j]`` with
+    ``p = exp(â_t - max â_t)``, ``e = exp(trans - cmax)`` (column maxima) and
+    ``r[j] = w_b · marg[b, t+1, j] · exp(max â_t + cmax[j] - pre[b, t+1, j])``, so a matrix's
+    counts are ``e * (Pᵀ R)`` over the row-steps that use it, in float64. Each ``r`` factor's
+    exponent is at least ``-log c``; where one exceeds ``LIMIT`` (or a factor is not a number)
+    the scaled terms could lose the answer, and that matrix's counts are recomputed exactly in
+    log space (``chain_transition_grad``; on the GPU a kernel that skips the other matrices,
+    reading the flags on the device: no synchronisation). Dropped terms (a ``p`` below
+    float64's range) are below ``1e-300 · exp(LIMIT)`` of ``w_b``. Memory O(B · v · c).
+    """
+    xp = chain.xp
+    rows, v, c = chain.x.shape
+    groups, steps = chain.trans.shape[:2]
+    if v == 1 or c == 0:
+        grad_trans[...] = 0
+        return
+    f64 = np.float64
+    trans = chain.trans.astype(f64)
+    cmax = trans.max(axis=-2)
+    e = xp.exp(trans - finite_or_zero(xp, cmax)[..., None, :])
+    shape = (groups, chain.group, v - 1)
+    active = xp.arange(v - 1)[None, :] < (chain.lengths - 1)[:, None]  # steps t -> t + 1 taken
+    offset = finite_or_zero(xp, norm[:, :-1])[..., None]
+    a = xp.where(active[..., None], (pre[:, :-1] + chain.x[:, :-1] - offset).astype(f64), -np.inf)
+    amax = a.max(axis=-1, keepdims=True)
+    p = xp.exp(a - finite_or_zero(xp, amax))  # 0 where a step is not taken
+    col = cmax.reshape(groups, 1, steps, c)  # the column maxima of the matrix of each row-step
+    gm = (marg[:, 1:].astype(f64) * weight.astype(f64)[:, None, None]).reshape(shape + (c,))
+    with np.errstate(over="ignore", invalid="ignore"):  # -inf - -inf: NaN, flagged where it counts
+        scale = amax.reshape(shape + (1,)) + col - pre[:, 1:].astype(f64).reshape(shape + (c,))
+        r = xp.where(gm == 0, 0, gm * xp.exp(xp.minimum(scale, LIMIT)))
+    bad = ((gm != 0) & ~(scale <= LIMIT)) | ~xp.isfinite(r) | xp.isnan(amax).reshape(shape + (1,))
+    p = p.reshape(shape + (c,))
+    if steps == 1:  # one matrix per group: sum over all its rows and steps
+        acc = xp.matmul(p.reshape(groups, -1, c).swapaxes(-1, -2), r.reshape(groups, -1, c))[:, None]
+        ok = ~bad.reshape(groups, -1).any(axis=1)[:, None]
+    else:  # one matrix per group and step: sum over the group's rows
+        acc = xp.matmul(p.transpose(0, 2, 3, 1), r.transpose(0, 2, 1, 3))
+        ok = ~bad.any(axis=(1, 3))
+    grad_trans[...] = e * acc
+    _exact_where_not(chain, pre, norm, marg, weight, ok, grad_trans)
+
+
+def _exact_where_not(chain: Chain, pre: Array, norm: Array, marg: Array, weight: Array, ok: Array,
+                     grad_trans: Array) -> None:
+    """Overwrite the matrices of ``grad_trans`` where ``ok`` (G, S) is False with the exact
+    log-space counts: on the GPU one kernel that reads ``ok`` on the device, on the CPU only if
+    some matrix needs it."""
+    args = (chain.x, chain.trans, chain.group, chain.lengths, pre, norm, marg, weight)
+    if chain.backend.on_gpu:
+        chain.backend.kernel("chain", "chain_transition_grad_masked")(*args, ok, grad_trans)
+    elif not ok.all():
+        exact = np.empty_like(grad_trans)
+        chain.backend.kernel("chain", "chain_transition_grad")(*args, exact)
+        grad_trans[...] = np.where(ok[..., None, None], grad_trans, exact)

@@ -176,11 +176,21 @@ def backward_finite(chain: Chain, pre: Array, norm: Array, weight: Array,
         chain.backend.kernel("chain", "chain_backward")(chain.x, chain.trans, chain.group, chain.lengths, norm, beta)
         inside = (xp.arange(v)[None, :] < chain.lengths[:, None])[..., None]
         marginals, _ = renormalise(xp, xp.where(inside, xp.exp(normalised(xp, pre, chain.x, norm) + beta), 0))
-        if trans_grad:
+        if grad_trans is not None and batched_counts(chain):
+            _chain_scaled.transition_grad_gemm(chain, pre, norm, marginals, weight, grad_trans)
+        elif grad_trans is not None:
             kernel = chain.backend.kernel("chain", "chain_transition_grad")
             kernel(chain.x, chain.trans, chain.group, chain.lengths, pre, norm, marginals, weight, grad_trans)
         grad_x = marginals * weight[:, None, None]
     return grad_x, grad_trans
+
+
+def batched_counts(chain: Chain) -> bool:
+    """Whether the transition gradient is one batched GEMM after the backward sweep
+    (:func:`_chain_scaled.transition_grad_gemm`): on the GPU, where the alternatives are a
+    kernel that walks each matrix's rows serially and a GEMM sweep's per-step products and
+    synchronisations. The CPU keeps its kernels and per-step products (its measured figures)."""
+    return chain.backend.on_gpu
 
 
 def renormalise(xp: ModuleType, marginals: Array) -> tuple[Array, Array]:
@@ -208,8 +218,9 @@ def _backward_gemm(chain: Chain, pre: Array, norm: Array, weight: Array, grad_tr
     norm3 = norm.reshape(shape + (v,))
     last = (chain.lengths - 1).reshape(shape)[..., None]
     w = weight.reshape(shape)[..., None]
-    grad_x = xp.zeros(shape + (v, c), chain.x.dtype)
+    grad_x = xp.zeros(shape + (v, c), chain.x.dtype)  # the marginals, weighted at the end if batched
     beta = xp.full(shape + (c,), -np.inf, chain.x.dtype)
+    batched = grad_trans is not None and batched_counts(chain)
 
     def message(t: int) -> Array:
         return normalised(xp, pre4[:, :, t], x[:, :, t], norm3[:, :, t])
@@ -220,12 +231,12 @@ def _backward_gemm(chain: Chain, pre: Array, norm: Array, weight: Array, grad_tr
         beta = xp.where(last == t, 0, beta)
         marginals, log_total = renormalise(xp, xp.where(active, xp.exp(forward + beta), 0))
         beta = beta - log_total
-        grad_x[:, :, t] = marginals * w
+        grad_x[:, :, t] = marginals if batched else marginals * w
         if t == 0:
             break
         trans = chain.step_matrices(t - 1)
         forward = message(t - 1)
-        if grad_trans is not None:
+        if grad_trans is not None and not batched:
             before = xp.where(active, forward, -np.inf)
             step = t - 1 if chain.per_step else 0
             _, counts = _logspace.log_matmul_grads(xp, before, trans, pre4[:, :, t], grad_x[:, :, t], need_a=False)
@@ -235,7 +246,10 @@ def _backward_gemm(chain: Chain, pre: Array, norm: Array, weight: Array, grad_tr
             grad_trans[:, step] += xp.where(reached, counts, 0)  # gets 0, even for a NaN matrix
         y = xp.where(active, x[:, :, t] + beta, -np.inf)
         d = norm3[:, :, t, None]
-        beta = xp.where(d == -np.inf, -np.inf, _logspace.log_matmul(xp, y, trans.swapaxes(-1, -2)) - d)
+        beta = xp.where(d == -np.inf, -np.inf, _logspace.log_matmul(xp, y, trans.swapaxes(-1, -2), posinf=False) - d)
+    if batched:
+        _chain_scaled.transition_grad_gemm(chain, pre, norm, grad_x.reshape(rows, v, c), weight, grad_trans)
+        grad_x *= w[..., None]
     return grad_x.reshape(rows, v, c)
 
 

@@ -8,6 +8,7 @@ exactly in log space.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -59,12 +60,14 @@ def scaled(xp: ModuleType, a: Array, axis: int) -> tuple[Array, Array, Array]:
     return xp.exp(a - shift), shift, top
 
 
-def log_matmul(xp: ModuleType, a: Array, b: Array, out: Array | None = None) -> Array:
+def log_matmul(xp: ModuleType, a: Array, b: Array, out: Array | None = None, posinf: bool = True) -> Array:
     """``log(exp(a) @ exp(b))`` over the last two axes, leading axes broadcast.
 
     ``a`` (..., m, k) and ``b`` (..., k, n) of one float dtype. Never builds an (m, k, n)
     tensor: the product is one GEMM on ``exp(a - rowmax(a))`` and ``exp(b - colmax(b))``
-    (:func:`log_product`). Writes into ``out`` if given.
+    (:func:`log_product`). Writes into ``out`` if given. ``posinf=False`` promises operands
+    without ``+inf`` (the chain sweeps'), which spares the search for them, a synchronisation
+    on the GPU.
     """
     k = a.shape[-1]
     shape = np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1])
@@ -74,7 +77,7 @@ def log_matmul(xp: ModuleType, a: Array, b: Array, out: Array | None = None) -> 
         out[...] = -np.inf
         return out
     a_scaled, b_scaled = scaled(xp, a, -1), scaled(xp, b, -2)
-    infinite = PosInf.of(xp, a, b, a_scaled[2], b_scaled[2])
+    infinite = PosInf.of(xp, a, b, a_scaled[2], b_scaled[2]) if posinf else None
     if infinite is None:
         return log_product(xp, a_scaled, b_scaled, lambda: a, b, out)
     a, b = infinite.a, infinite.b
@@ -146,12 +149,22 @@ def log_product(xp: ModuleType, a_scaled: tuple[Array, Array, Array], b_scaled: 
     out += a_shift
     out += b_shift
     lost = product < underflow_threshold(product.dtype, ua.shape[-1])
-    if lost.any():
+    if on_device(xp):  # the flags stay on the device: no synchronisation
+        lost &= a_top > -np.inf
+        lost &= b_top > -np.inf
+        _recompute_lost_on_device(xp, a(), b, out, lost)
+    elif lost.any():
         lost &= a_top > -np.inf
         lost &= b_top > -np.inf
         if lost.any():
             _recompute_lost(xp, a(), b, out, lost)
     return out
+
+
+def on_device(xp: ModuleType) -> bool:
+    """Whether ``xp`` is CuPy, whose hot paths must not synchronise with the host (checked by
+    tests/test_gpu_sync.py): their flags stay on the device, read by the kernels themselves."""
+    return xp is not np
 
 
 def log_matmul_grads(xp: ModuleType, a: Array, b: Array, out: Array, grad: Array, need_a: bool = True,
@@ -236,6 +249,19 @@ def _chunks(count: int, width: int) -> list[slice]:
     """Slices of ``range(count)`` whose gathered ``(len, width)`` blocks stay under FIXUP_CHUNK."""
     step = max(1, FIXUP_CHUNK // max(width, 1))
     return [slice(start, start + step) for start in range(0, count, step)]
+
+
+def _recompute_lost_on_device(xp: ModuleType, a: Array, b: Array, out: Array, lost: Array) -> None:
+    """:func:`_recompute_lost` as one CUDA kernel that reads ``lost`` on the device and
+    recomputes only the flagged entries (``spchain/kernels/cuda/logspace.py``)."""
+    a3, b3, a_index, b_index = batched_operands(xp, a, b, out.shape[:-2])
+    view = out.ndim <= 3 or out.flags.c_contiguous  # then flat_batch(out) is a view of out
+    flat_out = flat_batch(out if view else xp.ascontiguousarray(out))
+    launcher = importlib.import_module(".kernels.cuda.logspace", __package__).launch_log_product_fixup
+    stream = _backend.numba_cuda().external_stream(xp.cuda.get_current_stream().ptr) if on_device(xp) else 0
+    launcher(a3, b3, a_index, b_index, flat_batch(lost).astype(np.uint8), flat_out, stream=stream)
+    if not view:
+        out[...] = flat_out.reshape(out.shape)
 
 
 def _recompute_lost(xp: ModuleType, a: Array, b: Array, out: Array, lost: Array) -> None:
