@@ -12,6 +12,7 @@ from numba import cuda, types
 
 from spchain.kernels.cuda import blocksparse as cuda_blocksparse
 from spchain.kernels.cuda import chain as cuda_chain
+from spchain.kernels.cuda import logspace as cuda_logspace
 from spchain.kernels.cuda import paths as cuda_paths
 from spchain.kernels.cuda import semiring as cuda_semiring
 from spchain.kernels.cuda import sparse as cuda_sparse
@@ -49,6 +50,10 @@ def kernels(dtype):
          (x, trans, i64, i64, lengths, arr(f, 2), arr(f, 3))),
         ("chain_transition_grad", cuda_chain.chain_transition_grad_kernel,
          (x, trans, i64, lengths, arr(f, 3), arr(f, 2), arr(f, 3), arr(f, 1), arr(f, 4))),
+        ("chain_transition_grad_masked", cuda_chain.chain_transition_grad_masked_kernel,
+         (x, trans, i64, lengths, arr(f, 3), arr(f, 2), arr(f, 3), arr(f, 1), arr(types.boolean, 2), arr(f, 4))),
+        ("log_product_fixup", cuda_logspace.log_product_fixup_kernel,
+         (arr(f, 3), arr(f, 3), arr(i64, 1), arr(i64, 1), arr(types.uint8, 3), arr(f, 3))),
         ("viterbi", cuda_chain._viterbi_kernel(np.dtype(dtype)),
          (x, trans, i64, i64, init, lengths, arr(f, 3), arr(types.int32, 3), arr(f, 1), arr(i64, 2))),
         ("chain_sample", cuda_paths.chain_sample_kernel,
