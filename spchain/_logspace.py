@@ -8,7 +8,6 @@ exactly in log space.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -257,9 +256,8 @@ def _recompute_lost_on_device(xp: ModuleType, a: Array, b: Array, out: Array, lo
     a3, b3, a_index, b_index = batched_operands(xp, a, b, out.shape[:-2])
     view = out.ndim <= 3 or out.flags.c_contiguous  # then flat_batch(out) is a view of out
     flat_out = flat_batch(out if view else xp.ascontiguousarray(out))
-    launcher = importlib.import_module(".kernels.cuda.logspace", __package__).launch_log_product_fixup
-    stream = _backend.numba_cuda().external_stream(xp.cuda.get_current_stream().ptr) if on_device(xp) else 0
-    launcher(a3, b3, a_index, b_index, flat_batch(lost).astype(np.uint8), flat_out, stream=stream)
+    launch = _backend.device_kernel(xp, "logspace", "log_product_fixup")
+    launch(a3, b3, a_index, b_index, flat_batch(lost).astype(np.uint8), flat_out)
     if not view:
         out[...] = flat_out.reshape(out.shape)
 
