@@ -73,10 +73,8 @@ def use_gemm(chain: Chain) -> bool:
     per row and step) the log-space kernels cost about ``rows * c²`` exponentials a step, the
     GEMM sweep a fixed overhead of array calls, ``G * c²`` exponentials and a call per
     transition matrix, and O(rows * c) elementwise work, the ``rows * c²`` multiply-adds going
-    to BLAS; the constants are seconds fitted on a 2-core CPU. On the GPU the GEMM sweep pays
-    kernel launches and host synchronisations every step: on an H100 the kernel sweep was 3.5x
-    (forward) and 5.4x (forward + backward) faster at batch 500, v 40, c 200, so the GPU
-    always takes it.
+    to BLAS; the constants are seconds fitted on a 2-core CPU. The GPU has a model of its own
+    (:func:`gpu_gemm_wins`).
     """
     rows, _, c = chain.x.shape
     if c == 0:  # nothing to multiply: the kernels' empty sums give -inf
@@ -85,12 +83,37 @@ def use_gemm(chain: Chain) -> bool:
         return _SWEEP.get() == "gemm"
     groups = chain.trans.shape[0]
     if chain.backend.on_gpu:
-        return False
+        return gpu_gemm_wins(rows, c, groups)
     if _chain_scaled.applies(chain):
         return bool(chain.group * c * c >= (1e6 if chain.trans.shape[1] > 1 else 4e6))
     kernel = rows * (1.0e-9 * c * c + 5e-7)
     gemm = 3e-5 + groups * (1.5e-9 * c * c + 1.5e-6) + 1.5e-8 * rows * c
     return bool(gemm < kernel)
+
+
+GPU_ROWS_AT_ONCE = 1024
+"""Rows the kernel sweep runs at once on a GPU (a block each: about 8 blocks on each of an
+H100's 132 multiprocessors)."""
+
+
+def gpu_gemm_wins(rows: int, c: int, groups: int) -> bool:
+    """Whether, on a GPU, the GEMM sweep is expected to beat the kernel sweep (per step; both
+    take every step, so the number of steps drops out).
+
+    The kernel sweep runs its rows in waves of :data:`GPU_ROWS_AT_ONCE` blocks; a block
+    spends about 1.2 µs per state on each of its ``c`` states (one ``exp`` a term, threads over
+    the states in tiles of 256): 9.3 ms for the chain workload's forward (500 rows, 40 steps,
+    c 200) on an H100. The GEMM sweep, free of synchronisations, is bound by its twenty-odd
+    array calls a step (about 250 µs of host time) plus the exponentials of the ``groups``
+    transition matrices (memory bound). So at the workload's size the two are even, and the
+    GEMM sweep wins from larger ``c`` or more rows. The constants are estimates from one H100
+    run and CuPy's per-call overhead; ``scripts/gpu-check.sh`` measures the chain workloads
+    to refit them.
+    """
+    waves = -(-rows // GPU_ROWS_AT_ONCE)
+    kernel = waves * c * -(-c // 256) * 1.2e-6
+    gemm = 2.5e-4 + groups * c * c * 1.5e-11
+    return gemm < kernel
 
 
 def normalise(xp: ModuleType, q: Array) -> tuple[tuple[Array, Array, Array], Array]:

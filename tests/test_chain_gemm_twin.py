@@ -118,3 +118,12 @@ def test_log_product_device_fixup_twin(monkeypatch, rng, scale):
     got = _logspace.log_matmul(np, a, b, posinf=False)
     np.testing.assert_array_equal(got, want)
     assert calls and (calls[0] > 0) == (scale > 1)
+
+
+def test_gpu_cost_model_picks_by_its_own_figures():
+    """The GPU chooses by its own model: even at the chain workload's size, the GEMM sweep
+    for many states or many rows, the kernel sweep for small chains (never the CPU's figures)."""
+    assert not _chain_sweep.gpu_gemm_wins(rows=64, c=16, groups=1)
+    assert _chain_sweep.gpu_gemm_wins(rows=500, c=1024, groups=1)
+    assert _chain_sweep.gpu_gemm_wins(rows=50_000, c=200, groups=1)
+    assert not _chain_sweep.gpu_gemm_wins(rows=50_000, c=200, groups=50_000)  # one matrix a row: exps dominate
