@@ -46,3 +46,21 @@ def test_log_product_fixup_matches_numpy_twin(small_launch, rng, dtype):
     tol = 1e-6 if dtype == np.float32 else 1e-13
     np.testing.assert_allclose(got, want, rtol=tol)
     assert (got[~lost] == 5.0).all()
+
+
+@pytest.mark.cuda_kernel
+@pytest.mark.parametrize("d", [16, 45])  # from WARP_FROM columns on: a warp an entry
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_warp_sddmm_matches_cpu_twin(small_launch, rng, d, dtype):
+    from spchain.kernels.cpu import sparse as cpu_sparse
+    from spchain.kernels.cuda import sparse as cuda_sparse
+
+    indptr = np.array([0, 0, 3, 3, 7, 9], np.int64)  # empty rows first and between
+    indices = rng.integers(0, 6, size=9).astype(np.int64)
+    assert indices.size > small_launch.MAX_BLOCKS, "more entries than warps: the grid-stride loop"
+    a = rng.standard_normal((5, d)).astype(dtype)
+    b = rng.standard_normal((6, d)).astype(dtype)
+    want, got = np.empty(9, dtype), np.full(9, np.nan, dtype)
+    cpu_sparse.sddmm(indptr, indices, a, b, want)
+    cuda_sparse.launch_sddmm(indptr, indices, a, b, got)
+    np.testing.assert_allclose(got, want, rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-6)

@@ -66,6 +66,8 @@ def kernels(dtype):
          (arr(f, 3), arr(f, 3), arr(i64, 1), arr(i64, 1), arr(f, 3), arr(i64, 3))),
         *((f"sddmm {index}", cuda_sparse.sddmm_kernel, (arr(index, 1), arr(index, 1), arr(f, 2), arr(f, 2), arr(f, 1)))
           for index in (types.int32, i64)),
+        *((f"sddmm warp {index}", cuda_sparse._sddmm_warp_kernel(np.dtype(dtype)),
+           (arr(index, 1), arr(index, 1), arr(f, 2), arr(f, 2), arr(f, 1))) for index in (types.int32, i64)),
         *((f"block spmm {index}", cuda_blocksparse.spmm_kernel,
            (arr(index, 1), arr(index, 1), arr(index, 1), arr(f, 3), arr(f, 2), arr(f, 1), arr(f, 2)))
           for index in (types.int32, i64)),
