@@ -11,7 +11,8 @@ at the stored entries only. On the CPU the forward and backward sweeps exponenti
 values once and run scaled SpMVs (``spchain/kernels/cpu/sparse_chain_scaled.py``: ``c``
 exponentials and logarithms and ``nnz`` multiply-adds a step and row, log space only where a
 scaled sum underflows), the backward sweep giving the marginals and the value gradient in one
-pass; on the GPU (and for Viterbi) they run in log space (``spchain/kernels/*/sparse_chain.py``). The
+pass; on the GPU the forward sweep runs scaled SpMVs in the data's dtype and the backward sweep
+(and Viterbi everywhere) in log space (``spchain/kernels/*/sparse_chain.py``). The
 path functions other than Viterbi run on the dense matrix (:func:`densified`, O(c²) memory).
 """
 
@@ -102,10 +103,13 @@ def forward(chain: Chain) -> tuple[Array, Array, Array]:
         chain.backend.kernel("sparse_chain_scaled", "forward")(chain.x, s.t_indptr, s.t_rows, scaled.t_values,
                                                               scaled.t_e, scaled.cmax, chain.init, chain.lengths,
                                                               pre, norm, min(rows, _threads(chain.backend)))
-    elif rows:
+    elif rows:  # the GPU: scaled SpMVs too, the stored values exponentiated once in the data's dtype
         t_values = xp.ascontiguousarray(_values(chain)[s.order])
-        chain.backend.kernel("sparse_chain", "forward")(chain.x, s.t_indptr, s.t_rows, t_values, chain.init,
-                                                       chain.lengths, pre, norm)
+        cmax, t_e = xp.empty(c, chain.x.dtype), xp.empty_like(t_values)
+        chain.backend.kernel("sparse_chain", "shifted_exp")(s.t_indptr, t_values, cmax, t_e)
+        chain.backend.kernel("sparse_chain", "forward_scaled")(chain.x, s.t_indptr, s.t_rows, t_values, t_e, cmax,
+                                                              chain.init, chain.lengths, xp.empty((rows, c), chain.x.dtype),
+                                                              pre, norm)
     inside = xp.arange(v)[None, :] < chain.lengths[:, None]
     log_partition = xp.where(inside, norm, 0).sum(axis=1, dtype=np.float64).astype(chain.x.dtype)
     return log_partition, pre, norm

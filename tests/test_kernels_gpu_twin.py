@@ -64,3 +64,32 @@ def test_warp_sddmm_matches_cpu_twin(small_launch, rng, d, dtype):
     cpu_sparse.sddmm(indptr, indices, a, b, want)
     cuda_sparse.launch_sddmm(indptr, indices, a, b, got)
     np.testing.assert_allclose(got, want, rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-6)
+
+
+@pytest.mark.cuda_kernel
+@pytest.mark.parametrize("scale", [1.0, 60.0, 400.0])  # 60 and 400: scaled sums underflow, the log-space fallback
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_scaled_sparse_forward_matches_cpu_log_space_forward(small_launch, rng, scale, dtype):
+    from spchain.kernels.cpu import sparse_chain as cpu_sparse_chain
+    from spchain.kernels.cuda import sparse_chain as cuda_sparse_chain
+    from test_kernels_sparse_chain import problem
+
+    x, matrix, transpose, _, init, lengths = problem(rng, c=9, dtype=dtype)
+    x = (x * scale).astype(dtype)
+    transpose.data = (transpose.data * scale).astype(dtype)
+    transpose.data[2] = np.nan if scale == 60.0 else transpose.data[2]  # NaN propagates from one entry
+    rows, v, c = x.shape
+    want_pre, want_norm = np.empty_like(x), np.empty((rows, v), dtype)
+    with np.errstate(invalid="ignore"):
+        cpu_sparse_chain.forward(x, transpose.indptr, transpose.indices, transpose.data, init, lengths, want_pre,
+                                 want_norm)
+    cmax, t_e = np.empty(c, dtype), np.empty(transpose.nnz, dtype)
+    with np.errstate(all="ignore"):
+        cuda_sparse_chain.launch_shifted_exp(transpose.indptr, transpose.data, cmax, t_e)
+        got_pre, got_norm = np.full_like(x, 7.0), np.full((rows, v), 7.0, dtype)
+        cuda_sparse_chain.launch_forward_scaled(x, transpose.indptr, transpose.indices, transpose.data, t_e, cmax, init,
+                                                lengths, np.empty((rows, c), dtype), got_pre, got_norm)
+    tol = 2e-5 if dtype == np.float32 else 1e-12
+    np.testing.assert_array_equal(np.isnan(got_pre), np.isnan(want_pre))
+    np.testing.assert_allclose(got_pre, want_pre, rtol=tol, atol=tol * scale)
+    np.testing.assert_allclose(got_norm, want_norm, rtol=tol, atol=tol * scale)

@@ -16,6 +16,7 @@ from spchain.kernels.cuda import logspace as cuda_logspace
 from spchain.kernels.cuda import paths as cuda_paths
 from spchain.kernels.cuda import semiring as cuda_semiring
 from spchain.kernels.cuda import sparse as cuda_sparse
+from spchain.kernels.cuda import sparse_chain as cuda_sparse_chain
 
 
 def _nvvm_works() -> bool:
@@ -54,6 +55,10 @@ def kernels(dtype):
          (x, trans, i64, lengths, arr(f, 3), arr(f, 2), arr(f, 3), arr(f, 1), arr(types.boolean, 2), arr(f, 4))),
         ("log_product_fixup", cuda_logspace.log_product_fixup_kernel,
          (arr(f, 3), arr(f, 3), arr(i64, 1), arr(i64, 1), arr(types.uint8, 3), arr(f, 3))),
+        ("sparse_chain shifted_exp", cuda_sparse_chain.shifted_exp_kernel,
+         (lengths, arr(f, 1), arr(f, 1), arr(f, 1))),
+        ("sparse_chain forward_scaled", cuda_sparse_chain._forward_scaled_kernel(np.dtype(dtype)),
+         (x, lengths, lengths, arr(f, 1), arr(f, 1), arr(f, 1), f, init, lengths, arr(f, 2), arr(f, 3), arr(f, 2))),
         ("viterbi", cuda_chain._viterbi_kernel(np.dtype(dtype)),
          (x, trans, i64, i64, init, lengths, arr(f, 3), arr(types.int32, 3), arr(f, 1), arr(i64, 2))),
         ("chain_sample", cuda_paths.chain_sample_kernel,
