@@ -17,7 +17,11 @@ import pytest
 
 HOT_PATHS = {
     "spchain._backend": {"device_kernel": None},
-    "spchain._logspace": {"log_product": "on_device(xp)", "_recompute_lost_on_device": None},
+    "spchain.blockdiag": {"batched_matmul": None, "gemm_plan": None, "_block_diag_product": None},
+    "spchain.sparse": {"_gpu_spmm": None, "_cupyx_csr": "structure.canonical"},
+    "spchain._sparse_chain": {"forward": "rows"},
+    "spchain._logspace": {"log_product": "on_device(xp)", "_recompute_lost_on_device": None,
+                          "product_epilogue": None},
     "spchain._chain_scaled": {"transition_grad_gemm": None, "_exact_where_not": "chain.backend.on_gpu"},
     "spchain._chain_sweep": {"use_gemm": "chain.backend.on_gpu", "forward_finite": None, "_forward_gemm": None,
                              "backward_finite": None, "_backward_gemm": None, "normalise": None,
@@ -144,3 +148,39 @@ def test_log_product_runs_without_synchronising(rng):
     with cupyx.allow_synchronize(False), numba_never_waits():
         got = _logspace.log_matmul(cp, a, b, posinf=False)
     np.testing.assert_allclose(cp.asnumpy(got), _logspace.log_matmul(np, cp.asnumpy(a), cp.asnumpy(b)), rtol=1e-12)
+
+
+@pytest.mark.gpu
+def test_block_diag_and_sparse_linear_run_without_synchronising(rng):
+    import cupy as cp
+    import cupyx
+    import scipy.sparse
+
+    import spchain
+    from spchain import _backend, _csr
+    from spchain import sparse as S
+
+    x = cp.asarray(rng.normal(size=(64, 4, 32)), cp.float32)
+    w = cp.asarray(rng.normal(size=(4, 32, 16)), cp.float32)
+    spchain.block_diag_matmul(x, w)
+    pool = cp.get_default_memory_pool()
+    cp.cuda.get_current_stream().synchronize()
+    before = pool.used_bytes()
+    with cupyx.allow_synchronize(False), numba_never_waits():
+        y = spchain.block_diag_matmul(x, w)
+    assert pool.used_bytes() - before <= y.nbytes + 512, "no copy of the strided operands"
+    np.testing.assert_allclose(cp.asnumpy(y), np.einsum("rgi,gio->rgo", cp.asnumpy(x), cp.asnumpy(w)), rtol=1e-4,
+                               atol=1e-4)
+    host = scipy.sparse.random(48, 32, density=0.1, format="csr", random_state=1)
+    backend = _backend.backend_of(x)
+    csr = _csr.to_csr(backend, "csr", host.shape, None, cp.asarray(host.indptr), cp.asarray(host.indices), "t")
+    values, xs = cp.asarray(host.data, cp.float32), cp.asarray(rng.normal(size=(8, 32)), cp.float32)
+    bias = cp.ones(48, cp.float32)
+    S.linear(backend, csr, values, xs, bias, np.dtype(np.float32))  # checks the structure once
+    cp.cuda.get_current_stream().synchronize()
+    with cupyx.allow_synchronize(False), numba_never_waits():
+        out, _ = S.linear(backend, csr, values, xs, bias, np.dtype(np.float32))
+        grad_x, grad_values = S.linear_backward(backend, csr, None, values, cp.ones_like(out), xs,
+                                                np.dtype(np.float32), True, True)
+    want = cp.asnumpy(xs) @ host.toarray().T.astype(np.float32) + 1
+    np.testing.assert_allclose(cp.asnumpy(out), want, rtol=1e-4, atol=1e-4)
