@@ -11,8 +11,8 @@ at the stored entries only. On the CPU the forward and backward sweeps exponenti
 values once and run scaled SpMVs (``spchain/kernels/cpu/sparse_chain_scaled.py``: ``c``
 exponentials and logarithms and ``nnz`` multiply-adds a step and row, log space only where a
 scaled sum underflows), the backward sweep giving the marginals and the value gradient in one
-pass; on the GPU the forward sweep runs scaled SpMVs in the data's dtype and the backward sweep
-(and Viterbi everywhere) in log space (``spchain/kernels/*/sparse_chain.py``). The
+pass; on the GPU the forward and backward messages come from scaled SpMVs in the data's dtype,
+and the value gradient (and Viterbi everywhere) runs in log space (``spchain/kernels/*/sparse_chain.py``). The
 path functions other than Viterbi run on the dense matrix (:func:`densified`, O(c²) memory).
 """
 
@@ -130,7 +130,10 @@ def backward(chain: Chain, pre: Array, norm: Array, weight: Array,
         return _backward_scaled(chain, pre, norm, weight, grad_trans)
     values = xp.ascontiguousarray(_values(chain))
     beta = xp.empty_like(chain.x)
-    chain.backend.kernel("sparse_chain", "backward")(chain.x, s.indptr, s.indices, values, chain.lengths, norm, beta)
+    rmax, row_e = xp.empty(c, chain.x.dtype), xp.empty_like(values)  # the GPU: scaled SpMVs, as the forward
+    chain.backend.kernel("sparse_chain", "shifted_exp")(s.indptr, values, rmax, row_e)
+    chain.backend.kernel("sparse_chain", "backward_scaled")(chain.x, s.indptr, s.indices, values, row_e, rmax,
+                                                           chain.lengths, norm, xp.empty((rows, c), chain.x.dtype), beta)
     inside = (xp.arange(v)[None, :] < chain.lengths[:, None])[..., None]
     marginals, _ = renormalise(xp, xp.where(inside, xp.exp(normalised(xp, pre, chain.x, norm) + beta), 0))
     if trans_grad and values.shape[0]:

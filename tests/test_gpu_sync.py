@@ -19,7 +19,7 @@ HOT_PATHS = {
     "spchain._backend": {"device_kernel": None},
     "spchain.blockdiag": {"batched_matmul": None, "gemm_plan": None, "_block_diag_product": None},
     "spchain.sparse": {"_gpu_spmm": None, "_cupyx_csr": "structure.canonical"},
-    "spchain._sparse_chain": {"forward": "rows"},
+    "spchain._sparse_chain": {"forward": None, "backward": None},
     "spchain._logspace": {"log_product": "on_device(xp)", "_recompute_lost_on_device": None,
                           "product_epilogue": None},
     "spchain._chain_scaled": {"transition_grad_gemm": None, "_exact_where_not": "chain.backend.on_gpu"},

@@ -69,7 +69,7 @@ def test_warp_sddmm_matches_cpu_twin(small_launch, rng, d, dtype):
 @pytest.mark.cuda_kernel
 @pytest.mark.parametrize("scale", [1.0, 60.0, 400.0])  # 60 and 400: scaled sums underflow, the log-space fallback
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
-def test_scaled_sparse_forward_matches_cpu_log_space_forward(small_launch, rng, scale, dtype):
+def test_scaled_sparse_sweeps_match_cpu_log_space_sweeps(small_launch, rng, scale, dtype):
     from spchain.kernels.cpu import sparse_chain as cpu_sparse_chain
     from spchain.kernels.cuda import sparse_chain as cuda_sparse_chain
     from test_kernels_sparse_chain import problem
@@ -93,3 +93,13 @@ def test_scaled_sparse_forward_matches_cpu_log_space_forward(small_launch, rng, 
     np.testing.assert_array_equal(np.isnan(got_pre), np.isnan(want_pre))
     np.testing.assert_allclose(got_pre, want_pre, rtol=tol, atol=tol * scale)
     np.testing.assert_allclose(got_norm, want_norm, rtol=tol, atol=tol * scale)
+    matrix.data = transpose.T.tocsr().data  # the same values, in the matrix's own order
+    want_beta, got_beta = np.empty_like(x), np.full_like(x, 7.0)
+    rmax, row_e = np.empty(c, dtype), np.empty(matrix.nnz, dtype)
+    with np.errstate(all="ignore"):
+        cpu_sparse_chain.backward(x, matrix.indptr, matrix.indices, matrix.data, lengths, want_norm, want_beta)
+        cuda_sparse_chain.launch_shifted_exp(matrix.indptr, matrix.data, rmax, row_e)
+        cuda_sparse_chain.launch_backward_scaled(x, matrix.indptr, matrix.indices, matrix.data, row_e, rmax, lengths,
+                                                 want_norm, np.empty((rows, c), dtype), got_beta)
+    np.testing.assert_array_equal(np.isnan(got_beta), np.isnan(want_beta))
+    np.testing.assert_allclose(got_beta, want_beta, rtol=tol, atol=tol * scale)

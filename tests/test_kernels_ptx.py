@@ -59,6 +59,8 @@ def kernels(dtype):
          (lengths, arr(f, 1), arr(f, 1), arr(f, 1))),
         ("sparse_chain forward_scaled", cuda_sparse_chain._forward_scaled_kernel(np.dtype(dtype)),
          (x, lengths, lengths, arr(f, 1), arr(f, 1), arr(f, 1), f, init, lengths, arr(f, 2), arr(f, 3), arr(f, 2))),
+        ("sparse_chain backward_scaled", cuda_sparse_chain._backward_scaled_kernel(np.dtype(dtype)),
+         (x, lengths, lengths, arr(f, 1), arr(f, 1), arr(f, 1), f, lengths, arr(f, 2), arr(f, 2), arr(f, 3))),
         ("viterbi", cuda_chain._viterbi_kernel(np.dtype(dtype)),
          (x, trans, i64, i64, init, lengths, arr(f, 3), arr(types.int32, 3), arr(f, 1), arr(i64, 2))),
         ("chain_sample", cuda_paths.chain_sample_kernel,

@@ -333,3 +333,73 @@ def launch_forward_scaled(x, t_indptr, t_rows, t_values, t_e, cmax, init, length
     kernel = _forward_scaled_kernel(np.dtype(x.dtype))
     kernel[config.blocks_for(x.shape[0], 1), threads, stream, 2 * threads * np.dtype(x.dtype).itemsize](
         x, t_indptr, t_rows, t_values, t_e, cmax, tiny_over_eps, init, lengths, work, pre, norm)
+
+
+@functools.cache
+def _backward_scaled_kernel(dtype):
+    dtype = numba.from_dtype(dtype)
+
+    @cuda.jit
+    def backward_scaled_kernel(x, indptr, indices, values, row_e, rmax, tiny_over_eps, lengths, norm, work, beta):
+        """:func:`backward_kernel` by scaled SpMVs over the rows of the matrix (``row_e``,
+        ``rmax`` of :func:`shifted_exp_kernel` on the matrix itself):
+
+            beta[t, i] = top + rmax[i] + log sum_q row_e[q] exp(y[indices[q]] - top) - norm[t + 1]
+
+        with ``y = x[t + 1] + beta[t + 1]`` and ``top`` its maximum; log space where a scaled
+        sum is below ``count · tiny / eps`` or not a number, as in :func:`forward_scaled_kernel`."""
+        rows, v, c = x.shape
+        tid = cuda.threadIdx.x
+        threads = cuda.blockDim.x
+        red = cuda.shared.array(0, dtype)
+        neg_inf, zero = x.dtype.type(-math.inf), x.dtype.type(0)
+        for b in range(cuda.blockIdx.x, rows, cuda.gridDim.x):
+            length = lengths[b]
+            for t in range(length - 1, v):
+                for i in range(tid, c, threads):
+                    beta[b, t, i] = zero if t == length - 1 else neg_inf
+            cuda.syncthreads()
+            for t in range(length - 2, -1, -1):
+                d = norm[b, t + 1]
+                best = neg_inf
+                for j in range(tid, c, threads):
+                    y = x[b, t + 1, j] + beta[b, t + 1, j]
+                    if y > best:
+                        best = y
+                top = _block_max(best, red)
+                shift = top if _finite(top) else zero
+                for j in range(tid, c, threads):
+                    work[b, j] = math.exp(x[b, t + 1, j] + beta[b, t + 1, j] - shift)
+                cuda.syncthreads()
+                for i in range(tid, c, threads):
+                    acc = zero
+                    for q in range(indptr[i], indptr[i + 1]):
+                        acc += row_e[q] * work[b, indices[q]]
+                    count = x.dtype.type(indptr[i + 1] - indptr[i])
+                    if acc > zero and acc >= count * tiny_over_eps:
+                        val = shift + rmax[i] + math.log(acc)
+                    elif acc == acc and (rmax[i] == neg_inf or top == neg_inf):
+                        val = neg_inf  # every term -inf, none NaN
+                    else:
+                        m, s = neg_inf, zero
+                        for q in range(indptr[i], indptr[i + 1]):
+                            j = indices[q]
+                            m, s = lse_push(m, s, values[q] + (x[b, t + 1, j] + beta[b, t + 1, j]))
+                        val = lse_value(m, s)
+                    beta[b, t, i] = neg_inf if d == neg_inf else val - d
+                cuda.syncthreads()
+
+    return backward_scaled_kernel
+
+
+def launch_backward_scaled(x, indptr, indices, values, row_e, rmax, lengths, norm, work, beta, stream=0):
+    """Backward sweep by scaled SpMVs; fills ``beta`` as :func:`launch_backward` does. ``row_e``,
+    ``rmax`` from :func:`launch_shifted_exp` on the matrix's own values; ``work`` (B, c)."""
+    if x.shape[0] == 0:
+        return
+    info = np.finfo(np.dtype(x.dtype))
+    tiny_over_eps = np.dtype(x.dtype).type(info.tiny / info.eps)
+    threads = config.THREADS_PER_BLOCK
+    kernel = _backward_scaled_kernel(np.dtype(x.dtype))
+    kernel[config.blocks_for(x.shape[0], 1), threads, stream, threads * np.dtype(x.dtype).itemsize](
+        x, indptr, indices, values, row_e, rmax, tiny_over_eps, lengths, norm, work, beta)
