@@ -92,6 +92,12 @@ def device_kernel(xp: ModuleType, module: str, op: str) -> Callable[..., Any]:
     """
     launcher = getattr(importlib.import_module(f".kernels.cuda.{module}", __package__), f"launch_{op}")
     cuda = numba_cuda()
+    if xp is np:  # the GPU branches on NumPy arrays, their kernels under Numba's simulator (CPU twins)
+        def simulated(*args: Any) -> Any:  # a read-only view (a broadcast) goes in as a copy: none comes back
+            return launcher(*(cuda.to_device(a) if isinstance(a, np.ndarray) and not a.flags.writeable else a
+                              for a in args))
+
+        return simulated
     stream = cuda.external_stream(xp.cuda.get_current_stream().ptr)
 
     def launch(*args: Any) -> Any:

@@ -76,6 +76,8 @@ def log_matmul(xp: ModuleType, a: Array, b: Array, out: Array | None = None, pos
             return xp.full(shape, -np.inf, dtype=a.dtype)
         out[...] = -np.inf
         return out
+    if posinf and on_device(xp):
+        return _log_matmul_on_device(xp, a, b, out)
     a_scaled, b_scaled = scaled(xp, a, -1), scaled(xp, b, -2)
     infinite = PosInf.of(xp, a, b, a_scaled[2], b_scaled[2]) if posinf else None
     if infinite is None:
@@ -218,6 +220,9 @@ def log_matmul_grads(xp: ModuleType, a: Array, b: Array, out: Array, grad: Array
     grad_b = xp.zeros(batch_shape + (k, n), a.dtype) if need_b else None
     if 0 in out.shape or k == 0:
         return grad_a, grad_b
+    if on_device(xp):
+        _log_matmul_grads_on_device(xp, a, b, out, grad, grad_a, grad_b)
+        return grad_a, grad_b
     a_top, b_top = a.max(axis=-1, keepdims=True), b.max(axis=-2, keepdims=True)
     infinite = PosInf.of(xp, a, b, a_top, b_top)
     if infinite is not None:
@@ -254,6 +259,62 @@ def log_matmul_grads(xp: ModuleType, a: Array, b: Array, out: Array, grad: Array
     return grad_a, grad_b
 
 
+def _without_posinf(xp: ModuleType, a: Array, b: Array) -> tuple[Array, Array, Array]:
+    """``(found, a, b)``: whether ``a`` or ``b`` holds ``+inf`` (a device array of one flag) and
+    the operands with ``+inf`` made ``-inf`` (:class:`PosInf`), without a synchronisation."""
+    found = (xp.isposinf(a).any() | xp.isposinf(b).any()).reshape(1)
+    return found, xp.where(xp.isposinf(a), -np.inf, a), xp.where(xp.isposinf(b), -np.inf, b)
+
+
+def _log_matmul_on_device(xp: ModuleType, a: Array, b: Array, out: Array | None) -> Array:
+    """:func:`log_matmul` on the GPU without a synchronisation: the product of the operands
+    with ``+inf`` made ``-inf``, then one kernel sets the outputs with a ``+inf`` term to
+    ``+inf`` (it reads on the device whether there is any, and returns at once if not)."""
+    found, clean_a, clean_b = _without_posinf(xp, a, b)
+    out = log_product(xp, scaled(xp, clean_a, -1), scaled(xp, clean_b, -2), lambda: clean_a, clean_b, out)
+    _on_entries(xp, "posinf_fixup", a, b, out, found)
+    return out
+
+
+def _log_matmul_grads_on_device(xp: ModuleType, a: Array, b: Array, out: Array, grad: Array,
+                                grad_a: Array | None, grad_b: Array | None) -> None:
+    """:func:`log_matmul_grads` on the GPU without a synchronisation: the scaled GEMMs on the
+    operands with ``+inf`` made ``-inf``, then one kernel adds, with atomics, the exact terms
+    of the entries whose scaled sum underflowed and the shares of the ``+inf`` outputs (it
+    reads both flags on the device)."""
+    k = a.shape[-1]
+    found, clean_a, clean_b = _without_posinf(xp, a, b)
+    finite_grad = xp.where(xp.isposinf(out), 0, grad)
+    u = xp.exp(clean_a - finite_or_zero(xp, clean_a.max(axis=-1, keepdims=True)))
+    e = xp.exp(clean_b - finite_or_zero(xp, clean_b.max(axis=-2, keepdims=True)))
+    scaled_sum = _backend.matmul(xp, u, e)
+    lost = scaled_sum < underflow_threshold(a.dtype, k)
+    scale = xp.where(xp.isfinite(finite_grad), xp.abs(finite_grad), 0).max(axis=(-2, -1), keepdims=True)
+    scale = xp.where(scale > 0, scale, 1)
+    w = xp.where(lost | (finite_grad == 0), 0, (finite_grad / scale) / xp.where(lost, 1, scaled_sum))
+    if grad_a is not None:
+        grad_a += scale * u * _backend.matmul(xp, w, e.swapaxes(-1, -2))
+    if grad_b is not None:
+        grad_b += scale * e * _backend.matmul(xp, u.swapaxes(-1, -2), w)
+    exact = (lost & (finite_grad != 0) & (out > -np.inf)).astype(np.uint8)
+    none = xp.zeros((0, 1, 1), a.dtype)
+    _on_entries(xp, "log_product_grads", a, b, out, found, flat_batch(xp.broadcast_to(grad, out.shape)),
+                flat_batch(exact), none if grad_a is None else flat_batch(grad_a),
+                none if grad_b is None else flat_batch(grad_b))
+
+
+def _on_entries(xp: ModuleType, op: str, a: Array, b: Array, out: Array, *args: Array) -> None:
+    """Launch ``op`` of ``spchain/kernels/cuda/logspace.py``, a thread an entry of ``out``, with
+    ``a`` and ``b`` as (B, m, k) and (B, k, n) and the index of each entry's own, and ``out``
+    flattened to (P, m, n) (written back if that took a copy)."""
+    a3, b3, a_index, b_index = batched_operands(xp, a, b, out.shape[:-2])
+    view = out.ndim <= 3 or out.flags.c_contiguous  # then flat_batch(out) is a view of out
+    flat_out = flat_batch(out if view else xp.ascontiguousarray(out))
+    _backend.device_kernel(xp, "logspace", op)(a3, b3, a_index, b_index, *args[:1], flat_out, *args[1:])
+    if not view:
+        out[...] = flat_out.reshape(out.shape)
+
+
 def flat_batch(a: Array, tail: int = 2) -> Array:
     """``a`` with its leading axes (all but the last ``tail``) flattened into one."""
     return a.reshape((int(np.prod(a.shape[:a.ndim - tail], dtype=np.int64)),) + a.shape[a.ndim - tail:])
@@ -285,13 +346,7 @@ def _chunks(count: int, width: int) -> list[slice]:
 def _recompute_lost_on_device(xp: ModuleType, a: Array, b: Array, out: Array, lost: Array) -> None:
     """:func:`_recompute_lost` as one CUDA kernel that reads ``lost`` on the device and
     recomputes only the flagged entries (``spchain/kernels/cuda/logspace.py``)."""
-    a3, b3, a_index, b_index = batched_operands(xp, a, b, out.shape[:-2])
-    view = out.ndim <= 3 or out.flags.c_contiguous  # then flat_batch(out) is a view of out
-    flat_out = flat_batch(out if view else xp.ascontiguousarray(out))
-    launch = _backend.device_kernel(xp, "logspace", "log_product_fixup")
-    launch(a3, b3, a_index, b_index, flat_batch(lost).astype(np.uint8), flat_out)
-    if not view:
-        out[...] = flat_out.reshape(out.shape)
+    _on_entries(xp, "log_product_fixup", a, b, out, flat_batch(lost).astype(np.uint8))
 
 
 def _recompute_lost(xp: ModuleType, a: Array, b: Array, out: Array, lost: Array) -> None:

@@ -21,7 +21,9 @@ HOT_PATHS = {
     "spchain.sparse": {"_gpu_spmm": None, "_cupyx_csr": "structure.canonical"},
     "spchain._sparse_chain": {"forward": None, "backward": None},
     "spchain._logspace": {"log_product": "on_device(xp)", "_recompute_lost_on_device": None,
-                          "product_epilogue": None},
+                          "product_epilogue": None, "log_matmul": "posinf and on_device(xp)",
+                          "_log_matmul_on_device": None, "log_matmul_grads": "on_device(xp)",
+                          "_log_matmul_grads_on_device": None, "_without_posinf": None, "_on_entries": None},
     "spchain._chain_scaled": {"transition_grad_gemm": None, "_exact_where_not": "chain.backend.on_gpu"},
     "spchain._chain_sweep": {"use_gemm": "chain.backend.on_gpu", "forward_finite": None, "_forward_gemm": None,
                              "backward_finite": None, "_backward_gemm": None, "normalise": None,
@@ -143,11 +145,18 @@ def test_log_product_runs_without_synchronising(rng):
 
     a = cp.asarray(rng.normal(size=(4, 6, 7)) * 300)
     b = cp.asarray(rng.normal(size=(7, 5)) * 300)
-    _logspace.log_matmul(cp, a, b, posinf=False)
+    b[2, 3] = cp.inf
+    grad = cp.asarray(rng.normal(size=(4, 6, 5)))
+    _logspace.log_matmul_grads(cp, a, b, _logspace.log_matmul(cp, a, b), grad)
     cp.cuda.get_current_stream().synchronize()
     with cupyx.allow_synchronize(False), numba_never_waits():
-        got = _logspace.log_matmul(cp, a, b, posinf=False)
-    np.testing.assert_allclose(cp.asnumpy(got), _logspace.log_matmul(np, cp.asnumpy(a), cp.asnumpy(b)), rtol=1e-12)
+        got = _logspace.log_matmul(cp, a, b)
+        grads = _logspace.log_matmul_grads(cp, a, b, got, grad)
+    host = cp.asnumpy(a), cp.asnumpy(b)
+    want = _logspace.log_matmul(np, *host)
+    np.testing.assert_allclose(cp.asnumpy(got), want, rtol=1e-12)
+    for g, w in zip(grads, _logspace.log_matmul_grads(np, *host, want, cp.asnumpy(grad))):
+        np.testing.assert_allclose(cp.asnumpy(g), w, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.gpu

@@ -103,3 +103,32 @@ def test_scaled_sparse_sweeps_match_cpu_log_space_sweeps(small_launch, rng, scal
                                                  want_norm, np.empty((rows, c), dtype), got_beta)
     np.testing.assert_array_equal(np.isnan(got_beta), np.isnan(want_beta))
     np.testing.assert_allclose(got_beta, want_beta, rtol=tol, atol=tol * scale)
+
+
+@pytest.mark.cuda_kernel
+@pytest.mark.parametrize("scale", [1.0, 300.0])  # 300: underflowed scaled sums, the exact terms
+@pytest.mark.parametrize("posinf", [False, True])
+def test_log_matmul_gpu_branches_match_numpy(small_launch, monkeypatch, rng, scale, posinf):
+    """The GPU branches of ``log_matmul`` and ``log_matmul_grads`` (flags on the device, the
+    fix-ups by kernels with atomics), run whole on NumPy arrays with the simulated kernels,
+    give what the NumPy branches give: ``+inf``, ``-inf`` and NaN entries, a broadcast batch."""
+    a = rng.normal(size=(2, 1, 3, 5)) * scale
+    b = rng.normal(size=(4, 5, 3)) * scale
+    a[0, 0, 1] = -np.inf
+    b[1, :, 2] = -np.inf
+    b[2, 3, 0] = np.nan
+    if posinf:
+        a[1, 0, 0, 2] = np.inf
+        b[3, 4, 1] = np.inf
+        b[3, 1, 1] = np.inf  # two +inf terms of one output: equal shares
+    grad = rng.normal(size=(2, 4, 3, 3))
+    with np.errstate(all="ignore"):
+        want = _logspace.log_matmul(np, a, b)
+        want_grads = _logspace.log_matmul_grads(np, a, b, want, grad)
+        monkeypatch.setattr(_logspace, "on_device", lambda xp: True)
+        got = _logspace.log_matmul(np, a, b)
+        got_grads = _logspace.log_matmul_grads(np, a, b, want, grad)
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+    assert (np.isposinf(got) == np.isposinf(want)).all() and (np.isposinf(got).any() == posinf)
+    for g, w in zip(got_grads, want_grads):
+        np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)
