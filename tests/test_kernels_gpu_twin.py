@@ -132,3 +132,47 @@ def test_log_matmul_gpu_branches_match_numpy(small_launch, monkeypatch, rng, sca
     assert (np.isposinf(got) == np.isposinf(want)).all() and (np.isposinf(got).any() == posinf)
     for g, w in zip(got_grads, want_grads):
         np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)
+
+
+def on_simulated_gpu(monkeypatch, chain):
+    """``chain`` with a backend that takes every GPU branch, on its NumPy arrays: kernels run
+    under Numba's simulator (``_backend.device_kernel``)."""
+    import contextlib
+    import dataclasses
+
+    import scipy.sparse
+
+    from spchain import _backend
+
+    monkeypatch.setattr(_backend.Backend, "use", lambda self: contextlib.nullcontext())
+    return dataclasses.replace(chain, backend=_backend.Backend(np, scipy.sparse, 0))
+
+
+@pytest.mark.cuda_kernel
+@pytest.mark.parametrize("sweep", ["kernel", "gemm"])
+@pytest.mark.parametrize("per_step", [False, True])
+@pytest.mark.parametrize("scale", [1.0, 300.0])
+def test_chain_gpu_path_end_to_end_matches_cpu(small_launch, monkeypatch, rng, sweep, per_step, scale):
+    """The whole GPU path of a chain (the GPU's sweep choice forced either way, the batched
+    transition counts, the masked exact kernel, the device fix-ups) on NumPy arrays under the
+    simulator gives the CPU path's results."""
+    import spchain
+    from spchain import _chain_layout, _chain_sweep
+
+    B, v, c = 4, 4, 5
+    x = rng.normal(size=(B, v, c)) * scale
+    trans = rng.normal(size=(B, v - 1, c, c) if per_step else (c, c)) * scale  # a matrix a row and step, or one
+    trans[..., 0, 2] = -np.inf
+    x[1, 2] = -np.inf  # an impossible chain
+    lengths = np.array([4, 4, 2, 3])
+    chain = _chain_layout.prepare(x, trans, None, lengths, "t")
+    weight = np.linspace(0.5, 2.0, B)
+    with spchain.chain_sweep(sweep), np.errstate(all="ignore"):  # as the public functions run them
+        _, pre, norm = _chain_sweep.forward_finite(chain)
+        want = _chain_sweep.backward_finite(chain, pre, norm, weight)
+        gpu = on_simulated_gpu(monkeypatch, chain)
+        _, got_pre, got_norm = _chain_sweep.forward_finite(gpu)
+        got = _chain_sweep.backward_finite(gpu, got_pre, got_norm, weight)
+    np.testing.assert_allclose(got_norm, norm, rtol=1e-12, atol=1e-12)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-10)
