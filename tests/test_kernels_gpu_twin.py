@@ -176,3 +176,31 @@ def test_chain_gpu_path_end_to_end_matches_cpu(small_launch, monkeypatch, rng, s
     np.testing.assert_allclose(got_norm, norm, rtol=1e-12, atol=1e-12)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.cuda_kernel
+@pytest.mark.parametrize("scale", [1.0, 300.0])
+def test_sparse_chain_gpu_path_end_to_end_matches_cpu(small_launch, monkeypatch, rng, scale):
+    """The GPU path of a sparse-transition chain (scaled forward and backward messages, the
+    log-space value gradient) on NumPy arrays under the simulator gives the CPU path's results."""
+    import scipy.sparse
+
+    from spchain import _chain_layout, _chain_sweep
+
+    B, v, c = 3, 4, 6
+    x = rng.normal(size=(B, v, c)) * scale
+    dense = np.where(rng.random((c, c)) < 0.5, rng.normal(size=(c, c)) * scale, 0.0)
+    dense[1] = 0.0  # a state without successors
+    trans = scipy.sparse.csr_matrix(dense)
+    lengths = np.array([4, 2, 3])
+    chain = _chain_layout.prepare(x, trans, None, lengths, "t")
+    weight = np.linspace(0.5, 2.0, B)
+    with np.errstate(all="ignore"):
+        _, pre, norm = _chain_sweep.forward_finite(chain)
+        want = _chain_sweep.backward_finite(chain, pre, norm, weight)
+        gpu = on_simulated_gpu(monkeypatch, chain)
+        _, got_pre, got_norm = _chain_sweep.forward_finite(gpu)
+        got = _chain_sweep.backward_finite(gpu, got_pre, got_norm, weight)
+    np.testing.assert_allclose(got_norm, norm, rtol=1e-12, atol=1e-12)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-10)
