@@ -22,6 +22,9 @@ REUSE = 4
 LIMIT = 299.0
 """The batched counts' scale factors stay below ``exp(LIMIT)``, as the CPU kernels' do."""
 
+CHUNK = 1 << 20
+"""Row-step-states whose float64 scratch the batched counts hold at a time."""
+
 PARTS = 8
 """Row chunks per transition matrix that the transition gradient sums in parallel, at most."""
 
@@ -87,7 +90,8 @@ def transition_grad_gemm(chain: Chain, pre: Array, norm: Array, marg: Array, wei
     the scaled terms could lose the answer, and that matrix's counts are recomputed exactly in
     log space (``chain_transition_grad``; on the GPU a kernel that skips the other matrices,
     reading the flags on the device: no synchronisation). Dropped terms (a ``p`` below
-    float64's range) are below ``1e-300 · exp(LIMIT)`` of ``w_b``. Memory O(B · v · c).
+    float64's range) are below ``1e-300 · exp(LIMIT)`` of ``w_b``. The rows of each group go
+    in chunks, so the float64 scratch stays near ``CHUNK`` entries (a GEMM call a chunk).
     """
     xp = chain.xp
     rows, v, c = chain.x.shape
@@ -99,25 +103,31 @@ def transition_grad_gemm(chain: Chain, pre: Array, norm: Array, marg: Array, wei
     trans = chain.trans.astype(f64)
     cmax = trans.max(axis=-2)
     e = xp.exp(trans - finite_or_zero(xp, cmax)[..., None, :])
-    shape = (groups, chain.group, v - 1)
-    active = xp.arange(v - 1)[None, :] < (chain.lengths - 1)[:, None]  # steps t -> t + 1 taken
-    offset = finite_or_zero(xp, norm[:, :-1])[..., None]
-    a = xp.where(active[..., None], (pre[:, :-1] + chain.x[:, :-1] - offset).astype(f64), -np.inf)
-    amax = a.max(axis=-1, keepdims=True)
-    p = xp.exp(a - finite_or_zero(xp, amax))  # 0 where a step is not taken
     col = cmax.reshape(groups, 1, steps, c)  # the column maxima of the matrix of each row-step
-    gm = (marg[:, 1:].astype(f64) * weight.astype(f64)[:, None, None]).reshape(shape + (c,))
-    with np.errstate(over="ignore", invalid="ignore"):  # -inf - -inf: NaN, flagged where it counts
-        scale = amax.reshape(shape + (1,)) + col - pre[:, 1:].astype(f64).reshape(shape + (c,))
-        r = xp.where(gm == 0, 0, gm * xp.exp(xp.minimum(scale, LIMIT)))
-    bad = ((gm != 0) & ~(scale <= LIMIT)) | ~xp.isfinite(r) | xp.isnan(amax).reshape(shape + (1,))
-    p = p.reshape(shape + (c,))
-    if steps == 1:  # one matrix per group: sum over all its rows and steps
-        acc = xp.matmul(p.reshape(groups, -1, c).swapaxes(-1, -2), r.reshape(groups, -1, c))[:, None]
-        ok = ~bad.reshape(groups, -1).any(axis=1)[:, None]
-    else:  # one matrix per group and step: sum over the group's rows
-        acc = xp.matmul(p.transpose(0, 2, 3, 1), r.transpose(0, 2, 1, 3))
-        ok = ~bad.any(axis=(1, 3))
+    acc = xp.zeros((groups, steps, c, c), f64)
+    ok = xp.ones((groups, steps), bool)
+    rows4 = (groups, chain.group)
+    x4, pre4, marg4 = (a.reshape(rows4 + (v, c)) for a in (chain.x, pre, marg))
+    norm3, last, w = norm.reshape(rows4 + (v,)), (chain.lengths - 1).reshape(rows4), weight.reshape(rows4)
+    width = max(1, CHUNK // (groups * v * c))
+    for k in range(0, chain.group, width):  # bounds the float64 scratch to about CHUNK entries
+        part = slice(k, k + width)
+        active = xp.arange(v - 1) < last[:, part, None]  # steps t -> t + 1 taken
+        offset = finite_or_zero(xp, norm3[:, part, :-1])[..., None]
+        a = xp.where(active[..., None], (pre4[:, part, :-1] + x4[:, part, :-1] - offset).astype(f64), -np.inf)
+        amax = a.max(axis=-1, keepdims=True)
+        p = xp.exp(a - finite_or_zero(xp, amax))  # 0 where a step is not taken
+        gm = marg4[:, part, 1:].astype(f64) * w[:, part, None, None].astype(f64)
+        with np.errstate(over="ignore", invalid="ignore"):  # -inf - -inf: NaN, flagged where it counts
+            scale = amax + col - pre4[:, part, 1:].astype(f64)
+            r = xp.where(gm == 0, 0, gm * xp.exp(xp.minimum(scale, LIMIT)))
+        bad = ((gm != 0) & ~(scale <= LIMIT)) | ~xp.isfinite(r) | xp.isnan(amax)
+        if steps == 1:  # one matrix per group: sum over all its rows and steps
+            acc[:, 0] += xp.matmul(p.reshape(groups, -1, c).swapaxes(-1, -2), r.reshape(groups, -1, c))
+            ok &= ~bad.reshape(groups, -1).any(axis=1)[:, None]
+        else:  # one matrix per group and step: sum over the group's rows
+            acc += xp.matmul(p.transpose(0, 2, 3, 1), r.transpose(0, 2, 1, 3))
+            ok &= ~bad.any(axis=(1, 3))
     grad_trans[...] = e * acc
     _exact_where_not(chain, pre, norm, marg, weight, ok, grad_trans)
 

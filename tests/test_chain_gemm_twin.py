@@ -65,9 +65,11 @@ def layout_and_marginals(rng, scale, per_row):
     return chain, pre, norm, marg
 
 
+@pytest.mark.parametrize("chunk", [1 << 20, 1])  # 1: a row at a time
 @pytest.mark.parametrize("per_row", [True, False])
 @pytest.mark.parametrize("scale", [1.0, 300.0])
-def test_transition_grad_gemm_matches_kernel(monkeypatch, rng, per_row, scale):
+def test_transition_grad_gemm_matches_kernel(monkeypatch, rng, per_row, scale, chunk):
+    monkeypatch.setattr(_chain_scaled, "CHUNK", chunk)
     chain, pre, norm, marg = layout_and_marginals(rng, scale, per_row)
     weight = np.linspace(0.5, 2.0, chain.x.shape[0])
     want = np.empty_like(chain.trans)
