@@ -5,8 +5,9 @@
 routing of a mixture-of-experts layer). Neither ever copies a weight per row: each is one
 BLAS/cuBLAS product per group on strided views of the caller's arrays (in one batched
 ``matmul`` call for the block-diagonal product), writing straight into the result. On
-NumPy the views go to BLAS as they are; CuPy copies a strided operand to a contiguous one
-first, which costs at most the size of that operand.
+NumPy the views go to BLAS as they are; on the GPU the block-diagonal products, and grouped
+products of equal groups, are one strided-batched cuBLAS GEMM on the views
+(:func:`batched_matmul`: no operand copied), while ragged groups take a cuBLAS product each.
 
 The gradients of both products are products of the same kind: the input gradient is the
 product with the transposed weight, and the weight gradient of group g is
@@ -345,9 +346,21 @@ def _grouped_product(backend: Backend, x: Array, w: Array, sizes: NDArray[np.int
         x = _blas_layout(xp, x.astype(dtype, copy=False))
         w = _blas_layout(xp, w.astype(dtype, copy=False))
         out = xp.empty((x.shape[0], w.shape[2]), dtype)
+        if _equal_groups(backend, sizes, x):
+            n = int(sizes[0])
+            batched_matmul(xp, x.reshape(-1, n, x.shape[1]), w, out.reshape(-1, n, w.shape[2]))
+            return out
         for g, rows in _row_slices(sizes):
             _backend.matmul(xp, x[rows], w[g], out=out[rows])
     return out
+
+
+def _equal_groups(backend: Backend, sizes: NDArray[np.int64], x: Array) -> bool:
+    """Whether a grouped product on the GPU is one strided-batched GEMM: every group of one
+    non-zero size, ``x`` with unit-stride rows of unit-stride entries (so its groups are views
+    of equal stride). Ragged groups take one cuBLAS product a group."""
+    return bool(backend.on_gpu and sizes.size and sizes[0] > 0 and (sizes == sizes[0]).all()
+                and x.strides[1] == x.itemsize and x.strides[0] == x.itemsize * x.shape[1])
 
 
 def grouped_matmul_forward(x: Array, w: Array, group_sizes: Sequence[int] | Array) -> Array:
@@ -410,6 +423,10 @@ def _grouped_weight_grad(x: Array, grad: Array, sizes: NDArray[np.int64]) -> Arr
     with backend.use():
         out = xp.zeros((sizes.size, x.shape[1], grad.shape[1]), np.promote_types(x.dtype, grad.dtype))
         x, grad = _blas_layout(xp, x), _blas_layout(xp, grad)
+        if _equal_groups(backend, sizes, x) and _equal_groups(backend, sizes, grad):
+            n = int(sizes[0])
+            batched_matmul(xp, x.reshape(-1, n, x.shape[1]).swapaxes(1, 2), grad.reshape(-1, n, grad.shape[1]), out)
+            return out
         for g, rows in _row_slices(sizes):
             _backend.matmul(xp, x[rows].T, grad[rows], out=out[g])
     return out

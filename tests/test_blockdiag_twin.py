@@ -57,3 +57,47 @@ def test_gemm_plan_declines_what_cublas_cannot_read(rng):
     assert blockdiag.gemm_plan(a[:, :, ::2], b[:, ::2], out[:, :, :]) is None  # no unit stride
     assert blockdiag.gemm_plan(a, b, np.empty((2, 5, 3)).swapaxes(1, 2)) is None  # out's rows strided
     assert blockdiag.gemm_plan(a.astype(np.float32), b, out) is None  # mixed dtypes
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_gemm_plan_computes_equal_grouped_products_on_views(rng, dtype):
+    groups, n, d_in, d_out = 3, 4, 5, 2
+    x = rng.normal(size=(groups * n, d_in)).astype(dtype)
+    w = rng.normal(size=(groups, d_in, d_out)).astype(dtype)
+    grad = rng.normal(size=(groups * n, d_out)).astype(dtype)
+    x3, grad3 = x.reshape(groups, n, d_in), grad.reshape(groups, n, d_out)
+    cases = [  # forward, input gradient, weight gradient: the views the GPU branch passes
+        (x3, w, np.empty((groups * n, d_out), dtype).reshape(groups, n, d_out), x3 @ w),
+        (grad3, w.swapaxes(1, 2), np.empty((groups * n, d_in), dtype).reshape(groups, n, d_in),
+         grad3 @ w.swapaxes(1, 2)),
+        (x3.swapaxes(1, 2), grad3, np.empty((groups, d_in, d_out), dtype), x3.swapaxes(1, 2) @ grad3),
+    ]
+    for a, b, out, want in cases:
+        plan = blockdiag.gemm_plan(a, b, out)
+        assert plan is not None
+        emulate(plan, a, b, out)
+        np.testing.assert_allclose(out, want, rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-5)
+
+
+def test_grouped_gpu_branch_batches_equal_groups_only(monkeypatch, rng):
+    import contextlib
+
+    import scipy.sparse
+
+    from spchain import _backend
+
+    calls = []
+
+    def batched(xp, a, b, out):
+        calls.append(a.shape)
+        emulate(blockdiag.gemm_plan(a, b, out), a, b, out)
+
+    monkeypatch.setattr(blockdiag, "batched_matmul", batched)
+    monkeypatch.setattr(_backend.Backend, "use", lambda self: contextlib.nullcontext())
+    gpu = _backend.Backend(np, scipy.sparse, 0)
+    x, w = rng.normal(size=(6, 4)), rng.normal(size=(3, 4, 2))
+    for sizes, batched_calls in (([2, 2, 2], 1), ([1, 3, 2], 0), ([0, 3, 3], 0)):
+        calls.clear()
+        got = blockdiag._grouped_product(gpu, x, w, np.array(sizes), np.dtype(np.float64))
+        np.testing.assert_allclose(got, blockdiag.grouped_matmul(x, w, sizes), rtol=1e-12)
+        assert len(calls) == batched_calls
