@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import numpy as np
 
 from ._chain_layout import Chain
@@ -112,16 +114,8 @@ def transition_grad_gemm(chain: Chain, pre: Array, norm: Array, marg: Array, wei
     width = max(1, CHUNK // (groups * v * c))
     for k in range(0, chain.group, width):  # bounds the float64 scratch to about CHUNK entries
         part = slice(k, k + width)
-        active = xp.arange(v - 1) < last[:, part, None]  # steps t -> t + 1 taken
-        offset = finite_or_zero(xp, norm3[:, part, :-1])[..., None]
-        a = xp.where(active[..., None], (pre4[:, part, :-1] + x4[:, part, :-1] - offset).astype(f64), -np.inf)
-        amax = a.max(axis=-1, keepdims=True)
-        p = xp.exp(a - finite_or_zero(xp, amax))  # 0 where a step is not taken
-        gm = marg4[:, part, 1:].astype(f64) * w[:, part, None, None].astype(f64)
-        with np.errstate(over="ignore", invalid="ignore"):  # -inf - -inf: NaN, flagged where it counts
-            scale = amax + col - pre4[:, part, 1:].astype(f64)
-            r = xp.where(gm == 0, 0, gm * xp.exp(xp.minimum(scale, LIMIT)))
-        bad = ((gm != 0) & ~(scale <= LIMIT)) | ~xp.isfinite(r) | xp.isnan(amax)
+        p, r, bad = scaled_factors(xp, x4[:, part], pre4[:, part], norm3[:, part], marg4[:, part], w[:, part],
+                                   last[:, part], col)
         if steps == 1:  # one matrix per group: sum over all its rows and steps
             acc[:, 0] += xp.matmul(p.reshape(groups, -1, c).swapaxes(-1, -2), r.reshape(groups, -1, c))
             ok &= ~bad.reshape(groups, -1).any(axis=1)[:, None]
@@ -130,6 +124,29 @@ def transition_grad_gemm(chain: Chain, pre: Array, norm: Array, marg: Array, wei
             ok &= ~bad.any(axis=(1, 3))
     grad_trans[...] = e * acc
     _exact_where_not(chain, pre, norm, marg, weight, ok, grad_trans)
+
+
+def scaled_factors(xp: ModuleType, x: Array, pre: Array, norm: Array, marg: Array, weight: Array, last: Array,
+                   col: Array) -> tuple[Array, Array, Array]:
+    """``(p, r, bad)`` of rows ``(..., v, c)`` for the steps ``t -> t + 1``, each (..., v - 1, c),
+    float64: ``p = exp(â_t - max â_t)`` (0 where row ``b`` takes no step ``t``, ``t >= last_b``),
+    ``r = weight_b · marg[t + 1] · exp(max â_t + col - pre[t + 1])`` and ``bad`` where that
+    exponent passes ``LIMIT`` (or a factor is not a number): the expected count of a transition
+    ``i -> j`` is ``Σ p[i] · exp(T[i, j] - col[j]) · r[j]`` where nothing is bad. ``col`` holds
+    the column maxima of ``T``, broadcast against (..., v - 1, c)."""
+    f64 = np.float64
+    v = x.shape[-2]
+    active = xp.arange(v - 1) < last[..., None]  # steps t -> t + 1 taken
+    offset = finite_or_zero(xp, norm[..., :-1])[..., None]
+    a = xp.where(active[..., None], (pre[..., :-1, :] + x[..., :-1, :] - offset).astype(f64), -np.inf)
+    amax = a.max(axis=-1, keepdims=True)
+    p = xp.exp(a - finite_or_zero(xp, amax))  # 0 where a step is not taken
+    gm = marg[..., 1:, :].astype(f64) * weight[..., None, None].astype(f64)
+    with np.errstate(over="ignore", invalid="ignore"):  # -inf - -inf: NaN, flagged where it counts
+        scale = amax + col - pre[..., 1:, :].astype(f64)
+        r = xp.where(gm == 0, 0, gm * xp.exp(xp.minimum(scale, LIMIT)))
+    bad: Array = ((gm != 0) & ~(scale <= LIMIT)) | ~xp.isfinite(r) | xp.isnan(amax)
+    return p, r, bad
 
 
 def _exact_where_not(chain: Chain, pre: Array, norm: Array, marg: Array, weight: Array, ok: Array,
