@@ -118,7 +118,7 @@ def transition_grad_gemm(chain: Chain, pre: Array, norm: Array, marg: Array, wei
                                    last[:, part], col)
         if steps == 1:  # one matrix per group: sum over all its rows and steps
             acc[:, 0] += xp.matmul(p.reshape(groups, -1, c).swapaxes(-1, -2), r.reshape(groups, -1, c))
-            ok &= ~bad.reshape(groups, -1).any(axis=1)[:, None]
+            ok &= ~bad.reshape(groups, -1).any(axis=1, keepdims=True)
         else:  # one matrix per group and step: sum over the group's rows
             acc += xp.matmul(p.transpose(0, 2, 3, 1), r.transpose(0, 2, 1, 3))
             ok &= ~bad.any(axis=(1, 3))
