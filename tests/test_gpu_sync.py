@@ -20,7 +20,7 @@ HOT_PATHS = {
     "spchain.blockdiag": {"batched_matmul": None, "gemm_plan": None, "_block_diag_product": None,
                           "_grouped_product": None, "_grouped_weight_grad": None},
     "spchain.sparse": {"_gpu_spmm": None, "_cupyx_csr": "structure.canonical"},
-    "spchain._sparse_chain": {"forward": None, "backward": None},
+    "spchain._sparse_chain": {"forward": None, "backward": None, "_values_grad_on_device": None},
     "spchain._logspace": {"log_product": "on_device(xp)", "_recompute_lost_on_device": None,
                           "product_epilogue": None, "log_matmul": "posinf and on_device(xp)",
                           "_log_matmul_on_device": None, "log_matmul_grads": "on_device(xp)",

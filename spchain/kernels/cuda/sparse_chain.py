@@ -92,31 +92,46 @@ def _backward_kernel(dtype):
     return backward_kernel
 
 
+@cuda.jit(device=True)
+def _values_grad_chunk(x, indptr, indices, values, lengths, pre, norm, marg, weight, partial, k, i):
+    """``partial[k, q]`` for the entries ``q`` of matrix row ``i``, over the rows of chunk ``k``."""
+    rows = x.shape[0]
+    chunks = partial.shape[0]
+    zero = partial.dtype.type(0)
+    for q in range(indptr[i], indptr[i + 1]):
+        partial[k, q] = zero
+    for b in range(k * rows // chunks, (k + 1) * rows // chunks):
+        w = weight[b]
+        for t in range(lengths[b] - 1):
+            d = norm[b, t]
+            a = pre[b, t, i] + x[b, t, i]
+            if _finite(d):
+                a -= d
+            if a == x.dtype.type(-math.inf):
+                continue
+            for q in range(indptr[i], indptr[i + 1]):
+                j = indices[q]
+                gm = marg[b, t + 1, j]
+                if gm != zero:
+                    partial[k, q] += w * gm * math.exp(a + values[q] - pre[b, t + 1, j])
+
+
 @cuda.jit
 def values_grad_kernel(x, indptr, indices, values, lengths, pre, norm, marg, weight, partial):
-    rows, v, c = x.shape
-    chunks = partial.shape[0]
-    start = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    for ki in range(start, chunks * c, stride):
-        k = ki // c
-        i = ki % c
-        for q in range(indptr[i], indptr[i + 1]):
-            partial[k, q] = 0.0
-        for b in range(k * rows // chunks, (k + 1) * rows // chunks):
-            w = weight[b]
-            for t in range(lengths[b] - 1):
-                d = norm[b, t]
-                a = pre[b, t, i] + x[b, t, i]
-                if _finite(d):
-                    a -= d
-                if a == -math.inf:
-                    continue
-                for q in range(indptr[i], indptr[i + 1]):
-                    j = indices[q]
-                    gm = marg[b, t + 1, j]
-                    if gm != 0.0:
-                        partial[k, q] += w * gm * math.exp(a + values[q] - pre[b, t + 1, j])
+    c = x.shape[2]
+    for ki in range(cuda.grid(1), partial.shape[0] * c, cuda.gridsize(1)):
+        _values_grad_chunk(x, indptr, indices, values, lengths, pre, norm, marg, weight, partial, ki // c, ki % c)
+
+
+@cuda.jit
+def values_grad_masked_kernel(x, indptr, indices, values, lengths, pre, norm, marg, weight, ok, partial):
+    """:func:`values_grad_kernel` unless ``ok[0]`` (read on the device: the scaled value
+    gradient needs no exact recomputation), which leaves ``partial`` as it is."""
+    if ok[0]:
+        return
+    c = x.shape[2]
+    for ki in range(cuda.grid(1), partial.shape[0] * c, cuda.gridsize(1)):
+        _values_grad_chunk(x, indptr, indices, values, lengths, pre, norm, marg, weight, partial, ki // c, ki % c)
 
 
 @cuda.jit
@@ -189,6 +204,15 @@ def launch_values_grad(x, indptr, indices, values, lengths, pre, norm, marg, wei
         return
     values_grad_kernel[config.blocks_for(work), config.THREADS_PER_BLOCK, stream](
         x, indptr, indices, values, lengths, pre, norm, marg, weight, partial)
+
+
+def launch_values_grad_masked(x, indptr, indices, values, lengths, pre, norm, marg, weight, ok, partial, stream=0):
+    """:func:`launch_values_grad` where ``ok[0]`` is False (on the device); else nothing."""
+    work = partial.shape[0] * x.shape[2]
+    if work == 0:
+        return
+    values_grad_masked_kernel[config.blocks_for(work), config.THREADS_PER_BLOCK, stream](
+        x, indptr, indices, values, lengths, pre, norm, marg, weight, ok, partial)
 
 
 def launch_viterbi(x, t_indptr, t_rows, t_values, init, lengths, work, backptr, score, path, stream=0):
