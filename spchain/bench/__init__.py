@@ -9,6 +9,7 @@ reference, ratios against spchain) and writes a PNG bar chart.
 
     python -m spchain bench --quick            # small sizes, under a minute
     python -m spchain bench --only chain       # one full-size workload
+    python -m spchain bench --device cuda --json out.json   # on a GPU (CUDA-event times), also as JSON
 """
 
 import argparse
