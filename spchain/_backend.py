@@ -66,10 +66,6 @@ class Backend:
         device: AbstractContextManager[Any] = self.xp.cuda.Device(self.device)
         return device
 
-    def numba_stream(self) -> Any:
-        """The Numba handle of CuPy's current stream, for launching kernels on it."""
-        return numba_cuda().external_stream(self.xp.cuda.get_current_stream().ptr)
-
     def kernel(self, module: str, op: str) -> Callable[..., Any]:
         """Kernel ``op`` of ``spchain/kernels/cpu/<module>.py``, or on the GPU the launcher
         ``launch_<op>`` of ``spchain/kernels/cuda/<module>.py``, bound to CuPy's current stream.
@@ -78,13 +74,37 @@ class Backend:
         """
         if self.device is None:
             return _cpu_kernel(module, op)
-        launcher = getattr(importlib.import_module(f".kernels.cuda.{module}", __package__), f"launch_{op}")
-        return functools.partial(launcher, stream=self.numba_stream())
+        return device_kernel(self.xp, module, op)
 
     def to_host(self, a: Array) -> NDArray[Any]:
         """``a`` as a NumPy array (a copy from the device on the GPU)."""
         host: NDArray[Any] = a if self.device is None else self.xp.asnumpy(a)
         return host
+
+
+def device_kernel(xp: ModuleType, module: str, op: str) -> Callable[..., Any]:
+    """The launcher ``launch_<op>`` of ``spchain/kernels/cuda/<module>.py`` bound to ``xp``'s
+    (CuPy's) current stream, its device arrays passed to Numba without a synchronisation.
+
+    By the CUDA array interface (v3) Numba makes the host wait for the stream of every CuPy
+    array it is given, at each launch. The kernel runs on that very stream, after the work
+    that made its arguments, so the wait buys nothing and would stall every step of a sweep.
+    """
+    launcher = getattr(importlib.import_module(f".kernels.cuda.{module}", __package__), f"launch_{op}")
+    cuda = numba_cuda()
+    if xp is np:  # the GPU branches on NumPy arrays, their kernels under Numba's simulator (CPU twins)
+        def simulated(*args: Any) -> Any:  # a read-only view (a broadcast) goes in as a copy: none comes back
+            return launcher(*(cuda.to_device(a) if isinstance(a, np.ndarray) and not a.flags.writeable else a
+                              for a in args))
+
+        return simulated
+    stream = cuda.external_stream(xp.cuda.get_current_stream().ptr)
+
+    def launch(*args: Any) -> Any:
+        return launcher(*(cuda.as_cuda_array(a, sync=False) if hasattr(a, "__cuda_array_interface__") else a
+                          for a in args), stream=stream)
+
+    return launch
 
 
 @functools.cache

@@ -73,10 +73,8 @@ def use_gemm(chain: Chain) -> bool:
     per row and step) the log-space kernels cost about ``rows * c²`` exponentials a step, the
     GEMM sweep a fixed overhead of array calls, ``G * c²`` exponentials and a call per
     transition matrix, and O(rows * c) elementwise work, the ``rows * c²`` multiply-adds going
-    to BLAS; the constants are seconds fitted on a 2-core CPU. On the GPU the GEMM sweep pays
-    kernel launches and host synchronisations every step: on an H100 the kernel sweep was 3.5x
-    (forward) and 5.4x (forward + backward) faster at batch 500, v 40, c 200, so the GPU
-    always takes it.
+    to BLAS; the constants are seconds fitted on a 2-core CPU. The GPU has a model of its own
+    (:func:`gpu_gemm_wins`).
     """
     rows, _, c = chain.x.shape
     if c == 0:  # nothing to multiply: the kernels' empty sums give -inf
@@ -85,12 +83,37 @@ def use_gemm(chain: Chain) -> bool:
         return _SWEEP.get() == "gemm"
     groups = chain.trans.shape[0]
     if chain.backend.on_gpu:
-        return False
+        return gpu_gemm_wins(rows, c, groups)
     if _chain_scaled.applies(chain):
         return bool(chain.group * c * c >= (1e6 if chain.trans.shape[1] > 1 else 4e6))
     kernel = rows * (1.0e-9 * c * c + 5e-7)
     gemm = 3e-5 + groups * (1.5e-9 * c * c + 1.5e-6) + 1.5e-8 * rows * c
     return bool(gemm < kernel)
+
+
+GPU_ROWS_AT_ONCE = 1024
+"""Rows the kernel sweep runs at once on a GPU (a block each: about 8 blocks on each of an
+H100's 132 multiprocessors)."""
+
+
+def gpu_gemm_wins(rows: int, c: int, groups: int) -> bool:
+    """Whether, on a GPU, the GEMM sweep is expected to beat the kernel sweep (per step; both
+    take every step, so the number of steps drops out).
+
+    The kernel sweep runs its rows in waves of :data:`GPU_ROWS_AT_ONCE` blocks; a block
+    spends about 1.2 µs per state on each of its ``c`` states (one ``exp`` a term, threads over
+    the states in tiles of 256): 9.3 ms for the chain workload's forward (500 rows, 40 steps,
+    c 200) on an H100. The GEMM sweep, free of synchronisations, is bound by its twenty-odd
+    array calls a step (about 250 µs of host time) plus the exponentials of the ``groups``
+    transition matrices (memory bound). So at the workload's size the two are even, and the
+    GEMM sweep wins from larger ``c`` or more rows. The constants are estimates from one H100
+    run and CuPy's per-call overhead; ``scripts/gpu-check.sh`` measures the chain workloads
+    to refit them.
+    """
+    waves = -(-rows // GPU_ROWS_AT_ONCE)
+    kernel = waves * c * -(-c // 256) * 1.2e-6
+    gemm = 2.5e-4 + groups * c * c * 1.5e-11
+    return gemm < kernel
 
 
 def normalise(xp: ModuleType, q: Array) -> tuple[tuple[Array, Array, Array], Array]:
@@ -176,11 +199,21 @@ def backward_finite(chain: Chain, pre: Array, norm: Array, weight: Array,
         chain.backend.kernel("chain", "chain_backward")(chain.x, chain.trans, chain.group, chain.lengths, norm, beta)
         inside = (xp.arange(v)[None, :] < chain.lengths[:, None])[..., None]
         marginals, _ = renormalise(xp, xp.where(inside, xp.exp(normalised(xp, pre, chain.x, norm) + beta), 0))
-        if trans_grad:
+        if grad_trans is not None and batched_counts(chain):
+            _chain_scaled.transition_grad_gemm(chain, pre, norm, marginals, weight, grad_trans)
+        elif grad_trans is not None:
             kernel = chain.backend.kernel("chain", "chain_transition_grad")
             kernel(chain.x, chain.trans, chain.group, chain.lengths, pre, norm, marginals, weight, grad_trans)
         grad_x = marginals * weight[:, None, None]
     return grad_x, grad_trans
+
+
+def batched_counts(chain: Chain) -> bool:
+    """Whether the transition gradient is one batched GEMM after the backward sweep
+    (:func:`_chain_scaled.transition_grad_gemm`): on the GPU, where the alternatives are a
+    kernel that walks each matrix's rows serially and a GEMM sweep's per-step products and
+    synchronisations. The CPU keeps its kernels and per-step products (its measured figures)."""
+    return chain.backend.on_gpu
 
 
 def renormalise(xp: ModuleType, marginals: Array) -> tuple[Array, Array]:
@@ -208,8 +241,9 @@ def _backward_gemm(chain: Chain, pre: Array, norm: Array, weight: Array, grad_tr
     norm3 = norm.reshape(shape + (v,))
     last = (chain.lengths - 1).reshape(shape)[..., None]
     w = weight.reshape(shape)[..., None]
-    grad_x = xp.zeros(shape + (v, c), chain.x.dtype)
+    grad_x = xp.zeros(shape + (v, c), chain.x.dtype)  # the marginals, weighted at the end if batched
     beta = xp.full(shape + (c,), -np.inf, chain.x.dtype)
+    batched = grad_trans is not None and batched_counts(chain)
 
     def message(t: int) -> Array:
         return normalised(xp, pre4[:, :, t], x[:, :, t], norm3[:, :, t])
@@ -220,12 +254,12 @@ def _backward_gemm(chain: Chain, pre: Array, norm: Array, weight: Array, grad_tr
         beta = xp.where(last == t, 0, beta)
         marginals, log_total = renormalise(xp, xp.where(active, xp.exp(forward + beta), 0))
         beta = beta - log_total
-        grad_x[:, :, t] = marginals * w
+        grad_x[:, :, t] = marginals if batched else marginals * w
         if t == 0:
             break
         trans = chain.step_matrices(t - 1)
         forward = message(t - 1)
-        if grad_trans is not None:
+        if grad_trans is not None and not batched:
             before = xp.where(active, forward, -np.inf)
             step = t - 1 if chain.per_step else 0
             _, counts = _logspace.log_matmul_grads(xp, before, trans, pre4[:, :, t], grad_x[:, :, t], need_a=False)
@@ -235,7 +269,10 @@ def _backward_gemm(chain: Chain, pre: Array, norm: Array, weight: Array, grad_tr
             grad_trans[:, step] += xp.where(reached, counts, 0)  # gets 0, even for a NaN matrix
         y = xp.where(active, x[:, :, t] + beta, -np.inf)
         d = norm3[:, :, t, None]
-        beta = xp.where(d == -np.inf, -np.inf, _logspace.log_matmul(xp, y, trans.swapaxes(-1, -2)) - d)
+        beta = xp.where(d == -np.inf, -np.inf, _logspace.log_matmul(xp, y, trans.swapaxes(-1, -2), posinf=False) - d)
+    if batched:
+        _chain_scaled.transition_grad_gemm(chain, pre, norm, grad_x.reshape(rows, v, c), weight, grad_trans)
+        grad_x *= w[..., None]
     return grad_x.reshape(rows, v, c)
 
 

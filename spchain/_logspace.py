@@ -8,6 +8,7 @@ exactly in log space.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -59,12 +60,14 @@ def scaled(xp: ModuleType, a: Array, axis: int) -> tuple[Array, Array, Array]:
     return xp.exp(a - shift), shift, top
 
 
-def log_matmul(xp: ModuleType, a: Array, b: Array, out: Array | None = None) -> Array:
+def log_matmul(xp: ModuleType, a: Array, b: Array, out: Array | None = None, posinf: bool = True) -> Array:
     """``log(exp(a) @ exp(b))`` over the last two axes, leading axes broadcast.
 
     ``a`` (..., m, k) and ``b`` (..., k, n) of one float dtype. Never builds an (m, k, n)
     tensor: the product is one GEMM on ``exp(a - rowmax(a))`` and ``exp(b - colmax(b))``
-    (:func:`log_product`). Writes into ``out`` if given.
+    (:func:`log_product`). Writes into ``out`` if given. ``posinf=False`` promises operands
+    without ``+inf`` (the chain sweeps'), which spares the search for them, a synchronisation
+    on the GPU.
     """
     k = a.shape[-1]
     shape = np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1])
@@ -73,8 +76,10 @@ def log_matmul(xp: ModuleType, a: Array, b: Array, out: Array | None = None) -> 
             return xp.full(shape, -np.inf, dtype=a.dtype)
         out[...] = -np.inf
         return out
+    if posinf and on_device(xp):
+        return _log_matmul_on_device(xp, a, b, out)
     a_scaled, b_scaled = scaled(xp, a, -1), scaled(xp, b, -2)
-    infinite = PosInf.of(xp, a, b, a_scaled[2], b_scaled[2])
+    infinite = PosInf.of(xp, a, b, a_scaled[2], b_scaled[2]) if posinf else None
     if infinite is None:
         return log_product(xp, a_scaled, b_scaled, lambda: a, b, out)
     a, b = infinite.a, infinite.b
@@ -141,17 +146,58 @@ def log_product(xp: ModuleType, a_scaled: tuple[Array, Array, Array], b_scaled: 
     """
     (ua, a_shift, a_top), (ub, b_shift, b_top) = a_scaled, b_scaled
     product = _backend.matmul(xp, ua, ub)
+    threshold = underflow_threshold(product.dtype, ua.shape[-1])
+    if on_device(xp):  # one fused pass; the flags stay on the device: no synchronisation
+        out = xp.empty(product.shape, product.dtype) if out is None else out
+        lost = xp.empty(product.shape, bool)
+        product_epilogue(xp)(product, a_shift, b_shift, a_top, b_top, threshold, -np.inf, out, lost)
+        _recompute_lost_on_device(xp, a(), b, out, lost)
+        return out
     with np.errstate(divide="ignore"):
         out = xp.log(product, out=out)
     out += a_shift
     out += b_shift
-    lost = product < underflow_threshold(product.dtype, ua.shape[-1])
+    lost = product < threshold
     if lost.any():
         lost &= a_top > -np.inf
         lost &= b_top > -np.inf
         if lost.any():
             _recompute_lost(xp, a(), b, out, lost)
     return out
+
+
+def _numpy_epilogue(product: Array, a_shift: Array, b_shift: Array, a_top: Array, b_top: Array, threshold: float,
+                    neg_inf: float, out: Array, lost: Array) -> None:
+    """The NumPy twin of the GPU's fused epilogue (:func:`product_epilogue`): the same
+    arguments, the same results."""
+    with np.errstate(divide="ignore"):
+        np.log(product, out=out)
+    out += a_shift
+    out += b_shift
+    np.logical_and(product < threshold, (a_top > neg_inf) & (b_top > neg_inf), out=lost)
+
+
+@functools.cache
+def product_epilogue(xp: ModuleType) -> Callable[..., Any]:
+    """What follows the GEMM of :func:`log_product`, in one pass: ``out = log(product) +
+    a_shift + b_shift`` and ``lost = product < threshold`` where the row's and the column's
+    maxima are above ``neg_inf`` (arguments broadcast; ``out`` and ``lost`` written in place).
+    On CuPy one ``ElementwiseKernel`` (instead of five passes and their temporaries), on
+    NumPy its twin of identical semantics."""
+    if xp is np:
+        return _numpy_epilogue
+    kernel: Callable[..., Any] = xp.ElementwiseKernel(
+        "T product, T a_shift, T b_shift, T a_top, T b_top, T threshold, T neg_inf", "T out, bool lost",
+        "out = log(product) + a_shift + b_shift; "
+        "lost = product < threshold && a_top > neg_inf && b_top > neg_inf",
+        "spchain_log_product_epilogue")
+    return kernel
+
+
+def on_device(xp: ModuleType) -> bool:
+    """Whether ``xp`` is CuPy, whose hot paths must not synchronise with the host (checked by
+    tests/test_gpu_sync.py): their flags stay on the device, read by the kernels themselves."""
+    return xp is not np
 
 
 def log_matmul_grads(xp: ModuleType, a: Array, b: Array, out: Array, grad: Array, need_a: bool = True,
@@ -173,6 +219,9 @@ def log_matmul_grads(xp: ModuleType, a: Array, b: Array, out: Array, grad: Array
     grad_a = xp.zeros(batch_shape + (m, k), a.dtype) if need_a else None
     grad_b = xp.zeros(batch_shape + (k, n), a.dtype) if need_b else None
     if 0 in out.shape or k == 0:
+        return grad_a, grad_b
+    if on_device(xp):
+        _log_matmul_grads_on_device(xp, a, b, out, grad, grad_a, grad_b)
         return grad_a, grad_b
     a_top, b_top = a.max(axis=-1, keepdims=True), b.max(axis=-2, keepdims=True)
     infinite = PosInf.of(xp, a, b, a_top, b_top)
@@ -210,6 +259,62 @@ def log_matmul_grads(xp: ModuleType, a: Array, b: Array, out: Array, grad: Array
     return grad_a, grad_b
 
 
+def _without_posinf(xp: ModuleType, a: Array, b: Array) -> tuple[Array, Array, Array]:
+    """``(found, a, b)``: whether ``a`` or ``b`` holds ``+inf`` (a device array of one flag) and
+    the operands with ``+inf`` made ``-inf`` (:class:`PosInf`), without a synchronisation."""
+    found = (xp.isposinf(a).any() | xp.isposinf(b).any()).reshape(1)
+    return found, xp.where(xp.isposinf(a), -np.inf, a), xp.where(xp.isposinf(b), -np.inf, b)
+
+
+def _log_matmul_on_device(xp: ModuleType, a: Array, b: Array, out: Array | None) -> Array:
+    """:func:`log_matmul` on the GPU without a synchronisation: the product of the operands
+    with ``+inf`` made ``-inf``, then one kernel sets the outputs with a ``+inf`` term to
+    ``+inf`` (it reads on the device whether there is any, and returns at once if not)."""
+    found, clean_a, clean_b = _without_posinf(xp, a, b)
+    out = log_product(xp, scaled(xp, clean_a, -1), scaled(xp, clean_b, -2), lambda: clean_a, clean_b, out)
+    _on_entries(xp, "posinf_fixup", a, b, out, found)
+    return out
+
+
+def _log_matmul_grads_on_device(xp: ModuleType, a: Array, b: Array, out: Array, grad: Array,
+                                grad_a: Array | None, grad_b: Array | None) -> None:
+    """:func:`log_matmul_grads` on the GPU without a synchronisation: the scaled GEMMs on the
+    operands with ``+inf`` made ``-inf``, then one kernel adds, with atomics, the exact terms
+    of the entries whose scaled sum underflowed and the shares of the ``+inf`` outputs (it
+    reads both flags on the device)."""
+    k = a.shape[-1]
+    found, clean_a, clean_b = _without_posinf(xp, a, b)
+    finite_grad = xp.where(xp.isposinf(out), 0, grad)
+    u = xp.exp(clean_a - finite_or_zero(xp, clean_a.max(axis=-1, keepdims=True)))
+    e = xp.exp(clean_b - finite_or_zero(xp, clean_b.max(axis=-2, keepdims=True)))
+    scaled_sum = _backend.matmul(xp, u, e)
+    lost = scaled_sum < underflow_threshold(a.dtype, k)
+    scale = xp.where(xp.isfinite(finite_grad), xp.abs(finite_grad), 0).max(axis=(-2, -1), keepdims=True)
+    scale = xp.where(scale > 0, scale, 1)
+    w = xp.where(lost | (finite_grad == 0), 0, (finite_grad / scale) / xp.where(lost, 1, scaled_sum))
+    if grad_a is not None:
+        grad_a += scale * u * _backend.matmul(xp, w, e.swapaxes(-1, -2))
+    if grad_b is not None:
+        grad_b += scale * e * _backend.matmul(xp, u.swapaxes(-1, -2), w)
+    exact = (lost & (finite_grad != 0) & (out > -np.inf)).astype(np.uint8)
+    none = xp.zeros((0, 1, 1), a.dtype)
+    _on_entries(xp, "log_product_grads", a, b, out, found, flat_batch(xp.broadcast_to(grad, out.shape)),
+                flat_batch(exact), none if grad_a is None else flat_batch(grad_a),
+                none if grad_b is None else flat_batch(grad_b))
+
+
+def _on_entries(xp: ModuleType, op: str, a: Array, b: Array, out: Array, *args: Array) -> None:
+    """Launch ``op`` of ``spchain/kernels/cuda/logspace.py``, a thread an entry of ``out``, with
+    ``a`` and ``b`` as (B, m, k) and (B, k, n) and the index of each entry's own, and ``out``
+    flattened to (P, m, n) (written back if that took a copy)."""
+    a3, b3, a_index, b_index = batched_operands(xp, a, b, out.shape[:-2])
+    view = out.ndim <= 3 or out.flags.c_contiguous  # then flat_batch(out) is a view of out
+    flat_out = flat_batch(out if view else xp.ascontiguousarray(out))
+    _backend.device_kernel(xp, "logspace", op)(a3, b3, a_index, b_index, *args[:1], flat_out, *args[1:])
+    if not view:
+        out[...] = flat_out.reshape(out.shape)
+
+
 def flat_batch(a: Array, tail: int = 2) -> Array:
     """``a`` with its leading axes (all but the last ``tail``) flattened into one."""
     return a.reshape((int(np.prod(a.shape[:a.ndim - tail], dtype=np.int64)),) + a.shape[a.ndim - tail:])
@@ -236,6 +341,12 @@ def _chunks(count: int, width: int) -> list[slice]:
     """Slices of ``range(count)`` whose gathered ``(len, width)`` blocks stay under FIXUP_CHUNK."""
     step = max(1, FIXUP_CHUNK // max(width, 1))
     return [slice(start, start + step) for start in range(0, count, step)]
+
+
+def _recompute_lost_on_device(xp: ModuleType, a: Array, b: Array, out: Array, lost: Array) -> None:
+    """:func:`_recompute_lost` as one CUDA kernel that reads ``lost`` on the device and
+    recomputes only the flagged entries (``spchain/kernels/cuda/logspace.py``)."""
+    _on_entries(xp, "log_product_fixup", a, b, out, flat_batch(lost).astype(np.uint8))
 
 
 def _recompute_lost(xp: ModuleType, a: Array, b: Array, out: Array, lost: Array) -> None:

@@ -11,7 +11,9 @@ at the stored entries only. On the CPU the forward and backward sweeps exponenti
 values once and run scaled SpMVs (``spchain/kernels/cpu/sparse_chain_scaled.py``: ``c``
 exponentials and logarithms and ``nnz`` multiply-adds a step and row, log space only where a
 scaled sum underflows), the backward sweep giving the marginals and the value gradient in one
-pass; on the GPU (and for Viterbi) they run in log space (``spchain/kernels/*/sparse_chain.py``). The
+pass; on the GPU the forward and backward messages come from scaled SpMVs in the data's dtype,
+and the value gradient from one SDDMM of scaled factors (log space where they leave range);
+Viterbi runs in log space (``spchain/kernels/*/sparse_chain.py``). The
 path functions other than Viterbi run on the dense matrix (:func:`densified`, O(c²) memory).
 """
 
@@ -102,10 +104,13 @@ def forward(chain: Chain) -> tuple[Array, Array, Array]:
         chain.backend.kernel("sparse_chain_scaled", "forward")(chain.x, s.t_indptr, s.t_rows, scaled.t_values,
                                                               scaled.t_e, scaled.cmax, chain.init, chain.lengths,
                                                               pre, norm, min(rows, _threads(chain.backend)))
-    elif rows:
+    elif rows:  # the GPU: scaled SpMVs too, the stored values exponentiated once in the data's dtype
         t_values = xp.ascontiguousarray(_values(chain)[s.order])
-        chain.backend.kernel("sparse_chain", "forward")(chain.x, s.t_indptr, s.t_rows, t_values, chain.init,
-                                                       chain.lengths, pre, norm)
+        cmax, t_e = xp.empty(c, chain.x.dtype), xp.empty_like(t_values)
+        chain.backend.kernel("sparse_chain", "shifted_exp")(s.t_indptr, t_values, cmax, t_e)
+        chain.backend.kernel("sparse_chain", "forward_scaled")(chain.x, s.t_indptr, s.t_rows, t_values, t_e, cmax,
+                                                              chain.init, chain.lengths, xp.empty((rows, c), chain.x.dtype),
+                                                              pre, norm)
     inside = xp.arange(v)[None, :] < chain.lengths[:, None]
     log_partition = xp.where(inside, norm, 0).sum(axis=1, dtype=np.float64).astype(chain.x.dtype)
     return log_partition, pre, norm
@@ -126,16 +131,49 @@ def backward(chain: Chain, pre: Array, norm: Array, weight: Array,
         return _backward_scaled(chain, pre, norm, weight, grad_trans)
     values = xp.ascontiguousarray(_values(chain))
     beta = xp.empty_like(chain.x)
-    chain.backend.kernel("sparse_chain", "backward")(chain.x, s.indptr, s.indices, values, chain.lengths, norm, beta)
+    rmax, row_e = xp.empty(c, chain.x.dtype), xp.empty_like(values)  # the GPU: scaled SpMVs, as the forward
+    chain.backend.kernel("sparse_chain", "shifted_exp")(s.indptr, values, rmax, row_e)
+    chain.backend.kernel("sparse_chain", "backward_scaled")(chain.x, s.indptr, s.indices, values, row_e, rmax,
+                                                           chain.lengths, norm, xp.empty((rows, c), chain.x.dtype), beta)
     inside = (xp.arange(v)[None, :] < chain.lengths[:, None])[..., None]
     marginals, _ = renormalise(xp, xp.where(inside, xp.exp(normalised(xp, pre, chain.x, norm) + beta), 0))
     if trans_grad and values.shape[0]:
-        chunks = min(rows, _threads(chain.backend))  # the CPU kernels' chunks of rows
-        partial = xp.empty((chunks, values.shape[0]), chain.x.dtype)
-        chain.backend.kernel("sparse_chain", "values_grad")(chain.x, s.indptr, s.indices, values, chain.lengths,
-                                                           pre, norm, marginals, weight, partial)
-        grad_trans = partial.sum(axis=0).reshape(chain.trans.shape)
+        grad_trans = _values_grad_on_device(chain, values, pre, norm, marginals, weight).reshape(chain.trans.shape)
     return marginals * weight[:, None, None], grad_trans
+
+
+def _values_grad_on_device(chain: Chain, values: Array, pre: Array, norm: Array, marg: Array,
+                           weight: Array) -> Array:
+    """The gradient of the stored values on the GPU, by scaled products: entry ``q = (i, j)``
+    gets ``e[q] · Σ p[i] r[j]`` over the row-steps (the factors of
+    :func:`spchain._chain_scaled.scaled_factors`; ``e = exp(T - cmax)``), an SDDMM of ``Pᵀ`` and
+    ``Rᵀ`` at the stored entries, in float64 and in chunks of rows. Where any scale factor left
+    range, the log-space kernel recomputes the whole gradient; it reads that flag on the
+    device, so nothing synchronises."""
+    from . import _chain_scaled
+
+    xp, s = chain.xp, _structure(chain)
+    rows, v, c = chain.x.shape
+    nnz, f64 = values.shape[0], np.float64
+    kernel = chain.backend.kernel
+    cmax, t_e, e = xp.empty(c, f64), xp.empty(nnz, f64), xp.empty(nnz, f64)
+    kernel("sparse_chain", "shifted_exp")(s.t_indptr, values[s.order].astype(f64), cmax, t_e)
+    e[s.order] = t_e
+    acc, part_acc = xp.zeros(nnz, f64), xp.empty(nnz, f64)
+    bad = xp.zeros(1, bool)
+    width = max(1, _chain_scaled.CHUNK // max(v * c, 1))
+    for k in range(0, rows, width):
+        part = slice(k, k + width)
+        p, r, flags = _chain_scaled.scaled_factors(xp, chain.x[part], pre[part], norm[part], marg[part], weight[part],
+                                                   chain.lengths[part] - 1, cmax)
+        kernel("sparse", "sddmm")(s.indptr, s.indices, xp.ascontiguousarray(p.reshape(-1, c).T),
+                                  xp.ascontiguousarray(r.reshape(-1, c).T), part_acc)
+        acc += part_acc
+        bad |= flags.any()
+    partial = xp.zeros((1, nnz), values.dtype)
+    kernel("sparse_chain", "values_grad_masked")(chain.x, s.indptr, s.indices, values, chain.lengths, pre, norm, marg,
+                                                 weight, ~bad, partial)
+    return xp.where(bad, partial[0], (e * acc).astype(values.dtype))
 
 
 @dataclasses.dataclass(frozen=True)

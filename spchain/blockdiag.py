@@ -5,8 +5,9 @@
 routing of a mixture-of-experts layer). Neither ever copies a weight per row: each is one
 BLAS/cuBLAS product per group on strided views of the caller's arrays (in one batched
 ``matmul`` call for the block-diagonal product), writing straight into the result. On
-NumPy the views go to BLAS as they are; CuPy copies a strided operand to a contiguous one
-first, which costs at most the size of that operand.
+NumPy the views go to BLAS as they are; on the GPU the block-diagonal products, and grouped
+products of equal groups, are one strided-batched cuBLAS GEMM on the views
+(:func:`batched_matmul`: no operand copied), while ragged groups take a cuBLAS product each.
 
 The gradients of both products are products of the same kind: the input gradient is the
 product with the transposed weight, and the weight gradient of group g is
@@ -17,6 +18,7 @@ product with the transposed weight, and the weight gradient of group g is
 
 from __future__ import annotations
 
+import importlib
 import math
 import numbers
 from collections.abc import Callable, Iterator, Sequence
@@ -122,13 +124,77 @@ def _block_diag_product(backend: Backend, x: Array, w: Array, dtype: np.dtype[An
             rows = math.prod(x.shape[:-2])
             x = x.astype(dtype, copy=False).reshape(rows, groups, d_in)
             w = w.astype(dtype, copy=False)
-            _backend.matmul(
-                xp,
-                _blas_layout(xp, x.swapaxes(0, 1)),
-                _blas_layout(xp, w),
-                out=out.reshape(rows, groups, d_out).swapaxes(0, 1),
-            )
+            batched_matmul(xp, _blas_layout(xp, x.swapaxes(0, 1)), _blas_layout(xp, w),
+                           out.reshape(rows, groups, d_out).swapaxes(0, 1))
     return out
+
+
+def batched_matmul(xp: ModuleType, a: Array, b: Array, out: Array) -> None:
+    """``out[g] = a[g] @ b[g]`` for (G, m, k), (G, k, n) and (G, m, n) strided views whose
+    matrices have a unit stride (:func:`_blas_layout`) and ``out``'s rows a unit stride.
+
+    On the GPU one strided-batched cuBLAS GEMM reads and writes the views where they lie
+    (:func:`gemm_plan`), where ``cupy.matmul`` would copy a strided operand to a contiguous one
+    and compute into a temporary; elsewhere ``matmul`` with ``out``.
+    """
+    plan = gemm_plan(a, b, out) if xp is not np and out.size and a.shape[-1] else None
+    if plan is None:
+        _backend.matmul(xp, a, b, out=out)
+        return
+    cublas = importlib.import_module("cupy_backends.cuda.libs.cublas")
+    gemm = cublas.sgemmStridedBatched if out.dtype == np.float32 else cublas.dgemmStridedBatched
+    one, zero = np.ones(1, out.dtype), np.zeros(1, out.dtype)
+    handle = xp.cuda.device.get_cublas_handle()
+    cublas.setStream(handle, xp.cuda.get_current_stream().ptr)
+    gemm(handle, plan["transa"], plan["transb"], plan["m"], plan["n"], plan["k"], one.ctypes.data,
+         _address(b), plan["lda"], plan["stride_a"], _address(a), plan["ldb"], plan["stride_b"], zero.ctypes.data,
+         _address(out), plan["ldc"], plan["stride_c"], plan["batch"])
+
+
+def _address(a: Any) -> int:
+    """The device address of a CuPy view's first element."""
+    return int(a.data.ptr)
+
+
+_NO_TRANS, _TRANS = 0, 1  # cuBLAS's CUBLAS_OP_N and CUBLAS_OP_T
+
+
+def gemm_plan(a: Array, b: Array, out: Array) -> dict[str, int] | None:
+    """The arguments of one column-major strided-batched GEMM (cuBLAS's ``gemmStridedBatched``)
+    that computes ``out[g] = a[g] @ b[g]`` on the views as they lie, or ``None`` where none
+    does (``out``'s rows not of unit stride, an operand without a unit stride, mixed dtypes,
+    a size past int32).
+
+    Column-major, ``out`` with unit-stride rows is ``outᵀ`` with leading dimension its row
+    stride, and ``outᵀ = bᵀ aᵀ``: cuBLAS's first operand is ``b`` and its second ``a``, each
+    as it lies (``N``) where its rows have unit stride, else transposed (``T``). Strides are in
+    elements; a batch of one has batch stride 0.
+    """
+    item = out.itemsize
+
+    def operand(v: Array) -> tuple[int, int] | None:
+        """(op, leading dimension) of view ``v`` (r, s), seen column-major as ``vᵀ``."""
+        r, s = v.shape[-2:]
+        row, col = v.strides[-2] // item, v.strides[-1] // item
+        if col == 1 or s == 1:
+            return _NO_TRANS, max(row if r > 1 else s, s, 1)
+        if row == 1 or r == 1:
+            return _TRANS, max(col if s > 1 else r, r, 1)
+        return None
+
+    batch, m, n = out.shape
+    k = a.shape[-1]
+    first, second = operand(b), operand(a)
+    if first is None or second is None or not (out.strides[-1] == item or n == 1) or \
+            not a.dtype == b.dtype == out.dtype:
+        return None
+    plan = {"transa": first[0], "transb": second[0], "m": n, "n": m, "k": k, "lda": first[1],
+            "ldb": second[1], "ldc": max(out.strides[-2] // item if m > 1 else n, n, 1), "batch": batch,
+            "stride_a": b.strides[0] // item if batch > 1 else 0, "stride_b": a.strides[0] // item if batch > 1 else 0,
+            "stride_c": out.strides[0] // item if batch > 1 else 0}
+    if any(value < 0 or value >= 2**31 for value in plan.values()):
+        return None
+    return plan
 
 
 def block_diag_matmul_forward(x: Array, w: Array) -> Array:
@@ -172,7 +238,11 @@ def _block_diag_weight_grad(x: Array, grad: Array) -> Array:
     x = x.reshape(rows, groups, d_in).transpose(1, 2, 0)
     grad = grad.reshape(rows, groups, d_out).swapaxes(0, 1)
     with backend.use():
-        return _backend.matmul(xp, _blas_layout(xp, x), _blas_layout(xp, grad))
+        if not backend.on_gpu or rows == 0:
+            return _backend.matmul(xp, _blas_layout(xp, x), _blas_layout(xp, grad))
+        out = xp.empty((groups, d_in, d_out), np.promote_types(x.dtype, grad.dtype))
+        batched_matmul(xp, _blas_layout(xp, x), _blas_layout(xp, grad), out)
+        return out
 
 
 def _check_group_sizes(caller: str, group_sizes: Sequence[int] | Array, groups: int,
@@ -276,9 +346,21 @@ def _grouped_product(backend: Backend, x: Array, w: Array, sizes: NDArray[np.int
         x = _blas_layout(xp, x.astype(dtype, copy=False))
         w = _blas_layout(xp, w.astype(dtype, copy=False))
         out = xp.empty((x.shape[0], w.shape[2]), dtype)
+        if _equal_groups(backend, sizes, x):
+            n = int(sizes[0])
+            batched_matmul(xp, x.reshape(-1, n, x.shape[1]), w, out.reshape(-1, n, w.shape[2]))
+            return out
         for g, rows in _row_slices(sizes):
             _backend.matmul(xp, x[rows], w[g], out=out[rows])
     return out
+
+
+def _equal_groups(backend: Backend, sizes: NDArray[np.int64], x: Array) -> bool:
+    """Whether a grouped product on the GPU is one strided-batched GEMM: every group of one
+    non-zero size, ``x`` with unit-stride rows of unit-stride entries (so its groups are views
+    of equal stride). Ragged groups take one cuBLAS product a group."""
+    return bool(backend.on_gpu and sizes.size and sizes[0] > 0 and (sizes == sizes[0]).all()
+                and x.strides[1] == x.itemsize and x.strides[0] == x.itemsize * x.shape[1])
 
 
 def grouped_matmul_forward(x: Array, w: Array, group_sizes: Sequence[int] | Array) -> Array:
@@ -341,6 +423,10 @@ def _grouped_weight_grad(x: Array, grad: Array, sizes: NDArray[np.int64]) -> Arr
     with backend.use():
         out = xp.zeros((sizes.size, x.shape[1], grad.shape[1]), np.promote_types(x.dtype, grad.dtype))
         x, grad = _blas_layout(xp, x), _blas_layout(xp, grad)
+        if _equal_groups(backend, sizes, x) and _equal_groups(backend, sizes, grad):
+            n = int(sizes[0])
+            batched_matmul(xp, x.reshape(-1, n, x.shape[1]).swapaxes(1, 2), grad.reshape(-1, n, grad.shape[1]), out)
+            return out
         for g, rows in _row_slices(sizes):
             _backend.matmul(xp, x[rows].T, grad[rows], out=out[g])
     return out

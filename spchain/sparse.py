@@ -20,6 +20,8 @@ array([3., 8.])
 
 from __future__ import annotations
 
+import importlib
+import weakref
 from typing import Any, Literal
 
 import numpy as np
@@ -39,13 +41,77 @@ def _cupyx_csr(backend: Backend, csr: Csr, data: Array) -> Sparse:
     """A cupyx CSR matrix of ``csr``'s structure and ``data``, safe to hand to cupyx.
 
     cupyx sorts and sums a non-canonical matrix in place before multiplying; so a
-    non-canonical structure is canonicalised on a copy, never on the caller's arrays.
+    non-canonical structure is canonicalised on a copy, never on the caller's arrays. Whether
+    the structure is canonical is found once per structure (:class:`_GpuStructure`), and a
+    canonical one is wrapped around ``data`` with no copy, no validation kernel and no
+    synchronisation.
     """
-    matrix = backend.sparse.csr_matrix((data, csr.indices, csr.indptr), shape=csr.shape)
-    if not matrix.has_canonical_format:
-        matrix = matrix.copy()
-        matrix.sum_duplicates()
+    structure = _GpuStructure.of(backend, csr)
+    if structure.canonical:
+        return structure.matrix(backend, data)
+    matrix = backend.sparse.csr_matrix((data, structure.indices, structure.indptr), shape=csr.shape)
+    matrix = matrix.copy()
+    matrix.sum_duplicates()
     return matrix
+
+
+class _GpuStructure:
+    """What cuSPARSE needs of a structure, worked out once while the :class:`Csr` lives: its
+    index arrays in cupyx's int32 and whether it is canonical (sorted, no duplicates: one
+    check, which synchronises once per structure, never per product)."""
+
+    _cache: dict[int, tuple[weakref.ref[Csr], _GpuStructure]] = {}
+
+    def __init__(self, backend: Backend, csr: Csr) -> None:
+        self.indptr = csr.indptr.astype(np.int32, copy=False)
+        self.indices = csr.indices.astype(np.int32, copy=False)
+        self.shape = csr.shape
+        probe = backend.sparse.csr_matrix((backend.xp.empty(csr.nnz, np.float32), self.indices, self.indptr),
+                                          shape=csr.shape)
+        self.canonical = bool(probe.has_canonical_format)
+
+    @classmethod
+    def of(cls, backend: Backend, csr: Csr) -> _GpuStructure:
+        """The structure of ``csr``, from the cache while ``csr`` lives."""
+        key = id(csr)
+        entry = cls._cache.get(key)
+        if entry is not None and entry[0]() is csr:
+            return entry[1]
+        structure = cls(backend, csr)
+        cls._cache[key] = (weakref.ref(csr, lambda _: cls._cache.pop(key, None)), structure)
+        return structure
+
+    def matrix(self, backend: Backend, data: Array) -> Sparse:
+        """A canonical cupyx CSR matrix of this structure around ``data`` (no copy)."""
+        matrix = backend.sparse.csr_matrix((data, self.indices, self.indptr), shape=self.shape, copy=False)
+        matrix.has_canonical_format = True  # known: spares cupyx's check (a kernel and a synchronisation)
+        return matrix
+
+
+def _cusparse() -> Any:
+    """``cupyx.cusparse``: the cuSPARSE products with an output and a transpose flag."""
+    return importlib.import_module("cupyx.cusparse")
+
+
+def _gpu_spmm(backend: Backend, csr: Csr, data: Array, b: Array, dtype: np.dtype[Any], bias: Array | None,
+              transpose: bool = False) -> Array:
+    """``op(csr) @ b (+ bias[:, None])`` by one cuSPARSE SpMM into a new column-major array:
+    the bias is written first and folded in (``beta = 1``), ``b`` read in column-major order
+    (a copy only if it is not), the transpose taken by cuSPARSE (no transposed matrix built)."""
+    xp = backend.xp
+    m = csr.shape[1] if transpose else csr.shape[0]
+    n = b.shape[1]
+    out = xp.empty((n, m), dtype).T
+    if csr.nnz == 0 or m == 0 or n == 0 or b.shape[0] == 0:
+        out[...] = 0 if bias is None else bias[:, None]
+        return out
+    with backend.use():
+        matrix = _cupyx_csr(backend, csr, data)
+        if bias is not None:
+            out[...] = bias[:, None]
+        _cusparse().spmm(matrix, xp.asfortranarray(b), c=out, alpha=1.0, beta=0.0 if bias is None else 1.0,
+                         transa=transpose)
+    return out
 
 
 # --- products ------------------------------------------------------------------------------
@@ -73,12 +139,7 @@ def matmul(backend: Backend, csr: Csr, b: Array, dtype: np.dtype[Any], bias: Arr
     if bias is not None:
         bias = bias.astype(dtype, copy=False)
     if backend.on_gpu:
-        if csr.nnz == 0 or m == 0 or n == 0:
-            out = xp.zeros((m, n), dtype)
-        else:
-            with backend.use():
-                out = _cupyx_csr(backend, csr, data) @ b
-        return out if bias is None else out + bias[:, None]
+        return _gpu_spmm(backend, csr, data, b, dtype, bias)
     out = np.empty((m, n), dtype)
     if out.size:
         backend.kernel("sparse", _threads(backend, "spmm", csr.nnz * n))(
@@ -340,12 +401,8 @@ def linear_backward(backend: Backend, csr: Csr, transpose: tuple[Csr, Array] | N
     grad_x = grad_values = None
     if need_x:
         if backend.on_gpu:
-            if csr.nnz == 0 or grad_y.shape[0] == 0:
-                grad_x = backend.xp.zeros((grad_y.shape[0], csr.shape[1]), dtype)
-            else:
-                with backend.use():
-                    weight = _cupyx_csr(backend, csr, values.astype(dtype, copy=False))
-                    grad_x = (weight.T @ grad_yt.astype(dtype, copy=False)).T
+            grad_x = _gpu_spmm(backend, csr, values.astype(dtype, copy=False), grad_yt.astype(dtype, copy=False),
+                               dtype, None, transpose=True).T
         else:
             assert transpose is not None, "the CPU path multiplies by the cached transpose"
             t_csr, order = transpose

@@ -12,9 +12,11 @@ from numba import cuda, types
 
 from spchain.kernels.cuda import blocksparse as cuda_blocksparse
 from spchain.kernels.cuda import chain as cuda_chain
+from spchain.kernels.cuda import logspace as cuda_logspace
 from spchain.kernels.cuda import paths as cuda_paths
 from spchain.kernels.cuda import semiring as cuda_semiring
 from spchain.kernels.cuda import sparse as cuda_sparse
+from spchain.kernels.cuda import sparse_chain as cuda_sparse_chain
 
 
 def _nvvm_works() -> bool:
@@ -49,6 +51,24 @@ def kernels(dtype):
          (x, trans, i64, i64, lengths, arr(f, 2), arr(f, 3))),
         ("chain_transition_grad", cuda_chain.chain_transition_grad_kernel,
          (x, trans, i64, lengths, arr(f, 3), arr(f, 2), arr(f, 3), arr(f, 1), arr(f, 4))),
+        ("chain_transition_grad_masked", cuda_chain.chain_transition_grad_masked_kernel,
+         (x, trans, i64, lengths, arr(f, 3), arr(f, 2), arr(f, 3), arr(f, 1), arr(types.boolean, 2), arr(f, 4))),
+        ("log_product_fixup", cuda_logspace.log_product_fixup_kernel,
+         (arr(f, 3), arr(f, 3), arr(i64, 1), arr(i64, 1), arr(types.uint8, 3), arr(f, 3))),
+        ("sparse_chain shifted_exp", cuda_sparse_chain.shifted_exp_kernel,
+         (lengths, arr(f, 1), arr(f, 1), arr(f, 1))),
+        ("sparse_chain forward_scaled", cuda_sparse_chain._forward_scaled_kernel(np.dtype(dtype)),
+         (x, lengths, lengths, arr(f, 1), arr(f, 1), arr(f, 1), f, init, lengths, arr(f, 2), arr(f, 3), arr(f, 2))),
+        ("sparse_chain backward_scaled", cuda_sparse_chain._backward_scaled_kernel(np.dtype(dtype)),
+         (x, lengths, lengths, arr(f, 1), arr(f, 1), arr(f, 1), f, lengths, arr(f, 2), arr(f, 2), arr(f, 3))),
+        ("posinf_fixup", cuda_logspace.posinf_fixup_kernel,
+         (arr(f, 3), arr(f, 3), arr(i64, 1), arr(i64, 1), arr(types.boolean, 1), arr(f, 3))),
+        ("log_product_grads", cuda_logspace.log_product_grads_kernel,
+         (arr(f, 3), arr(f, 3), arr(i64, 1), arr(i64, 1), arr(types.boolean, 1), arr(f, 3), arr(f, 3),
+          arr(types.uint8, 3), arr(f, 3), arr(f, 3))),
+        ("sparse_chain values_grad_masked", cuda_sparse_chain.values_grad_masked_kernel,
+         (x, lengths, lengths, arr(f, 1), lengths, arr(f, 3), arr(f, 2), arr(f, 3), arr(f, 1), arr(types.boolean, 1),
+          arr(f, 2))),
         ("viterbi", cuda_chain._viterbi_kernel(np.dtype(dtype)),
          (x, trans, i64, i64, init, lengths, arr(f, 3), arr(types.int32, 3), arr(f, 1), arr(i64, 2))),
         ("chain_sample", cuda_paths.chain_sample_kernel,
@@ -61,6 +81,8 @@ def kernels(dtype):
          (arr(f, 3), arr(f, 3), arr(i64, 1), arr(i64, 1), arr(f, 3), arr(i64, 3))),
         *((f"sddmm {index}", cuda_sparse.sddmm_kernel, (arr(index, 1), arr(index, 1), arr(f, 2), arr(f, 2), arr(f, 1)))
           for index in (types.int32, i64)),
+        *((f"sddmm warp {index}", cuda_sparse._sddmm_warp_kernel(np.dtype(dtype)),
+           (arr(index, 1), arr(index, 1), arr(f, 2), arr(f, 2), arr(f, 1))) for index in (types.int32, i64)),
         *((f"block spmm {index}", cuda_blocksparse.spmm_kernel,
            (arr(index, 1), arr(index, 1), arr(index, 1), arr(f, 3), arr(f, 2), arr(f, 1), arr(f, 2)))
           for index in (types.int32, i64)),

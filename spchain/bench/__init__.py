@@ -9,16 +9,19 @@ reference, ratios against spchain) and writes a PNG bar chart.
 
     python -m spchain bench --quick            # small sizes, under a minute
     python -m spchain bench --only chain       # one full-size workload
+    python -m spchain bench --device cuda --json out.json   # on a GPU (CUDA-event times), also as JSON
 """
 
 import argparse
 import gc
 import importlib
+import json
+import math
 import platform
 import sys
 from types import ModuleType
 
-from .core import Case, measure
+from .core import Case, Result, measure
 from .report import plot, table
 
 WORKLOADS = {
@@ -77,6 +80,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--budget", type=float, default=None,
                        help="seconds after which a method's timed runs stop repeating (default 20, quick 2)")
     bench.add_argument("--png", default="spchain-bench.png", help="where to write the bar chart")
+    bench.add_argument("--json", default=None, metavar="OUT",
+                       help="also write the results, the device and the versions to this JSON file")
     return parser
 
 
@@ -115,4 +120,24 @@ def main(argv: list[str] | None = None) -> int:
     print(table(results))
     plot(results, args.png, title)
     print(f"bar chart written to {args.png}")
+    if args.json:
+        write_json(args.json, results, machine=machine, device=args.device, quick=args.quick)
+        print(f"results written to {args.json}")
     return 0
+
+
+def write_json(path: str, results: list[Result], **run: object) -> None:
+    """The results of a run as JSON: ``run`` (device, machine, ...) with the versions of
+    spchain, torch and CuPy (``None`` where not installed), and one record a method."""
+    import torch
+
+    cupy = sys.modules.get("cupy")
+    record = {**run, "spchain": importlib.import_module("spchain").__version__, "torch": torch.__version__,
+              "cupy": getattr(cupy, "__version__", None),
+              "timing": "CUDA events after warm-up" if run.get("device") == "cuda" else "wall clock after warm-up",
+              "results": [{"workload": r.workload, "case": r.case, "method": r.method, "median_s": r.median,
+                           "times_s": r.times, "peak_bytes": None if math.isnan(r.peak_bytes) else r.peak_bytes,
+                           "max_rel_error": None if math.isnan(r.max_rel_error) else r.max_rel_error}
+                          for r in results]}
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1)

@@ -143,34 +143,56 @@ def _backward_kernel(dtype):
     return chain_backward_kernel
 
 
+@cuda.jit(device=True)
+def _transition_count(x, trans, group, lengths, pre, norm, marg, weight, g, s, i, j):
+    """The expected count of ``i -> j`` under matrix ``(g, s)``, summed over its rows and steps."""
+    per_step = trans.shape[1] > 1
+    neg_inf, zero = x.dtype.type(-math.inf), x.dtype.type(0)
+    acc = zero
+    tr = trans[g, s, i, j]
+    for b in range(g * group, (g + 1) * group):
+        w = weight[b]
+        first = s if per_step else 0
+        last = lengths[b] - 1
+        if per_step and s + 1 < last:
+            last = s + 1
+        for t in range(first, last):
+            d = norm[b, t]
+            a = pre[b, t, i] + x[b, t, i]
+            if _finite(d):
+                a -= d
+            gm = marg[b, t + 1, j]
+            if a != neg_inf and gm != zero:
+                acc += w * gm * math.exp(a + tr - pre[b, t + 1, j])
+    return acc
+
+
 @cuda.jit
 def chain_transition_grad_kernel(x, trans, group, lengths, pre, norm, marg, weight, grad):
     groups, steps, c, _ = trans.shape
-    per_step = steps > 1
-    threads = cuda.blockDim.x
-    neg_inf, zero = x.dtype.type(-math.inf), x.dtype.type(0)
     for gsi in range(cuda.blockIdx.x, groups * steps * c, cuda.gridDim.x):
         g = gsi // (steps * c)
         s = (gsi // c) % steps
         i = gsi % c
-        for j in range(cuda.threadIdx.x, c, threads):
-            acc = zero
-            tr = trans[g, s, i, j]
-            for b in range(g * group, (g + 1) * group):
-                w = weight[b]
-                first = s if per_step else 0
-                last = lengths[b] - 1
-                if per_step and s + 1 < last:
-                    last = s + 1
-                for t in range(first, last):
-                    d = norm[b, t]
-                    a = pre[b, t, i] + x[b, t, i]
-                    if _finite(d):
-                        a -= d
-                    gm = marg[b, t + 1, j]
-                    if a != neg_inf and gm != zero:
-                        acc += w * gm * math.exp(a + tr - pre[b, t + 1, j])
-            grad[g, s, i, j] = acc
+        for j in range(cuda.threadIdx.x, c, cuda.blockDim.x):
+            grad[g, s, i, j] = _transition_count(x, trans, group, lengths, pre, norm, marg, weight, g, s, i, j)
+
+
+@cuda.jit
+def chain_transition_grad_masked_kernel(x, trans, group, lengths, pre, norm, marg, weight, ok, grad):
+    """:func:`chain_transition_grad_kernel` for the matrices ``(g, s)`` where ``ok[g, s]`` is
+    False only; the others keep their ``grad`` (the batched-GEMM counts). Reading ``ok`` here,
+    on the device, spares the host a synchronisation: where every matrix is ok, each block
+    only reads its flags."""
+    groups, steps, c, _ = trans.shape
+    for gsi in range(cuda.blockIdx.x, groups * steps * c, cuda.gridDim.x):
+        g = gsi // (steps * c)
+        s = (gsi // c) % steps
+        if ok[g, s]:
+            continue
+        i = gsi % c
+        for j in range(cuda.threadIdx.x, c, cuda.blockDim.x):
+            grad[g, s, i, j] = _transition_count(x, trans, group, lengths, pre, norm, marg, weight, g, s, i, j)
 
 
 @functools.cache
@@ -264,6 +286,16 @@ def launch_chain_transition_grad(x, trans, group, lengths, pre, norm, marg, weig
     kernel = chain_transition_grad_kernel
     kernel[config.blocks_for(rows_of_grad, 1), config.THREADS_PER_BLOCK, stream](
         x, trans, group, lengths, pre, norm, marg, weight, grad)
+
+
+def launch_chain_transition_grad_masked(x, trans, group, lengths, pre, norm, marg, weight, ok, grad, stream=0):
+    """Exact expected transition counts of the matrices where ``ok`` (G, S) is False; the rest
+    of ``grad`` is left as it is (:func:`chain_transition_grad_masked_kernel`)."""
+    rows_of_grad = grad.shape[0] * grad.shape[1] * grad.shape[2]
+    if rows_of_grad == 0:
+        return
+    chain_transition_grad_masked_kernel[config.blocks_for(rows_of_grad, 1), config.THREADS_PER_BLOCK, stream](
+        x, trans, group, lengths, pre, norm, marg, weight, ok, grad)
 
 
 def launch_viterbi(x, trans, group, init, lengths, work, backptr, score, path, stream=0):

@@ -4,6 +4,10 @@ The CSR times dense product runs in cuSPARSE (through cupyx); SDDMM has no libra
 so it is here. Like its CPU twin ``kernels.cpu.sparse.sddmm``, it trusts a validated structure.
 """
 
+import functools
+
+import numba
+import numpy as np
 from numba import cuda
 
 from . import config
@@ -32,6 +36,63 @@ def sddmm_kernel(indptr, indices, a, b, out):
         out[p] = acc
 
 
+WARP = 32
+
+WARP_FROM = 16
+"""Columns from which an entry gets a warp of its own (:func:`sddmm_warp_kernel`)."""
+
+
+@functools.cache
+def _sddmm_warp_kernel(dtype):
+    dtype = numba.from_dtype(dtype)
+
+    @cuda.jit
+    def sddmm_warp_kernel(indptr, indices, a, b, out):
+        """:func:`sddmm_kernel` with a warp an entry: its 32 lanes read consecutive columns of
+        ``a[i, :]`` and ``b[j, :]`` (coalesced loads, where a thread an entry reads rows far
+        apart), and sum their partial dot products in shared memory. Blocks are whole warps
+        and take their entries in rounds, so every thread reaches every barrier."""
+        tid = cuda.threadIdx.x
+        lane, w = tid % WARP, tid // WARP
+        per_block = cuda.blockDim.x // WARP
+        red = cuda.shared.array(0, dtype)
+        n, n_rows = out.shape[0], indptr.shape[0] - 1
+        for base in range(cuda.blockIdx.x * per_block, n, cuda.gridDim.x * per_block):
+            p = base + w
+            acc = out.dtype.type(0)
+            if p < n:
+                lo, hi = 0, n_rows
+                while hi - lo > 1:
+                    mid = (lo + hi) // 2
+                    if indptr[mid] <= p:
+                        lo = mid
+                    else:
+                        hi = mid
+                j = indices[p]
+                for c in range(lane, a.shape[1], WARP):
+                    acc += a[lo, c] * b[j, c]
+            red[tid] = acc
+            cuda.syncthreads()
+            offset = WARP // 2
+            while offset > 0:
+                if lane < offset:
+                    red[tid] += red[tid + offset]
+                cuda.syncthreads()
+                offset //= 2
+            if lane == 0 and p < n:
+                out[p] = red[tid]
+            cuda.syncthreads()
+
+    return sddmm_warp_kernel
+
+
 def launch_sddmm(indptr, indices, a, b, out, stream=0):
-    """Launch :func:`sddmm_kernel` on ``stream`` over ``out``'s entries (at least one)."""
+    """Launch the SDDMM on ``stream`` over ``out``'s entries (at least one): a warp an entry
+    from ``WARP_FROM`` columns on, else a thread an entry."""
+    if a.shape[1] >= WARP_FROM:
+        threads = WARP * max(1, config.THREADS_PER_BLOCK // WARP)
+        blocks = config.blocks_for(out.shape[0], threads // WARP)
+        kernel = _sddmm_warp_kernel(np.dtype(out.dtype))
+        kernel[blocks, threads, stream, threads * np.dtype(out.dtype).itemsize](indptr, indices, a, b, out)
+        return
     sddmm_kernel[config.blocks_for(out.shape[0]), config.THREADS_PER_BLOCK, stream](indptr, indices, a, b, out)

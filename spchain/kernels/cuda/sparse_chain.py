@@ -92,31 +92,46 @@ def _backward_kernel(dtype):
     return backward_kernel
 
 
+@cuda.jit(device=True)
+def _values_grad_chunk(x, indptr, indices, values, lengths, pre, norm, marg, weight, partial, k, i):
+    """``partial[k, q]`` for the entries ``q`` of matrix row ``i``, over the rows of chunk ``k``."""
+    rows = x.shape[0]
+    chunks = partial.shape[0]
+    zero = partial.dtype.type(0)
+    for q in range(indptr[i], indptr[i + 1]):
+        partial[k, q] = zero
+    for b in range(k * rows // chunks, (k + 1) * rows // chunks):
+        w = weight[b]
+        for t in range(lengths[b] - 1):
+            d = norm[b, t]
+            a = pre[b, t, i] + x[b, t, i]
+            if _finite(d):
+                a -= d
+            if a == x.dtype.type(-math.inf):
+                continue
+            for q in range(indptr[i], indptr[i + 1]):
+                j = indices[q]
+                gm = marg[b, t + 1, j]
+                if gm != zero:
+                    partial[k, q] += w * gm * math.exp(a + values[q] - pre[b, t + 1, j])
+
+
 @cuda.jit
 def values_grad_kernel(x, indptr, indices, values, lengths, pre, norm, marg, weight, partial):
-    rows, v, c = x.shape
-    chunks = partial.shape[0]
-    start = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    for ki in range(start, chunks * c, stride):
-        k = ki // c
-        i = ki % c
-        for q in range(indptr[i], indptr[i + 1]):
-            partial[k, q] = 0.0
-        for b in range(k * rows // chunks, (k + 1) * rows // chunks):
-            w = weight[b]
-            for t in range(lengths[b] - 1):
-                d = norm[b, t]
-                a = pre[b, t, i] + x[b, t, i]
-                if _finite(d):
-                    a -= d
-                if a == -math.inf:
-                    continue
-                for q in range(indptr[i], indptr[i + 1]):
-                    j = indices[q]
-                    gm = marg[b, t + 1, j]
-                    if gm != 0.0:
-                        partial[k, q] += w * gm * math.exp(a + values[q] - pre[b, t + 1, j])
+    c = x.shape[2]
+    for ki in range(cuda.grid(1), partial.shape[0] * c, cuda.gridsize(1)):
+        _values_grad_chunk(x, indptr, indices, values, lengths, pre, norm, marg, weight, partial, ki // c, ki % c)
+
+
+@cuda.jit
+def values_grad_masked_kernel(x, indptr, indices, values, lengths, pre, norm, marg, weight, ok, partial):
+    """:func:`values_grad_kernel` unless ``ok[0]`` (read on the device: the scaled value
+    gradient needs no exact recomputation), which leaves ``partial`` as it is."""
+    if ok[0]:
+        return
+    c = x.shape[2]
+    for ki in range(cuda.grid(1), partial.shape[0] * c, cuda.gridsize(1)):
+        _values_grad_chunk(x, indptr, indices, values, lengths, pre, norm, marg, weight, partial, ki // c, ki % c)
 
 
 @cuda.jit
@@ -191,9 +206,224 @@ def launch_values_grad(x, indptr, indices, values, lengths, pre, norm, marg, wei
         x, indptr, indices, values, lengths, pre, norm, marg, weight, partial)
 
 
+def launch_values_grad_masked(x, indptr, indices, values, lengths, pre, norm, marg, weight, ok, partial, stream=0):
+    """:func:`launch_values_grad` where ``ok[0]`` is False (on the device); else nothing."""
+    work = partial.shape[0] * x.shape[2]
+    if work == 0:
+        return
+    values_grad_masked_kernel[config.blocks_for(work), config.THREADS_PER_BLOCK, stream](
+        x, indptr, indices, values, lengths, pre, norm, marg, weight, ok, partial)
+
+
 def launch_viterbi(x, t_indptr, t_rows, t_values, init, lengths, work, backptr, score, path, stream=0):
     """Best paths; overwrites ``score`` and ``path`` (see ``kernels.cpu.sparse_chain.viterbi``)."""
     if x.shape[0] == 0:
         return
     viterbi_kernel[config.blocks_for(x.shape[0], 1), config.THREADS_PER_BLOCK, stream](
         x, t_indptr, t_rows, t_values, init, lengths, work, backptr, score, path)
+
+
+# --- the forward sweep in scaled space (the twin of kernels/cpu/sparse_chain_scaled.py) -------
+
+
+@cuda.jit
+def shifted_exp_kernel(indptr, values, top, e):
+    """For each segment ``r`` (a column of the transposed structure), one thread: ``top[r]`` =
+    the maximum of its values (``-inf`` if empty or all ``-inf``, NaN if one is NaN) and
+    ``e[q] = exp(values[q] - top[r])`` in the values' dtype (NaN for a NaN segment)."""
+    neg_inf, zero = values.dtype.type(-math.inf), values.dtype.type(0)
+    for r in range(cuda.grid(1), indptr.shape[0] - 1, cuda.gridsize(1)):
+        best = neg_inf
+        for q in range(indptr[r], indptr[r + 1]):
+            w = values[q]
+            if w != w:
+                best = w
+                break
+            if w > best:
+                best = w
+        top[r] = best
+        shift = best if _finite(best) else zero
+        for q in range(indptr[r], indptr[r + 1]):
+            e[q] = math.exp(values[q] - shift) if best == best else best
+
+
+@cuda.jit(device=True)
+def _block_max(value, red):
+    """The block's maximum of every thread's ``value`` (NaN ignored, ``-inf`` if none)."""
+    tid = cuda.threadIdx.x
+    threads = cuda.blockDim.x
+    red[tid] = value
+    cuda.syncthreads()
+    stride = 1
+    while stride < threads:
+        if tid % (2 * stride) == 0 and tid + stride < threads and red[tid + stride] > red[tid]:
+            red[tid] = red[tid + stride]
+        cuda.syncthreads()
+        stride *= 2
+    top = red[0]
+    cuda.syncthreads()
+    return top
+
+
+@functools.cache
+def _forward_scaled_kernel(dtype):
+    dtype = numba.from_dtype(dtype)
+
+    @cuda.jit
+    def forward_scaled_kernel(x, t_indptr, t_rows, t_values, t_e, cmax, tiny_over_eps, init, lengths, work, pre,
+                              norm):
+        """:func:`forward_kernel` by scaled SpMVs: per step and row, ``c`` exponentials, ``nnz``
+        multiply-adds and ``c`` logarithms instead of an exponential per stored entry:
+
+            pre[t + 1, j] = top + cmax[j] + log sum_q t_e[q] exp(â_t[t_rows[q]] - top)
+
+        (``top`` the maximum of â_t, the row's exponentials in ``work[b]``). A column whose
+        scaled sum is below ``count · tiny / eps`` (its ``count`` terms' underflow could matter)
+        or not a number is recomputed in log space, exactly as :func:`forward_kernel` does."""
+        rows, v, c = x.shape
+        tid = cuda.threadIdx.x
+        threads = cuda.blockDim.x
+        buf = cuda.shared.array(0, dtype)
+        red_m = buf[:threads]
+        red_s = buf[threads:2 * threads]
+        neg_inf, zero = x.dtype.type(-math.inf), x.dtype.type(0)
+        for b in range(cuda.blockIdx.x, rows, cuda.gridDim.x):
+            length = lengths[b]
+            m, s = neg_inf, zero
+            for j in range(tid, c, threads):
+                pre[b, 0, j] = init[b, j]
+                m, s = lse_push(m, s, init[b, j] + x[b, 0, j])
+            d = _block_log_sum_exp(m, s, red_m, red_s)
+            if tid == 0:
+                norm[b, 0] = d
+            for t in range(length - 1):
+                offset = d if _finite(d) else zero
+                best = neg_inf
+                for i in range(tid, c, threads):
+                    a = pre[b, t, i] + x[b, t, i] - offset
+                    if a > best:
+                        best = a
+                top = _block_max(best, red_m)
+                shift = top if _finite(top) else zero
+                for i in range(tid, c, threads):
+                    work[b, i] = math.exp(pre[b, t, i] + x[b, t, i] - offset - shift)
+                cuda.syncthreads()
+                m, s = neg_inf, zero
+                for j in range(tid, c, threads):
+                    acc = zero
+                    for q in range(t_indptr[j], t_indptr[j + 1]):
+                        acc += t_e[q] * work[b, t_rows[q]]
+                    count = x.dtype.type(t_indptr[j + 1] - t_indptr[j])
+                    if acc > zero and acc >= count * tiny_over_eps:
+                        val = shift + cmax[j] + math.log(acc)
+                    elif acc == acc and (cmax[j] == neg_inf or top == neg_inf):
+                        val = neg_inf  # every term -inf, none NaN
+                    else:
+                        mj, sj = neg_inf, zero
+                        for q in range(t_indptr[j], t_indptr[j + 1]):
+                            i = t_rows[q]
+                            mj, sj = lse_push(mj, sj, (pre[b, t, i] + x[b, t, i] - offset) + t_values[q])
+                        val = lse_value(mj, sj)
+                    pre[b, t + 1, j] = val
+                    m, s = lse_push(m, s, val + x[b, t + 1, j])
+                d = _block_log_sum_exp(m, s, red_m, red_s)  # synchronises: pre[b, t + 1] is complete
+                if tid == 0:
+                    norm[b, t + 1] = d
+            for t in range(length, v):
+                for j in range(tid, c, threads):
+                    pre[b, t, j] = neg_inf
+                if tid == 0:
+                    norm[b, t] = zero
+            cuda.syncthreads()
+
+    return forward_scaled_kernel
+
+
+def launch_shifted_exp(indptr, values, top, e, stream=0):
+    """Column maxima ``top`` and shifted exponentials ``e`` of the stored values (:func:`shifted_exp_kernel`)."""
+    if top.shape[0] == 0:
+        return
+    shifted_exp_kernel[config.blocks_for(top.shape[0]), config.THREADS_PER_BLOCK, stream](indptr, values, top, e)
+
+
+def launch_forward_scaled(x, t_indptr, t_rows, t_values, t_e, cmax, init, lengths, work, pre, norm, stream=0):
+    """Forward sweep by scaled SpMVs; fills ``pre`` and ``norm`` as :func:`launch_forward` does.
+    ``t_e``, ``cmax`` from :func:`launch_shifted_exp` on the transpose's values; ``work`` (B, c)."""
+    if x.shape[0] == 0:
+        return
+    info = np.finfo(np.dtype(x.dtype))
+    tiny_over_eps = np.dtype(x.dtype).type(info.tiny / info.eps)
+    threads = config.THREADS_PER_BLOCK
+    kernel = _forward_scaled_kernel(np.dtype(x.dtype))
+    kernel[config.blocks_for(x.shape[0], 1), threads, stream, 2 * threads * np.dtype(x.dtype).itemsize](
+        x, t_indptr, t_rows, t_values, t_e, cmax, tiny_over_eps, init, lengths, work, pre, norm)
+
+
+@functools.cache
+def _backward_scaled_kernel(dtype):
+    dtype = numba.from_dtype(dtype)
+
+    @cuda.jit
+    def backward_scaled_kernel(x, indptr, indices, values, row_e, rmax, tiny_over_eps, lengths, norm, work, beta):
+        """:func:`backward_kernel` by scaled SpMVs over the rows of the matrix (``row_e``,
+        ``rmax`` of :func:`shifted_exp_kernel` on the matrix itself):
+
+            beta[t, i] = top + rmax[i] + log sum_q row_e[q] exp(y[indices[q]] - top) - norm[t + 1]
+
+        with ``y = x[t + 1] + beta[t + 1]`` and ``top`` its maximum; log space where a scaled
+        sum is below ``count · tiny / eps`` or not a number, as in :func:`forward_scaled_kernel`."""
+        rows, v, c = x.shape
+        tid = cuda.threadIdx.x
+        threads = cuda.blockDim.x
+        red = cuda.shared.array(0, dtype)
+        neg_inf, zero = x.dtype.type(-math.inf), x.dtype.type(0)
+        for b in range(cuda.blockIdx.x, rows, cuda.gridDim.x):
+            length = lengths[b]
+            for t in range(length - 1, v):
+                for i in range(tid, c, threads):
+                    beta[b, t, i] = zero if t == length - 1 else neg_inf
+            cuda.syncthreads()
+            for t in range(length - 2, -1, -1):
+                d = norm[b, t + 1]
+                best = neg_inf
+                for j in range(tid, c, threads):
+                    y = x[b, t + 1, j] + beta[b, t + 1, j]
+                    if y > best:
+                        best = y
+                top = _block_max(best, red)
+                shift = top if _finite(top) else zero
+                for j in range(tid, c, threads):
+                    work[b, j] = math.exp(x[b, t + 1, j] + beta[b, t + 1, j] - shift)
+                cuda.syncthreads()
+                for i in range(tid, c, threads):
+                    acc = zero
+                    for q in range(indptr[i], indptr[i + 1]):
+                        acc += row_e[q] * work[b, indices[q]]
+                    count = x.dtype.type(indptr[i + 1] - indptr[i])
+                    if acc > zero and acc >= count * tiny_over_eps:
+                        val = shift + rmax[i] + math.log(acc)
+                    elif acc == acc and (rmax[i] == neg_inf or top == neg_inf):
+                        val = neg_inf  # every term -inf, none NaN
+                    else:
+                        m, s = neg_inf, zero
+                        for q in range(indptr[i], indptr[i + 1]):
+                            j = indices[q]
+                            m, s = lse_push(m, s, values[q] + (x[b, t + 1, j] + beta[b, t + 1, j]))
+                        val = lse_value(m, s)
+                    beta[b, t, i] = neg_inf if d == neg_inf else val - d
+                cuda.syncthreads()
+
+    return backward_scaled_kernel
+
+
+def launch_backward_scaled(x, indptr, indices, values, row_e, rmax, lengths, norm, work, beta, stream=0):
+    """Backward sweep by scaled SpMVs; fills ``beta`` as :func:`launch_backward` does. ``row_e``,
+    ``rmax`` from :func:`launch_shifted_exp` on the matrix's own values; ``work`` (B, c)."""
+    if x.shape[0] == 0:
+        return
+    info = np.finfo(np.dtype(x.dtype))
+    tiny_over_eps = np.dtype(x.dtype).type(info.tiny / info.eps)
+    threads = config.THREADS_PER_BLOCK
+    kernel = _backward_scaled_kernel(np.dtype(x.dtype))
+    kernel[config.blocks_for(x.shape[0], 1), threads, stream, threads * np.dtype(x.dtype).itemsize](
+        x, indptr, indices, values, row_e, rmax, tiny_over_eps, lengths, norm, work, beta)
