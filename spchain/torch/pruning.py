@@ -174,13 +174,27 @@ def prune_to(layer: SparseLinear, nnz: int, optimizer: torch.optim.Optimizer | N
         moving = [weights.grad] if weights.grad is not None else []
         state = {} if optimizer is None else optimizer.state.get(weights, {})
         moving_state = {k: v for k, v in state.items() if torch.is_tensor(v) and v.shape == weights.shape}
-        weights.data = weights.data[kept]
+        _resize(weights, weights.data[kept])
         if moving:
             weights.grad = moving[0][kept]
         for key, value in moving_state.items():
             state[key] = value[kept]
         layer.indices = indices[kept]
         indptr[1:] = torch.cumsum(counts, 0).to(indptr.dtype)
+
+
+def _resize(parameter: torch.Tensor, data: torch.Tensor) -> None:
+    """Give ``parameter`` (the same object, which optimizers hold) ``data`` of another shape.
+
+    Autograd keeps one gradient accumulator per leaf for as long as a graph holds it, with the
+    shape the leaf had when it was made; assigning ``.data`` renews it only on a change of dtype or
+    device. Passing through another dtype renews it, so that the next backward accumulates into
+    the new shape even while a graph of an earlier step (the previous ``loss``) is alive; the
+    version bump makes a backward through such an old graph raise autograd's error.
+    """
+    parameter.data = data.new_empty(0, dtype=torch.float64 if data.dtype != torch.float64 else torch.float32)
+    parameter.data = data
+    torch.autograd.graph.increment_version(parameter)
 
 
 class GradualPruning:
