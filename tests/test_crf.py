@@ -97,6 +97,13 @@ def test_state_dict_and_gradients_flow_to_parameters():
     (lambda crf: crf.decode(torch.zeros(2, 3, 4), torch.tensor([3, 4])), ValueError, "lengths must lie in"),
     (lambda crf: crf.decode(torch.zeros(2, 3, 4), torch.tensor([3])), ValueError, "lengths must have shape"),
     (lambda crf: crf.nll(torch.zeros(1, 2, 4), torch.tensor([[0, 4]])), ValueError, "path states must lie"),
+    # issue 22 item 7: IndexError before
+    (lambda crf: crf.nll(torch.zeros(2, 3, 4), torch.zeros(2, 3, dtype=torch.int64), torch.tensor([3.0, 2.0])),
+     TypeError, "lengths must hold integers"),
+    (lambda crf: crf.decode(torch.zeros(2, 3, 4), [3.0, 1.5]), TypeError, "lengths must hold integers"),
+    (lambda crf: crf.marginals(torch.zeros(2, 3, 4), torch.tensor([True, True])), TypeError, "lengths must hold int"),
+    (lambda crf: crf.nll(torch.zeros(2, 0, 4), torch.zeros(2, 0, dtype=torch.int64)), ValueError, "at least one"),
+    (lambda crf: crf.log_partition(torch.zeros(2, 0, 4), torch.tensor([0, 0])), ValueError, "at least one position"),
 ])
 def test_bad_inputs_are_errors(call, error, match):
     with pytest.raises(error, match=match):
@@ -173,3 +180,42 @@ def test_bad_sparse_transitions_are_errors(structure, error, match):
         st.LinearChainCRF(4, sparse_transitions=structure)
     with pytest.raises(ValueError, match="num_tags must be a positive int"):
         st.LinearChainCRF(0)
+
+
+METHODS = {
+    "log_partition": lambda crf, e, t, n: crf.log_partition(e, n),
+    "nll": lambda crf, e, t, n: crf.nll(e, t, n, reduction="none"),
+    "decode": lambda crf, e, t, n: crf.decode(e, n),
+    "marginals": lambda crf, e, t, n: crf.marginals(e, n),
+    "sample": lambda crf, e, t, n: crf.sample(e, n, num_samples=3, seed=0),
+}
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("crf_dtype, emission_dtype", [(torch.float32, torch.bfloat16), (torch.float64, torch.float32),
+                                                       (torch.float32, torch.float64), (torch.float32, torch.float16)])
+def test_mixed_dtypes_follow_torchs_promotion_in_every_method(method, crf_dtype, emission_dtype, sparse):
+    # issue 22 item 6: "Index put requires the source and destination dtypes match" before
+    allowed = torch.ones(4, 4, dtype=torch.bool).triu() if sparse else None
+    crf = st.LinearChainCRF(4, sparse_transitions=allowed).to(crf_dtype)
+    emissions, tags, lengths, _ = batch(4, [5, 3], dtype=emission_dtype)
+    tags = tags.sort(dim=1).values  # allowed by the upper-triangular structure
+    dtype = torch.promote_types(crf_dtype, emission_dtype)
+    got = METHODS[method](crf, emissions, tags, lengths)
+    want = METHODS[method](crf.to(dtype), emissions.to(dtype), tags, lengths)
+    assert got.dtype == want.dtype and (got.dtype == dtype or not got.is_floating_point())
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_training_under_cpu_autocast_in_bfloat16():
+    torch.manual_seed(0)
+    head, crf = torch.nn.Linear(8, 4), st.LinearChainCRF(4)
+    x, tags = torch.randn(3, 5, 8), torch.randint(4, (3, 5))
+    with torch.autocast("cpu", torch.bfloat16):
+        emissions = head(x)
+        loss = crf.nll(emissions, tags)
+    assert emissions.dtype == torch.bfloat16 and loss.dtype == torch.float32
+    loss.backward()
+    torch.testing.assert_close(loss, crf.nll(emissions.float(), tags))
+    assert all(p.grad is not None for p in [*head.parameters(), *crf.parameters()])

@@ -97,6 +97,12 @@ class LinearChainCRF(nn.Module):
         return csr_tensor(self.transition_indptr, self.transition_indices, self.transitions,
                           (self.num_tags, self.num_tags))
 
+    def _scores(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(log_trans, log_init)`` in ``dtype`` (differentiable in the parameters)."""
+        log_trans = self.log_trans()
+        log_trans = log_trans if log_trans.dtype == dtype else log_trans.to(dtype)
+        return log_trans, self.start_transitions.to(dtype)
+
     def _chain(self, emissions: torch.Tensor, lengths: torch.Tensor | Sequence[int] | None
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(x, lengths)``: the emissions with the end scores added at each chain's last position."""
@@ -104,21 +110,29 @@ class LinearChainCRF(nn.Module):
             raise ValueError(f"LinearChainCRF: emissions must have shape (batch, v, num_tags = {self.num_tags}), "
                              f"got {getattr(emissions, 'shape', type(emissions).__name__)}")
         batch, v, _ = emissions.shape
+        if v == 0:
+            raise ValueError(f"LinearChainCRF: emissions have shape {tuple(emissions.shape)}: a chain needs at least "
+                             "one position (v >= 1)")
         if lengths is None:
             lengths = torch.full((batch,), v, dtype=torch.int64, device=emissions.device)
         lengths = torch.as_tensor(lengths, device=emissions.device)
+        if lengths.dtype == torch.bool or lengths.is_floating_point() or lengths.is_complex():
+            raise TypeError(f"LinearChainCRF: lengths must hold integers, got dtype {lengths.dtype}")
         if lengths.shape != (batch,):
             raise ValueError(f"LinearChainCRF: lengths must have shape (batch,) = ({batch},), got {tuple(lengths.shape)}")
+        # torch's promotion of the emissions and the parameters (a bfloat16 encoder into a float32 CRF: float32)
+        dtype = torch.promote_types(emissions.dtype, self.transitions.dtype)
+        x = emissions.to(dtype)
         # the chain functions check lengths (1..v); clamped, bad ones cannot index out of range first
-        index = (torch.arange(batch, device=emissions.device), lengths.clamp(1, max(v, 1)) - 1)
-        x = emissions.index_put(index, emissions[index] + self.end_transitions)  # one copy, no (batch, v) mask
+        index = (torch.arange(batch, device=emissions.device), lengths.clamp(1, v) - 1)
+        x = x.index_put(index, x[index] + self.end_transitions.to(dtype))  # one copy, no (batch, v) mask
         return x, lengths
 
     def log_partition(self, emissions: torch.Tensor,
                       lengths: torch.Tensor | Sequence[int] | None = None) -> torch.Tensor:
         """The log-partition of each chain, (batch,)."""
         x, lengths = self._chain(emissions, lengths)
-        return chain_logsumexp(x, self.log_trans(), self.start_transitions, lengths=lengths)
+        return chain_logsumexp(x, *self._scores(x.dtype), lengths=lengths)
 
     def nll(self, emissions: torch.Tensor, tags: torch.Tensor, lengths: torch.Tensor | Sequence[int] | None = None,
             reduction: Literal["mean", "sum", "none"] = "mean") -> torch.Tensor:
@@ -134,8 +148,8 @@ class LinearChainCRF(nn.Module):
         if not isinstance(tags, torch.Tensor) or tags.shape != emissions.shape[:2]:
             raise ValueError(f"LinearChainCRF.nll: tags must be a tensor of shape (batch, v) = "
                              f"{tuple(emissions.shape[:2])}, got {getattr(tags, 'shape', type(tags).__name__)}")
-        log_z = chain_logsumexp(x, self.log_trans(), self.start_transitions, lengths=lengths)
-        score = chain_path_score(x, self.log_trans(), self.start_transitions, tags, lengths=lengths)
+        log_z = chain_logsumexp(x, *self._scores(x.dtype), lengths=lengths)
+        score = chain_path_score(x, *self._scores(x.dtype), tags, lengths=lengths)
         out = log_z - score
         return out if reduction == "none" else out.sum() if reduction == "sum" else out.mean()
 
@@ -144,7 +158,7 @@ class LinearChainCRF(nn.Module):
         """The best tag sequences (Viterbi), int64 (batch, v), -1 past each length."""
         x, lengths = self._chain(emissions.detach(), lengths)
         with torch.no_grad():
-            return viterbi(x, self.log_trans(), self.start_transitions, lengths=lengths)[1]
+            return viterbi(x, *self._scores(x.dtype), lengths=lengths)[1]
 
     def marginals(self, emissions: torch.Tensor,
                   lengths: torch.Tensor | Sequence[int] | None = None) -> torch.Tensor:
@@ -152,14 +166,14 @@ class LinearChainCRF(nn.Module):
         (0 past each length)."""
         x, lengths = self._chain(emissions.detach(), lengths)
         with torch.no_grad():
-            return chain_marginals(x, self.log_trans().detach(), self.start_transitions.detach(), lengths=lengths)
+            return chain_marginals(x, *(t.detach() for t in self._scores(x.dtype)), lengths=lengths)
 
     def sample(self, emissions: torch.Tensor, lengths: torch.Tensor | Sequence[int] | None = None, *,
                num_samples: int = 1, seed: int | None = None) -> torch.Tensor:
         """Tag sequences drawn from the posterior, int64 (num_samples, batch, v), -1 past each length."""
         x, lengths = self._chain(emissions.detach(), lengths)
         with torch.no_grad():
-            return chain_sample(x, self.log_trans(), self.start_transitions, lengths=lengths,
+            return chain_sample(x, *self._scores(x.dtype), lengths=lengths,
                                 num_samples=num_samples, seed=seed)
 
 
