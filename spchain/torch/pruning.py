@@ -22,7 +22,7 @@ import torch
 from .. import _backend, _csr, _selection
 from . import _block_layer
 from ._bridge import to_array, to_tensor
-from .nn import SparseLinear, selectable
+from .nn import SparseLinear, check_no_utilities, selectable
 
 __all__ = ["sparsify", "erk_densities", "GradualPruning", "CosineDropFraction"]
 
@@ -160,6 +160,7 @@ def prune_to(layer: SparseLinear, nnz: int, optimizer: torch.optim.Optimizer | N
     entries of the kept weights, in their new slots, exactly as in
     :meth:`SparseLinear.prune_and_regrow`; scalar state (``step``) stays.
     """
+    check_no_utilities(layer, "prune_to")
     weights = layer.weight_values
     r, c = layer.block or (1, 1)
     count, block_rows = nnz // (r * c), layer.out_features // r
