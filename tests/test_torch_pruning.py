@@ -1,5 +1,6 @@
 """Whole-model tools: sparsify, erk_densities, GradualPruning, CosineDropFraction (spchain/torch/pruning.py)."""
 
+import copy
 import math
 
 import numpy as np
@@ -228,3 +229,40 @@ def test_a_graph_from_before_prune_to_raises_autograds_error_on_backward():
     pruning.prune_to(layer, 8)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         old.backward()
+
+
+@pytest.mark.parametrize("block", [None, (2, 4)])
+def test_sparsify_with_the_optimizer_swaps_parameters_and_gathers_their_state(block):
+    # issue 26 item 1: an optimizer built before sparsify never updated the new weight_values
+    torch.manual_seed(6)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    optimizer = torch.optim.Adam([{"params": [model[0].weight, model[0].bias]},
+                                  {"params": [model[2].weight, model[2].bias], "lr": 0.1}])
+    x = torch.randn(5, 16)
+    for _ in range(2):
+        optimizer.zero_grad()
+        model(x).square().sum().backward()
+        optimizer.step()
+    weights = [model[0].weight, model[2].weight]
+    dense_state = [{k: v.clone() for k, v in optimizer.state[w].items()} for w in weights]
+    biases = [model[0].bias, model[2].bias]
+    st.sparsify(model, 0.5, block=block, optimizer=optimizer)
+    layers = [model[0], model[2]]
+    held = [p for g in optimizer.param_groups for p in g["params"]]
+    assert [id(p) for p in held] == [id(layers[0].weight_values), id(biases[0]), id(layers[1].weight_values), id(biases[1])]
+    assert all(layer.bias is bias for layer, bias in zip(layers, biases))
+    assert set(optimizer.state) == {*(layer.weight_values for layer in layers), *biases}
+    for layer, state in zip(layers, dense_state):
+        probe = copy.deepcopy(layer)  # the layer's structure, to read a state tensor as a dense matrix
+        with torch.no_grad():
+            probe.weight_values.fill_(1)
+            stored = probe.weight == 1
+            for key in ("exp_avg", "exp_avg_sq"):
+                probe.weight_values.copy_(optimizer.state[layer.weight_values][key])
+                assert torch.equal(probe.weight[stored], state[key][stored])
+        assert torch.equal(optimizer.state[layer.weight_values]["step"], state["step"])
+    before = [layer.weight_values.detach().clone() for layer in layers]
+    optimizer.zero_grad()
+    model(x).square().sum().backward()
+    optimizer.step()
+    assert all(not torch.equal(layer.weight_values, b) for layer, b in zip(layers, before))
