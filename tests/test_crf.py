@@ -368,3 +368,5 @@ def test_meta_init_then_to_empty_and_reset_parameters_restores_the_structure():
     assert torch.equal(crf.transition_indptr, want.transition_indptr)
     assert torch.equal(crf.transition_indices, want.transition_indices)
     assert bool((crf.decode(torch.randn(2, 4, 5)).diff() <= 0).all())
+    with torch.device("meta"), pytest.raises(ValueError, match="meta device, which holds no data"):
+        st.LinearChainCRF(5, sparse_transitions=torch.ones(5, 5, dtype=torch.bool))

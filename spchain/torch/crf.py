@@ -341,6 +341,9 @@ def _shifts(offsets: torch.Tensor, v: int) -> torch.Tensor:
 def _allowed(structure: object, num_tags: int) -> torch.Tensor:
     """The ``(num_tags, num_tags)`` bool mask of a ``sparse_transitions`` argument."""
     caller = "LinearChainCRF: sparse_transitions"
+    if isinstance(structure, torch.Tensor) and structure.is_meta:
+        raise ValueError(f"{caller} is on the meta device, which holds no data: make it outside "
+                         "'with torch.device(\"meta\")' (the layer itself may be made inside)")
     if isinstance(structure, torch.Tensor) and structure.layout != torch.strided:
         if structure.shape != (num_tags, num_tags):
             raise ValueError(f"{caller} must have shape ({num_tags}, {num_tags}), got {tuple(structure.shape)}")
