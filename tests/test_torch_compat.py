@@ -299,3 +299,17 @@ def test_onnx_export_raises(name):
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings(), pytest.raises(RuntimeError):
         warnings.simplefilter("ignore")
         torch.onnx.export(module, tuple(inputs), os.path.join(tmp, "model.onnx"), dynamo=False)
+
+
+def test_the_compatibility_table_names_tests_that_exist():
+    import pathlib
+    import re
+
+    tests = pathlib.Path(__file__).resolve().parent
+    files = {"compat": "test_torch_compat.py", "transforms": "test_torch_transforms.py", "nn": "test_torch_nn.py",
+             "crf": "test_crf.py"}
+    text = (tests.parent / "docs" / "compatibility.rst").read_text()
+    references = re.findall(r"``([\w.]+)::(test_\w+)``", text)
+    assert len(references) > 30
+    for file, test in references:
+        assert re.search(rf"^def {test}\(", (tests / files.get(file, file)).read_text(), re.MULTILINE), (file, test)
