@@ -113,8 +113,9 @@ class LinearChainCRF(nn.Module):
             self._structure = (torch.cat([counts.new_zeros(1), counts.cumsum(0)]), allowed.nonzero()[:, 1].contiguous())
             self.transitions = nn.Parameter(torch.empty(int(counts.sum())))
             # on torch's default device, as the parameters (the meta device inside ``with torch.device("meta")``)
-            self.register_buffer("transition_indptr", torch.empty_like(self._structure[0], device=torch.get_default_device()))
-            self.register_buffer("transition_indices", torch.empty_like(self._structure[1], device=torch.get_default_device()))
+            device = torch.get_default_device()
+            self.register_buffer("transition_indptr", torch.empty_like(self._structure[0], device=device))
+            self.register_buffer("transition_indices", torch.empty_like(self._structure[1], device=device))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -122,7 +123,8 @@ class LinearChainCRF(nn.Module):
         (so that a layer built on the ``meta`` device, then ``to_empty()``, becomes valid)."""
         for p in (self.start_transitions, self.end_transitions, self.transitions):
             nn.init.uniform_(p, -0.1, 0.1)
-        if self._structure is not None and self.transition_indptr is not None and self.transition_indices is not None:
+        if self._structure is not None and self.transition_indptr is not None and \
+                self.transition_indices is not None:
             self.transition_indptr.copy_(self._structure[0])
             self.transition_indices.copy_(self._structure[1])
 
@@ -150,6 +152,10 @@ class LinearChainCRF(nn.Module):
 
     def _batch_major(self, t: torch.Tensor) -> torch.Tensor:
         return t.transpose(0, 1) if self.batch_first is False else t
+
+    def _layout(self, shape: Sequence[int]) -> tuple[int, ...]:
+        """A batch-major ``(batch, v, ...)`` shape in the layer's layout."""
+        return (shape[1], shape[0], *shape[2:]) if self.batch_first is False else tuple(shape)
 
     def _chain(self, emissions: torch.Tensor, lengths: Lengths, mask: torch.Tensor | None,
                caller: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -193,8 +199,8 @@ class LinearChainCRF(nn.Module):
                             f"{getattr(mask, 'dtype', type(mask).__name__)}")
         mask = self._batch_major(mask)
         if tuple(mask.shape) != shape:
-            raise ValueError(f"{caller}: mask must have the shape of tags, {tuple(self._batch_major(torch.empty(shape)).shape)}, "
-                             f"got {tuple(self._batch_major(mask).shape)}")
+            raise ValueError(f"{caller}: mask must have the shape of tags, {self._layout(shape)}, "
+                             f"got {self._layout(mask.shape)}")
         mask = mask.to(torch.bool)
         lengths = mask.sum(1)
         offsets = mask.to(torch.uint8).argmax(1)
@@ -213,8 +219,8 @@ class LinearChainCRF(nn.Module):
             raise ValueError(f"{caller}: tags must be a 2-D tensor, got {getattr(tags, 'shape', type(tags).__name__)}")
         tags = self._batch_major(tags)
         if tags.shape != x.shape[:2]:
-            want = tuple(self._batch_major(x[..., 0]).shape)
-            raise ValueError(f"{caller}: tags must be a tensor of shape {want}, got {tuple(self._batch_major(tags).shape)}")
+            raise ValueError(f"{caller}: tags must be a tensor of shape {self._layout(x.shape[:2])}, "
+                             f"got {self._layout(tags.shape)}")
         return tags if offsets is None else tags.gather(1, _shifts(offsets, x.shape[1]))
 
     def _unshifted(self, t: torch.Tensor, offsets: torch.Tensor | None, axis: int) -> torch.Tensor:
@@ -243,8 +249,8 @@ class LinearChainCRF(nn.Module):
         positions) or ``"none"`` ((batch,)).
         """
         if self.batch_first is None:
-            raise ValueError("LinearChainCRF(...)(emissions, tags, mask) is pytorch-crf's calling convention: construct "
-                             "the layer with batch_first=True or batch_first=False (pytorch-crf's default, "
+            raise ValueError("LinearChainCRF(...)(emissions, tags, mask) is pytorch-crf's calling convention: "
+                             "construct the layer with batch_first=True or batch_first=False (pytorch-crf's default, "
                              "time-major); spchain's own is crf.nll(emissions, tags, lengths), batch-major")
         return -self.nll(emissions, tags, mask=mask, reduction=reduction)
 
