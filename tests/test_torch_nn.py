@@ -4,10 +4,13 @@ nn.utils.prune, ao.pruning), its dense ``weight`` copy, meta-device construction
 
 import os
 import tempfile
+import warnings
 
 import pytest
 
 torch = pytest.importorskip("torch")
+
+import torch.nn.utils.prune  # noqa: E402
 
 import spchain.torch as st  # noqa: E402
 
@@ -25,11 +28,85 @@ def test_weight_is_a_fresh_dense_copy_differentiable_in_weight_values():
     torch.testing.assert_close(layer(x), x @ weight.T + layer.bias)
     weight.sum().backward()
     assert torch.equal(layer.weight_values.grad, torch.ones(layer.nnz))
-    with torch.no_grad():
-        layer.weight.zero_()  # a copy: the layer keeps its weights
-    torch.testing.assert_close(layer.weight, weight)
     with pytest.raises(AttributeError):
         layer.weight = torch.zeros(6, 12)
+
+
+@pytest.mark.parametrize("write", [
+    torch.nn.init.kaiming_uniform_, torch.nn.init.xavier_normal_, torch.nn.init.orthogonal_, torch.nn.init.zeros_,
+    lambda w: torch.nn.init.constant_(w, 0.5), lambda w: w.zero_(), lambda w: w.copy_(torch.ones(6, 12)),
+    lambda w: w.__setitem__((0, 0), 1.0), lambda w: torch.mul(w, 2, out=w),
+])
+def test_writes_to_the_dense_weight_copy_raise(write):
+    # issue 26 item 4: they had no effect
+    layer = _layer()
+    before = layer.weight_values.detach().clone()
+    with pytest.raises(RuntimeError, match="fresh dense copy.*weight_values"), torch.no_grad():
+        write(layer.weight)
+    assert torch.equal(layer.weight_values.detach(), before)
+    assert type(layer.weight * 2) is torch.Tensor  # reading is unchanged: plain tensors out
+
+
+def test_model_apply_of_an_init_function_raises_and_nn_init_on_weight_values_works():
+    def init(m):
+        if hasattr(m, "weight"):
+            torch.nn.init.xavier_uniform_(m.weight)
+
+    model = torch.nn.Sequential(torch.nn.Linear(12, 12), torch.nn.ReLU(), torch.nn.Linear(12, 6))
+    st.sparsify(model, 0.5)
+    with pytest.raises(RuntimeError, match="fresh dense copy"):
+        model.apply(init)
+    torch.nn.init.constant_(model[2].weight_values, 0.25)
+    assert bool((model[2].weight[model[2].weight != 0] == 0.25).all())
+
+
+@pytest.mark.parametrize("norm", [
+    lambda layer: torch.nn.utils.parametrizations.weight_norm(layer, "weight_values"),
+    lambda layer: torch.nn.utils.parametrizations.spectral_norm(layer, "weight_values"),
+    lambda layer: torch.nn.utils.weight_norm(layer, "weight_values"),
+    lambda layer: torch.nn.utils.spectral_norm(layer, "weight_values"),
+])
+def test_weight_and_spectral_norm_on_weight_values_raise(norm):
+    # issue 26 item 3: they normalised each stored value, not each output row
+    layer = _layer()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch.nn.utils.weight_norm is deprecated
+        norm(layer)
+    with pytest.raises(ValueError, match="(weight|spectral)_norm on weight_values.*not each output row"):
+        layer(torch.randn(3, 12))
+
+
+def _attach_ao_sparsifier(layer):
+    from torch.ao.pruning import BaseSparsifier
+
+    class Keep(BaseSparsifier):
+        def update_mask(self, module, tensor_name, **kwargs):
+            pass
+
+    Keep(defaults={}).prepare(torch.nn.Sequential(layer), [{"tensor_fqn": "0.weight_values"}])
+
+
+@pytest.mark.parametrize("attach, name", [
+    (lambda layer: torch.nn.utils.parametrize.register_parametrization(layer, "weight_values", torch.nn.Identity()),
+     "Identity"),
+    (lambda layer: torch.nn.utils.prune.l1_unstructured(layer, "weight_values", amount=0.3), "L1Unstructured"),
+    (_attach_ao_sparsifier, "FakeSparsity"),
+    (lambda layer: torch.nn.utils.parametrizations.weight_norm(layer, "weight_values"), "_WeightNorm"),
+])
+@pytest.mark.parametrize("block", [None, (2, 3)])
+def test_structure_changes_refuse_attached_utilities_instead_of_scrambling_weights(attach, name, block):
+    # issue 26 item 2: 184 of 216 surviving weights changed value
+    from spchain.torch import pruning
+
+    layer = _layer(block=block)
+    attach(layer)
+    before = (layer.indptr.clone(), layer.indices.clone(), layer.state_dict())
+    for change in (lambda: layer.prune_and_regrow(0.3), lambda: pruning.prune_to(layer, 12)):
+        with pytest.raises(ValueError, match=f"torch utilities attached \\({name}"):
+            change()
+    assert torch.equal(layer.indptr, before[0]) and torch.equal(layer.indices, before[1])
+    for key, value in layer.state_dict().items():
+        assert torch.equal(value, before[2][key])
 
 
 def test_parametrize_accepts_weight_values():
@@ -86,6 +163,19 @@ def test_meta_construction_then_to_empty_and_reset_parameters_is_a_valid_layer()
         torch.testing.assert_close(getattr(layer, name), getattr(reference, name))
     x = torch.randn(3, 12)
     torch.testing.assert_close(layer(x), reference(x))
+
+
+def test_construction_inside_the_meta_device_context():
+    # issue 26 item 11: "Tensor.item() cannot be called on meta tensors" before
+    with torch.device("meta"):
+        layers = [_layer(), _layer(block=(2, 3)), st.BlockDiagonalLinear(12, 6, 3), st.GroupedLinear(2, 4, 3)]
+    assert all(p.is_meta for layer in layers for p in layer.parameters())
+    for layer, reference in zip(layers[:2], [_layer(), _layer(block=(2, 3))]):
+        layer.to_empty(device="cpu")
+        torch.manual_seed(0)
+        layer.reset_parameters()
+        for name in ("indptr", "indices", "weight_values", "bias"):
+            torch.testing.assert_close(getattr(layer, name), getattr(reference, name))
 
 
 def _regrow_worker(rank, init, regrow, block, out):

@@ -10,6 +10,7 @@ torch = pytest.importorskip("torch")
 
 import spchain as sc  # noqa: E402
 import spchain.torch as st  # noqa: E402
+from spchain.torch import pruning  # noqa: E402
 
 import reference  # noqa: E402
 
@@ -113,6 +114,22 @@ def test_block_prune_and_regrow_keeps_nnzb_and_moves_adam_state_per_block():
     assert state["step"] == before_state["step"]
     optimizer.step()
     layer(x).sum().backward()  # the layer and optimizer work unchanged afterwards
+
+
+@pytest.mark.parametrize("regrow", ["random", "gradient"])
+def test_block_layers_without_blocks_prune_regrow_and_train_as_the_csr_layer_does(regrow):
+    # issue 22 item 8: no stored block, a reshape error before
+    layer = st.SparseLinear(8, 4, sparsity=1.0, block=(2, 2))
+    assert layer.weight_values.shape == (0, 2, 2)
+    x = torch.randn(3, 8)
+    layer(x).sum().backward()
+    layer.prune_and_regrow(0.5, regrow=regrow)
+    assert layer.weight_values.shape == (0, 2, 2) and layer.indptr.tolist() == [0, 0, 0]
+    pruning.prune_to(layer, 0)
+    kept = st.SparseLinear(8, 4, sparsity=0.5, block=(2, 2))
+    pruning.prune_to(kept, 0)
+    assert kept.weight_values.shape == (0, 2, 2)
+    torch.testing.assert_close(kept(x), kept.bias.expand(3, 4))
 
 
 def _block_norms_of(values):

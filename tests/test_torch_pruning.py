@@ -1,5 +1,6 @@
 """Whole-model tools: sparsify, erk_densities, GradualPruning, CosineDropFraction (spchain/torch/pruning.py)."""
 
+import copy
 import math
 
 import numpy as np
@@ -183,3 +184,86 @@ def test_cosine_drop_fraction():
         st.CosineDropFraction(0.3, end_step=0)
     with pytest.raises(ValueError, match=r"initial must be in \[0, 1\]"):
         st.CosineDropFraction(1.3, end_step=5)
+
+
+def _prune_step(kind, model, optimizer, schedule):
+    """One structure change of ``kind`` on every SparseLinear layer of ``model``."""
+    layers = [m for m in model.modules() if isinstance(m, st.SparseLinear)]
+    if kind == "GradualPruning":
+        schedule.step()
+    for layer in layers:
+        if kind == "prune_to":
+            r, c = layer.block or (1, 1)
+            pruning.prune_to(layer, max(layer.nnz - r * c, r * c), optimizer)
+        elif kind.startswith("prune_and_regrow"):
+            layer.prune_and_regrow(0.3, regrow=kind.split("-")[1], optimizer=optimizer)
+
+
+@pytest.mark.parametrize("block", [None, (2, 2)])
+@pytest.mark.parametrize("kind", ["prune_to", "GradualPruning", "prune_and_regrow-random", "prune_and_regrow-gradient"])
+def test_the_plain_training_loop_runs_through_every_pruning_entry_point(kind, block):
+    # issue 22 item 5: the previous step's loss (its graph) is alive during the next backward
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    st.sparsify(model, 0.0 if kind == "GradualPruning" else 0.5, block=block)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    schedule = st.GradualPruning(model, 0.9, start=1, steps=4, every=2, optimizer=optimizer)
+    x = torch.randn(8, 16)
+    for _ in range(12):
+        optimizer.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        optimizer.step()
+        _prune_step(kind, model, optimizer, schedule)
+    optimizer.zero_grad()
+    loss = model(x).square().mean()
+    loss.backward()
+    for layer in (model[0], model[2]):
+        want = torch.autograd.grad(model(x).square().mean(), layer.weight_values)[0]
+        torch.testing.assert_close(layer.weight_values.grad, want)
+
+
+def test_a_graph_from_before_prune_to_raises_autograds_error_on_backward():
+    layer = st.SparseLinear(8, 4, sparsity=0.5)
+    old = layer(torch.randn(3, 8)).sum()
+    pruning.prune_to(layer, 8)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        old.backward()
+
+
+@pytest.mark.parametrize("block", [None, (2, 4)])
+def test_sparsify_with_the_optimizer_swaps_parameters_and_gathers_their_state(block):
+    # issue 26 item 1: an optimizer built before sparsify never updated the new weight_values
+    torch.manual_seed(6)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    optimizer = torch.optim.Adam([{"params": [model[0].weight, model[0].bias]},
+                                  {"params": [model[2].weight, model[2].bias], "lr": 0.1}])
+    x = torch.randn(5, 16)
+    for _ in range(2):
+        optimizer.zero_grad()
+        model(x).square().sum().backward()
+        optimizer.step()
+    weights = [model[0].weight, model[2].weight]
+    dense_state = [{k: v.clone() for k, v in optimizer.state[w].items()} for w in weights]
+    biases = [model[0].bias, model[2].bias]
+    st.sparsify(model, 0.5, block=block, optimizer=optimizer)
+    layers = [model[0], model[2]]
+    held = [p for g in optimizer.param_groups for p in g["params"]]
+    want = [layers[0].weight_values, biases[0], layers[1].weight_values, biases[1]]
+    assert [id(p) for p in held] == [id(p) for p in want]
+    assert all(layer.bias is bias for layer, bias in zip(layers, biases))
+    assert set(optimizer.state) == {*(layer.weight_values for layer in layers), *biases}
+    for layer, state in zip(layers, dense_state):
+        probe = copy.deepcopy(layer)  # the layer's structure, to read a state tensor as a dense matrix
+        with torch.no_grad():
+            probe.weight_values.fill_(1)
+            stored = probe.weight == 1
+            for key in ("exp_avg", "exp_avg_sq"):
+                probe.weight_values.copy_(optimizer.state[layer.weight_values][key])
+                assert torch.equal(probe.weight[stored], state[key][stored])
+        assert torch.equal(optimizer.state[layer.weight_values]["step"], state["step"])
+    before = [layer.weight_values.detach().clone() for layer in layers]
+    optimizer.zero_grad()
+    model(x).square().sum().backward()
+    optimizer.step()
+    assert all(not torch.equal(layer.weight_values, b) for layer, b in zip(layers, before))

@@ -78,7 +78,7 @@ def parse_pattern(caller: str, pattern: object) -> tuple[int, int]:
 
 def norms(values: torch.Tensor) -> torch.Tensor:
     """The Frobenius norm of each block, in float64."""
-    out: torch.Tensor = torch.linalg.vector_norm(values.double().reshape(values.shape[0], -1), dim=1)
+    out: torch.Tensor = torch.linalg.vector_norm(values.double().flatten(1), dim=1)
     return out
 
 

@@ -12,9 +12,11 @@ under ``torch.func``, in float16/bfloat16 too). The block layers
 """
 
 import math
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
+from torch.nn.utils import parametrize
 
 from .. import _backend, _csr, _selection
 from . import _block_layer
@@ -46,8 +48,9 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def _torch_seed() -> int:
-    """A seed drawn from torch's default generator, so ``torch.manual_seed`` fixes our draws."""
-    return int(torch.randint(0, 2**62, ()).item())
+    """A seed drawn from torch's default CPU generator, so ``torch.manual_seed`` fixes our draws
+    (on the CPU whatever the default device, ``meta`` inside ``with torch.device("meta")`` included)."""
+    return int(torch.randint(0, 2**62, (), device="cpu").item())
 
 
 def _moved(t: torch.Tensor, old_slots: torch.Tensor, new_slots: torch.Tensor) -> torch.Tensor:
@@ -60,6 +63,34 @@ def selectable(t: torch.Tensor) -> torch.Tensor:
     """``t`` for choosing entries by magnitude on the array level: bfloat16 (which NumPy and
     CuPy lack) widened to float32, exactly."""
     return t.float() if t.dtype == torch.bfloat16 else t
+
+
+class DenseCopy(torch.Tensor):
+    """:attr:`SparseLinear.weight`: a dense copy of the weight that refuses writes.
+
+    An in-place function (``nn.init.*_``, ``uniform_``, ``copy_``, ``w[...] = ...``, ``out=``)
+    on it raises ``RuntimeError``, as it could not change the layer; every other function
+    returns plain tensors.
+    """
+
+    @classmethod
+    def __torch_function__(cls, func: Callable[..., Any], types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        in_place = (name.endswith("_") and not name.startswith("__")) or name == "__setitem__" or \
+            (name.startswith("__i") and name.endswith("__") and name != "__index__")
+        target = args[0] if args else kwargs.get("tensor")  # nn.init passes its tensor by keyword
+        if (in_place and isinstance(target, cls)) or isinstance(kwargs.get("out"), cls):
+            raise RuntimeError(f"{name}: SparseLinear.weight is a fresh dense copy, writing to it cannot change the "
+                               "layer; write to weight_values (e.g. nn.init.uniform_(layer.weight_values, -b, b)) "
+                               "or call layer.reset_parameters()")
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+_NORMS = {"_WeightNorm": "weight_norm", "WeightNorm": "weight_norm", "_SpectralNorm": "spectral_norm",
+          "SpectralNorm": "spectral_norm"}
+"""The classes of torch's weight and spectral norms (parametrizations and the older hooks)."""
 
 
 class SparseLinear(torch.nn.Module):
@@ -87,12 +118,18 @@ class SparseLinear(torch.nn.Module):
     Attributes
     ----------
     weight_values : Parameter, shape (nnz,), or (nnzb, R, C) with ``block``
-        The only weight parameter; its gradient and any optimizer state are O(nnz). Its name
-        works with ``torch.nn.utils.parametrize``, ``torch.nn.utils.prune`` and
-        ``torch.ao.pruning`` (``tensor_fqn="<layer>.weight_values"``).
+        The only weight parameter; its gradient and any optimizer state are O(nnz); initialise
+        it with ``nn.init`` (elementwise ones: ``uniform_``, ``normal_``, ...). Elementwise
+        ``torch.nn.utils.parametrize`` parametrizations, ``torch.nn.utils.prune`` and a
+        ``torch.ao.pruning.BaseSparsifier`` with its own ``update_mask``
+        (``tensor_fqn="<layer>.weight_values"``; the built-in ``WeightNormSparsifier`` takes
+        2-D weights only) work on it; remove them before ``prune_and_regrow`` (which raises
+        while one is attached). ``weight_norm`` and ``spectral_norm`` would normalise stored
+        values, not output rows: the forward raises ``ValueError`` with them.
     weight : Tensor, shape (out_features, in_features), read-only
         A fresh dense copy of the weight (differentiable in ``weight_values``), for utilities
-        that ask for a dense ``weight``; writing to it does not change the layer.
+        that read a dense ``weight``; writing to it (``nn.init.*_(layer.weight)``, ``copy_``)
+        raises ``RuntimeError``.
     indptr, indices : buffers (int32, or int64 past 2**31)
         The CSR structure (sorted, no duplicates), over the block grid with ``block``:
         ``state_dict``, ``.to()`` and optimizers work unchanged. Load a state dict only into a
@@ -250,7 +287,10 @@ class SparseLinear(torch.nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         """A fresh dense ``(out_features, in_features)`` copy of the weight, differentiable in
-        ``weight_values``; writing to it does not change the layer."""
+        ``weight_values``; writing to it raises ``RuntimeError`` (:class:`DenseCopy`)."""
+        return self._dense().as_subclass(DenseCopy)
+
+    def _dense(self) -> torch.Tensor:
         values = self.weight_values
         if self.block is not None:
             return _block_layer.dense_weight(values, self.indptr, self.indices, (self.out_features, self.in_features))
@@ -259,6 +299,15 @@ class SparseLinear(torch.nn.Module):
         flat = values.new_zeros(self.out_features * self.in_features)
         flat = flat.index_add(0, rows * self.in_features + self.indices.long(), values)
         return flat.view(self.out_features, self.in_features)
+
+    def _utilities(self) -> list[object]:
+        """The torch utilities that compute ``weight_values``: its parametrizations and the
+        forward pre-hooks of ``nn.utils.prune`` and the older ``weight_norm``/``spectral_norm``."""
+        found: list[object] = []
+        if parametrize.is_parametrized(self, "weight_values"):
+            found += list(self.get_submodule("parametrizations.weight_values").children())
+        return found + [h for h in self._forward_pre_hooks.values()
+                        if "weight_values" in (getattr(h, "_tensor_name", None), getattr(h, "name", None))]
 
     @property
     def sparsity(self) -> float:
@@ -272,6 +321,11 @@ class SparseLinear(torch.nn.Module):
                 f"nnz={self.nnz}, sparsity={self.sparsity:.4g}{block}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._forward_pre_hooks or parametrize.is_parametrized(self):
+            norms = [_NORMS[type(u).__name__] for u in self._utilities() if type(u).__name__ in _NORMS]
+            if norms:
+                raise ValueError(f"SparseLinear: {norms[0]} on weight_values would normalise the stored values, not "
+                                 "each output row as on nn.Linear; it is not supported (remove it)")
         product = sparse_linear if self.block is None else block_sparse_linear
         y = product(x, self.weight_values, self.indptr, self.indices, (self.out_features, self.in_features), self.bias)
         if self.training and y.requires_grad and not torch.compiler.is_compiling():  # a hook would break the graph
@@ -292,7 +346,7 @@ class SparseLinear(torch.nn.Module):
         linear = torch.nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
                                  device=self.weight_values.device, dtype=self.weight_values.dtype)
         with torch.no_grad():
-            linear.weight.copy_(self.weight)
+            linear.weight.copy_(self._dense())
             if self.bias is not None:
                 linear.bias.copy_(self.bias)
         return linear
@@ -335,6 +389,7 @@ class SparseLinear(torch.nn.Module):
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"{caller}: optimizer must be a torch.optim.Optimizer (the one that steps this layer's "
                             f"weight_values) or None, not {type(optimizer).__name__}")
+        check_no_utilities(self, caller)
         if optimizer is not None and not any(p is self.weight_values for g in optimizer.param_groups for p in g["params"]):
             raise ValueError(f"{caller}: the optimizer does not hold this layer's weight_values")
         gradient = None
@@ -373,3 +428,15 @@ class SparseLinear(torch.nn.Module):
             self.indices.copy_(indices)
             if replicated:
                 torch.distributed.broadcast(self.weight_values.data, src=0)
+
+
+def check_no_utilities(layer: SparseLinear, caller: str) -> None:
+    """``ValueError`` naming the torch utility attached to ``layer.weight_values``, if any: a
+    change of structure would move the stored values but not the utility's own tensors."""
+    utilities = layer._utilities()
+    if utilities:
+        names = ", ".join(sorted({type(u).__name__ for u in utilities}))
+        raise ValueError(f"{caller}: weight_values has torch utilities attached ({names}: torch.nn.utils.parametrize, "
+                         "nn.utils.prune, torch.ao.pruning or a weight/spectral norm); their tensors would not follow "
+                         "the new structure: remove them first (parametrize.remove_parametrizations, "
+                         "prune.remove, sparsifier.squash_mask)")

@@ -22,7 +22,7 @@ import torch
 from .. import _backend, _csr, _selection
 from . import _block_layer
 from ._bridge import to_array, to_tensor
-from .nn import SparseLinear, selectable
+from .nn import SparseLinear, check_no_utilities, selectable
 
 __all__ = ["sparsify", "erk_densities", "GradualPruning", "CosineDropFraction"]
 
@@ -75,8 +75,12 @@ def _skipped(skip: Skip, linears: Mapping[str, torch.nn.Module]) -> Callable[[st
 
 
 def sparsify(model: torch.nn.Module, sparsity: float, *, method: Literal["magnitude", "random"] = "magnitude",
-             distribution: str = "uniform", skip: Skip = None, block: tuple[int, int] | None = None) -> list[str]:
+             distribution: str = "uniform", skip: Skip = None, block: tuple[int, int] | None = None,
+             optimizer: torch.optim.Optimizer | None = None) -> list[str]:
     """Replace ``model``'s ``nn.Linear`` layers, in place, by :class:`SparseLinear` layers.
+
+    Build the optimizer after this call, or pass it as ``optimizer``: an optimizer made before
+    and not passed keeps stepping the removed dense weights and never the new ``weight_values``.
 
     Only modules of type ``nn.Linear`` itself are replaced: subclasses (such as the output
     projection of ``nn.MultiheadAttention``, whose owner reads ``.weight`` directly) stay.
@@ -97,6 +101,11 @@ def sparsify(model: torch.nn.Module, sparsity: float, *, method: Literal["magnit
     block : (R, C), optional
         Make block-sparse layers, pruned by whole blocks (every replaced layer's features must
         be multiples of the block; ``skip`` the others).
+    optimizer : torch.optim.Optimizer, optional
+        An optimizer made before the call: in its param groups each replaced ``weight``
+        becomes the new ``weight_values`` and its state follows (every state tensor shaped
+        like the weight, e.g. Adam's moments, keeps the kept entries; ``step`` stays). The
+        biases stay the same parameters.
 
     Returns
     -------
@@ -135,12 +144,41 @@ def sparsify(model: torch.nn.Module, sparsity: float, *, method: Literal["magnit
         densities = erk_densities([(m.out_features, m.in_features) for _, m in chosen], 1.0 - sparsity)
     else:
         densities = [1.0 - sparsity] * len(chosen)
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"{caller}: optimizer must be a torch.optim.Optimizer or None, not {type(optimizer).__name__}")
     for (name, linear), density in zip(chosen, densities):
         layer = SparseLinear.from_dense(linear, min(1.0, max(0.0, 1.0 - density)), method=method, block=block)
         layer.train(linear.training)
+        if linear.bias is not None:  # the same parameter: optimizers holding it keep working
+            layer.bias = linear.bias
+        if optimizer is not None:
+            _swap(optimizer, linear.weight, layer)
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, layer)
     return [name for name, _ in chosen]
+
+
+def _swap(optimizer: torch.optim.Optimizer, weight: torch.Tensor, layer: SparseLinear) -> None:
+    """Put ``layer.weight_values`` in the place of the dense ``weight`` in ``optimizer``, with
+    its state gathered at the stored entries."""
+    groups = [g for g in optimizer.param_groups if any(p is weight for p in g["params"])]
+    for group in groups:
+        group["params"] = [layer.weight_values if p is weight else p for p in group["params"]]
+    state = optimizer.state.pop(weight, None)
+    if state is None:
+        return
+    r, c = layer.block or (1, 1)
+    gm, gn = layer.out_features // r, layer.in_features // c
+    rows = torch.repeat_interleave(torch.arange(gm, device=layer.indptr.device), layer.indptr.diff().long())
+    positions = rows * gn + layer.indices.long()
+
+    def kept(t: torch.Tensor) -> torch.Tensor:
+        if layer.block is None:
+            return t.reshape(-1)[positions].clone()
+        return t.reshape(gm, r, gn, c).transpose(1, 2).reshape(gm * gn, r, c)[positions].clone()
+
+    optimizer.state[layer.weight_values] = {k: kept(v) if torch.is_tensor(v) and v.shape == weight.shape else v
+                                            for k, v in state.items()}
 
 
 def _units(layer: SparseLinear) -> int:
@@ -160,6 +198,7 @@ def prune_to(layer: SparseLinear, nnz: int, optimizer: torch.optim.Optimizer | N
     entries of the kept weights, in their new slots, exactly as in
     :meth:`SparseLinear.prune_and_regrow`; scalar state (``step``) stays.
     """
+    check_no_utilities(layer, "prune_to")
     weights = layer.weight_values
     r, c = layer.block or (1, 1)
     count, block_rows = nnz // (r * c), layer.out_features // r
@@ -174,13 +213,27 @@ def prune_to(layer: SparseLinear, nnz: int, optimizer: torch.optim.Optimizer | N
         moving = [weights.grad] if weights.grad is not None else []
         state = {} if optimizer is None else optimizer.state.get(weights, {})
         moving_state = {k: v for k, v in state.items() if torch.is_tensor(v) and v.shape == weights.shape}
-        weights.data = weights.data[kept]
+        _resize(weights, weights.data[kept])
         if moving:
             weights.grad = moving[0][kept]
         for key, value in moving_state.items():
             state[key] = value[kept]
         layer.indices = indices[kept]
         indptr[1:] = torch.cumsum(counts, 0).to(indptr.dtype)
+
+
+def _resize(parameter: torch.Tensor, data: torch.Tensor) -> None:
+    """Give ``parameter`` (the same object, which optimizers hold) ``data`` of another shape.
+
+    Autograd keeps one gradient accumulator per leaf for as long as a graph holds it, with the
+    shape the leaf had when it was made; assigning ``.data`` renews it only on a change of dtype or
+    device. Passing through another dtype renews it, so that the next backward accumulates into
+    the new shape even while a graph of an earlier step (the previous ``loss``) is alive; the
+    version bump makes a backward through such an old graph raise autograd's error.
+    """
+    parameter.data = data.new_empty(0, dtype=torch.float64 if data.dtype != torch.float64 else torch.float32)
+    parameter.data = data
+    torch.autograd.graph.increment_version(parameter)
 
 
 class GradualPruning:
