@@ -34,15 +34,31 @@ def tensors(caller: str, x: "TensorLike", log_trans: torch.Tensor, log_init: "Te
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``(x, crow, col, values, log_init, lengths)`` as the sparse operators take them, by
     ``dense_tensors`` (``spchain.torch.chain._tensors``) for all but the structure;
-    ``ValueError`` unless ``log_trans`` is one (c, c) matrix with ``x`` of shape (..., v, c)."""
+    ``ValueError`` unless ``log_trans`` is one (c, c) matrix with ``x`` of shape (..., v, c),
+    its columns sorted within each row (torch's backward of ``sparse_csr_tensor`` would give
+    the gradient of ``values`` in sorted order, permuted against unsorted ones)."""
     if log_trans.dim() != 2:
         raise ValueError(f"{caller}: a sparse CSR log_trans must be one (c, c) matrix, got shape "
                          f"{tuple(log_trans.shape)}")
+    _check_sorted(caller, log_trans.crow_indices(), log_trans.col_indices())
     x, values, log_init, lengths = dense_tensors(caller, x, log_trans.values(), log_init, lengths)
     _chain_layout.layout(caller, tuple(x.shape), tuple(log_trans.shape),
                          None if log_init is None else tuple(log_init.shape),
                          None if lengths is None else tuple(lengths.shape))
     return x, log_trans.crow_indices(), log_trans.col_indices(), values, log_init, lengths
+
+
+def _check_sorted(caller: str, crow: torch.Tensor, col: torch.Tensor) -> None:
+    """``ValueError`` naming the first row whose column indices are not in increasing order."""
+    if col.numel() < 2:
+        return
+    rows = torch.repeat_interleave(torch.arange(crow.numel() - 1, device=crow.device), crow.diff(),
+                                   output_size=col.numel())
+    down = (col[1:] < col[:-1]) & (rows[1:] == rows[:-1])
+    if bool(down.any()):
+        row = int(rows[1:][down][0])
+        raise ValueError(f"{caller}: a sparse CSR log_trans must have sorted column indices in each row, row {row} "
+                         "has not (sort them, e.g. log_trans.to_sparse_coo().coalesce().to_sparse_csr())")
 
 
 DenseBackward = Callable[[Sequence[Any], Sequence[Any], Sequence[Any], Sequence[bool]],
