@@ -168,6 +168,82 @@ def test_double_backward_raises_instead_of_a_silent_first_order_answer(case):
         torch.autograd.functional.hessian(lambda x: case.fn(x, *inputs[1:]).sum(), inputs[0])
 
 
+# Forward-mode AD: the operators whose results have no gradient (chain_marginals, chain_kbest) and
+# the sparse linear layers raise NotImplementedError; the others give the exact tangent.
+NO_FORWARD_AD = {"chain_marginals", "chain_kbest", "sparse_linear", "sparse_linear_3d"}
+FORWARD_AD = [c for c in CASES if c.name not in NO_FORWARD_AD]
+
+
+def _tangents(inputs):
+    return tuple(randn(*t.shape, seed=10 + k) for k, t in enumerate(inputs))
+
+
+@pytest.mark.parametrize("case", FORWARD_AD, ids=str)
+def test_forward_ad_tangent_is_the_jacobian_times_the_tangent(case):
+    inputs, tangents = case.inputs(), _tangents(case.inputs())
+    out, tangent = torch.func.jvp(case.fn, inputs, tangents)
+    jacobians = torch.func.jacrev(case.fn, argnums=tuple(range(len(inputs))))(*inputs)
+    expected = sum(torch.tensordot(j, t, dims=t.dim()) for j, t in zip(jacobians, tangents))
+    torch.testing.assert_close(out, case.fn(*inputs), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(tangent, expected, rtol=1e-10, atol=1e-12)
+    with torch.autograd.forward_ad.dual_level():  # eager forward AD: the same tangent
+        duals = [torch.autograd.forward_ad.make_dual(x, t) for x, t in zip(inputs, tangents)]
+        eager = torch.autograd.forward_ad.unpack_dual(case.fn(*duals)).tangent
+    torch.testing.assert_close(eager, expected, rtol=1e-10, atol=1e-12)
+    jacobian = torch.func.jacfwd(case.fn)(*inputs)  # jacfwd: vmap over jvp
+    torch.testing.assert_close(jacobian, jacobians[0], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.name in NO_FORWARD_AD], ids=str)
+def test_forward_ad_raises_where_not_implemented_never_a_zero_tangent(case):
+    inputs, tangents = case.inputs(), _tangents(case.inputs())
+    with pytest.raises(NotImplementedError, match="forward-mode AD"):
+        torch.func.jvp(case.fn, inputs, tangents)
+    with pytest.raises(NotImplementedError, match="forward-mode AD"), torch.autograd.forward_ad.dual_level():
+        case.fn(*(torch.autograd.forward_ad.make_dual(x, t) for x, t in zip(inputs, tangents)))
+
+
+def _reference_log_partition(x, log_trans, log_init):
+    """The forward algorithm in torch operations (per-step transitions)."""
+    alpha = x[..., 0, :] + log_init
+    for t in range(1, x.shape[-2]):
+        alpha = torch.logsumexp(alpha[..., :, None] + log_trans[..., t - 1, :, :], -2) + x[..., t, :]
+    return torch.logsumexp(alpha, -1)
+
+
+def _reference_chain_product(m):
+    out = m[..., 0, :, :]
+    for t in range(1, m.shape[-3]):
+        out = torch.logsumexp(out[..., :, :, None] + m[..., t, None, :, :], -2)
+    return out
+
+
+@pytest.mark.parametrize("fn, reference, inputs", [
+    (lambda x, t, i: st.chain_logsumexp(x, t, i), _reference_log_partition, _chain_inputs),
+    (st.logmatmul, lambda a, b: torch.logsumexp(a[..., :, :, None] + b[..., None, :, :], -2),
+     lambda: (randn(2, 3, 4), randn(4, 5, seed=1))),
+    (st.log_chain_product, _reference_chain_product, lambda: (randn(2, 5, 3, 3),)),
+], ids=["chain_logsumexp", "logmatmul", "log_chain_product"])
+def test_forward_ad_equals_torch_on_a_float64_reference(fn, reference, inputs):
+    inputs = inputs()
+    tangents = _tangents(inputs)
+    torch.testing.assert_close(torch.func.jvp(fn, inputs, tangents)[1], torch.func.jvp(reference, inputs, tangents)[1],
+                               rtol=1e-10, atol=1e-12)
+
+
+def test_forward_ad_of_the_log_partition_is_the_sum_of_the_marginals():
+    x, log_trans = randn(4, 3), randn(3, 3, seed=1)  # the issue's example: 4 positions, tangent 4
+    _, tangent = torch.func.jvp(lambda x: st.chain_logsumexp(x, log_trans), (x,), (torch.ones_like(x),))
+    torch.testing.assert_close(tangent, torch.tensor(4.0, dtype=torch.float64))
+
+
+def test_forward_ad_of_chain_sample_has_no_float_tangent_to_lose():
+    inputs = SAMPLE.inputs()
+    out, tangent = torch.func.jvp(SAMPLE.fn, inputs, _tangents(inputs))
+    torch.testing.assert_close(out, SAMPLE.fn(*inputs), rtol=0, atol=0)
+    assert not tangent.is_floating_point()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_low_precision_computes_in_float32_and_returns_the_input_dtype(case, dtype):

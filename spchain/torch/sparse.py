@@ -25,7 +25,7 @@ from .. import _backend, _csr
 from .. import sparse as _sparse
 from .._typing import Array, Seed, Shape
 from ._bridge import check_dense, check_same_device, on_device, to_array, to_tensor
-from ._operator import Operator
+from ._operator import Operator, linear_jvp
 
 __all__ = ["spmm", "sddmm", "prune"]
 
@@ -128,11 +128,12 @@ def _sddmm_fake(first: torch.Tensor, second: torch.Tensor, a: torch.Tensor, b: t
 # gradient (it is the value gradient of a sparse layer).
 _SPMM = Operator("spmm", "(Tensor b, Tensor data, Tensor first, Tensor second, str fmt, int[] shape)"
                  " -> (Tensor, Tensor, Tensor, Tensor)",
-                 _spmm_forward, _spmm_fake, outputs=1, backward=_spmm_backward, differentiable=(0,))
+                 _spmm_forward, _spmm_fake, outputs=1, backward=_spmm_backward, differentiable=(0,), jvp=linear_jvp)
 _SDDMM = Operator("sddmm", "(Tensor first, Tensor second, Tensor a, Tensor b, str fmt, int[] shape)"
                   " -> (Tensor, Tensor, Tensor)", _sddmm_forward, _sddmm_fake, outputs=3)
 
 
+@torch.compiler.disable  # type: ignore[misc]
 def spmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Sparse times dense for tensors: ``a @ b``, differentiable with respect to ``b``.
 
@@ -182,6 +183,7 @@ def spmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@torch.compiler.disable  # type: ignore[misc]
 def sddmm(pattern: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Sampled dense-dense product for tensors: ``a @ b.T`` at ``pattern``'s stored entries.
 
