@@ -1,24 +1,34 @@
 """One way to make a torch operator of an array-level forward/backward pair.
 
 :class:`Operator` registers ``spchain::<name>`` (``torch.library.custom_op``) with a fake
-implementation, a batching rule and autograd, and ``spchain::<name>_backward`` for its
-gradient; calling it runs the public function. Each call takes one of two routes:
+implementation (symbolic sizes stay symbolic: ``torch.export`` with dynamic shapes), a
+batching rule and autograd, and ``spchain::<name>_backward`` for its gradient; calling it runs
+the public function. Each call takes one of three routes:
 
-- plain eager tensors (no compile, export, ``torch.func`` transform, tracer or fake tensor):
-  the array-level functions run directly, inside an ``autograd.Function`` only when a gradient
-  is needed (an operator's dispatch would cost more than a small product itself);
-- anything else: the registered operators, inside an ``autograd.Function`` with
-  ``setup_context`` (as ``torch.func`` needs); ``torch.compile`` and ``torch.export`` see
-  opaque operators with fake implementations.
+- plain eager tensors (no compile, export, ``torch.func`` transform, dual level, tracer or fake
+  tensor): the array-level functions run directly, inside an ``autograd.Function`` only when a
+  gradient is needed (an operator's dispatch would cost more than a small product itself);
+- a ``torch.func`` transform or an eager ``torch.autograd.forward_ad`` dual level (outside
+  ``torch.compile``): the registered operators inside an ``autograd.Function`` with
+  ``setup_context`` and a ``jvp``;
+- anything else: the registered operators, inside the same ``autograd.Function`` without the
+  ``jvp`` (Dynamo refuses a custom one); ``torch.compile`` and ``torch.export`` see opaque
+  operators with fake implementations.
 
-Both routes run the same array-level code, so they give the same results. float16 and
-bfloat16 inputs are cast to float32 by torch before the operator and its results back after,
-so the operators see float32 and float64 only and what autograd saves stays in float32.
+All routes run the same array-level code, so they give the same results. float16 and
+bfloat16 inputs are cast to float32 before the operator and its results back after, so the
+operators see float32 and float64 only and what autograd saves stays in float32. Under
+``torch.autocast`` an operator computes in float32 too and returns what torch's own operations
+would: autocast's dtype for a product (as ``torch.matmul``), float32 for a log-space operator
+(as ``torch.logsumexp``); float64 inputs stay float64.
 
+Forward-mode AD (``torch.func.jvp``, ``jacfwd``, ``torch.autograd.forward_ad``) gives the exact
+tangent where an operator has a ``jvp`` and raises ``NotImplementedError`` where it has none
+(or for a tangent of an argument it does not differentiate); integer results have no tangent.
 Double backward is not implemented: differentiating a gradient (``create_graph=True``,
-Hessians, gradient penalties, nested ``torch.func.grad``) raises a ``RuntimeError``, and
-forward-mode AD (``jvp``, ``jacfwd``) torch's ``NotImplementedError``: never a silently
-first-order answer.
+Hessians, gradient penalties, nested ``torch.func.grad``, forward over reverse) raises a
+``RuntimeError`` (``NotImplementedError`` for forward over reverse): never a silently
+first-order answer. :data:`OPERATORS` holds every operator made, for ``torch.library.opcheck``.
 """
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -53,6 +63,14 @@ Public = TypeVar("Public", bound=torch.Tensor | tuple[torch.Tensor, ...])
 """What calling an :class:`Operator` returns: a tensor, or a tuple of its ``outputs`` tensors."""
 Batched = tuple[torch.Tensor | tuple[torch.Tensor, ...], int | tuple[int, ...]]
 """What a vmap rule returns: the batched results and the batch axis of each."""
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def run_eagerly(fn: F) -> F:
+    """``torch.compiler.disable`` (typed): ``torch.compile`` breaks the graph at ``fn`` and runs it eagerly."""
+    return cast(F, torch.compiler.disable(fn))  # type: ignore[no-untyped-call]
 
 
 def plain_eager(tensors: Iterable[torch.Tensor]) -> bool:
@@ -120,7 +138,8 @@ class Operator(Generic[Public]):
     def __init__(self: "Operator[tuple[torch.Tensor, torch.Tensor]]", name: str, schema: str, forward: Forward,
                  fake: Fake, *, outputs: Literal[2], backward: Backward | None = ...,
                  differentiable: Iterable[int] = ..., leading_batch: Sequence[int] = ...,
-                 backward_reads: Iterable[int] | None = ..., jvp: Jvp | None = ..., autocast: Literal["lower", "float32"] = ...) -> None: ...
+                 backward_reads: Iterable[int] | None = ..., jvp: Jvp | None = ...,
+                 autocast: Literal["lower", "float32"] = ...) -> None: ...
 
     @overload
     def __init__(self: "Operator[tuple[torch.Tensor, ...]]", name: str, schema: str, forward: Forward, fake: Fake, *,
@@ -177,7 +196,8 @@ class Operator(Generic[Public]):
                 args = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
             grad = requires and self.backward is not None and torch.is_grad_enabled()
             if plain_eager(tensors):  # without a graph, only the public results become tensors
-                results = self._eager.apply(*args) if grad else self._run(args, self.outputs)  # type: ignore[no-untyped-call]
+                results = (self._eager.apply(*args) if grad  # type: ignore[no-untyped-call]
+                           else self._run(args, self.outputs))
             else:
                 results = self._transform.apply(*args) if grad else self.op(*args)  # type: ignore[no-untyped-call]
         public = results[:self.outputs] if isinstance(results, tuple) else (results,)

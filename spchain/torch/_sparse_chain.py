@@ -17,7 +17,7 @@ from .. import _backend, _chain_layout
 from .. import chain as _chain
 from .. import paths as _paths
 from .._typing import Array, Sparse
-from ._operator import Fake, Forward, Jvp, Operator, linear_jvp
+from ._operator import Fake, Forward, Jvp, Operator, Public, linear_jvp, run_eagerly
 
 if TYPE_CHECKING:
     from .chain import ChainTensors, TensorLike
@@ -63,11 +63,11 @@ def _check_sorted(caller: str, crow: torch.Tensor, col: torch.Tensor) -> None:
                          "has not (sort them, e.g. log_trans.to_sparse_coo().coalesce().to_sparse_csr())")
 
 
-@torch.compiler.disable  # type: ignore[misc]
-def eagerly(operator: Operator[Any], caller: str, x: "TensorLike", log_trans: torch.Tensor,
+@run_eagerly
+def eagerly(operator: Operator[Public], caller: str, x: "TensorLike", log_trans: torch.Tensor,
             log_init: "TensorLike | None", lengths: "TensorLike | None",
             dense_tensors: "Callable[[str, TensorLike, TensorLike, TensorLike | None, TensorLike | None], ChainTensors]",
-            *extra: object) -> Any:
+            *extra: object) -> Public:
     """``operator`` on :func:`tensors` and ``extra``, run eagerly: ``torch.compile`` breaks the
     graph here (Dynamo cannot take the parts of a sparse CSR tensor) instead of crashing."""
     return operator(*tensors(caller, x, log_trans, log_init, lengths, dense_tensors), *extra)
@@ -137,7 +137,8 @@ def _lazy_fake(module: int, name: str) -> Fake:
 
 
 def _batch_jvp(operator: Operator[Any], *args: Any) -> Sequence[torch.Tensor | None]:
-    return _fakes()[0].batch_jvp(3)(operator, *args)
+    jvp: Jvp = _fakes()[0].batch_jvp(3)
+    return jvp(operator, *args)
 
 
 _LENGTHS = ", Tensor? lengths"

@@ -158,8 +158,8 @@ def chain_logsumexp(x: TensorLike, log_trans: TensorLike, log_init: TensorLike |
             [1., 1., 1.]])
     """
     if _sparse_chain.is_csr(log_trans):
-        return _sparse_chain.eagerly(_sparse_chain.CHAIN_LOGSUMEXP, "spchain.torch.chain_logsumexp", x, log_trans, log_init, lengths,
-                                     _tensors)
+        return _sparse_chain.eagerly(_sparse_chain.CHAIN_LOGSUMEXP, "spchain.torch.chain_logsumexp", x, log_trans,
+                                     log_init, lengths, _tensors)
     return _CHAIN_LOGSUMEXP(*_tensors("spchain.torch.chain_logsumexp", x, log_trans, log_init, lengths))
 
 
@@ -178,8 +178,8 @@ def chain_marginals(x: TensorLike, log_trans: TensorLike, log_init: TensorLike |
             [0.5000, 0.5000]])
     """
     if _sparse_chain.is_csr(log_trans):
-        return _sparse_chain.eagerly(_sparse_chain.CHAIN_MARGINALS, "spchain.torch.chain_marginals", x, log_trans, log_init, lengths,
-                                     _tensors)
+        return _sparse_chain.eagerly(_sparse_chain.CHAIN_MARGINALS, "spchain.torch.chain_marginals", x, log_trans,
+                                     log_init, lengths, _tensors)
     return _CHAIN_MARGINALS(*_tensors("spchain.torch.chain_marginals", x, log_trans, log_init, lengths))
 
 
@@ -199,6 +199,6 @@ def viterbi(x: TensorLike, log_trans: TensorLike, log_init: TensorLike | None = 
             [1., 0.]]))
     """
     if _sparse_chain.is_csr(log_trans):
-        return _sparse_chain.eagerly(_sparse_chain.VITERBI, "spchain.torch.viterbi", x, log_trans, log_init, lengths,
-                                     _tensors)
+        return _sparse_chain.eagerly(_sparse_chain.VITERBI, "spchain.torch.viterbi", x, log_trans, log_init,
+                                     lengths, _tensors)
     return _VITERBI(*_tensors("spchain.torch.viterbi", x, log_trans, log_init, lengths))

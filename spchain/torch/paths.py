@@ -9,7 +9,7 @@ import torch
 
 from .. import paths as _paths
 from . import _sparse_chain
-from ._operator import Operator, linear_jvp
+from ._operator import Operator, linear_jvp, run_eagerly
 from .chain import TensorLike, _chain_fake, _tensors, batch_jvp
 
 
@@ -77,8 +77,8 @@ def chain_sample(x: TensorLike, log_trans: TensorLike, log_init: TensorLike | No
     torch.Size([2, 4])
     """
     if _sparse_chain.is_csr(log_trans):
-        return _sparse_chain.eagerly(_sparse_chain.CHAIN_SAMPLE, "spchain.torch.chain_sample", x, log_trans, log_init, lengths,
-                                     _tensors, num_samples, seed)
+        return _sparse_chain.eagerly(_sparse_chain.CHAIN_SAMPLE, "spchain.torch.chain_sample", x, log_trans, log_init,
+                                     lengths, _tensors, num_samples, seed)
     return _CHAIN_SAMPLE(*_tensors("spchain.torch.chain_sample", x, log_trans, log_init, lengths), num_samples, seed)
 
 
@@ -96,8 +96,8 @@ def chain_entropy(x: TensorLike, log_trans: TensorLike, log_init: TensorLike | N
     (3.0, 0.0)
     """
     if _sparse_chain.is_csr(log_trans):
-        return _sparse_chain.eagerly(_sparse_chain.CHAIN_ENTROPY, "spchain.torch.chain_entropy", x, log_trans, log_init, lengths,
-                                     _tensors)
+        return _sparse_chain.eagerly(_sparse_chain.CHAIN_ENTROPY, "spchain.torch.chain_entropy", x, log_trans, log_init,
+                                     lengths, _tensors)
     return _CHAIN_ENTROPY(*_tensors("spchain.torch.chain_entropy", x, log_trans, log_init, lengths))
 
 
@@ -116,8 +116,8 @@ def chain_kbest(x: TensorLike, log_trans: TensorLike, log_init: TensorLike | Non
             [0, 0]]))
     """
     if _sparse_chain.is_csr(log_trans):
-        return _sparse_chain.eagerly(_sparse_chain.CHAIN_KBEST, "spchain.torch.chain_kbest", x, log_trans, log_init, lengths,
-                                     _tensors, k)
+        return _sparse_chain.eagerly(_sparse_chain.CHAIN_KBEST, "spchain.torch.chain_kbest", x, log_trans, log_init,
+                                     lengths, _tensors, k)
     return _CHAIN_KBEST(*_tensors("spchain.torch.chain_kbest", x, log_trans, log_init, lengths), k)
 
 
@@ -142,7 +142,7 @@ def chain_path_score(x: TensorLike, log_trans: TensorLike, log_init: TensorLike 
     return _CHAIN_PATH_SCORE(x, log_trans, log_init, _path(caller, path, x), lengths)
 
 
-@torch.compiler.disable  # type: ignore[misc]
+@run_eagerly
 def _sparse_path_score(x: TensorLike, log_trans: torch.Tensor, log_init: TensorLike | None, path: TensorLike,
                        lengths: TensorLike | None) -> torch.Tensor:
     """:func:`chain_path_score` with a sparse CSR ``log_trans``, run eagerly (see ``_sparse_chain.eagerly``)."""

@@ -25,7 +25,7 @@ from .. import _backend, _csr
 from .. import sparse as _sparse
 from .._typing import Array, Seed, Shape
 from ._bridge import check_dense, check_same_device, on_device, to_array, to_tensor
-from ._operator import Operator, linear_jvp
+from ._operator import Operator, linear_jvp, run_eagerly
 
 __all__ = ["spmm", "sddmm", "prune"]
 
@@ -133,7 +133,7 @@ _SDDMM = Operator("sddmm", "(Tensor first, Tensor second, Tensor a, Tensor b, st
                   " -> (Tensor, Tensor, Tensor)", _sddmm_forward, _sddmm_fake, outputs=3)
 
 
-@torch.compiler.disable  # type: ignore[misc]
+@run_eagerly
 def spmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Sparse times dense for tensors: ``a @ b``, differentiable with respect to ``b``.
 
@@ -183,7 +183,7 @@ def spmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@torch.compiler.disable  # type: ignore[misc]
+@run_eagerly
 def sddmm(pattern: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Sampled dense-dense product for tensors: ``a @ b.T`` at ``pattern``'s stored entries.
 
