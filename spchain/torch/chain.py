@@ -146,7 +146,9 @@ def chain_logsumexp(x: TensorLike, log_trans: TensorLike, log_init: TensorLike |
     entries ``-inf``), here and in the other chain and path functions: the gradient of a
     leaf with ``requires_grad`` is then a sparse CSR tensor of its structure, and one built
     from a ``values`` tensor that requires grad (``torch.sparse_csr_tensor(crow, col,
-    values)``) gives ``values.grad``.
+    values)``) gives ``values.grad``. Its columns must be sorted within each row
+    (``ValueError`` otherwise), and under ``torch.compile`` a call with it breaks the graph and
+    runs eagerly (Dynamo cannot take sparse tensors).
 
     Examples
     --------

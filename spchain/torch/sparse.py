@@ -4,8 +4,8 @@ Their sparse operands are torch sparse tensors (COO, CSR, CSC). ``spmm`` and ``s
 them apart into their component tensors and run the operators ``spchain::spmm`` and
 ``spchain::sddmm`` on those (operators take dense tensors only), which run the array-level
 dispatchers of ``spchain.sparse`` on zero-copy NumPy/CuPy views. ``torch.compile`` cannot
-trace torch sparse tensors at all (Dynamo refuses them as inputs), so these three functions run
-eagerly, outside compiled regions; a compiled model's sparse layer is
+trace torch sparse tensors (Dynamo refuses them), so ``spmm`` and ``sddmm`` break the graph and
+run eagerly (``fullgraph=True`` refuses them); a compiled model's sparse layer is
 :class:`spchain.torch.SparseLinear` (or :func:`spchain.torch.sparse_linear`), which takes its
 structure as dense index tensors.
 
@@ -157,10 +157,11 @@ def spmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     Notes
     -----
     ``a`` crosses as its component tensors to the operator ``spchain::spmm``, so
-    ``torch.func`` transforms it (``grad`` and ``vmap`` with respect to ``b``). ``torch.compile`` cannot take torch
-    sparse tensors (Dynamo refuses them with "Attempted to wrap sparse Tensor"), so call this
-    function, :func:`sddmm` and :func:`prune` outside compiled regions; inside them use
-    :func:`sparse_linear` with the structure as index tensors.
+    ``torch.func`` transforms it (``grad``, ``vmap`` and ``jvp`` with respect to ``b``).
+    ``torch.compile`` cannot take torch sparse tensors, so this function and :func:`sddmm` break
+    the graph and run eagerly (``fullgraph=True`` fails with Dynamo's "Attempted to wrap sparse
+    Tensor"); for a compiled sparse layer use :func:`sparse_linear` with the structure as index
+    tensors.
 
     Examples
     --------
