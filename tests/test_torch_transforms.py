@@ -545,3 +545,21 @@ def test_onnx_export_is_a_clear_error_naming_the_operator():
     io = pytest.importorskip("io")
     with pytest.raises(Exception, match="spchain::logmatmul"):
         torch.onnx.export(_Wrap(st.logmatmul), (randn(2, 3), randn(3, 4, seed=1)), io.BytesIO(), dynamo=False)
+
+
+def test_crf_nll_exports_with_a_dynamic_batch_and_length_and_compiles_without_recompiling_per_batch():
+    module = _CRFNll()
+
+    def inputs(b, v):
+        return randn(b, v, 3), torch.arange(b * v).reshape(b, v) % 3, torch.arange(b) % v + 1
+
+    batch, length = torch.export.Dim("batch"), torch.export.Dim("length")
+    program = torch.export.export(module, inputs(3, 5),
+                                  dynamic_shapes=({0: batch, 1: length}, {0: batch, 1: length}, {0: batch}))
+    for b, v in ((2, 7), (6, 3)):
+        torch.testing.assert_close(program.module()(*inputs(b, v)), module(*inputs(b, v)), rtol=1e-12, atol=1e-12)
+    compiled = torch.compile(module)
+    torch._dynamo.utils.counters.clear()
+    for b in range(2, 8):
+        torch.testing.assert_close(compiled(*inputs(b, 5)), module(*inputs(b, 5)), rtol=1e-12, atol=1e-12)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 2
