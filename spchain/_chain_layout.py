@@ -121,7 +121,7 @@ def layout(caller: str, x_shape: Shape, trans_shape: Shape, init_shape: Shape | 
         raise ValueError(f"{caller}: log_init must have shape (..., c) with c = {c}, got {init_shape}")
     length_shape = () if lengths_shape is None else tuple(lengths_shape)
     try:
-        batch_shape = np.broadcast_shapes(x_shape[:-2], trans_batch, init_shape[:-1], length_shape)
+        batch_shape = _checks.broadcast_shapes(x_shape[:-2], trans_batch, init_shape[:-1], length_shape)
     except ValueError:
         kind = "one matrix per step" if per_step else "shared by all steps (per-step transitions have one more axis than x)"
         raise ValueError(f"{caller}: batch shapes do not broadcast: x {x_shape[:-2]}, log_trans {trans_batch} "

@@ -12,6 +12,24 @@ import scipy.sparse
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
+def broadcast_shapes(*shapes: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``np.broadcast_shapes`` on the sizes as they are, so that torch's symbolic sizes stay
+    symbolic (``torch.export`` with dynamic shapes); ``ValueError`` where they do not broadcast.
+
+    >>> broadcast_shapes((2, 1), (3,), ())
+    (2, 3)
+    """
+    out: list[Any] = [1] * max((len(s) for s in shapes), default=0)
+    for shape in shapes:
+        for k, d in enumerate(shape, len(out) - len(shape)):
+            if d != 1:
+                if out[k] == 1:
+                    out[k] = d
+                elif out[k] != d:
+                    raise ValueError(f"shapes {shapes} do not broadcast")
+    return tuple(out)
+
+
 def float_dtype(caller: str, **arrays: Any) -> np.dtype[Any]:
     """The floating dtype of a computation on ``arrays`` (``None`` values ignored).
 

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike
 
-from . import _chain_layout, _entropy, _sparse_chain
+from . import _chain_layout, _checks, _entropy, _sparse_chain
 from .chain import Grads, _input_grads, _viterbi_grads
 from ._chain_layout import Chain
 from ._chain_limits import forward as _forward
@@ -302,7 +302,7 @@ def path_layout(caller: str, x_shape: Shape, batch_shape: Shape, path_shape: Sha
         raise ValueError(f"{caller}: path must have shape (..., v) with v = x.shape[-2], got path {path_shape} "
                          f"and x {x_shape}")
     try:
-        return tuple(np.broadcast_shapes(batch_shape, path_shape[:-1]))
+        return _checks.broadcast_shapes(batch_shape, path_shape[:-1])
     except ValueError:
         raise ValueError(f"{caller}: the batch shape of path {path_shape[:-1]} does not broadcast with the "
                          f"chains' {batch_shape}") from None

@@ -35,7 +35,7 @@ def product_shape(caller: str, a_shape: Shape, b_shape: Shape) -> Shape:
         raise ValueError(f"{caller}: shapes {a_shape} and {b_shape} do not match: "
                          f"a has {a_shape[-1]} columns but b has {b_shape[-2]} rows")
     try:
-        batch_shape = np.broadcast_shapes(a_shape[:-2], b_shape[:-2])
+        batch_shape = _checks.broadcast_shapes(a_shape[:-2], b_shape[:-2])
     except ValueError:
         raise ValueError(f"{caller}: batch shapes of {a_shape} and {b_shape} do not broadcast") from None
     return tuple(batch_shape) + (a_shape[-2], b_shape[-1])

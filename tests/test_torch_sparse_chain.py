@@ -91,7 +91,26 @@ def test_float64_gradcheck_including_the_sparse_values(name):
 @pytest.mark.parametrize("trans, error, match", [
     (torch.eye(4).to_sparse_csr(), ValueError, r"log_trans must end in \(c, c\) = \(3, 3\)"),
     (torch.eye(3).expand(2, 3, 3).to_sparse_csr(), ValueError, "must be one .c, c. matrix"),
+    # row 1 stores columns 2 then 0: torch's backward would permute the gradient of its values
+    (torch.sparse_csr_tensor(torch.tensor([0, 1, 3, 3]), torch.tensor([1, 2, 0]), torch.zeros(3), size=(3, 3)),
+     ValueError, "sorted column indices in each row, row 1"),
 ])
 def test_bad_sparse_transitions(trans, error, match):
     with pytest.raises(error, match=match):
         st.chain_logsumexp(torch.zeros(2, 4, 3), trans)
+
+
+def test_unsorted_columns_are_rejected_not_given_a_permuted_gradient():
+    crow, col = torch.tensor([0, 2, 3]), torch.tensor([1, 0, 1])
+    values = torch.tensor([0.5, -1.0, 0.3], dtype=torch.float64, requires_grad=True)
+    x = torch.randn(3, 2, dtype=torch.float64)
+    for fn in (st.chain_logsumexp, st.chain_marginals, st.chain_entropy, lambda x, t: st.viterbi(x, t)[0],
+               lambda x, t: st.chain_sample(x, t), lambda x, t: st.chain_kbest(x, t, k=2)[0],
+               lambda x, t: st.chain_path_score(x, t, None, torch.tensor([0, 1, 1]))):
+        with pytest.raises(ValueError, match="sorted column indices"):
+            fn(x, torch.sparse_csr_tensor(crow, col, values, size=(2, 2)))
+    order = torch.tensor([1, 0, 2])  # the same matrix with sorted columns: the gradient of the dense twin
+    st.chain_logsumexp(x, torch.sparse_csr_tensor(crow, col[order], values[order], size=(2, 2))).backward()
+    dense = torch.tensor([[-1.0, 0.5], [-torch.inf, 0.3]], dtype=torch.float64, requires_grad=True)
+    st.chain_logsumexp(x, dense).backward()
+    torch.testing.assert_close(values.grad, dense.grad[[0, 0, 1], [1, 0, 1]])

@@ -168,6 +168,82 @@ def test_double_backward_raises_instead_of_a_silent_first_order_answer(case):
         torch.autograd.functional.hessian(lambda x: case.fn(x, *inputs[1:]).sum(), inputs[0])
 
 
+# Forward-mode AD: the operators whose results have no gradient (chain_marginals, chain_kbest) and
+# the sparse linear layers raise NotImplementedError; the others give the exact tangent.
+NO_FORWARD_AD = {"chain_marginals", "chain_kbest", "sparse_linear", "sparse_linear_3d"}
+FORWARD_AD = [c for c in CASES if c.name not in NO_FORWARD_AD]
+
+
+def _tangents(inputs):
+    return tuple(randn(*t.shape, seed=10 + k) for k, t in enumerate(inputs))
+
+
+@pytest.mark.parametrize("case", FORWARD_AD, ids=str)
+def test_forward_ad_tangent_is_the_jacobian_times_the_tangent(case):
+    inputs, tangents = case.inputs(), _tangents(case.inputs())
+    out, tangent = torch.func.jvp(case.fn, inputs, tangents)
+    jacobians = torch.func.jacrev(case.fn, argnums=tuple(range(len(inputs))))(*inputs)
+    expected = sum(torch.tensordot(j, t, dims=t.dim()) for j, t in zip(jacobians, tangents))
+    torch.testing.assert_close(out, case.fn(*inputs), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(tangent, expected, rtol=1e-10, atol=1e-12)
+    with torch.autograd.forward_ad.dual_level():  # eager forward AD: the same tangent
+        duals = [torch.autograd.forward_ad.make_dual(x, t) for x, t in zip(inputs, tangents)]
+        eager = torch.autograd.forward_ad.unpack_dual(case.fn(*duals)).tangent
+    torch.testing.assert_close(eager, expected, rtol=1e-10, atol=1e-12)
+    jacobian = torch.func.jacfwd(case.fn)(*inputs)  # jacfwd: vmap over jvp
+    torch.testing.assert_close(jacobian, jacobians[0], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.name in NO_FORWARD_AD], ids=str)
+def test_forward_ad_raises_where_not_implemented_never_a_zero_tangent(case):
+    inputs, tangents = case.inputs(), _tangents(case.inputs())
+    with pytest.raises(NotImplementedError, match="forward-mode AD"):
+        torch.func.jvp(case.fn, inputs, tangents)
+    with pytest.raises(NotImplementedError, match="forward-mode AD"), torch.autograd.forward_ad.dual_level():
+        case.fn(*(torch.autograd.forward_ad.make_dual(x, t) for x, t in zip(inputs, tangents)))
+
+
+def _reference_log_partition(x, log_trans, log_init):
+    """The forward algorithm in torch operations (per-step transitions)."""
+    alpha = x[..., 0, :] + log_init
+    for t in range(1, x.shape[-2]):
+        alpha = torch.logsumexp(alpha[..., :, None] + log_trans[..., t - 1, :, :], -2) + x[..., t, :]
+    return torch.logsumexp(alpha, -1)
+
+
+def _reference_chain_product(m):
+    out = m[..., 0, :, :]
+    for t in range(1, m.shape[-3]):
+        out = torch.logsumexp(out[..., :, :, None] + m[..., t, None, :, :], -2)
+    return out
+
+
+@pytest.mark.parametrize("fn, reference, inputs", [
+    (lambda x, t, i: st.chain_logsumexp(x, t, i), _reference_log_partition, _chain_inputs),
+    (st.logmatmul, lambda a, b: torch.logsumexp(a[..., :, :, None] + b[..., None, :, :], -2),
+     lambda: (randn(2, 3, 4), randn(4, 5, seed=1))),
+    (st.log_chain_product, _reference_chain_product, lambda: (randn(2, 5, 3, 3),)),
+], ids=["chain_logsumexp", "logmatmul", "log_chain_product"])
+def test_forward_ad_equals_torch_on_a_float64_reference(fn, reference, inputs):
+    inputs = inputs()
+    tangents = _tangents(inputs)
+    torch.testing.assert_close(torch.func.jvp(fn, inputs, tangents)[1], torch.func.jvp(reference, inputs, tangents)[1],
+                               rtol=1e-10, atol=1e-12)
+
+
+def test_forward_ad_of_the_log_partition_is_the_sum_of_the_marginals():
+    x, log_trans = randn(4, 3), randn(3, 3, seed=1)  # the issue's example: 4 positions, tangent 4
+    _, tangent = torch.func.jvp(lambda x: st.chain_logsumexp(x, log_trans), (x,), (torch.ones_like(x),))
+    torch.testing.assert_close(tangent, torch.tensor(4.0, dtype=torch.float64))
+
+
+def test_forward_ad_of_chain_sample_has_no_float_tangent_to_lose():
+    inputs = SAMPLE.inputs()
+    out, tangent = torch.func.jvp(SAMPLE.fn, inputs, _tangents(inputs))
+    torch.testing.assert_close(out, SAMPLE.fn(*inputs), rtol=0, atol=0)
+    assert not tangent.is_floating_point()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_low_precision_computes_in_float32_and_returns_the_input_dtype(case, dtype):
@@ -332,14 +408,158 @@ def test_compiled_sparse_linear_model_matches_eager_and_exports():
 
 
 @pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
-def test_spmm_runs_under_torch_func_but_compile_cannot_take_sparse_tensors():
+def test_sparse_entry_points_run_under_torch_func_and_break_the_graph_under_compile():
     dense = torch.tensor([[1.0, 0.0, 2.0], [0.0, 0.0, 3.0]], dtype=torch.float64)
     b = randn(4, 3, 2)
     for a in (dense.to_sparse(), dense.to_sparse_csr(), dense.to_sparse_csc()):
         torch.testing.assert_close(torch.vmap(lambda b: st.spmm(a, b))(b), dense @ b)
         grad = torch.func.grad(lambda b: st.spmm(a, b).square().sum())(b[0])
         torch.testing.assert_close(grad, 2 * dense.T @ (dense @ b[0]))
-    a = dense.to_sparse_csr()
-    # Dynamo refuses torch sparse tensors (a torch limitation): these functions run eagerly
+        # plain torch.compile: the sparse call runs eagerly between graphs (it crashed inside Dynamo)
+        torch.testing.assert_close(torch.compile(lambda a, b: st.spmm(a, b) * 2 + 1)(a, b[0]), 2 * dense @ b[0] + 1)
+        pattern = torch.compile(lambda a, x, y: st.sddmm(a, x, y))(a, randn(2, 5, seed=1), randn(3, 5, seed=2))
+        torch.testing.assert_close(pattern.values(), (randn(2, 5, seed=1) @ randn(3, 5, seed=2).T)[dense != 0])
+    log_trans = randn(3, 3).exp().to_sparse_csr()
+    x = randn(2, 4, 3, seed=1)
+    for fn in (st.chain_logsumexp, st.chain_marginals, st.chain_entropy, lambda x, t: st.viterbi(x, t)[0],
+               lambda x, t: st.chain_kbest(x, t, k=2)[0], lambda x, t: st.chain_sample(x, t, seed=3),
+               lambda x, t: st.chain_path_score(x, t, None, torch.tensor([0, 1, 2, 2]))):
+        torch._dynamo.reset()
+        torch.testing.assert_close(torch.compile(fn)(x, log_trans), fn(x, log_trans), rtol=1e-12, atol=0)
+    # fullgraph=True cannot break the graph: Dynamo's own clear refusal of sparse tensors (a torch limitation)
     with pytest.raises(Exception, match="sparse"):
-        torch.compile(st.spmm, fullgraph=True)(a, b[0])
+        torch.compile(st.spmm, fullgraph=True)(dense.to_sparse_csr(), b[0])
+
+
+# Under autocast the operators compute in float32 and return what torch's own operations would:
+# autocast's dtype for the products (as torch.matmul), float32 for the log-space ones (as torch.logsumexp).
+PRODUCTS = {"block_diag_matmul", "grouped_matmul", "sparse_linear", "sparse_linear_3d"}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_autocast_computes_in_float32_and_returns_what_torch_would(case, dtype):
+    inputs = [t.float() for t in case.inputs()]
+    expected = case.fn(*inputs)
+    leaves = [t.clone().requires_grad_() for t in inputs]
+    with torch.autocast("cpu", dtype=dtype):
+        out = case.fn(*leaves)
+        low = case.fn(*(t.to(dtype) for t in inputs))  # low-precision inputs too
+    assert out.dtype == low.dtype == (dtype if case.name in PRODUCTS else expected.dtype)
+    rtol = case.low_precision_rtol / (10 if dtype == torch.float16 else 1)
+    torch.testing.assert_close(out.to(expected.dtype), expected, rtol=rtol, atol=rtol)
+    if case.differentiable:
+        assert all(g.dtype == torch.float32 for g in torch.autograd.grad(out.float().sum(), leaves))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast_on_the_gemm_sweep(dtype):
+    # 64 tags and a batch of 1024 choose the GEMM sweep, whose torch matmul autocast would round
+    x, log_trans, m = torch.randn(1024, 3, 64), torch.randn(64, 64), torch.randn(4, 64, 64)
+    with torch.autocast("cpu", dtype=dtype):
+        out = [st.chain_logsumexp(x, log_trans), st.viterbi(x, log_trans)[0], st.chain_marginals(x, log_trans),
+               st.logmatmul(m, m), st.log_chain_product(m)]
+        compiled = torch.compile(st.logmatmul, fullgraph=True)(m, m)
+    expected = [st.chain_logsumexp(x, log_trans), st.viterbi(x, log_trans)[0], st.chain_marginals(x, log_trans),
+                st.logmatmul(m, m), st.log_chain_product(m)]
+    for o, e in zip(out + [compiled], expected + [expected[3]]):
+        assert o.dtype == torch.float32
+        torch.testing.assert_close(o, e, rtol=1e-5, atol=1e-5)
+
+
+def _dynamic_cases():
+    batch, length = torch.export.Dim("batch"), torch.export.Dim("length")
+    chain = ({0: batch, 1: length}, None)
+
+    def inputs(b, v):
+        return randn(b, v, 4), randn(4, 4, seed=1)
+
+    return {
+        "chain_logsumexp": (st.chain_logsumexp, inputs, chain),
+        "chain_marginals": (st.chain_marginals, inputs, chain),
+        "viterbi": (st.viterbi, inputs, chain),
+        "chain_entropy": (st.chain_entropy, inputs, chain),
+        "chain_kbest": (lambda x, t: st.chain_kbest(x, t, k=2), inputs, chain),
+        "chain_sample": (lambda x, t: st.chain_sample(x, t, num_samples=2, seed=0), inputs, chain),
+        "chain_lengths": (lambda x, t, n: st.chain_logsumexp(x, t, lengths=n),
+                          lambda b, v: (*inputs(b, v), torch.arange(b) % v + 1), (*chain, {0: batch})),
+        "chain_path_score": (lambda x, t, p: st.chain_path_score(x, t, None, p),
+                             lambda b, v: (*inputs(b, v), torch.arange(b * v).reshape(b, v) % 4),
+                             (*chain, {0: batch, 1: length})),
+        "logmatmul": (st.logmatmul, lambda b, v: (randn(b, 3, v), randn(v, 5, seed=1)), ({0: batch, 2: length},
+                                                                                       {0: length})),
+        "maxmatmul": (st.maxmatmul, lambda b, v: (randn(b, 3, v), randn(v, 5, seed=1)), ({0: batch, 2: length},
+                                                                                       {0: length})),
+        "log_chain_product": (st.log_chain_product, lambda b, v: (randn(b, v, 3, 3),), ({0: batch, 1: length},)),
+        "block_diag_matmul": (st.block_diag_matmul, lambda b, v: (randn(b, v, 3, 4), randn(3, 4, 2, seed=1)),
+                              ({0: batch, 1: length}, None)),
+    }
+
+
+@pytest.mark.parametrize("name", list(_dynamic_cases()))
+def test_export_with_a_dynamic_batch_and_length_runs_as_eager_at_other_sizes(name):
+    fn, inputs, dynamic = _dynamic_cases()[name]
+    program = torch.export.export(_Wrap(fn), inputs(3, 5), dynamic_shapes=(dynamic,))
+    for b, v in ((2, 7), (6, 3)):
+        torch.testing.assert_close(program.module()(*inputs(b, v)), fn(*inputs(b, v)), rtol=1e-12, atol=1e-12)
+
+
+def test_compiled_chain_functions_do_not_recompile_for_each_batch_size():
+    def fn(x, log_trans, lengths):
+        return st.chain_logsumexp(x, log_trans, lengths=lengths) + st.viterbi(x, log_trans)[0] + st.logmatmul(
+            x, log_trans).sum((-1, -2))
+
+    compiled = torch.compile(fn, fullgraph=True)
+    torch._dynamo.utils.counters.clear()
+    for b in range(2, 8):
+        x, log_trans, lengths = randn(b, 5, 4), randn(4, 4, seed=1), torch.arange(b) % 5 + 1
+        torch.testing.assert_close(compiled(x, log_trans, lengths), fn(x, log_trans, lengths), rtol=1e-12, atol=1e-12)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 2  # static, then dynamic: nn.Linear's count
+
+
+def test_group_sizes_as_a_list_compiles_fullgraph():
+    x, w = randn(5, 4), randn(3, 4, 2, seed=1)
+    layer = st.GroupedLinear(3, 4, 2, dtype=torch.float64)
+    for sizes in ([2, 0, 3], (2, 0, 3)):
+        torch._dynamo.reset()
+        out = torch.compile(lambda x, w: st.grouped_matmul(x, w, sizes), fullgraph=True)(x, w)
+        torch.testing.assert_close(out, st.grouped_matmul(x, w, torch.tensor([2, 0, 3])), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(torch.compile(layer, fullgraph=True)(x, sizes), layer(x, torch.tensor(sizes)))
+    torch._dynamo.reset()
+    with pytest.raises(ValueError, match="sum to 6 but x has 5 rows"):
+        torch.compile(lambda x, w: st.grouped_matmul(x, w, [2, 0, 4]), fullgraph=True)(x, w)
+    with pytest.raises(Exception, match="group_sizes must hold integers"):  # under fullgraph, in Dynamo's error
+        torch.compile(lambda x, w: st.grouped_matmul(x, w, [2, 0, 3.0]), fullgraph=True)(x, w)
+
+
+def test_jit_trace_records_the_operators_and_jit_script_is_a_clear_error():
+    a, b = randn(2, 3), randn(3, 4, seed=1)
+    traced = torch.jit.trace(_Wrap(st.logmatmul), (a, b))
+    assert "spchain::logmatmul" in str(traced.graph)
+    torch.testing.assert_close(traced(randn(5, 3, seed=2), b), st.logmatmul(randn(5, 3, seed=2), b))
+    with pytest.raises(torch.jit.frontend.NotSupportedError):  # torch.export is the supported route
+        torch.jit.script(_Wrap(st.logmatmul))
+
+
+def test_onnx_export_is_a_clear_error_naming_the_operator():
+    io = pytest.importorskip("io")
+    with pytest.raises(Exception, match="spchain::logmatmul"):
+        torch.onnx.export(_Wrap(st.logmatmul), (randn(2, 3), randn(3, 4, seed=1)), io.BytesIO(), dynamo=False)
+
+
+def test_crf_nll_exports_with_a_dynamic_batch_and_length_and_compiles_without_recompiling_per_batch():
+    module = _CRFNll()
+
+    def inputs(b, v):
+        return randn(b, v, 3), torch.arange(b * v).reshape(b, v) % 3, torch.arange(b) % v + 1
+
+    batch, length = torch.export.Dim("batch"), torch.export.Dim("length")
+    program = torch.export.export(module, inputs(3, 5),
+                                  dynamic_shapes=({0: batch, 1: length}, {0: batch, 1: length}, {0: batch}))
+    for b, v in ((2, 7), (6, 3)):
+        torch.testing.assert_close(program.module()(*inputs(b, v)), module(*inputs(b, v)), rtol=1e-12, atol=1e-12)
+    compiled = torch.compile(module)
+    torch._dynamo.utils.counters.clear()
+    for b in range(2, 8):
+        torch.testing.assert_close(compiled(*inputs(b, 5)), module(*inputs(b, 5)), rtol=1e-12, atol=1e-12)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 2

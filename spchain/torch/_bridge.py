@@ -96,10 +96,14 @@ def _checked(caller: str, tensors: dict[str, object], may_be_none: Callable[[str
 
 def _torch_matmul(a: NDArray[Any], b: NDArray[Any], out: NDArray[Any] | None = None) -> NDArray[Any]:
     """``np.matmul`` computed by torch's BLAS on zero-copy views (NumPy's own for operands
-    torch cannot take as they are: read-only, negatively strided, or of mixed dtypes)."""
+    torch cannot take as they are: read-only, negatively strided, or of mixed dtypes), in the
+    operands' dtype also under ``torch.autocast`` (which would round to bfloat16)."""
     operands = [t for t in (a, b, out) if t is not None]
     if not all(t.flags.writeable and min(t.strides, default=0) >= 0 and t.dtype == a.dtype for t in operands):
         return np.matmul(a, b, out=out)
+    if torch.is_autocast_enabled("cpu"):
+        with torch.autocast("cpu", enabled=False):
+            return _torch_matmul(a, b, out)
     if out is not None and a.ndim == b.ndim == out.ndim:  # straight into out, strided or not
         torch.matmul(torch.from_numpy(a), torch.from_numpy(b), out=torch.from_numpy(out))
         return out

@@ -1,30 +1,41 @@
 """One way to make a torch operator of an array-level forward/backward pair.
 
 :class:`Operator` registers ``spchain::<name>`` (``torch.library.custom_op``) with a fake
-implementation, a batching rule and autograd, and ``spchain::<name>_backward`` for its
-gradient; calling it runs the public function. Each call takes one of two routes:
+implementation (symbolic sizes stay symbolic: ``torch.export`` with dynamic shapes), a
+batching rule and autograd, and ``spchain::<name>_backward`` for its gradient; calling it runs
+the public function. Each call takes one of three routes:
 
-- plain eager tensors (no compile, export, ``torch.func`` transform, tracer or fake tensor):
-  the array-level functions run directly, inside an ``autograd.Function`` only when a gradient
-  is needed (an operator's dispatch would cost more than a small product itself);
-- anything else: the registered operators, inside an ``autograd.Function`` with
-  ``setup_context`` (as ``torch.func`` needs); ``torch.compile`` and ``torch.export`` see
-  opaque operators with fake implementations.
+- plain eager tensors (no compile, export, ``torch.func`` transform, dual level, tracer or fake
+  tensor): the array-level functions run directly, inside an ``autograd.Function`` only when a
+  gradient is needed (an operator's dispatch would cost more than a small product itself);
+- a ``torch.func`` transform or an eager ``torch.autograd.forward_ad`` dual level (outside
+  ``torch.compile``): the registered operators inside an ``autograd.Function`` with
+  ``setup_context`` and a ``jvp``;
+- anything else: the registered operators, inside the same ``autograd.Function`` without the
+  ``jvp`` (Dynamo refuses a custom one); ``torch.compile`` and ``torch.export`` see opaque
+  operators with fake implementations.
 
-Both routes run the same array-level code, so they give the same results. float16 and
-bfloat16 inputs are cast to float32 by torch before the operator and its results back after,
-so the operators see float32 and float64 only and what autograd saves stays in float32.
+All routes run the same array-level code, so they give the same results. float16 and
+bfloat16 inputs are cast to float32 before the operator and its results back after, so the
+operators see float32 and float64 only and what autograd saves stays in float32. Under
+``torch.autocast`` an operator computes in float32 too and returns what torch's own operations
+would: autocast's dtype for a product (as ``torch.matmul``), float32 for a log-space operator
+(as ``torch.logsumexp``); float64 inputs stay float64.
 
+Forward-mode AD (``torch.func.jvp``, ``jacfwd``, ``torch.autograd.forward_ad``) gives the exact
+tangent where an operator has a ``jvp`` and raises ``NotImplementedError`` where it has none
+(or for a tangent of an argument it does not differentiate); integer results have no tangent.
 Double backward is not implemented: differentiating a gradient (``create_graph=True``,
-Hessians, gradient penalties, nested ``torch.func.grad``) raises a ``RuntimeError``, and
-forward-mode AD (``jvp``, ``jacfwd``) torch's ``NotImplementedError``: never a silently
-first-order answer.
+Hessians, gradient penalties, nested ``torch.func.grad``, forward over reverse) raises a
+``RuntimeError`` (``NotImplementedError`` for forward over reverse): never a silently
+first-order answer. :data:`OPERATORS` holds every operator made, for ``torch.library.opcheck``.
 """
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, cast, overload
 
 import torch
+from torch.autograd import forward_ad
 from torch.utils import _python_dispatch
 
 from .._typing import Array
@@ -43,10 +54,23 @@ Fake = Callable[..., torch.Tensor | tuple[torch.Tensor, ...]]
 Backward = Callable[[Sequence[Any], Sequence[Any], Sequence[Any], Sequence[bool]], Sequence[Array | None]]
 """``backward(args, results, grads, needs)`` on arrays (``args`` hold arrays, ``None`` and the
 schema's other values)."""
+Jvp = Callable[["Operator[Any]", Sequence[Any], Sequence[torch.Tensor], Sequence[torch.Tensor | None]],
+               Sequence[torch.Tensor | None]]
+"""``jvp(operator, args, results, tangents)`` on tensors: the tangents of the public results
+from those of the differentiable arguments (``None`` where one has none), by torch operations
+and operators (``operator.op``, :meth:`Operator.gradients`), so that transforms compose with it."""
 Public = TypeVar("Public", bound=torch.Tensor | tuple[torch.Tensor, ...])
 """What calling an :class:`Operator` returns: a tensor, or a tuple of its ``outputs`` tensors."""
 Batched = tuple[torch.Tensor | tuple[torch.Tensor, ...], int | tuple[int, ...]]
 """What a vmap rule returns: the batched results and the batch axis of each."""
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def run_eagerly(fn: F) -> F:
+    """``torch.compiler.disable`` (typed): ``torch.compile`` breaks the graph at ``fn`` and runs it eagerly."""
+    return cast(F, torch.compiler.disable(fn))  # type: ignore[no-untyped-call]
 
 
 def plain_eager(tensors: Iterable[torch.Tensor]) -> bool:
@@ -60,6 +84,10 @@ def plain_eager(tensors: Iterable[torch.Tensor]) -> bool:
         if type(t) not in _PLAIN or not (t.is_cpu or t.is_cuda):
             return False
     return True
+
+
+OPERATORS: dict[str, "Operator[Any]"] = {}
+"""Every :class:`Operator` made, by its operator's name (``spchain::<name>``)."""
 
 
 class Operator(Generic[Public]):
@@ -103,44 +131,50 @@ class Operator(Generic[Public]):
     @overload
     def __init__(self: "Operator[torch.Tensor]", name: str, schema: str, forward: Forward, fake: Fake, *,
                  outputs: Literal[1] = ..., backward: Backward | None = ..., differentiable: Iterable[int] = ...,
-                 leading_batch: Sequence[int] = ..., backward_reads: Iterable[int] | None = ...) -> None: ...
+                 leading_batch: Sequence[int] = ..., backward_reads: Iterable[int] | None = ...,
+                 jvp: Jvp | None = ..., autocast: Literal["lower", "float32"] = ...) -> None: ...
 
     @overload
     def __init__(self: "Operator[tuple[torch.Tensor, torch.Tensor]]", name: str, schema: str, forward: Forward,
                  fake: Fake, *, outputs: Literal[2], backward: Backward | None = ...,
                  differentiable: Iterable[int] = ..., leading_batch: Sequence[int] = ...,
-                 backward_reads: Iterable[int] | None = ...) -> None: ...
+                 backward_reads: Iterable[int] | None = ..., jvp: Jvp | None = ...,
+                 autocast: Literal["lower", "float32"] = ...) -> None: ...
 
     @overload
     def __init__(self: "Operator[tuple[torch.Tensor, ...]]", name: str, schema: str, forward: Forward, fake: Fake, *,
                  outputs: int, backward: Backward | None = ..., differentiable: Iterable[int] = ...,
-                 leading_batch: Sequence[int] = ..., backward_reads: Iterable[int] | None = ...) -> None: ...
+                 leading_batch: Sequence[int] = ..., backward_reads: Iterable[int] | None = ...,
+                 jvp: Jvp | None = ..., autocast: Literal["lower", "float32"] = ...) -> None: ...
 
     def __init__(self, name: str, schema: str, forward: Forward, fake: Fake, *, outputs: int = 1,
                  backward: Backward | None = None, differentiable: Iterable[int] = (),
-                 leading_batch: Sequence[int] = (), backward_reads: Iterable[int] | None = None) -> None:
+                 leading_batch: Sequence[int] = (), backward_reads: Iterable[int] | None = None,
+                 jvp: Jvp | None = None, autocast: Literal["lower", "float32"] = "lower") -> None:
         self.name = f"spchain.torch.{name}"
-        self.forward, self.backward = forward, backward
+        self.forward, self.backward, self.jvp, self.autocast = forward, backward, jvp, autocast
         self._reads = None if backward_reads is None else frozenset(backward_reads)
         self.outputs, self.differentiable = outputs, tuple(differentiable)
         op = torch.library.custom_op(f"spchain::{name}", self._forward_op, mutates_args=(), schema=schema)
         op.register_fake(fake)
         op.register_vmap(_batch_rule(op._opoverload, leading_batch))
         self.op = op._opoverload
-        if backward is None:
-            return
-        arguments = schema.split("->")[0].strip()[1:-1]
-        backward_op = torch.library.custom_op(
-            f"spchain::{name}_backward", self._backward_op, mutates_args=(),
-            schema=f"({arguments}, Tensor[] results, Tensor?[] grads, bool[] needs) -> Tensor[]")
-        backward_op.register_fake(self._backward_fake)
-        # results and incoming gradients lead with the batch only where the arguments do
-        backward_leading = tuple(leading_batch) + (-3, -2) if leading_batch else ()
-        backward_op.register_vmap(_batch_rule(backward_op._opoverload, backward_leading))
-        self._eager = _eager_function(self)
-        self._transform = _transform_function(self.name, self.op, backward_op._opoverload, outputs,
-                                              self.differentiable)
-        op.register_autograd(self._transform.backward, setup_context=self._transform.setup_context)
+        OPERATORS[f"spchain::{name}"] = self
+        backward_op = self._backward = None
+        if backward is not None:
+            arguments = schema.split("->")[0].strip()[1:-1]
+            backward_op = torch.library.custom_op(
+                f"spchain::{name}_backward", self._backward_op, mutates_args=(),
+                schema=f"({arguments}, Tensor[] results, Tensor?[] grads, bool[] needs) -> Tensor[]")
+            backward_op.register_fake(self._backward_fake)
+            # results and incoming gradients lead with the batch only where the arguments do
+            backward_leading = tuple(leading_batch) + (-3, -2) if leading_batch else ()
+            backward_op.register_vmap(_batch_rule(backward_op._opoverload, backward_leading))
+            self._eager = _eager_function(self)
+            self._backward = backward_op._opoverload
+        self._transform, self._tangent = _transform_functions(self, self._backward)
+        if backward is not None:
+            op.register_autograd(self._transform.backward, setup_context=self._transform.setup_context)
 
     def __call__(self, *arguments: object) -> Public:
         args: Sequence[object] = arguments
@@ -152,18 +186,42 @@ class Operator(Generic[Public]):
                 low = t.dtype
         if low is not None:
             args = [a.float() if isinstance(a, torch.Tensor) and a.dtype in _LOW else a for a in args]
-        if self.backward is None and requires:  # results without a graph, also where compile traces the joint graph
-            args = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
-        grad = requires and self.backward is not None and torch.is_grad_enabled()
+        if tensors and torch.is_autocast_enabled(tensors[0].device.type):
+            low = self._autocast(tensors)
         # the ignores: torch leaves Function.apply unannotated
-        if plain_eager(tensors):  # without a graph, only the public results become tensors
-            results = self._eager.apply(*args) if grad else self._run(args, self.outputs)  # type: ignore[no-untyped-call]
+        if _forward_mode() and not torch.compiler.is_compiling():  # tangents cross only through the Function
+            results = self._tangent.apply(*args)  # type: ignore[no-untyped-call]
         else:
-            results = self._transform.apply(*args) if grad else self.op(*args)  # type: ignore[no-untyped-call]
+            if self.backward is None and requires:  # results without a graph, also where compile traces the joint graph
+                args = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
+            grad = requires and self.backward is not None and torch.is_grad_enabled()
+            if plain_eager(tensors):  # without a graph, only the public results become tensors
+                results = (self._eager.apply(*args) if grad  # type: ignore[no-untyped-call]
+                           else self._run(args, self.outputs))
+            else:
+                results = self._transform.apply(*args) if grad else self.op(*args)  # type: ignore[no-untyped-call]
         public = results[:self.outputs] if isinstance(results, tuple) else (results,)
         if low is not None:
             public = tuple(r.to(low) if r.is_floating_point() else r for r in public)
         return cast(Public, public if self.outputs > 1 else public[0])
+
+    def _autocast(self, tensors: Sequence[torch.Tensor]) -> torch.dtype | None:
+        """The dtype of the results under autocast (the computation is in float32 anyway):
+        autocast's own where the operator is a product like ``torch.matmul``, none (float32)
+        where it lies in log space like ``torch.logsumexp``; none for float64 inputs, which
+        autocast leaves alone."""
+        if self.autocast == "float32" or any(t.dtype == torch.float64 for t in tensors):
+            return None
+        return torch.get_autocast_dtype(tensors[0].device.type)
+
+    def gradients(self, args: Sequence[Any], results: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
+                  needs: Sequence[bool]) -> Sequence[torch.Tensor]:
+        """The reverse rule (the backward operator) at ``args`` (those the forward saw, or
+        broadcast versions of them) with the forward's ``results``: the gradient of each
+        differentiable argument whose ``needs`` is true (an empty tensor for the others)."""
+        assert self._backward is not None  # only operators with a backward have a reverse rule
+        out: Sequence[torch.Tensor] = self._backward(*args, results, grads, needs)
+        return out
 
     def _run(self, args: Sequence[object], count: int | None = None) -> tuple[torch.Tensor, ...]:
         """The forward's results as tensors (the first ``count`` of them; default all)."""
@@ -197,6 +255,30 @@ class Operator(Generic[Public]):
         # contiguous, as _backward_op returns them, whatever the arguments' strides
         return [args[k].new_empty(args[k].shape) if need else like.new_empty(0)
                 for k, need in zip(self.differentiable, needs)]
+
+
+def linear_jvp(operator: Operator[Any], args: Sequence[Any], results: Sequence[torch.Tensor],
+               tangents: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
+    """The ``jvp`` of an operator linear in its differentiable arguments together: the
+    operator at the tangents (zeros for an argument without one)."""
+    at = list(args)
+    for k, t in zip(operator.differentiable, tangents):
+        at[k] = t if t is not None or args[k] is None else torch.zeros_like(args[k])
+    out = operator.op(*at)
+    return list(out[:operator.outputs]) if isinstance(out, tuple) else [out]
+
+
+def multilinear_jvp(operator: Operator[Any], args: Sequence[Any], results: Sequence[torch.Tensor],
+                    tangents: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
+    """The ``jvp`` of an operator linear in each differentiable argument (a product): the sum,
+    over the arguments with a tangent, of the operator with that argument replaced by it."""
+    total: list[torch.Tensor] = []
+    for k, t in zip(operator.differentiable, tangents):
+        if t is not None:
+            out = operator.op(*(t if j == k else a for j, a in enumerate(args)))
+            part = list(out[:operator.outputs]) if isinstance(out, tuple) else [out]
+            total = part if not total else [a + b for a, b in zip(total, part)]
+    return total
 
 
 def _device(args: Sequence[object]) -> torch.device:
@@ -236,12 +318,16 @@ def _own(results: Iterable[torch.Tensor], args: Iterable[object]) -> tuple[torch
 # ctx is autograd's node object, typed Any as in torch: FunctionCtx does not declare
 # saved_tensors or needs_input_grad, and _save keeps the arguments on it.
 def _save(ctx: Any, inputs: Sequence[object], results: torch.Tensor | tuple[torch.Tensor, ...],
-          outputs: int) -> None:
-    """Save the tensor arguments and the results; keep the other arguments on ``ctx``."""
+          outputs: int, jvp: bool = False) -> None:
+    """Save the tensor arguments and the results (also for ``jvp``); keep the other arguments
+    on ``ctx``; results from ``outputs`` on are not differentiable."""
     results = results if isinstance(results, tuple) else (results,)
     slots = tuple(k for k, a in enumerate(inputs) if isinstance(a, torch.Tensor))
     ctx.arguments = (slots, tuple(None if k in slots else a for k, a in enumerate(inputs)))
-    ctx.save_for_backward(*(inputs[k] for k in slots), *results)
+    saved = (*(inputs[k] for k in slots), *results)
+    ctx.save_for_backward(*saved)
+    if jvp:
+        ctx.save_for_forward(*saved)
     fixed = [r for k, r in enumerate(results) if k >= outputs or not r.is_floating_point()]
     if fixed:
         ctx.mark_non_differentiable(*fixed)
@@ -276,6 +362,11 @@ def _place(count: int, differentiable: Sequence[int], needs: Sequence[bool],
     return tuple(out)
 
 
+def _forward_mode() -> bool:
+    """Whether tangents may be about: a ``torch.func`` transform or an eager dual level is active."""
+    return bool(torch._C._are_functorch_transforms_active()) or forward_ad._current_level >= 0
+
+
 def _double_backward_error(name: str) -> RuntimeError:
     return RuntimeError(f"{name}: double backward (create_graph=True, Hessians, gradient penalties, nested "
                         "torch.func.grad) is not implemented")
@@ -301,10 +392,13 @@ def _eager_function(op: Operator[Any]) -> type[torch.autograd.Function]:
     return Eager
 
 
-def _transform_function(name: str, forward_op: torch._ops.OpOverload, backward_op: torch._ops.OpOverload, outputs: int,
-                        differentiable: tuple[int, ...]) -> type[torch.autograd.Function]:
-    """The ``autograd.Function`` over the operators; its methods close over operators, numbers
-    and module functions only, which ``torch.compile`` can trace."""
+def _transform_functions(op: Operator[Any], backward_op: torch._ops.OpOverload | None
+                         ) -> tuple[type[torch.autograd.Function], type[torch.autograd.Function]]:
+    """The ``autograd.Function`` over the operators, and the same with forward mode; their
+    methods close over operators, numbers and module functions only, which ``torch.compile``
+    can trace."""
+    name, forward_op, outputs, differentiable = op.name, op.op, op.outputs, op.differentiable
+    graded = outputs if backward_op is not None else 0  # results with a gradient
 
     class Backward(torch.autograd.Function):
         """The backward operator, differentiable once: a second derivative raises."""
@@ -315,6 +409,7 @@ def _transform_function(name: str, forward_op: torch._ops.OpOverload, backward_o
         def forward(counts: tuple[int, int, int], needs: list[bool], *flat: torch.Tensor | None
                     ) -> tuple[torch.Tensor, ...]:
             args, results, grads = _unflatten(counts, flat)
+            assert backward_op is not None  # built only with a backward
             return tuple(backward_op(*args, results, grads, needs))
 
         @staticmethod
@@ -335,10 +430,11 @@ def _transform_function(name: str, forward_op: torch._ops.OpOverload, backward_o
 
         @staticmethod
         def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-            _save(ctx, inputs, output, outputs)
+            _save(ctx, inputs, output, graded)
 
         @staticmethod
         def backward(ctx: Any, *incoming: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+            assert backward_op is not None  # without one, no result is differentiable
             args, results = _restore(ctx)
             needs = [bool(ctx.needs_input_grad[k]) for k in differentiable]
             grads = _public_grads(incoming, results, outputs)
@@ -349,7 +445,30 @@ def _transform_function(name: str, forward_op: torch._ops.OpOverload, backward_o
                 gradients = Backward.apply(counts, needs, *args, *results, *grads)  # type: ignore[no-untyped-call]
             return _place(len(args), differentiable, needs, gradients)
 
-    return Transform
+    class Tangent(Transform):
+        """:class:`Transform` with forward-mode AD (outside ``torch.compile``, which refuses a custom jvp)."""
+
+        @staticmethod
+        def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+            _save(ctx, inputs, output, graded, jvp=True)
+
+        @staticmethod
+        def jvp(ctx: Any, *tangents: torch.Tensor | None) -> torch.Tensor | tuple[torch.Tensor | None, ...] | None:
+            args, results = _restore(ctx)
+            public = results[:outputs]
+            moving = [k for k, t in enumerate(tangents) if t is not None and torch.is_floating_point(t)]
+            floating = any(r.is_floating_point() for r in public)  # integer results have no tangent
+            if floating and moving and (op.jvp is None or any(k not in differentiable for k in moving)):
+                raise NotImplementedError(
+                    f"{name}: forward-mode AD (torch.func.jvp, jacfwd, torch.autograd.forward_ad) is not "
+                    "implemented for this operator or argument; use reverse mode (torch.func.vjp, jacrev)")
+            out: list[torch.Tensor | None] = [None] * len(results)
+            if op.jvp is not None and moving:
+                for k, t in enumerate(op.jvp(op, args, results, [tangents[k] for k in differentiable])):
+                    out[k] = t
+            return tuple(out) if len(results) > 1 else out[0]
+
+    return Transform, Tangent
 
 
 def _unflatten(counts: tuple[int, int, int], flat: Sequence[torch.Tensor | None]

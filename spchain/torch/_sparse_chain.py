@@ -17,7 +17,7 @@ from .. import _backend, _chain_layout
 from .. import chain as _chain
 from .. import paths as _paths
 from .._typing import Array, Sparse
-from ._operator import Fake, Forward, Operator
+from ._operator import Fake, Forward, Jvp, Operator, Public, linear_jvp, run_eagerly
 
 if TYPE_CHECKING:
     from .chain import ChainTensors, TensorLike
@@ -34,15 +34,43 @@ def tensors(caller: str, x: "TensorLike", log_trans: torch.Tensor, log_init: "Te
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``(x, crow, col, values, log_init, lengths)`` as the sparse operators take them, by
     ``dense_tensors`` (``spchain.torch.chain._tensors``) for all but the structure;
-    ``ValueError`` unless ``log_trans`` is one (c, c) matrix with ``x`` of shape (..., v, c)."""
+    ``ValueError`` unless ``log_trans`` is one (c, c) matrix with ``x`` of shape (..., v, c),
+    its columns sorted within each row (torch's backward of ``sparse_csr_tensor`` would give
+    the gradient of ``values`` in sorted order, permuted against unsorted ones)."""
     if log_trans.dim() != 2:
         raise ValueError(f"{caller}: a sparse CSR log_trans must be one (c, c) matrix, got shape "
                          f"{tuple(log_trans.shape)}")
-    x, values, log_init, lengths = dense_tensors(caller, x, log_trans.values(), log_init, lengths)
+    with torch._C._DisableFuncTorch():  # torch.func cannot wrap the parts of a CSR tensor; they need no wrapping
+        crow, col, values = log_trans.crow_indices(), log_trans.col_indices(), log_trans.values()
+    _check_sorted(caller, crow, col)
+    x, values, log_init, lengths = dense_tensors(caller, x, values, log_init, lengths)
     _chain_layout.layout(caller, tuple(x.shape), tuple(log_trans.shape),
                          None if log_init is None else tuple(log_init.shape),
                          None if lengths is None else tuple(lengths.shape))
-    return x, log_trans.crow_indices(), log_trans.col_indices(), values, log_init, lengths
+    return x, crow, col, values, log_init, lengths
+
+
+def _check_sorted(caller: str, crow: torch.Tensor, col: torch.Tensor) -> None:
+    """``ValueError`` naming the first row whose column indices are not in increasing order."""
+    if col.numel() < 2:
+        return
+    rows = torch.repeat_interleave(torch.arange(crow.numel() - 1, device=crow.device), crow.diff(),
+                                   output_size=col.numel())
+    down = (col[1:] < col[:-1]) & (rows[1:] == rows[:-1])
+    if bool(down.any()):
+        row = int(rows[1:][down][0])
+        raise ValueError(f"{caller}: a sparse CSR log_trans must have sorted column indices in each row, row {row} "
+                         "has not (sort them, e.g. log_trans.to_sparse_coo().coalesce().to_sparse_csr())")
+
+
+@run_eagerly
+def eagerly(operator: Operator[Public], caller: str, x: "TensorLike", log_trans: torch.Tensor,
+            log_init: "TensorLike | None", lengths: "TensorLike | None",
+            dense_tensors: "Callable[[str, TensorLike, TensorLike, TensorLike | None, TensorLike | None], ChainTensors]",
+            *extra: object) -> Public:
+    """``operator`` on :func:`tensors` and ``extra``, run eagerly: ``torch.compile`` breaks the
+    graph here (Dynamo cannot take the parts of a sparse CSR tensor) instead of crashing."""
+    return operator(*tensors(caller, x, log_trans, log_init, lengths, dense_tensors), *extra)
 
 
 DenseBackward = Callable[[Sequence[Any], Sequence[Any], Sequence[Any], Sequence[bool]],
@@ -60,18 +88,23 @@ def _dense_args(args: Sequence[Any]) -> tuple[Any, ...]:
 
 @overload
 def _operator(name: str, forward: Forward, fake: Fake, *, schema_tail: str = ..., returns: str,
-              outputs: Literal[1] = ..., backward: DenseBackward | None = ...) -> Operator[torch.Tensor]: ...
+              outputs: Literal[1] = ..., backward: DenseBackward | None = ..., jvp: Jvp | None = ...
+              ) -> Operator[torch.Tensor]: ...
 
 
 @overload
 def _operator(name: str, forward: Forward, fake: Fake, *, schema_tail: str = ..., returns: str,
-              outputs: Literal[2], backward: DenseBackward | None = ...) -> Operator[tuple[torch.Tensor, torch.Tensor]]: ...
+              outputs: Literal[2], backward: DenseBackward | None = ..., jvp: Jvp | None = ...
+              ) -> Operator[tuple[torch.Tensor, torch.Tensor]]: ...
 
 
 def _operator(name: str, forward: Forward, fake: Fake, *, schema_tail: str = "", returns: str,
-              outputs: Literal[1, 2] = 1, backward: DenseBackward | None = None) -> Operator[Any]:
+              outputs: Literal[1, 2] = 1, backward: DenseBackward | None = None, jvp: Jvp | None = None
+              ) -> Operator[Any]:
     """``Operator`` ``sparse_<name>`` over the array-level ``forward`` / ``backward`` of a chain
-    or path function whose ``log_trans`` is the second argument."""
+    or path function whose ``log_trans`` is the second argument; forward-mode AD by ``jvp``
+    (default: a chain's result by its reverse rule, :func:`spchain.torch.chain.batch_jvp`) where
+    it has a backward."""
     schema = f"(Tensor x, Tensor crow, Tensor col, Tensor values, Tensor? log_init{schema_tail}) -> {returns}"
 
     def sparse_fake(x: torch.Tensor, crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor,
@@ -86,7 +119,8 @@ def _operator(name: str, forward: Forward, fake: Fake, *, schema_tail: str = "",
 
     return Operator(f"sparse_{name}", schema, lambda *args: forward(*_dense_args(args)), sparse_fake,
                     outputs=outputs, backward=None if backward is None else sparse_backward,
-                    differentiable=(0, 3, 4) if backward is not None else ())
+                    differentiable=(0, 3, 4) if backward is not None else (),
+                    jvp=None if backward is None else jvp or _batch_jvp, autocast="float32")
 
 
 def _forward(f: Forward, name: str) -> Forward:
@@ -100,6 +134,11 @@ def _fakes() -> tuple[ModuleType, ModuleType]:
 
 def _lazy_fake(module: int, name: str) -> Fake:
     return lambda *args: getattr(_fakes()[module], name)(*args)
+
+
+def _batch_jvp(operator: Operator[Any], *args: Any) -> Sequence[torch.Tensor | None]:
+    jvp: Jvp = _fakes()[0].batch_jvp(3)
+    return jvp(operator, *args)
 
 
 _LENGTHS = ", Tensor? lengths"
@@ -122,4 +161,4 @@ CHAIN_KBEST = _operator("chain_kbest", _forward(_paths.chain_kbest_forward, "cha
                         outputs=2)
 CHAIN_PATH_SCORE = _operator("chain_path_score", _forward(_paths.chain_path_score_forward, "chain_path_score"),
                              _lazy_fake(1, "_path_score_fake"), schema_tail=f", Tensor path{_LENGTHS}",
-                             returns="Tensor", backward=_paths.chain_path_score_backward)
+                             returns="Tensor", backward=_paths.chain_path_score_backward, jvp=linear_jvp)

@@ -20,7 +20,7 @@ from torch import nn
 
 from .. import blockdiag
 from ._bridge import check_dense
-from ._operator import Operator, plain_eager
+from ._operator import Operator, multilinear_jvp, plain_eager
 
 __all__ = ["block_diag_matmul", "grouped_matmul", "BlockDiagonalLinear", "GroupedLinear"]
 
@@ -37,7 +37,7 @@ def _grouped_fake(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -
 _BLOCK_DIAG = Operator(
     "block_diag_matmul", "(Tensor x, Tensor w) -> Tensor",
     blockdiag.block_diag_matmul_forward, _block_diag_fake,
-    backward=blockdiag.block_diag_matmul_backward, differentiable=(0, 1))
+    backward=blockdiag.block_diag_matmul_backward, differentiable=(0, 1), jvp=multilinear_jvp)
 # No leading_batch: vmap over x alone must give a weight gradient per slice, which one call with
 # the batch folded into x's rows would sum; so vmap makes one call a slice.
 
@@ -45,7 +45,7 @@ _BLOCK_DIAG = Operator(
 _GROUPED = Operator(
     "grouped_matmul", "(Tensor x, Tensor w, Tensor group_sizes) -> Tensor",
     blockdiag.grouped_matmul_forward, _grouped_fake,
-    backward=blockdiag.grouped_matmul_backward, differentiable=(0, 1))
+    backward=blockdiag.grouped_matmul_backward, differentiable=(0, 1), jvp=multilinear_jvp)
 
 
 def block_diag_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -144,9 +144,13 @@ def group_sizes_tensor(caller: str, group_sizes: Sequence[int] | NDArray[np.inte
 
     Eager calls check the sizes here, on Python ints (so no size wraps around in the cast to
     int64) and with ``caller``'s name; a tensor met while compiling, tracing or under a
-    ``torch.func`` transform is cast as it is and the operator's forward checks it (a
-    data-dependent check cannot be traced).
+    ``torch.func`` transform, or a list or tuple met while compiling, is cast as it is and the
+    operator's forward checks it (a data-dependent check cannot be traced).
     """
+    if isinstance(group_sizes, (list, tuple)) and torch.compiler.is_compiling():  # Dynamo cannot trace NumPy's checks
+        if not all(isinstance(n, int) and not isinstance(n, bool) for n in group_sizes):
+            raise TypeError(f"{caller}: group_sizes must hold integers, got {list(group_sizes)}")
+        group_sizes = torch.tensor(list(group_sizes), dtype=torch.int64)
     if isinstance(group_sizes, torch.Tensor):
         if group_sizes.is_sparse or group_sizes.layout != torch.strided:
             raise TypeError(f"{caller}: group_sizes must be a dense tensor, not a {group_sizes.layout} one")

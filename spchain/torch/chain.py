@@ -14,7 +14,7 @@ from .. import chain as _chain
 from .._typing import Shape
 from . import _sparse_chain
 from ._bridge import check_same_device
-from ._operator import Operator
+from ._operator import Jvp, Operator
 
 TensorLike: TypeAlias = Union[torch.Tensor, Sequence[Any], float]
 """A tensor, or a (nested) list or a Python number that becomes one."""
@@ -86,20 +86,55 @@ def _viterbi_fake(x: torch.Tensor, log_trans: torch.Tensor, log_init: torch.Tens
     return like.new_empty(batch_shape), like.new_empty(batch_shape + (v,), dtype=torch.int64)
 
 
+def batch_jvp(trans: int = 1) -> Jvp:
+    """The ``jvp`` of a chain function whose first result holds one number a chain (the batch
+    shape): the operator's reverse rule at the arguments broadcast to the batch, with unit
+    incoming gradients, gives each chain's gradient, which the tangents contract; exact, at the
+    cost of one backward. ``trans`` is the position of ``log_trans``, 3 for the values of a sparse
+    one, which all chains share (forward-mode AD in those raises ``NotImplementedError``)."""
+    def jvp(operator: Operator[Any], args: Sequence[Any], results: Sequence[torch.Tensor],
+            tangents: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
+        if trans == 3 and tangents[1] is not None:
+            raise NotImplementedError("spchain.torch: forward-mode AD in the values of a sparse log_trans is not "
+                                      "implemented; use reverse mode, or a dense log_trans")
+        batch = tuple(results[0].shape)
+        args = list(args)
+        x, c = args[0], args[0].shape[-1]
+        slots = (0, trans, trans + 1)
+        per_step = args[trans].dim() == x.dim() + 1
+        args[0] = x.expand(batch + x.shape[-2:])
+        if trans == 1:
+            t = args[1] if args[1].dim() else args[1].expand(c, c)
+            tail = t.shape[-3 if per_step else -2:]
+            # broadcast only where a tangent needs each chain's gradient: else a view of leading ones keeps it shared
+            args[1] = t.expand(batch + tail) if tangents[1] is not None else t.reshape(
+                (1,) * (len(batch) + len(tail) - t.dim()) + tuple(t.shape))
+        if tangents[2] is not None:
+            args[trans + 1] = args[trans + 1].expand(batch + (c,))
+        needs = [t is not None for t in tangents]
+        out = results[0].new_zeros(batch)
+        for k, g, t in zip(slots, operator.gradients(args, results, [torch.ones_like(results[0])], needs), tangents):
+            if t is not None and g is not None:
+                out = out + (g * t.expand(args[k].shape)).flatten(len(batch)).sum(-1)
+        return [out]
+    return jvp
+
+
 _SCHEMA = "(Tensor x, Tensor log_trans, Tensor? log_init, Tensor? lengths)"
 # vmap makes a call a slice: with the batch leading, x alone would gain an axis and turn
 # per-step transitions (one more axis than x) into shared ones.
 _CHAIN_LOGSUMEXP = Operator(
     "chain_logsumexp", f"{_SCHEMA} -> (Tensor, Tensor, Tensor)",
     functools.partial(_chain.chain_logsumexp_forward, caller="spchain.torch.chain_logsumexp"), _logsumexp_fake,
-    backward=_chain.chain_logsumexp_backward, differentiable=(0, 1, 2))
+    backward=_chain.chain_logsumexp_backward, differentiable=(0, 1, 2), jvp=batch_jvp(), autocast="float32")
 _CHAIN_MARGINALS = Operator(
     "chain_marginals", f"{_SCHEMA} -> Tensor",
-    functools.partial(_chain.chain_marginals_forward, caller="spchain.torch.chain_marginals"), _marginals_fake)
+    functools.partial(_chain.chain_marginals_forward, caller="spchain.torch.chain_marginals"), _marginals_fake,
+    autocast="float32")
 _VITERBI = Operator(
     "viterbi", f"{_SCHEMA} -> (Tensor, Tensor)",
     functools.partial(_chain.viterbi_forward, caller="spchain.torch.viterbi"), _viterbi_fake,
-    outputs=2, backward=_chain.viterbi_backward, differentiable=(0, 1, 2))
+    outputs=2, backward=_chain.viterbi_backward, differentiable=(0, 1, 2), jvp=batch_jvp(), autocast="float32")
 
 
 def chain_logsumexp(x: TensorLike, log_trans: TensorLike, log_init: TensorLike | None = None, *,
@@ -111,7 +146,9 @@ def chain_logsumexp(x: TensorLike, log_trans: TensorLike, log_init: TensorLike |
     entries ``-inf``), here and in the other chain and path functions: the gradient of a
     leaf with ``requires_grad`` is then a sparse CSR tensor of its structure, and one built
     from a ``values`` tensor that requires grad (``torch.sparse_csr_tensor(crow, col,
-    values)``) gives ``values.grad``.
+    values)``) gives ``values.grad``. Its columns must be sorted within each row
+    (``ValueError`` otherwise), and under ``torch.compile`` a call with it breaks the graph and
+    runs eagerly (Dynamo cannot take sparse tensors).
 
     Examples
     --------
@@ -123,8 +160,8 @@ def chain_logsumexp(x: TensorLike, log_trans: TensorLike, log_init: TensorLike |
             [1., 1., 1.]])
     """
     if _sparse_chain.is_csr(log_trans):
-        args = _sparse_chain.tensors("spchain.torch.chain_logsumexp", x, log_trans, log_init, lengths, _tensors)
-        return _sparse_chain.CHAIN_LOGSUMEXP(*args)
+        return _sparse_chain.eagerly(_sparse_chain.CHAIN_LOGSUMEXP, "spchain.torch.chain_logsumexp", x, log_trans,
+                                     log_init, lengths, _tensors)
     return _CHAIN_LOGSUMEXP(*_tensors("spchain.torch.chain_logsumexp", x, log_trans, log_init, lengths))
 
 
@@ -143,8 +180,8 @@ def chain_marginals(x: TensorLike, log_trans: TensorLike, log_init: TensorLike |
             [0.5000, 0.5000]])
     """
     if _sparse_chain.is_csr(log_trans):
-        args = _sparse_chain.tensors("spchain.torch.chain_marginals", x, log_trans, log_init, lengths, _tensors)
-        return _sparse_chain.CHAIN_MARGINALS(*args)
+        return _sparse_chain.eagerly(_sparse_chain.CHAIN_MARGINALS, "spchain.torch.chain_marginals", x, log_trans,
+                                     log_init, lengths, _tensors)
     return _CHAIN_MARGINALS(*_tensors("spchain.torch.chain_marginals", x, log_trans, log_init, lengths))
 
 
@@ -164,6 +201,6 @@ def viterbi(x: TensorLike, log_trans: TensorLike, log_init: TensorLike | None = 
             [1., 0.]]))
     """
     if _sparse_chain.is_csr(log_trans):
-        args = _sparse_chain.tensors("spchain.torch.viterbi", x, log_trans, log_init, lengths, _tensors)
-        return _sparse_chain.VITERBI(*args)
+        return _sparse_chain.eagerly(_sparse_chain.VITERBI, "spchain.torch.viterbi", x, log_trans, log_init,
+                                     lengths, _tensors)
     return _VITERBI(*_tensors("spchain.torch.viterbi", x, log_trans, log_init, lengths))

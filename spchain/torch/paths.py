@@ -9,8 +9,8 @@ import torch
 
 from .. import paths as _paths
 from . import _sparse_chain
-from ._operator import Operator
-from .chain import TensorLike, _chain_fake, _tensors
+from ._operator import Operator, linear_jvp, run_eagerly
+from .chain import TensorLike, _chain_fake, _tensors, batch_jvp
 
 
 def _entropy_fake(x: torch.Tensor, log_trans: torch.Tensor, log_init: torch.Tensor | None,
@@ -45,21 +45,25 @@ def _path_score_fake(x: torch.Tensor, log_trans: torch.Tensor, log_init: torch.T
 
 
 _SCHEMA = "Tensor x, Tensor log_trans, Tensor? log_init, Tensor? lengths"
-# vmap makes a call a slice (as for chain_logsumexp: per-step transitions have one more axis than x)
+# vmap makes a call a slice (as for chain_logsumexp: per-step transitions have one more axis than x).
+# Forward-mode AD: the entropy's by its exact reverse rule (batch_jvp), the path score's by linearity;
+# chain_kbest's scores raise NotImplementedError, chain_sample's paths are integers.
 _CHAIN_ENTROPY = Operator(
     "chain_entropy", f"({_SCHEMA}) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
     functools.partial(_paths.chain_entropy_forward, caller="spchain.torch.chain_entropy"), _entropy_fake,
-    backward=_paths.chain_entropy_backward, differentiable=(0, 1, 2))
+    backward=_paths.chain_entropy_backward, differentiable=(0, 1, 2), jvp=batch_jvp(), autocast="float32")
 _CHAIN_SAMPLE = Operator(
     "chain_sample", f"({_SCHEMA}, int num_samples, int? seed) -> Tensor",
-    functools.partial(_paths.chain_sample_forward, caller="spchain.torch.chain_sample"), _sample_fake)
+    functools.partial(_paths.chain_sample_forward, caller="spchain.torch.chain_sample"), _sample_fake,
+    autocast="float32")
 _CHAIN_KBEST = Operator(
     "chain_kbest", f"({_SCHEMA}, int k) -> (Tensor, Tensor)",
-    functools.partial(_paths.chain_kbest_forward, caller="spchain.torch.chain_kbest"), _kbest_fake, outputs=2)
+    functools.partial(_paths.chain_kbest_forward, caller="spchain.torch.chain_kbest"), _kbest_fake, outputs=2,
+    autocast="float32")
 _CHAIN_PATH_SCORE = Operator(
     "chain_path_score", "(Tensor x, Tensor log_trans, Tensor? log_init, Tensor path, Tensor? lengths) -> Tensor",
     functools.partial(_paths.chain_path_score_forward, caller="spchain.torch.chain_path_score"), _path_score_fake,
-    backward=_paths.chain_path_score_backward, differentiable=(0, 1, 2))
+    backward=_paths.chain_path_score_backward, differentiable=(0, 1, 2), jvp=linear_jvp, autocast="float32")
 
 
 def chain_sample(x: TensorLike, log_trans: TensorLike, log_init: TensorLike | None = None, *,
@@ -73,8 +77,8 @@ def chain_sample(x: TensorLike, log_trans: TensorLike, log_init: TensorLike | No
     torch.Size([2, 4])
     """
     if _sparse_chain.is_csr(log_trans):
-        args = _sparse_chain.tensors("spchain.torch.chain_sample", x, log_trans, log_init, lengths, _tensors)
-        return _sparse_chain.CHAIN_SAMPLE(*args, num_samples, seed)
+        return _sparse_chain.eagerly(_sparse_chain.CHAIN_SAMPLE, "spchain.torch.chain_sample", x, log_trans, log_init,
+                                     lengths, _tensors, num_samples, seed)
     return _CHAIN_SAMPLE(*_tensors("spchain.torch.chain_sample", x, log_trans, log_init, lengths), num_samples, seed)
 
 
@@ -92,8 +96,8 @@ def chain_entropy(x: TensorLike, log_trans: TensorLike, log_init: TensorLike | N
     (3.0, 0.0)
     """
     if _sparse_chain.is_csr(log_trans):
-        args = _sparse_chain.tensors("spchain.torch.chain_entropy", x, log_trans, log_init, lengths, _tensors)
-        return _sparse_chain.CHAIN_ENTROPY(*args)
+        return _sparse_chain.eagerly(_sparse_chain.CHAIN_ENTROPY, "spchain.torch.chain_entropy", x, log_trans, log_init,
+                                     lengths, _tensors)
     return _CHAIN_ENTROPY(*_tensors("spchain.torch.chain_entropy", x, log_trans, log_init, lengths))
 
 
@@ -112,8 +116,8 @@ def chain_kbest(x: TensorLike, log_trans: TensorLike, log_init: TensorLike | Non
             [0, 0]]))
     """
     if _sparse_chain.is_csr(log_trans):
-        args = _sparse_chain.tensors("spchain.torch.chain_kbest", x, log_trans, log_init, lengths, _tensors)
-        return _sparse_chain.CHAIN_KBEST(*args, k)
+        return _sparse_chain.eagerly(_sparse_chain.CHAIN_KBEST, "spchain.torch.chain_kbest", x, log_trans, log_init,
+                                     lengths, _tensors, k)
     return _CHAIN_KBEST(*_tensors("spchain.torch.chain_kbest", x, log_trans, log_init, lengths), k)
 
 
@@ -133,13 +137,24 @@ def chain_path_score(x: TensorLike, log_trans: TensorLike, log_init: TensorLike 
     """
     caller = "spchain.torch.chain_path_score"
     if _sparse_chain.is_csr(log_trans):
-        x, *trans, log_init, lengths = _sparse_chain.tensors(caller, x, log_trans, log_init, lengths, _tensors)
-    else:
-        x, log_trans, log_init, lengths = _tensors(caller, x, log_trans, log_init, lengths)
-        trans = [log_trans]
+        return _sparse_path_score(x, log_trans, log_init, path, lengths)
+    x, log_trans, log_init, lengths = _tensors(caller, x, log_trans, log_init, lengths)
+    return _CHAIN_PATH_SCORE(x, log_trans, log_init, _path(caller, path, x), lengths)
+
+
+@run_eagerly
+def _sparse_path_score(x: TensorLike, log_trans: torch.Tensor, log_init: TensorLike | None, path: TensorLike,
+                       lengths: TensorLike | None) -> torch.Tensor:
+    """:func:`chain_path_score` with a sparse CSR ``log_trans``, run eagerly (see ``_sparse_chain.eagerly``)."""
+    caller = "spchain.torch.chain_path_score"
+    x, *trans, log_init, lengths = _sparse_chain.tensors(caller, x, log_trans, log_init, lengths, _tensors)
+    return _sparse_chain.CHAIN_PATH_SCORE(x, *trans, log_init, _path(caller, path, x), lengths)
+
+
+def _path(caller: str, path: TensorLike, x: torch.Tensor) -> torch.Tensor:
+    """``path`` as a dense tensor on ``x``'s device."""
     if not isinstance(path, torch.Tensor):
-        path = torch.as_tensor(path, device=x.device)
-    elif path.layout != torch.strided:
+        return torch.as_tensor(path, device=x.device)
+    if path.layout != torch.strided:
         raise TypeError(f"{caller}: path must be a dense tensor, not one of layout {path.layout}")
-    op = _sparse_chain.CHAIN_PATH_SCORE if len(trans) == 3 else _CHAIN_PATH_SCORE
-    return op(x, *trans, log_init, path, lengths)
+    return path

@@ -3,13 +3,16 @@
 array-level pairs of :mod:`spchain.semiring` (see :class:`._operator.Operator`)."""
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from .. import semiring as _semiring
 from ._bridge import check_dense
 from ._operator import Operator
+
+_NEG_INF = float("-inf")
 
 
 def _product_fake(caller: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -28,22 +31,73 @@ def _log_chain_product_fake(m: torch.Tensor) -> torch.Tensor:
     return m.new_empty(m.shape[:-3] + m.shape[-2:])
 
 
+def _log_parts(d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``log(max(d, 0))`` and ``log(max(-d, 0))``: a tangent as two log-space weights."""
+    return d.clamp(min=0).log(), (-d).clamp(min=0).log()
+
+
+def _ratio(parts: Sequence[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    """``exp(positive - out) - exp(negative - out)``, 0 where ``out`` is ``-inf`` (no term)."""
+    positive, negative = parts
+    return torch.where(out == _NEG_INF, 0.0, (positive - out).exp() - (negative - out).exp())
+
+
+def _logmatmul_jvp(operator: Operator[Any], args: Sequence[Any], results: Sequence[torch.Tensor],
+                   tangents: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
+    """``sum_k w[i, k, j] (da[i, k] + db[k, j])``, ``w = exp(a[i, k] + b[k, j] - out[i, j])``: each
+    sign of a tangent as log-space weights, so the sums are log-space products (exact, no overflow)."""
+    (a, b), out, (da, db) = args, results[0], tangents
+    tangent = torch.zeros_like(out)
+    if da is not None:
+        tangent = tangent + _ratio([operator.op(a + w, b) for w in _log_parts(da)], out)
+    if db is not None:
+        tangent = tangent + _ratio([operator.op(a, b + w) for w in _log_parts(db)], out)
+    return [tangent]
+
+
+def _maxmatmul_jvp(operator: Operator[Any], args: Sequence[Any], results: Sequence[torch.Tensor],
+                   tangents: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
+    """The tangents of the argmax terms, ``da[i, k*] + db[k*, j]`` (0 where the value is ``-inf``)."""
+    (a, b), (values, argmax), (da, db) = args, results, tangents
+    tangent = torch.zeros_like(values)
+    for d, dim in ((da, -1), (db, -2)):
+        if d is not None:  # leading ones where the batch broadcasts
+            tangent = tangent + torch.take_along_dim(d.reshape((1,) * (argmax.dim() - d.dim()) + d.shape), argmax, dim)
+    return [torch.where(values == _NEG_INF, 0.0, tangent)]
+
+
+def _log_chain_product_jvp(operator: Operator[Any], args: Sequence[Any], results: Sequence[torch.Tensor],
+                           tangents: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
+    """Each sign of the tangent as log-space weights ``w`` in the product of the block matrices
+    ``[[m, m + w], [-inf, m]]`` (twice the states): its upper right block sums, over the paths,
+    each path's weight times its tangent, in log space."""
+    (m,), out, (dm,) = args, results[0], tangents
+    assert dm is not None  # the one differentiable argument has the tangent
+    c = m.shape[-1]
+    never = torch.full_like(m, _NEG_INF)
+    parts = [operator.op(torch.cat([torch.cat([m, m + w], -1), torch.cat([never, m], -1)], -2))[..., :c, c:]
+             for w in _log_parts(dm)]
+    return [_ratio(parts, out)]
+
+
 # vmap: a call a slice for the products (one call with the batch leading would misalign the
 # broadcast of operands with different numbers of batch axes); one call for the chain product.
 _LOGMATMUL = Operator(
     "logmatmul", "(Tensor a, Tensor b) -> Tensor",
     functools.partial(_semiring.logmatmul_forward, caller="spchain.torch.logmatmul"),
     _product_fake("spchain.torch.logmatmul"),
-    backward=_semiring.logmatmul_backward, differentiable=(0, 1))
+    backward=_semiring.logmatmul_backward, differentiable=(0, 1), jvp=_logmatmul_jvp, autocast="float32")
 _MAXMATMUL = Operator(
     "maxmatmul", "(Tensor a, Tensor b) -> (Tensor, Tensor)",
     functools.partial(_semiring.maxmatmul_forward, caller="spchain.torch.maxmatmul"), _maxmatmul_fake,
-    outputs=2, backward=_semiring.maxmatmul_backward, differentiable=(0, 1))
+    outputs=2, backward=_semiring.maxmatmul_backward, differentiable=(0, 1), jvp=_maxmatmul_jvp,
+    autocast="float32")
 _LOG_CHAIN_PRODUCT = Operator(
     "log_chain_product", "(Tensor m) -> Tensor",
     functools.partial(_semiring.log_chain_product_forward, caller="spchain.torch.log_chain_product"),
     _log_chain_product_fake,
-    backward=_semiring.log_chain_product_backward, differentiable=(0,), leading_batch=(0,))
+    backward=_semiring.log_chain_product_backward, differentiable=(0,), leading_batch=(0,),
+    jvp=_log_chain_product_jvp, autocast="float32")
 
 
 def logmatmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -4,8 +4,8 @@ Their sparse operands are torch sparse tensors (COO, CSR, CSC). ``spmm`` and ``s
 them apart into their component tensors and run the operators ``spchain::spmm`` and
 ``spchain::sddmm`` on those (operators take dense tensors only), which run the array-level
 dispatchers of ``spchain.sparse`` on zero-copy NumPy/CuPy views. ``torch.compile`` cannot
-trace torch sparse tensors at all (Dynamo refuses them as inputs), so these three functions run
-eagerly, outside compiled regions; a compiled model's sparse layer is
+trace torch sparse tensors (Dynamo refuses them), so ``spmm`` and ``sddmm`` break the graph and
+run eagerly (``fullgraph=True`` refuses them); a compiled model's sparse layer is
 :class:`spchain.torch.SparseLinear` (or :func:`spchain.torch.sparse_linear`), which takes its
 structure as dense index tensors.
 
@@ -25,7 +25,7 @@ from .. import _backend, _csr
 from .. import sparse as _sparse
 from .._typing import Array, Seed, Shape
 from ._bridge import check_dense, check_same_device, on_device, to_array, to_tensor
-from ._operator import Operator
+from ._operator import Operator, linear_jvp, run_eagerly
 
 __all__ = ["spmm", "sddmm", "prune"]
 
@@ -128,11 +128,12 @@ def _sddmm_fake(first: torch.Tensor, second: torch.Tensor, a: torch.Tensor, b: t
 # gradient (it is the value gradient of a sparse layer).
 _SPMM = Operator("spmm", "(Tensor b, Tensor data, Tensor first, Tensor second, str fmt, int[] shape)"
                  " -> (Tensor, Tensor, Tensor, Tensor)",
-                 _spmm_forward, _spmm_fake, outputs=1, backward=_spmm_backward, differentiable=(0,))
+                 _spmm_forward, _spmm_fake, outputs=1, backward=_spmm_backward, differentiable=(0,), jvp=linear_jvp)
 _SDDMM = Operator("sddmm", "(Tensor first, Tensor second, Tensor a, Tensor b, str fmt, int[] shape)"
                   " -> (Tensor, Tensor, Tensor)", _sddmm_forward, _sddmm_fake, outputs=3)
 
 
+@run_eagerly
 def spmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Sparse times dense for tensors: ``a @ b``, differentiable with respect to ``b``.
 
@@ -156,10 +157,11 @@ def spmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     Notes
     -----
     ``a`` crosses as its component tensors to the operator ``spchain::spmm``, so
-    ``torch.func`` transforms it (``grad`` and ``vmap`` with respect to ``b``). ``torch.compile`` cannot take torch
-    sparse tensors (Dynamo refuses them with "Attempted to wrap sparse Tensor"), so call this
-    function, :func:`sddmm` and :func:`prune` outside compiled regions; inside them use
-    :func:`sparse_linear` with the structure as index tensors.
+    ``torch.func`` transforms it (``grad``, ``vmap`` and ``jvp`` with respect to ``b``).
+    ``torch.compile`` cannot take torch sparse tensors, so this function and :func:`sddmm` break
+    the graph and run eagerly (``fullgraph=True`` fails with Dynamo's "Attempted to wrap sparse
+    Tensor"); for a compiled sparse layer use :func:`sparse_linear` with the structure as index
+    tensors.
 
     Examples
     --------
@@ -182,6 +184,7 @@ def spmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@run_eagerly
 def sddmm(pattern: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Sampled dense-dense product for tensors: ``a @ b.T`` at ``pattern``'s stored entries.
 
