@@ -54,15 +54,6 @@ CASES = {
 }
 
 
-# The CRF's cells that wait for the operator layer's fixes (symbolic fake shapes, issue 26 item 8;
-# forward AD raising or exact, issue 22 item 2): strict, so that they fail once it lands.
-OPERATOR_FIX = pytest.mark.xfail(strict=True, reason="the chain operators' fake shapes and forward AD (operator layer)")
-
-
-def _cases(*waiting):
-    return [pytest.param(name, marks=OPERATOR_FIX) if name in waiting else name for name in CASES]
-
-
 def _case(name, batch=None):
     torch.manual_seed(0)
     make, inputs = CASES[name]
@@ -98,7 +89,7 @@ def test_compile_with_graph_breaks_trains_like_eager(name):
         torch.testing.assert_close(g, w)
 
 
-@pytest.mark.parametrize("name", _cases("LinearChainCRF", "LinearChainCRF sparse"))
+@pytest.mark.parametrize("name", CASES)
 def test_export_with_a_dynamic_batch_runs_other_batch_sizes(name):
     module, inputs = _case(name)
     batch = torch.export.Dim("batch", min=2, max=64)
@@ -121,7 +112,7 @@ def test_torch_func_grad_of_functional_call_equals_autograd(name):
         torch.testing.assert_close(g, w)
 
 
-@pytest.mark.parametrize("name", _cases("LinearChainCRF", "LinearChainCRF sparse"))
+@pytest.mark.parametrize("name", CASES)
 def test_forward_ad_is_exact_or_not_implemented_never_zero(name):
     module, inputs = _case(name)
     x, rest = inputs[0], inputs[1:]
