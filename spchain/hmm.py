@@ -550,12 +550,12 @@ class CategoricalHMM(_BaseHMM):
 @dataclass
 class _Gaussian:
     """The data of a Gaussian HMM, laid out once: ``X`` shifted by its mean (better conditioned
-    sums), and for diagonal covariances ``[X, X**2]``, whose product with the posteriors is
-    every M-step sum and with the parameters every log-likelihood."""
+    sums), and for diagonal covariances ``[X, X**2, 1]``, whose product with the posteriors is
+    every M-step sum (one GEMM) and with the parameters every log-likelihood (one GEMM)."""
 
     shift: Array  # (f,)
     centered: Array  # (n, f)
-    features: Array | None  # (n, 2f) [x, x**2] for spherical and diag
+    features: Array | None  # (n, 2f + 1) [x, x**2, 1] for spherical and diag
 
 
 class GaussianHMM(_BaseHMM):
@@ -641,7 +641,8 @@ class GaussianHMM(_BaseHMM):
         shift = X.mean(axis=0)
         centered = X - shift
         diagonal = self.covariance_type in ("spherical", "diag")
-        return _Gaussian(shift, centered, xp.concatenate([centered, centered**2], axis=1) if diagonal else None)
+        features = xp.concatenate([centered, centered**2, xp.ones((X.shape[0], 1))], axis=1) if diagonal else None
+        return _Gaussian(shift, centered, features)
 
     def _init_emissions(self, backend: _backend.Backend, X: Array) -> None:
         xp = backend.xp
@@ -681,9 +682,9 @@ class GaussianHMM(_BaseHMM):
             cov = self._covars_[:, None] * xp.ones(f) if self.covariance_type == "spherical" else self._covars_
             var = xp.maximum(cov, np.finfo(float).tiny)
             precision = 1 / var
-            weights = xp.concatenate([-2 * means * precision, precision], axis=1).T
             offset = const + xp.log(var).sum(axis=1) + (means**2 * precision).sum(axis=1)
-            return -0.5 * (_backend.matmul(xp, data.features, weights) + offset)
+            weights = xp.concatenate([means * precision, -0.5 * precision, -0.5 * offset[:, None]], axis=1)
+            return _backend.matmul(xp, data.features, weights.T)
         chol = _cholesky(xp, self._covars_)
         log_det = 2 * xp.log(xp.diagonal(chol, axis1=-2, axis2=-1)).sum(axis=-1)
         inverse = xp.linalg.inv(chol)
@@ -707,8 +708,8 @@ class GaussianHMM(_BaseHMM):
         xp = backend.xp
         f = self.n_features
         X = data.centered
-        totals = posteriors.sum(axis=0)
         sums = _backend.matmul(xp, posteriors.T, X if data.features is None else data.features)
+        totals = posteriors.sum(axis=0) if data.features is None else sums[:, -1]
         prior = _to(backend, self.means_prior) - data.shift
         weight = _to(backend, self.means_weight)
         means = self.means_ - data.shift
@@ -723,7 +724,7 @@ class GaussianHMM(_BaseHMM):
         covars_weight = _to(backend, self.covars_weight)
         diff = means - prior
         if data.features is not None:
-            c_n = weight * diff**2 + sums[:, f:] - 2 * means * sums[:, :f] + means**2 * totals[:, None]
+            c_n = weight * diff**2 + sums[:, f:2 * f] - 2 * means * sums[:, :f] + means**2 * totals[:, None]
             c_d = xp.maximum(covars_weight - 1, 0) + totals[:, None]
             covars = (covars_prior + c_n) / xp.maximum(c_d, 1e-5)
             self._covars_ = covars.mean(axis=1) if self.covariance_type == "spherical" else covars
