@@ -369,14 +369,19 @@ class _BaseHMM:
         monitor.tol, monitor.n_iter, monitor.verbose = self.tol, self.n_iter, self.verbose
         monitor._reset()
         for _ in range(self.n_iter):
-            frame = self._log_likelihood(backend, data)
-            log_prob, posteriors, start, counts = self._posteriors(backend, frame, seqs, "t" in self.params)
-            self._mstep_start_trans(backend, start, counts)
-            self._mstep_emissions(backend, data, posteriors)
-            self.monitor_.report(log_prob)
-            if self.monitor_.converged:
+            monitor.report(self._em_step(backend, data, seqs))
+            if monitor.converged:
                 break
         return self
+
+    def _em_step(self, backend: _backend.Backend, data: Any, seqs: _Sequences) -> float:
+        """One EM iteration; returns the E-step's log-likelihood. Its (n, c) arrays are freed
+        on return, so that one iteration's never meet the next one's."""
+        frame = self._log_likelihood(backend, data)
+        log_prob, posteriors, start, counts = self._posteriors(backend, frame, seqs, "t" in self.params)
+        self._mstep_start_trans(backend, start, counts)
+        self._mstep_emissions(backend, data, posteriors)
+        return log_prob
 
     def _score(self, X: Any, lengths: Any) -> tuple[float, Array]:
         backend, X = self._data(X)
