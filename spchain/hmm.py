@@ -104,7 +104,7 @@ def _to(backend: _backend.Backend, a: Any) -> Any:
     """``a`` (an array, a list, a number, or a SciPy / cupyx sparse matrix) as a float64 array
     or CSR matrix of ``backend`` (a copy for sparse matrices)."""
     if _sparse_chain.is_sparse(a):
-        if not backend.on_gpu and not _backend.backend_of(a) is _backend.NUMPY:
+        if not backend.on_gpu and _backend.backend_of(a) is not _backend.NUMPY:
             a = a.get()
         csr = backend.sparse.csr_matrix(a, dtype=np.float64, copy=True)
         csr.sum_duplicates()
@@ -220,6 +220,8 @@ class _BaseHMM:
 
     def _data(self, X: Any) -> tuple[_backend.Backend, Array]:
         """``X`` checked as scikit-learn's ``check_array`` does, and its backend."""
+        if not hasattr(X, "dtype"):  # a list, as scikit-learn takes
+            X = np.asarray(X)
         backend = _backend.backend_of(X, caller=f"spchain.hmm.{type(self).__name__}")
         X = backend.xp.asarray(X)
         if X.ndim != 2:
@@ -238,7 +240,7 @@ class _BaseHMM:
         last axis (hmmlearn's ``_check_sum_1``)."""
         a = getattr(self, name)
         sparse = _sparse_chain.is_sparse(a)
-        sums = backend.to_host(backend.xp.asarray(a.sum(axis=-1))).ravel()
+        sums = backend.to_host(backend.xp.asarray(a.sum(axis=a.ndim - 1))).ravel()
         if bool(((a.data if sparse else a) < 0).any()) or not np.allclose(sums, 1):
             raise ValueError(f"{name} must sum to 1 (got {float(sums[0]):.4f})" if a.ndim == 1 else
                              f"{name} rows must sum to 1 and be non-negative (got row sums of {sums})")
@@ -442,7 +444,9 @@ class _BaseHMM:
         The same draws as hmmlearn's ``sample`` for the same ``random_state``; the arrays are on
         the parameters' backend.
         """
-        backend = _backend.backend_of(self.startprob_, caller=f"spchain.hmm.{type(self).__name__}.sample")
+        arrays = [a for a in (getattr(self, "startprob_", None), getattr(self, "transmat_", None))
+                  if hasattr(a, "dtype")]
+        backend = _backend.backend_of(*arrays, caller=f"spchain.hmm.{type(self).__name__}.sample")
         self._check(backend)
         rs = _random_state(self.random_state if random_state is None else random_state)
         draw = self._emission_sampler(backend)
@@ -539,7 +543,7 @@ class CategoricalHMM(_BaseHMM):
             return
         xp = backend.xp
         n = data.shape[0]
-        indicator = backend.sparse.csr_matrix((xp.ones(n), (data, xp.arange(n))), shape=(self.n_features, n))
+        indicator = backend.sparse.coo_matrix((xp.ones(n), (data, xp.arange(n))), shape=(self.n_features, n))
         counts = (indicator @ posteriors).T
         emissionprob = xp.maximum(_to(backend, self.emissionprob_prior) - 1 + counts, 0)
         self.emissionprob_ = _normalize(xp, emissionprob, axis=1)

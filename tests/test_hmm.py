@@ -192,6 +192,7 @@ def test_sparse_gaussian_matches_hmmlearn_with_zeros(rng):
 def test_sample_matches_hmmlearn(rng):
     _, parameters = categorical_problem(rng)
     X, states = categorical(hmm, parameters).sample(20, random_state=5)
+    assert categorical(hmm, parameters).score(X.tolist()) == pytest.approx(categorical(hmm, parameters).score(X))
     X_theirs, states_theirs = categorical(H, parameters).sample(20, random_state=5)
     np.testing.assert_array_equal(X, X_theirs)
     np.testing.assert_array_equal(states, states_theirs)
@@ -278,6 +279,8 @@ def test_errors(rng):
         hmm.GaussianHMM(2, covariance_type="full").covars_ = np.array([-np.eye(2), np.eye(2)])
     with pytest.raises(ValueError, match="not fitted|not set"):
         hmm.GaussianHMM(2).score(X)
+    with pytest.raises(ValueError, match="not fitted|not set"):
+        hmm.CategoricalHMM(2).sample(3)
     symbols, parameters = categorical_problem(rng)
     model = categorical(hmm, parameters)
     with pytest.raises(ValueError, match="Symbols should be integers"):
