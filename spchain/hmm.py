@@ -128,7 +128,6 @@ class _Sequences:
     max_len: int
     lengths: Array | None  # (n_seq,) on the device; None where all have the same length
     index: Array | None  # the padded row of each sample; None where all have the same length
-    starts: Any  # (n_seq,) host int64: the first sample of each sequence
 
     def pad(self, xp: Any, a: Array) -> Array:
         """(n, k) samples → (n_seq, max_len, k), zero past each length."""
@@ -147,7 +146,7 @@ class _Sequences:
 def _sequences(xp: Any, n: int, lengths: Any) -> _Sequences:
     """The layout of ``n`` samples cut into sequences of ``lengths`` (hmmlearn's errors)."""
     if lengths is None:
-        return _Sequences(1, n, None, None, np.zeros(1, np.int64))
+        return _Sequences(1, n, None, None)
     if hasattr(lengths, "get"):
         lengths = lengths.get()
     host = np.asarray(lengths)
@@ -163,9 +162,9 @@ def _sequences(xp: Any, n: int, lengths: Any) -> _Sequences:
     n_seq, max_len = len(host), int(host.max())
     starts = ends - host
     if (host == max_len).all():
-        return _Sequences(n_seq, max_len, None, None, starts)
+        return _Sequences(n_seq, max_len, None, None)
     index = np.arange(n) - np.repeat(starts, host) + np.repeat(np.arange(n_seq) * max_len, host)
-    return _Sequences(n_seq, max_len, xp.asarray(host.astype(np.int64)), xp.asarray(index), starts)
+    return _Sequences(n_seq, max_len, xp.asarray(host.astype(np.int64)), xp.asarray(index))
 
 
 class _BaseHMM:
@@ -303,12 +302,11 @@ class _BaseHMM:
             trans = self.transmat_
             rows = _csr.row_of_entries(backend, _csr.Csr(trans.indptr, trans.indices, None, trans.shape))
             if prior.ndim:
-                prior = prior[rows, self.transmat_.indices]
-            data = xp.maximum(prior - 1 + counts.data, 0)
-            data = xp.where(self.transmat_.data == 0, 0, data)
+                prior = prior[rows, trans.indices]
+            data = xp.where(trans.data == 0, 0, xp.maximum(prior - 1 + counts.data, 0))
             totals = xp.zeros(self.n_components)
             _backend.scatter_add(xp, totals, rows, data)
-            self.transmat_.data = data / xp.where(totals == 0, 1, totals)[rows]
+            trans.data = data / xp.where(totals == 0, 1, totals)[rows]  # trans is _check's copy
         elif "t" in self.params:
             transmat = xp.maximum(_to(backend, self.transmat_prior) - 1 + counts, 0)
             self.transmat_ = _normalize(xp, xp.where(self.transmat_ == 0, 0, transmat), axis=1)

@@ -165,7 +165,9 @@ def test_sparse_transitions_match_dense(xp, rng, lengths):
         import cupyx.scipy.sparse
         trans = cupyx.scipy.sparse.csr_matrix(trans)
     trans_host = trans.get() if hasattr(trans, "get") else trans
+    given = trans_host.data.copy()
     sparse = categorical(hmm, (start, trans, emit), n_iter=4).fit(xp.asarray(X), lengths)
+    np.testing.assert_array_equal(host(trans.data), given)  # the caller's matrix is left alone
     dense = categorical(hmm, (start, trans_host.toarray(), emit), n_iter=4).fit(X, lengths)
     fitted = sparse.transmat_.get() if hasattr(sparse.transmat_, "get") else sparse.transmat_
     assert scipy.sparse.issparse(fitted) and fitted.format == "csr"
