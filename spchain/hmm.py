@@ -448,17 +448,30 @@ class _BaseHMM:
         self._check(backend)
         rs = _random_state(self.random_state if random_state is None else random_state)
         draw = self._emission_sampler(backend)
-        transmat = self.transmat_.get() if backend.on_gpu else self.transmat_
-        transmat_cdf = np.cumsum(transmat.toarray() if _sparse_chain.is_sparse(transmat) else transmat, axis=1)
+        successor = _successor(self.transmat_.get() if backend.on_gpu else self.transmat_)
         if currstate is None:
             currstate = int((np.cumsum(backend.to_host(self.startprob_)) > rs.rand()).argmax())
         states = [currstate]
         X = [draw(currstate, rs)]
         for _ in range(n_samples - 1):
-            currstate = int((transmat_cdf[currstate] > rs.rand()).argmax())
+            currstate = successor(currstate, rs.rand())
             states.append(currstate)
             X.append(draw(currstate, rs))
         return backend.xp.asarray(np.atleast_2d(X)), backend.xp.asarray(np.array(states, dtype=int))
+
+
+def _successor(transmat: Any) -> Callable[[int, float], int]:
+    """The next state after ``state`` for a uniform draw ``u``: hmmlearn's inverse-CDF rule, on
+    the stored entries of a sparse (canonical CSR) ``transmat`` (host arrays)."""
+    if _sparse_chain.is_sparse(transmat):
+        indptr, indices, data = transmat.indptr, transmat.indices, transmat.data
+
+        def sparse(state: int, u: float) -> int:
+            row = slice(indptr[state], indptr[state + 1])
+            return int(indices[row][(np.cumsum(data[row]) > u).argmax()])
+        return sparse
+    cdf = np.cumsum(transmat, axis=1)
+    return lambda state, u: int((cdf[state] > u).argmax())
 
 
 class CategoricalHMM(_BaseHMM):
