@@ -781,23 +781,43 @@ def _cholesky(xp: Any, covars: Array) -> Array:
     return chol
 
 
-def _kmeans(xp: Any, X: Array, k: int, random_state: np.random.RandomState, n_iter: int = 300) -> Array:
-    """k-means cluster centres of ``X`` (Lloyd's iterations from ``k`` distinct samples): the
-    starting means of a Gaussian HMM, as hmmlearn takes scikit-learn's ``KMeans``."""
+def _kmeans(xp: Any, X: Array, k: int, random_state: np.random.RandomState, n_init: int = 10,
+            n_iter: int = 300) -> Array:
+    """k-means cluster centres of ``X``: the starting means of a Gaussian HMM, as hmmlearn takes
+    scikit-learn's ``KMeans`` (k-means++ seeds, Lloyd's iterations, the best of ``n_init``)."""
     n = X.shape[0]
     if n < k:
         raise ValueError(f"n_samples={n} should be >= n_clusters={k}")
-    centers = X[xp.asarray(random_state.choice(n, k, replace=False))]
-    squares = (X**2).sum(axis=1)[:, None]
-    for _ in range(n_iter):
-        labels = (squares - 2 * _backend.matmul(xp, X, centers.T) + (centers**2).sum(axis=1)).argmin(axis=1)
-        member = (labels[:, None] == xp.arange(k)).astype(X.dtype)
-        counts = member.sum(axis=0)[:, None]
-        fresh = xp.where(counts > 0, _backend.matmul(xp, member.T, X) / xp.maximum(counts, 1), centers)
-        if bool((fresh == centers).all()):
-            break
-        centers = fresh
-    return centers
+    squares = (X**2).sum(axis=1)
+    best, best_inertia = X[:k], np.inf
+    for _ in range(n_init):
+        centers = _kmeans_seeds(xp, X, squares, k, random_state)
+        for _ in range(n_iter):
+            distances = squares[:, None] - 2 * _backend.matmul(xp, X, centers.T) + (centers**2).sum(axis=1)
+            member = (distances.argmin(axis=1)[:, None] == xp.arange(k)).astype(X.dtype)
+            counts = member.sum(axis=0)[:, None]
+            fresh = xp.where(counts > 0, _backend.matmul(xp, member.T, X) / xp.maximum(counts, 1), centers)
+            if bool((fresh == centers).all()):
+                break
+            centers = fresh
+        inertia = float(distances.min(axis=1).sum())
+        if inertia < best_inertia:
+            best, best_inertia = centers, inertia
+    return best
+
+
+def _kmeans_seeds(xp: Any, X: Array, squares: Array, k: int, random_state: np.random.RandomState) -> Array:
+    """k-means++ seeds: each next one a sample drawn with probability ∝ its squared distance
+    to the nearest seed so far."""
+    n = X.shape[0]
+    chosen = [int(random_state.randint(n))]
+    closest = xp.maximum(squares - 2 * (X @ X[chosen[0]]) + squares[chosen[0]], 0)
+    for _ in range(1, k):
+        weights = np.asarray(closest.get() if hasattr(closest, "get") else closest, dtype=np.float64)
+        total = weights.sum()
+        chosen.append(int(random_state.choice(n, p=weights / total) if total > 0 else random_state.randint(n)))
+        closest = xp.minimum(closest, xp.maximum(squares - 2 * (X @ X[chosen[-1]]) + squares[chosen[-1]], 0))
+    return X[xp.asarray(chosen)]
 
 
 def _validate_covars(covars: Any, covariance_type: str, n_components: int) -> None:
