@@ -12,6 +12,8 @@
   and gets no error figure.
 - ``sparse marginals``: one :func:`spchain.chain_marginals` call on the sparse case's data and
   starting model, the yardstick of its peak memory (the fit should stay within 2x of it).
+
+``python -m spchain.bench.hmm`` times the Gaussian case alone, the two fits alternating.
 """
 
 from collections.abc import Callable
@@ -146,3 +148,33 @@ def make_case(name: str, quick: bool, device: str = "cpu") -> Case:
         return result if quick else None
 
     return Case("hmm-fit", name, {"spchain": ours, baseline: theirs}, theirs if quick else None, device)
+
+
+def main(order: str = "spchain,hmmlearn,spchain,spchain") -> None:
+    """``python -m spchain.bench.hmm [ORDER]``: the full-size Gaussian case, spchain's and
+    hmmlearn's fits alternating in ``ORDER`` (comma-separated) after a small warm-up; prints
+    each time and the ratio of the medians."""
+    import logging
+    import time
+
+    import hmmlearn.hmm
+
+    logging.getLogger("hmmlearn").setLevel(logging.ERROR)
+    X, lengths, initial = gaussian_problem(False)
+    n_iter = SIZES[False]["iterations"]
+    fit(hmm, "GaussianHMM", initial, X[:4000], lengths[:20], 2, covariance_type="diag")  # compiles the kernels
+    modules = {"spchain": hmm, "hmmlearn": hmmlearn.hmm}
+    times: dict[str, list[float]] = {name: [] for name in modules}
+    for name in order.split(","):
+        start = time.perf_counter()
+        fit(modules[name], "GaussianHMM", initial, X, lengths, n_iter, covariance_type="diag")
+        times[name].append(time.perf_counter() - start)
+        print(f"{name}: {times[name][-1]:.2f} s", flush=True)
+    ours, theirs = (float(np.median(times[name])) for name in modules)
+    print(f"median spchain {ours:.2f} s, hmmlearn {theirs:.2f} s: {theirs / ours:.1f}x")
+
+
+if __name__ == "__main__":
+    import sys
+
+    main(*sys.argv[1:2])
