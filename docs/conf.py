@@ -17,7 +17,12 @@ extensions = [
     "sphinx.ext.napoleon",
     "sphinx.ext.doctest",
     "sphinx.ext.mathjax",
+    "matplotlib.sphinxext.plot_directive",
 ]
+# The figures of ``.. plot::`` (their code runs at build time): PNG only, no source links.
+plot_formats = [("png", 100)]
+plot_html_show_source_link = False
+plot_html_show_formats = False
 
 # numpydoc docstrings, read by napoleon; no Google style.
 napoleon_google_docstring = False

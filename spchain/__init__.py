@@ -8,7 +8,7 @@ and device; ``spchain.torch`` offers the same functions for torch tensors, with 
 (2, 3, 5)
 
 Names are loaded on first use, so ``import spchain`` compiles nothing and imports neither
-Numba, torch nor CuPy.
+Numba, torch nor CuPy; so is the submodule ``spchain.hmm`` (hmmlearn-style estimators).
 """
 
 import importlib
@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:  # the names' real types, for type checkers; at run time they load on first use
+    from . import hmm as hmm
     from .blockdiag import block_diag_matmul as block_diag_matmul
     from .blockdiag import grouped_matmul as grouped_matmul
     from .chain import chain_logsumexp as chain_logsumexp
@@ -53,10 +54,15 @@ _API = {
     "grouped_matmul": "blockdiag",
 }
 
+_SUBMODULES = ("hmm",)
+"""Submodules that attribute access imports (``spchain.hmm``); ``spchain.torch`` is imported by name."""
+
 __all__ = sorted(_API)
 
 
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
     if name not in _API:
         raise AttributeError(f"module 'spchain' has no attribute {name!r}")
     value = getattr(importlib.import_module(f".{_API[name]}", __name__), name)
@@ -65,4 +71,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_API))
+    return sorted(set(globals()) | set(_API) | set(_SUBMODULES))

@@ -6,7 +6,8 @@ import importlib
 import pytest
 
 MODULES = ["spchain", "spchain._backend", "spchain._checks", "spchain._chain_layout", "spchain._chain_sweep",
-           "spchain.blockdiag", "spchain.blocksparse", "spchain.chain", "spchain.paths", "spchain.semiring", "spchain.sparse"]
+           "spchain.blockdiag", "spchain.blocksparse", "spchain.chain", "spchain.hmm", "spchain.paths",
+           "spchain.semiring", "spchain.sparse"]
 TORCH_MODULES = ["spchain.torch._bridge", "spchain.torch.blockdiag", "spchain.torch.blocksparse", "spchain.torch.chain",
                  "spchain.torch.crf", "spchain.torch.nn", "spchain.torch.paths", "spchain.torch.pruning", "spchain.torch.semiring",
                  "spchain.torch.sparse"]

@@ -36,6 +36,7 @@ WORKLOADS = {
     "chains-at-scale": "dask",
     "crf": "crf",
     "torch-layer": "torch_layer",
+    "hmm-fit": "hmm",
 }
 """Workload name → module (relative to this package) with ``CASES`` and ``make_case``."""
 
