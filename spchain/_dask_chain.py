@@ -114,7 +114,8 @@ def chain_logsumexp(x: Lazy, log_trans: Lazy, log_init: Lazy | None = None, *,
         x = x.rechunk({-2: -1})
     meta = xp_of(x).empty((0,) * nb, result.dtype)
     if x.numblocks[-2] > 1:
-        product = tree_product(_transfer_matrices(x, log_trans, log_init, lengths, nb, per_step, result.dtype))
+        product = tree_product(_transfer_matrices(x, log_trans, log_init, lengths, nb, per_step, result.dtype,
+                                                     "spchain.chain_logsumexp"))
         total: da.Array = da.map_blocks(_first_row_lse, product, drop_axis=(nb, nb + 1), dtype=result.dtype,
                                         meta=meta)
         return total
@@ -198,17 +199,29 @@ def _block_batch(x: Array, trans: Array, log_init: Array | None = None, lengths:
     return np.broadcast_shapes(*shapes, () if lengths is None else lengths.shape)
 
 
+def _checked_lengths(lengths: Array | None, v: int, caller: str) -> None:
+    """The in-memory functions' ``ValueError`` for ``lengths`` outside 1..v (a task of a time
+    chunk sees only its positions, so it is told ``v``)."""
+    if lengths is not None and lengths.size:
+        low, high = int(lengths.min()), int(lengths.max())
+        if low < 1 or high > v:
+            raise ValueError(f"{caller}: lengths must lie in 1..v = 1..{v}, got values from {low} to {high}")
+
+
 def _transfer_block(positions: Array, x: Array, log_trans: Array, log_init: Array | None = None,
-                    lengths: Array | None = None, *, per_step: bool) -> Array:
+                    lengths: Array | None = None, *, per_step: bool, v: int, caller: str) -> Array:
+    _checked_lengths(lengths, v, caller)
     mats = _step_matrices(positions, x, log_trans, log_init, lengths, per_step)
     return semiring.log_chain_product(mats)[..., None, :, :]
 
 
 def _transfer_matrices(x: da.Array, log_trans: Lazy, log_init: Lazy | None, lengths: Lazy | None, nb: int,
-                       per_step: bool, dtype: DTypeLike) -> da.Array:
-    """(batch..., K, c, c): the log transfer matrix of each of the K time chunks of ``x``."""
+                       per_step: bool, dtype: DTypeLike, caller: str) -> da.Array:
+    """(batch..., K, c, c): the log transfer matrix of each of the K time chunks of ``x``
+    (its tasks raise ``ValueError`` for ``lengths`` outside 1..v, naming ``caller``)."""
     args, cores = _time_inputs(x, log_trans, log_init, lengths, per_step)
-    return blockwise(partial(_transfer_block, per_step=per_step), _LETTERS[:nb] + "tij", args, cores, nb, dtype,
+    block = partial(_transfer_block, per_step=per_step, v=x.shape[-2], caller=caller)
+    return blockwise(block, _LETTERS[:nb] + "tij", args, cores, nb, dtype,
                      xp_of(x).empty((0,) * (nb + 3), dtype), adjust_chunks={"t": 1})
 
 
@@ -249,7 +262,7 @@ def _chunk_marginals(positions: Array, x: Array, log_trans: Array, alpha: Array,
 def _marginals_in_time_chunks(x: da.Array, log_trans: Lazy, log_init: Lazy | None, lengths: Lazy | None, nb: int,
                               per_step: bool, dtype: DTypeLike, meta: Array) -> da.Array:
     """Marginals of time-chunked chains: a second pass over the chunks with boundary messages."""
-    mats = _transfer_matrices(x, log_trans, log_init, lengths, nb, per_step, dtype)
+    mats = _transfer_matrices(x, log_trans, log_init, lengths, nb, per_step, dtype, "spchain.chain_marginals")
     chunks = x.numblocks[-2]
     mat = [mats[..., k, :, :] for k in range(chunks)]
     alpha = [mat[0][..., :1, :]]

@@ -240,11 +240,16 @@ def test_bad_input_fails_when_the_graph_is_built(rng):
         sc.spmm(scipy.sparse.eye(3, format="csr"), chunked(np.ones((4, 2)), 2))
 
 
-def test_lengths_out_of_range_fail_in_the_task(rng):
-    x = chunked(rng.normal(size=(4, 5, 3)), (2, 5, 3))
-    out = sc.chain_logsumexp(x, np.zeros((3, 3)), lengths=np.array([1, 2, 6, 1]))
-    with pytest.raises(ValueError, match="lengths must lie in 1..v"):
-        out.compute(scheduler="sync")
+@pytest.mark.parametrize("time_chunks", [5, 2], ids=["one time chunk", "time chunks"])
+@pytest.mark.parametrize("bad", [0, 6])
+@pytest.mark.parametrize("fn", [sc.chain_logsumexp, sc.chain_marginals])
+def test_lengths_out_of_range_fail_in_the_task(rng, fn, bad, time_chunks):
+    x = chunked(rng.normal(size=(4, 5, 3)), (2, time_chunks, 3))
+    lengths = np.array([1, 2, bad, 1])
+    for given in (lengths, chunked(lengths, 2)):
+        out = fn(x, np.zeros((3, 3)), lengths=given)
+        with pytest.raises(ValueError, match=f"{fn.__name__}: lengths must lie in 1..v = 1..5, got values from "):
+            out.compute(scheduler="sync")
 
 
 def _slow(block):
