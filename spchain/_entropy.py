@@ -19,8 +19,11 @@ semiring give it exactly:
   ``Cov(φ_{t,j}, score) = m_t[j] (fwd[t, j] + bwd[t, j] - E)``,
   ``Cov(φ_{t,i→j}, score) = ξ_t[i, j] (fwd[t, i] + T[i, j] + x[t+1, j] + bwd[t+1, j] - E)``.
 
-Terms of probability 0 (a ``-inf`` potential never taken) count 0, never ``0 · -inf``. Each
-step works on (rows, c, c) arrays, one step at a time: O(batch · v · c) memory kept.
+Terms of probability 0 (a ``-inf`` potential never taken) count 0, never ``0 · -inf``. The
+weights ``p(i | j)`` are renormalised to sum to 1 to the last bit: the expected scores can be
+far larger than the entropy (the limit chain of ``+inf`` inputs carries ``2**20`` a term), and
+a sum of weights off by ``ε`` would move them by ``ε`` times their size. Each step works on
+(rows, c, c) arrays, one step at a time: O(batch · v · c) memory kept.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ def entropy(chain: Chain) -> tuple[Array, tuple[Array, Array, Array, Array, Arra
             trans = chain.step_matrices(t)[:, None]
             after = pre4[:, :, t + 1, None, :]
             p = xp.where(xp.isfinite(after), xp.exp(alpha[:, :, t, :, None] + trans - after), 0)
+            p = p / xp.where(p.any(axis=-2, keepdims=True), p.sum(axis=-2, keepdims=True), 1)  # exactly 1
             fwd4[:, :, t + 1] = _weighted(xp, p, fwd4[:, :, t, :, None] + trans).sum(axis=-2) + x[:, :, t + 1]
     mean = _expected_score(chain, pre, norm, fwd)
     possible = log_partition != -np.inf  # NaN stays in

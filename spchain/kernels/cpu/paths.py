@@ -121,44 +121,60 @@ def chain_sample(alpha, probs, trans_t, trans_probs, totals, tiny, group, length
 
 
 @njit(cache=True)
-def _before(a, ia, b, ib):
-    """Whether candidate ``(a, ia)`` ranks before ``(b, ib)``: the higher score (NaN highest),
-    ties to the lower index."""
+def plus(f, n, term):
+    """A partial path's score ``(f, n)`` (its finite terms' sum ``f``, ``n`` terms ``+inf``)
+    times one more log term: a ``+inf`` term counts, any other adds to ``f`` (so a ``-inf``
+    term makes the path ``-inf`` whatever its ``+inf`` terms; NaN stays NaN)."""
+    if term == np.inf:
+        return f, n + 1
+    return f + term, n
+
+
+@njit(cache=True)
+def _before(a, na, ia, b, nb, ib):
+    """Whether candidate ``(a, na, ia)`` ranks before ``(b, nb, ib)``: NaN first, then more
+    ``+inf`` terms, then the higher finite sum, ties to the lower index."""
     if a != a:
         return b == b or ia < ib
     if b != b:
         return False
+    if na != nb:
+        return na > nb
     return a > b or (a == b and ia < ib)
 
 
 @njit(cache=True)
-def _insert(score, index, k, val, idx):
-    """Insert ``(val, idx)`` into the ranked list ``score``/``index`` of length ``k``
-    (-inf / -1 for empty slots); candidates arrive in increasing ``idx``."""
+def _insert(score, count, index, k, val, n, idx):
+    """Insert ``(val, n, idx)`` into the ranked list ``score``/``count``/``index`` of length
+    ``k`` (-1 in ``index`` for empty slots); candidates of score ``-inf`` are dropped."""
     if val == -np.inf:
         return
     pos = k
-    while pos > 0 and (index[pos - 1] < 0 or _before(val, idx, score[pos - 1], index[pos - 1])):
+    while pos > 0 and (index[pos - 1] < 0 or _before(val, n, idx, score[pos - 1], count[pos - 1], index[pos - 1])):
         pos -= 1
     if pos == k:
         return
     for m in range(k - 1, pos, -1):
         score[m] = score[m - 1]
+        count[m] = count[m - 1]
         index[m] = index[m - 1]
     score[pos] = val
+    count[pos] = n
     index[pos] = idx
 
 
 @njit(parallel=True, cache=True)
-def chain_kbest(x, trans, group, init, lengths, work, backptr, scores, paths):
+def chain_kbest(x, trans, group, init, lengths, work, counts, backptr, scores, paths):
     """Exact k-best Viterbi: the ``k`` best paths of each row, best first.
 
-    Inputs as for ``chain.viterbi``; ``work`` (B, 2, c, k) is scratch, ``backptr``
-    (B, v, c, k, int64) holds ``i * k + r`` (the predecessor state ``i`` and its rank ``r``;
-    ``backptr[b, 0, 0]`` is scratch for the final ranking).
-    Every state keeps its ``k`` best partial paths; paths of score ``-inf`` are dropped, so
-    fewer than ``k`` paths leave ``-inf`` scores and -1 paths. Ties go to the lower
-    (state, rank), as in ``viterbi``. Overwrites ``scores`` (k, B) and ``paths`` (k, B, v).
+    Inputs as for ``chain.viterbi``; ``work`` (B, 2, c, k) and ``counts`` (B, 2, c, k, int64)
+    are scratch: the kept partial paths' scores as their finite sums and their numbers of
+    ``+inf`` terms (:func:`plus`), ranked by the ``+inf`` terms first (the limit as they grow
+    together), then the finite sum. ``backptr`` (B, v, c, k, int64) holds ``i * k + r`` (the
+    predecessor state ``i`` and its rank ``r``; ``backptr[b, 0, 0]`` is scratch for the final
+    ranking). Paths of score ``-inf`` are dropped, so fewer than ``k`` paths leave ``-inf``
+    scores and -1 paths. Ties go to the lower (state, rank), as in ``viterbi``. Overwrites
+    ``scores`` (k, B; ``+inf`` for a path through a ``+inf`` term) and ``paths`` (k, B, v).
     O(B * v * c² * k²) time at worst; rows run in parallel.
     """
     rows, v, c = x.shape
@@ -170,29 +186,34 @@ def chain_kbest(x, trans, group, init, lengths, work, backptr, scores, paths):
         cur = 0
         for j in range(c):
             work[b, 0, j, :] = -np.inf
-            work[b, 0, j, 0] = init[b, j] + x[b, 0, j]
+            counts[b, 0, j, :] = 0
+            f, n = plus(0.0, 0, init[b, j])
+            work[b, 0, j, 0], counts[b, 0, j, 0] = plus(f, n, x[b, 0, j])
         for t in range(length - 1):
             m = trans[g, t if per_step else 0]
-            new = work[b, 1 - cur]
+            new, new_counts = work[b, 1 - cur], counts[b, 1 - cur]
             for j in range(c):
                 new[j, :] = -np.inf
                 index = backptr[b, t + 1, j]
                 index[:] = -1
                 for i in range(c):
                     for r in range(k):
-                        _insert(new[j], index, k, work[b, cur, i, r] + m[i, j], i * k + r)
+                        if work[b, cur, i, r] != -np.inf:  # an empty slot, or a path of weight 0
+                            f, n = plus(work[b, cur, i, r], counts[b, cur, i, r], m[i, j])
+                            _insert(new[j], new_counts[j], index, k, f, n, i * k + r)
                 for r in range(k):
-                    new[j, r] += x[b, t + 1, j]
+                    if index[r] >= 0:
+                        new[j, r], new_counts[j, r] = plus(new[j, r], new_counts[j, r], x[b, t + 1, j])
             cur = 1 - cur
-        best = work[b, 1 - cur, 0]  # free scratch now, as is backptr[b, 0] (position 0 has none)
+        best, best_counts = work[b, 1 - cur, 0], counts[b, 1 - cur, 0]  # free scratch now, as is backptr[b, 0]
         index = backptr[b, 0, 0]
         best[:] = -np.inf
         index[:] = -1
         for j in range(c):
             for r in range(k):
-                _insert(best, index, k, work[b, cur, j, r], j * k + r)
+                _insert(best, best_counts, index, k, work[b, cur, j, r], counts[b, cur, j, r], j * k + r)
         for r in range(k):
-            scores[r, b] = best[r]
+            scores[r, b] = np.inf if index[r] >= 0 and best_counts[r] > 0 and best[r] == best[r] else best[r]
             paths[r, b, :] = -1
             entry = index[r]
             if entry < 0:
