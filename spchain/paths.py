@@ -11,6 +11,11 @@ arrays with -1 past each chain's length. A path's score is
   expectation semiring (``_entropy.py`` also holds its gradient, an exact Hessian-vector product).
 - :func:`chain_kbest`: k-best Viterbi, every state keeping its k best partial paths.
 - :func:`chain_path_score`: gathers the scores along given paths.
+
+A sparse ``log_trans`` (SciPy CSR, CSC or COO) runs on its stored entries on the CPU:
+O(batch · v · (c + nnz)) time and O(batch · v · c + nnz) memory, never a (c, c) matrix (the
+path scores look each step up in the CSR structure). ``+inf`` inputs follow the limit rule of
+the chain functions: the limit as the ``+inf`` terms grow together.
 """
 
 from __future__ import annotations
@@ -33,8 +38,10 @@ from ._typing import Array, Shape, Sparse
 
 
 def _prepare(x: Any, log_trans: Any, log_init: Any, lengths: Any, caller: str, check: bool = True) -> Chain:
-    """``_chain_layout.prepare``, with sparse transitions as a dense matrix (O(c²) memory)."""
-    return _sparse_chain.densified(_chain_layout.prepare(x, log_trans, log_init, lengths, caller, check))
+    """``_chain_layout.prepare``; sparse transitions stay sparse on the CPU (the path functions
+    run on their stored entries) and become a dense matrix on the GPU (O(c²) memory)."""
+    chain = _chain_layout.prepare(x, log_trans, log_init, lengths, caller, check)
+    return _sparse_chain.densified(chain) if chain.backend.on_gpu else chain
 
 
 def _limit(chain: Chain) -> Chain:
@@ -101,10 +108,15 @@ def _sample(chain: Chain, num_samples: int, seed: int | None) -> Array:
     alpha = xp.ascontiguousarray(_normalised(xp, pre, chain.x, norm))
     uniforms = xp.random.default_rng(seed).random((num_samples, rows, v))
     paths = xp.empty((num_samples, rows, v), np.int64)
-    if num_samples and rows:
+    possible = xp.isfinite(log_partition) & (c > 0)
+    if num_samples and rows and chain.sparse is not None:
+        s = chain.sparse
+        t_values = xp.ascontiguousarray(chain.trans.reshape(-1)[s.order])
+        chain.backend.kernel("paths", "chain_sample_sparse")(alpha, s.t_indptr, s.t_rows, t_values, chain.lengths,
+                                                            possible, uniforms, paths)
+    elif num_samples and rows:
         trans_t = xp.ascontiguousarray(chain.trans.swapaxes(-1, -2))
         probs, trans_probs = _scaled_exp(xp, alpha), _scaled_exp(xp, trans_t)
-        possible = xp.isfinite(log_partition) & (c > 0)
         kernel = chain.backend.kernel("paths", "chain_sample")
         kernel(alpha, probs, trans_t, trans_probs, _draw_totals(chain, probs, trans_probs), TINY,
                chain.group, chain.lengths, possible, uniforms, paths)
@@ -237,8 +249,15 @@ def _kbest(chain: Chain, k: int) -> tuple[Array, Array]:
         work = xp.empty((rows, 2, c, k), chain.x.dtype)
         counts = xp.empty((rows, 2, c, k), np.int64)
         backptr = xp.empty((rows, v, c, k), np.int64)
-        kernel = chain.backend.kernel("paths", "chain_kbest")
-        kernel(chain.x, chain.trans, chain.group, chain.init, chain.lengths, work, counts, backptr, scores, paths)
+        scratch = (work, counts, backptr, scores, paths)
+        if chain.sparse is not None:
+            s = chain.sparse
+            t_values = xp.ascontiguousarray(chain.trans.reshape(-1)[s.order])
+            chain.backend.kernel("paths", "chain_kbest_sparse")(chain.x, s.t_indptr, s.t_rows, t_values, chain.init,
+                                                               chain.lengths, *scratch)
+        else:
+            chain.backend.kernel("paths", "chain_kbest")(chain.x, chain.trans, chain.group, chain.init, chain.lengths,
+                                                        *scratch)
     return scores, paths
 
 
@@ -312,8 +331,13 @@ def _path_score(chain: Chain, path: Array) -> Array:
     inside = path >= 0
     state = xp.where(inside, path, 0)
     r = xp.arange(rows)[:, None]
-    terms = [xp.where(inside, chain.x[r, xp.arange(v)[None, :], state], 0), chain.init[xp.arange(rows), state[:, 0], None]]
-    if v > 1:
+    terms = [xp.where(inside, chain.x[r, xp.arange(v)[None, :], state], 0),
+             chain.init[xp.arange(rows), state[:, 0], None]]
+    if v > 1 and chain.sparse is not None:  # a look-up of each step in the CSR structure; -1: absent, -inf
+        stored = xp.concatenate([chain.trans.reshape(-1), xp.full(1, -np.inf, chain.trans.dtype)])
+        moves = stored[_sparse_chain.entries_of(chain, state[:, :-1], state[:, 1:])]
+        terms.append(xp.where(inside[:, 1:], moves, 0))
+    elif v > 1:
         steps = xp.arange(v - 1)[None, :] if chain.per_step else xp.zeros((1, v - 1), np.int64)
         moves = chain.trans[r // chain.group, steps, state[:, :-1], state[:, 1:]]
         terms.append(xp.where(inside[:, 1:], moves, 0))

@@ -77,6 +77,61 @@ def draw(alpha, probs, b, t, trans_t, trans_probs, g, s, state, u, tiny, total):
     return -1
 
 
+@njit(cache=True)
+def draw_sparse(alpha, b, t, t_indptr, t_rows, t_values, state, u):
+    """:func:`draw_exact` over the stored predecessors ``i`` of ``state`` (the entries of its
+    column in the transpose's CSR structure), weights ``exp(alpha[b, t, i] + value)``."""
+    top = -np.inf
+    for q in range(t_indptr[state], t_indptr[state + 1]):
+        val = alpha[b, t, t_rows[q]] + t_values[q]
+        if val > top:
+            top = val
+    if not math.isfinite(top):
+        return -1
+    total = 0.0
+    for q in range(t_indptr[state], t_indptr[state + 1]):
+        total += exp_nonpositive(alpha[b, t, t_rows[q]] + t_values[q] - top)
+    if total != total:
+        return -1
+    threshold = u * total
+    last = -1
+    cumulative = 0.0
+    for q in range(t_indptr[state], t_indptr[state + 1]):
+        w = exp_nonpositive(alpha[b, t, t_rows[q]] + t_values[q] - top)
+        if w > 0.0:
+            last = t_rows[q]
+            cumulative += w
+            if cumulative > threshold:
+                return t_rows[q]
+    return last  # rounding: the cumulative sum fell short of the threshold
+
+
+@njit(parallel=True, cache=True)
+def chain_sample_sparse(alpha, t_indptr, t_rows, t_values, lengths, possible, uniforms, paths):
+    """:func:`chain_sample` with one sparse transition matrix for all rows and steps (the
+    transpose's CSR structure, as in :func:`chain_kbest_sparse`): each draw in log space
+    (:func:`draw_sparse`) over the stored predecessors of the state drawn after it.
+    O(N * B * v * (c + nnz)) time at worst, no (c, c) matrix."""
+    samples, rows, v = paths.shape
+    none = np.empty((1, 1, 1, 1), alpha.dtype)  # draw_exact reads no transition for state -1
+    for bn in prange(samples * rows):
+        b = bn // samples
+        n = bn % samples
+        length = lengths[b]
+        paths[n, b, :] = -1
+        if not possible[b]:
+            continue
+        state = draw_exact(alpha, b, length - 1, none, 0, 0, -1, uniforms[n, b, length - 1])
+        paths[n, b, length - 1] = state
+        for t in range(length - 2, -1, -1):
+            if state < 0:
+                break
+            state = draw_sparse(alpha, b, t, t_indptr, t_rows, t_values, state, uniforms[n, b, t])
+            paths[n, b, t] = state
+        if state < 0:
+            paths[n, b, :] = -1
+
+
 @njit(parallel=True, cache=True)
 def chain_sample(alpha, probs, trans_t, trans_probs, totals, tiny, group, lengths, possible, uniforms, paths):
     """Backward sampling from the normalised forward messages: fills ``paths`` (N, B, v).
@@ -163,6 +218,57 @@ def _insert(score, count, index, k, val, n, idx):
     index[pos] = idx
 
 
+@njit(cache=True)
+def _kbest_first(b, x, init, work, counts):
+    """Position 0 of row ``b``: one partial path per state, in ``work[b, 0]`` / ``counts[b, 0]``."""
+    for j in range(x.shape[2]):
+        work[b, 0, j, :] = -np.inf
+        counts[b, 0, j, :] = 0
+        f, n = plus(0.0, 0, init[b, j])
+        work[b, 0, j, 0], counts[b, 0, j, 0] = plus(f, n, x[b, 0, j])
+
+
+@njit(cache=True)
+def _kbest_candidate(work, counts, b, cur, i, k, value, new, new_counts, index):
+    """Offer the ``k`` partial paths of state ``i`` times the log term ``value`` to ``new``."""
+    for r in range(k):
+        if work[b, cur, i, r] != -np.inf:  # an empty slot, or a path of weight 0
+            f, n = plus(work[b, cur, i, r], counts[b, cur, i, r], value)
+            _insert(new, new_counts, index, k, f, n, i * k + r)
+
+
+@njit(cache=True)
+def _kbest_emit(new, new_counts, index, k, value):
+    """The emission ``value`` times the kept partial paths of a state (not the empty slots)."""
+    for r in range(k):
+        if index[r] >= 0:
+            new[r], new_counts[r] = plus(new[r], new_counts[r], value)
+
+
+@njit(cache=True)
+def _kbest_last(b, length, cur, work, counts, backptr, scores, paths):
+    """Rank the partial paths of the last position of row ``b`` and follow their back-pointers."""
+    c, k = work.shape[2], work.shape[3]
+    best, best_counts = work[b, 1 - cur, 0], counts[b, 1 - cur, 0]  # free scratch now, as is backptr[b, 0]
+    index = backptr[b, 0, 0]
+    best[:] = -np.inf
+    index[:] = -1
+    for j in range(c):
+        for r in range(k):
+            _insert(best, best_counts, index, k, work[b, cur, j, r], counts[b, cur, j, r], j * k + r)
+    for r in range(k):
+        scores[r, b] = np.inf if index[r] >= 0 and best_counts[r] > 0 and best[r] == best[r] else best[r]
+        paths[r, b, :] = -1
+        entry = index[r]
+        if entry < 0:
+            continue
+        for t in range(length - 1, -1, -1):
+            state = entry // k
+            paths[r, b, t] = state
+            if t > 0:
+                entry = backptr[b, t, state, entry % k]
+
+
 @njit(parallel=True, cache=True)
 def chain_kbest(x, trans, group, init, lengths, work, counts, backptr, scores, paths):
     """Exact k-best Viterbi: the ``k`` best paths of each row, best first.
@@ -182,44 +288,39 @@ def chain_kbest(x, trans, group, init, lengths, work, counts, backptr, scores, p
     per_step = trans.shape[1] > 1
     for b in prange(rows):
         g = b // group
-        length = lengths[b]
+        _kbest_first(b, x, init, work, counts)
         cur = 0
-        for j in range(c):
-            work[b, 0, j, :] = -np.inf
-            counts[b, 0, j, :] = 0
-            f, n = plus(0.0, 0, init[b, j])
-            work[b, 0, j, 0], counts[b, 0, j, 0] = plus(f, n, x[b, 0, j])
-        for t in range(length - 1):
+        for t in range(lengths[b] - 1):
             m = trans[g, t if per_step else 0]
-            new, new_counts = work[b, 1 - cur], counts[b, 1 - cur]
             for j in range(c):
-                new[j, :] = -np.inf
-                index = backptr[b, t + 1, j]
+                new, new_counts, index = work[b, 1 - cur, j], counts[b, 1 - cur, j], backptr[b, t + 1, j]
+                new[:] = -np.inf
                 index[:] = -1
                 for i in range(c):
-                    for r in range(k):
-                        if work[b, cur, i, r] != -np.inf:  # an empty slot, or a path of weight 0
-                            f, n = plus(work[b, cur, i, r], counts[b, cur, i, r], m[i, j])
-                            _insert(new[j], new_counts[j], index, k, f, n, i * k + r)
-                for r in range(k):
-                    if index[r] >= 0:
-                        new[j, r], new_counts[j, r] = plus(new[j, r], new_counts[j, r], x[b, t + 1, j])
+                    _kbest_candidate(work, counts, b, cur, i, k, m[i, j], new, new_counts, index)
+                _kbest_emit(new, new_counts, index, k, x[b, t + 1, j])
             cur = 1 - cur
-        best, best_counts = work[b, 1 - cur, 0], counts[b, 1 - cur, 0]  # free scratch now, as is backptr[b, 0]
-        index = backptr[b, 0, 0]
-        best[:] = -np.inf
-        index[:] = -1
-        for j in range(c):
-            for r in range(k):
-                _insert(best, best_counts, index, k, work[b, cur, j, r], counts[b, cur, j, r], j * k + r)
-        for r in range(k):
-            scores[r, b] = np.inf if index[r] >= 0 and best_counts[r] > 0 and best[r] == best[r] else best[r]
-            paths[r, b, :] = -1
-            entry = index[r]
-            if entry < 0:
-                continue
-            for t in range(length - 1, -1, -1):
-                state = entry // k
-                paths[r, b, t] = state
-                if t > 0:
-                    entry = backptr[b, t, state, entry % k]
+        _kbest_last(b, lengths[b], cur, work, counts, backptr, scores, paths)
+
+
+@njit(parallel=True, cache=True)
+def chain_kbest_sparse(x, t_indptr, t_rows, t_values, init, lengths, work, counts, backptr, scores, paths):
+    """:func:`chain_kbest` with one sparse transition matrix for all rows and steps, given by
+    its transpose's CSR structure (``t_indptr``, ``t_rows``, ``t_values``: the stored entries
+    of column ``j`` in order of their row; absent entries are ``-inf``). The candidates of a
+    state are those of its stored predecessors: O(B * v * (c + nnz) * k²) time at worst."""
+    rows, v, c = x.shape
+    k = scores.shape[0]
+    for b in prange(rows):
+        _kbest_first(b, x, init, work, counts)
+        cur = 0
+        for t in range(lengths[b] - 1):
+            for j in range(c):
+                new, new_counts, index = work[b, 1 - cur, j], counts[b, 1 - cur, j], backptr[b, t + 1, j]
+                new[:] = -np.inf
+                index[:] = -1
+                for q in range(t_indptr[j], t_indptr[j + 1]):
+                    _kbest_candidate(work, counts, b, cur, t_rows[q], k, t_values[q], new, new_counts, index)
+                _kbest_emit(new, new_counts, index, k, x[b, t + 1, j])
+            cur = 1 - cur
+        _kbest_last(b, lengths[b], cur, work, counts, backptr, scores, paths)
