@@ -19,7 +19,9 @@ spchain function on NumPy or CuPy chunks.
   ``log_chain_product`` again: exact, to round-off. A task holds its chunk's
   (rows, positions, c, c) matrices, so this suits long chains with few states. The marginals
   take a second pass: sequential prefix and suffix products of the transfer matrices give each
-  chunk's incoming forward message and outgoing backward message, and each chunk runs the
+  chunk's incoming forward message and outgoing backward message (in float64, ``+inf`` terms
+  counted as ``_chain_limits.LIMIT`` each, so that the messages keep the finite offsets of
+  paths through ``+inf`` terms: the limit marginals, whatever the chunking), and each chunk runs the
   in-memory ``chain_marginals`` on itself with a virtual first position (the incoming
   message, as ``log_init``) and a virtual last one (the backward message, as a last
   transition into state 0).
@@ -39,7 +41,7 @@ import dask.array as da
 import numpy as np
 from numpy.typing import DTypeLike
 
-from . import _backend, _checks, _sparse_chain, chain, semiring
+from . import _backend, _chain_limits, _checks, _sparse_chain, chain, semiring
 from ._dask_array import LETTERS as _LETTERS
 from ._dask_array import Lazy
 from ._typing import Array, Shape
@@ -114,7 +116,8 @@ def chain_logsumexp(x: Lazy, log_trans: Lazy, log_init: Lazy | None = None, *,
         x = x.rechunk({-2: -1})
     meta = xp_of(x).empty((0,) * nb, result.dtype)
     if x.numblocks[-2] > 1:
-        product = tree_product(_transfer_matrices(x, log_trans, log_init, lengths, nb, per_step, result.dtype))
+        product = tree_product(_transfer_matrices(x, log_trans, log_init, lengths, nb, per_step, result.dtype,
+                                                     "spchain.chain_logsumexp"))
         total: da.Array = da.map_blocks(_first_row_lse, product, drop_axis=(nb, nb + 1), dtype=result.dtype,
                                         meta=meta)
         return total
@@ -172,6 +175,14 @@ def _time_inputs(x: da.Array, log_trans: Lazy, log_init: Lazy | None, lengths: L
     return args, cores
 
 
+def _log_times(a: Array, b: Array) -> Array:
+    """``a + b`` in log space: a term ``+inf + -inf`` is ``-inf`` (a structural zero wins); NaN stays."""
+    xp = _backend.backend_of(a).xp
+    with np.errstate(invalid="ignore"):
+        out = a + b
+        return xp.where(xp.isnan(out) & ~xp.isnan(a) & ~xp.isnan(b), -np.inf, out)
+
+
 def _step_matrices(positions: Array, x: Array, log_trans: Array, log_init: Array | None, lengths: Array | None,
                    per_step: bool) -> Array:
     """``T_t + x_t`` (..., L, c, c) for one time chunk: row 0 of position 0's matrix is
@@ -180,10 +191,10 @@ def _step_matrices(positions: Array, x: Array, log_trans: Array, log_init: Array
     c = x.shape[-1]
     trans = log_trans if per_step else log_trans[..., None, :, :]
     mats = xp.empty(_block_batch(x, trans[..., 0, :, :], log_init, lengths) + (x.shape[-2], c, c), x.dtype)
-    mats[...] = trans + x[..., :, None, :]
+    mats[...] = _log_times(trans, x[..., :, None, :])
     if int(positions[0]) == 0:
         mats[..., 0, :, :] = -np.inf
-        mats[..., 0, 0, :] = x[..., 0, :] if log_init is None else log_init + x[..., 0, :]
+        mats[..., 0, 0, :] = x[..., 0, :] if log_init is None else _log_times(log_init, x[..., 0, :])
     if lengths is not None:
         identity = xp.where(xp.eye(c, dtype=bool), 0.0, -np.inf).astype(x.dtype)
         inside = xp.asarray(positions) < lengths[..., None]
@@ -198,17 +209,46 @@ def _block_batch(x: Array, trans: Array, log_init: Array | None = None, lengths:
     return np.broadcast_shapes(*shapes, () if lengths is None else lengths.shape)
 
 
+def _checked_lengths(lengths: Array | None, v: int, caller: str) -> None:
+    """The in-memory functions' ``ValueError`` for ``lengths`` outside 1..v (a task of a time
+    chunk sees only its positions, so it is told ``v``)."""
+    if lengths is not None and lengths.size:
+        low, high = int(lengths.min()), int(lengths.max())
+        if low < 1 or high > v:
+            raise ValueError(f"{caller}: lengths must lie in 1..v = 1..{v}, got values from {low} to {high}")
+
+
+def _limit(a: Array | None) -> Array | None:
+    """``a`` in float64 with ``+inf`` as ``_chain_limits.LIMIT``: a path's log-weight then
+    counts its ``+inf`` terms, ``LIMIT`` each, beside its finite terms, and the weights of the
+    paths through fewer ``+inf`` terms are 0 beside the others, as in the limit."""
+    if a is None:
+        return None
+    xp = _backend.backend_of(a).xp
+    return xp.where(xp.isposinf(a), _chain_limits.LIMIT, a).astype(np.float64)
+
+
 def _transfer_block(positions: Array, x: Array, log_trans: Array, log_init: Array | None = None,
-                    lengths: Array | None = None, *, per_step: bool) -> Array:
+                    lengths: Array | None = None, *, per_step: bool, v: int, caller: str, limit: bool) -> Array:
+    _checked_lengths(lengths, v, caller)
+    xp = _backend.backend_of(x).xp
+    if limit and any(a is not None and bool(xp.isposinf(a).any()) for a in (x, log_trans, log_init)):
+        x, log_trans, log_init = _limit(x), _limit(log_trans), _limit(log_init)
     mats = _step_matrices(positions, x, log_trans, log_init, lengths, per_step)
-    return semiring.log_chain_product(mats)[..., None, :, :]
+    product = semiring.log_chain_product(mats)[..., None, :, :]
+    return product.astype(np.float64) if limit else product
 
 
 def _transfer_matrices(x: da.Array, log_trans: Lazy, log_init: Lazy | None, lengths: Lazy | None, nb: int,
-                       per_step: bool, dtype: DTypeLike) -> da.Array:
-    """(batch..., K, c, c): the log transfer matrix of each of the K time chunks of ``x``."""
+                       per_step: bool, dtype: DTypeLike, caller: str, limit: bool = False) -> da.Array:
+    """(batch..., K, c, c): the log transfer matrix of each of the K time chunks of ``x``
+    (its tasks raise ``ValueError`` for ``lengths`` outside 1..v, naming ``caller``). With
+    ``limit``, float64 matrices whose ``+inf`` terms count ``LIMIT`` each (:func:`_limit`), so
+    that the finite offsets of the paths through ``+inf`` terms survive the product."""
     args, cores = _time_inputs(x, log_trans, log_init, lengths, per_step)
-    return blockwise(partial(_transfer_block, per_step=per_step), _LETTERS[:nb] + "tij", args, cores, nb, dtype,
+    block = partial(_transfer_block, per_step=per_step, v=x.shape[-2], caller=caller, limit=limit)
+    dtype = np.float64 if limit else dtype
+    return blockwise(block, _LETTERS[:nb] + "tij", args, cores, nb, dtype,
                      xp_of(x).empty((0,) * (nb + 3), dtype), adjust_chunks={"t": 1})
 
 
@@ -223,8 +263,14 @@ def _chunk_marginals(positions: Array, x: Array, log_trans: Array, alpha: Array,
     enters it (unused in the first chunk) and the backward message ``beta`` (..., c, 1) that
     leaves it: the in-memory ``chain_marginals`` of the chunk with a virtual position before
     it (``log_init = alpha``, emission 0; not in the first chunk) and one after it (reached
-    from state i with weight ``beta[i]``, into state 0 only)."""
+    from state i with weight ``beta[i]``, into state 0 only). The messages are float64 with
+    ``+inf`` terms counted as ``LIMIT`` (:func:`_limit`); a chunk holding ``+inf`` runs in
+    float64 as well, for its ``+inf`` terms can lift the entries of fewer ``+inf`` terms."""
     xp = _backend.backend_of(x).xp
+    dtype = x.dtype
+    if any(a is not None and bool(xp.isposinf(a).any()) for a in (x, log_trans, log_init)):
+        x, log_trans, log_init = _limit(x), _limit(log_trans), _limit(log_init)
+    alpha, beta = alpha.astype(x.dtype), beta.astype(x.dtype)
     start, size, c = int(positions[0]), x.shape[-2], x.shape[-1]
     first = start == 0
     lead = 0 if first else 1
@@ -242,14 +288,24 @@ def _chunk_marginals(positions: Array, x: Array, log_trans: Array, alpha: Array,
     covered = xp.asarray(size + 1) if lengths is None else lengths - start  # positions of the chunk in the chain
     ext_lengths = xp.where(covered > size, lead + size + 1, xp.clip(lead + covered, 1, None))
     out = chain.chain_marginals(ext, ext_trans, init, lengths=xp.broadcast_to(ext_lengths, batch))
-    out = out[..., lead:lead + size, :]
+    out = out[..., lead:lead + size, :].astype(dtype)
     return xp.where((covered > 0)[..., None, None], out, 0) if lengths is not None else out
+
+
+def _shifted(message: da.Array, axis: int) -> da.Array:
+    """A message less its finite maximum over ``axis``: the marginals do not change, and the
+    entries that matter (those of the most ``+inf`` terms, near 0) keep their precision in
+    the input's dtype, the others falling ``LIMIT`` or more below them."""
+    top = message.max(axis=axis, keepdims=True)
+    out: da.Array = message - da.where(da.isfinite(top), top, 0)
+    return out
 
 
 def _marginals_in_time_chunks(x: da.Array, log_trans: Lazy, log_init: Lazy | None, lengths: Lazy | None, nb: int,
                               per_step: bool, dtype: DTypeLike, meta: Array) -> da.Array:
     """Marginals of time-chunked chains: a second pass over the chunks with boundary messages."""
-    mats = _transfer_matrices(x, log_trans, log_init, lengths, nb, per_step, dtype)
+    mats = _transfer_matrices(x, log_trans, log_init, lengths, nb, per_step, dtype, "spchain.chain_marginals",
+                              limit=True)
     chunks = x.numblocks[-2]
     mat = [mats[..., k, :, :] for k in range(chunks)]
     alpha = [mat[0][..., :1, :]]
@@ -258,6 +314,7 @@ def _marginals_in_time_chunks(x: da.Array, log_trans: Lazy, log_init: Lazy | Non
     beta = [da.zeros_like(mat[-1][..., :, :1])]
     for k in range(chunks - 1, 0, -1):
         beta.insert(0, semiring.logmatmul(mat[k], beta[0]))
+    alpha, beta = [_shifted(a, -1) for a in alpha], [_shifted(b, -2) for b in beta]
     args, cores = _time_inputs(x, log_trans, log_init, lengths, per_step)
     cores.update(alpha="aj", beta="ib")
     bounds = np.cumsum((0,) + x.chunks[-2])

@@ -19,8 +19,11 @@ semiring give it exactly:
   ``Cov(φ_{t,j}, score) = m_t[j] (fwd[t, j] + bwd[t, j] - E)``,
   ``Cov(φ_{t,i→j}, score) = ξ_t[i, j] (fwd[t, i] + T[i, j] + x[t+1, j] + bwd[t+1, j] - E)``.
 
-Terms of probability 0 (a ``-inf`` potential never taken) count 0, never ``0 · -inf``. Each
-step works on (rows, c, c) arrays, one step at a time: O(batch · v · c) memory kept.
+Terms of probability 0 (a ``-inf`` potential never taken) count 0, never ``0 · -inf``. The
+weights ``p(i | j)`` are renormalised to sum to 1 to the last bit: the expected scores can be
+far larger than the entropy (the limit chain of ``+inf`` inputs carries ``2**20`` a term), and
+a sum of weights off by ``ε`` would move them by ``ε`` times their size. Each step works on
+(rows, c, c) arrays, one step at a time: O(batch · v · c) memory kept.
 """
 
 from __future__ import annotations
@@ -47,6 +50,96 @@ def _weighted(xp: ModuleType, p: Array, value: Array) -> Array:
     return xp.where(p > 0, p * value, 0)
 
 
+class _Dense:
+    """The transitions of one step as (G, 1, c, c) matrices against (G, group, c) messages:
+    a transition ``i -> j`` is an entry of the last two axes."""
+
+    def __init__(self, chain: Chain) -> None:
+        self.chain = chain
+
+    def trans(self, t: int) -> Array:
+        return self.chain.step_matrices(t)[:, None]
+
+    def src(self, a: Array) -> Array:
+        """A state-indexed array at the source ``i`` of each transition."""
+        return a[..., :, None]
+
+    def dst(self, a: Array) -> Array:
+        """A state-indexed array at the destination ``j`` of each transition."""
+        return a[..., None, :]
+
+    def edge(self, a: Array) -> Array:
+        """A per-row (G, group, 1) array against the transitions."""
+        return a[..., None]
+
+    def to_dst(self, e: Array) -> Array:
+        """The sums over the transitions into each state."""
+        return e.sum(axis=-2)
+
+    def to_src(self, e: Array) -> Array:
+        """The sums over the transitions out of each state."""
+        return e.sum(axis=-1)
+
+    def logsumexp_to_src(self, e: Array) -> Array:
+        return _logspace.logsumexp(self.chain.xp, e, axis=-1)
+
+    def rows_summed(self, e: Array) -> Array:
+        """The sums over the rows of a group, one (G, c, c) matrix per group."""
+        return e.sum(axis=1)
+
+
+class _Sparse(_Dense):
+    """The stored transitions of a sparse chain as a last axis of ``nnz`` entries (CSR order)
+    against (1, B, c) messages, by gathers and segment reductions: O(B · (c + nnz)) a step,
+    never a (c, c) array."""
+
+    def __init__(self, chain: Chain) -> None:
+        super().__init__(chain)
+        s = chain.sparse
+        assert s is not None  # only for sparse chains
+        self.indptr, self.dst_index = s.indptr, s.indices
+        self.src_index = np.repeat(np.arange(s.shape[0]), np.diff(s.indptr))
+        self.t_indptr, self.order = s.t_indptr, s.order
+
+    def trans(self, t: int) -> Array:
+        return self.chain.trans  # (1, 1, nnz)
+
+    def src(self, a: Array) -> Array:
+        return a[..., self.src_index]
+
+    def dst(self, a: Array) -> Array:
+        return a[..., self.dst_index]
+
+    def edge(self, a: Array) -> Array:
+        return a
+
+    def to_dst(self, e: Array) -> Array:
+        return _segments(np.add, e[..., self.order], self.t_indptr, 0.0)
+
+    def to_src(self, e: Array) -> Array:
+        return _segments(np.add, e, self.indptr, 0.0)
+
+    def logsumexp_to_src(self, e: Array) -> Array:
+        top = _segments(np.maximum, e, self.indptr, -np.inf)
+        shift = _logspace.finite_or_zero(np, top)
+        with np.errstate(divide="ignore"):
+            return np.log(self.to_src(np.exp(e - self.src(shift)))) + shift
+
+
+def _segments(ufunc: np.ufunc, e: Array, indptr: Array, empty: float) -> Array:
+    """``ufunc`` reduced over the consecutive entries of each segment ``indptr[k]:indptr[k+1]``
+    of the last axis of ``e``; ``empty`` for an empty segment."""
+    out = np.full(e.shape[:-1] + (indptr.shape[0] - 1,), empty, e.dtype)
+    nonempty = indptr[1:] > indptr[:-1]
+    if e.shape[-1]:
+        out[..., nonempty] = ufunc.reduceat(e, indptr[:-1][nonempty], axis=-1)
+    return out
+
+
+def _steps(chain: Chain) -> _Dense:
+    return _Dense(chain) if chain.sparse is None else _Sparse(chain)
+
+
 def entropy(chain: Chain) -> tuple[Array, tuple[Array, Array, Array, Array, Array]]:
     """``(H (B,), saved)``: the entropies and what :func:`entropy_grads` needs."""
     xp = chain.xp
@@ -54,14 +147,17 @@ def entropy(chain: Chain) -> tuple[Array, tuple[Array, Array, Array, Array, Arra
     log_partition, pre, norm = _forward(chain)
     fwd = xp.zeros((rows, v, c), chain.x.dtype)
     if rows and c:
+        on = _steps(chain)
         alpha = _grouped(chain, _normalised(xp, pre, chain.x, norm))
         x, pre4, fwd4 = _grouped(chain, chain.x), _grouped(chain, pre), _grouped(chain, fwd)
         fwd4[:, :, 0] = _grouped(chain, chain.init) + x[:, :, 0]
         for t in range(chain.max_length - 1):
-            trans = chain.step_matrices(t)[:, None]
-            after = pre4[:, :, t + 1, None, :]
-            p = xp.where(xp.isfinite(after), xp.exp(alpha[:, :, t, :, None] + trans - after), 0)
-            fwd4[:, :, t + 1] = _weighted(xp, p, fwd4[:, :, t, :, None] + trans).sum(axis=-2) + x[:, :, t + 1]
+            trans = on.trans(t)
+            after = on.dst(pre4[:, :, t + 1])
+            p = xp.where(xp.isfinite(after), xp.exp(on.src(alpha[:, :, t]) + trans - after), 0)
+            total = on.to_dst(p)
+            p = p / on.dst(xp.where(total > 0, total, 1))  # sums to 1 to the last bit
+            fwd4[:, :, t + 1] = on.to_dst(_weighted(xp, p, on.src(fwd4[:, :, t]) + trans)) + x[:, :, t + 1]
     mean = _expected_score(chain, pre, norm, fwd)
     possible = log_partition != -np.inf  # NaN stays in
     value = xp.where(possible, log_partition - xp.where(possible, mean, 0), 0)
@@ -91,6 +187,7 @@ def entropy_grads(chain: Chain, saved: Sequence[Array], weight: Array,
     if not rows or not c:
         return grad_x, grad_trans
     shape = (chain.trans.shape[0], chain.group)
+    on = _steps(chain)
     w = _grouped(chain, -xp.where(possible, weight, 0))[..., None]
     e = _grouped(chain, mean)[..., None]
     x, fwd4, norm3 = _grouped(chain, chain.x), _grouped(chain, fwd), _grouped(chain, norm)
@@ -107,17 +204,17 @@ def entropy_grads(chain: Chain, saved: Sequence[Array], weight: Array,
         gx[:, :, t] = w * _weighted(xp, m, fwd4[:, :, t] + bwd - e)
         if t == 0:
             break
-        trans = chain.step_matrices(t - 1)[:, None]
+        trans = on.trans(t - 1)
         d = norm3[:, :, t, None]
-        later = (x[:, :, t] + beta - _logspace.finite_or_zero(xp, d))[..., None, :]
-        xi = xp.where(active[..., None] & xp.isfinite(d)[..., None], xp.exp(alpha[:, :, t - 1, :, None] + trans + later), 0)
-        gain = trans + (x[:, :, t] + bwd)[..., None, :]
+        later = on.dst(x[:, :, t] + beta - _logspace.finite_or_zero(xp, d))
+        xi = xp.where(on.edge(active & xp.isfinite(d)), xp.exp(on.src(alpha[:, :, t - 1]) + trans + later), 0)
+        gain = trans + on.dst(x[:, :, t] + bwd)
         if grad_trans is not None:
             step = t - 1 if chain.per_step else 0
-            counts = _weighted(xp, xi, fwd4[:, :, t - 1, :, None] + gain - e[..., None])
-            grad_trans[:, step] += (w[..., None] * counts).sum(axis=1)
-        new_beta = _logspace.logsumexp(xp, trans + later, axis=-1)
-        q = xp.where(xp.isfinite(new_beta)[..., None], xp.exp(trans + later - new_beta[..., None]), 0)
-        bwd = xp.where(active, _weighted(xp, q, gain).sum(axis=-1), 0)
+            counts = _weighted(xp, xi, on.src(fwd4[:, :, t - 1]) + gain - on.edge(e))
+            grad_trans[:, step] += on.rows_summed(on.edge(w) * counts)
+        new_beta = on.logsumexp_to_src(trans + later)
+        q = xp.where(on.src(xp.isfinite(new_beta)), xp.exp(trans + later - on.src(new_beta)), 0)
+        bwd = xp.where(active, on.to_src(_weighted(xp, q, gain)), 0)
         beta = xp.where(active & xp.isfinite(d), new_beta, -np.inf)
     return grad_x, grad_trans

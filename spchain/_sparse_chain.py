@@ -13,8 +13,11 @@ exponentials and logarithms and ``nnz`` multiply-adds a step and row, log space 
 scaled sum underflows), the backward sweep giving the marginals and the value gradient in one
 pass; on the GPU the forward and backward messages come from scaled SpMVs in the data's dtype,
 and the value gradient from one SDDMM of scaled factors (log space where they leave range);
-Viterbi runs in log space (``spchain/kernels/*/sparse_chain.py``). The
-path functions other than Viterbi run on the dense matrix (:func:`densified`, O(c²) memory).
+Viterbi runs in log space (``spchain/kernels/*/sparse_chain.py``). On the CPU the path
+functions run on the stored entries as well (``spchain/paths.py``, ``spchain/_entropy.py``,
+``spchain/kernels/cpu/paths.py``; :func:`entries_of` looks up the steps of given paths), in
+O(batch · v · c + nnz) memory; on the GPU they run on the dense matrix (:func:`densified`,
+O(c²) memory).
 """
 
 from __future__ import annotations
@@ -245,19 +248,26 @@ def viterbi(chain: Chain) -> tuple[Array, Array]:
     return score, path
 
 
+def entries_of(chain: Chain, src: Array, dst: Array) -> Array:
+    """The stored entry (int64, CSR order) of each transition ``src -> dst`` (arrays of one
+    shape), -1 where it is absent or ``src`` is negative: a look-up in each row's entries."""
+    s = _structure(chain)
+    host = chain.backend.to_host
+    entry = np.empty(src.size, np.int64)
+    _entry_of(host(s.indptr), host(s.indices), np.ascontiguousarray(host(src)).reshape(-1),
+              np.ascontiguousarray(host(dst)).reshape(-1), entry)
+    return chain.xp.asarray(entry.reshape(src.shape))
+
+
 def path_counts(chain: Chain, state: Array, w: Array) -> Array:
     """``d values`` (1, 1, nnz) of ``sum(w * score)`` over the transitions of the paths
     ``state`` (B, v; ``w`` 0 past each end): ``w`` on each stored entry that a path takes."""
-    xp = chain.xp
-    s = _structure(chain)
     host = chain.backend.to_host
-    src, dst = host(state[:, :-1]).reshape(-1), host(state[:, 1:]).reshape(-1)
-    entry = np.empty(src.shape[0], np.int64)
-    _entry_of(host(s.indptr), host(s.indices), np.ascontiguousarray(src), np.ascontiguousarray(dst), entry)
+    entry = host(entries_of(chain, state[:, :-1], state[:, 1:])).reshape(-1)
     taken = entry >= 0
     grad = np.zeros(chain.trans.size, chain.x.dtype)
     np.add.at(grad, entry[taken], host(w[:, 1:]).reshape(-1)[taken])
-    return xp.asarray(grad).reshape(chain.trans.shape)
+    return chain.xp.asarray(grad).reshape(chain.trans.shape)
 
 
 def _entry_of(*args: Array) -> None:

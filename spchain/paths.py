@@ -11,6 +11,11 @@ arrays with -1 past each chain's length. A path's score is
   expectation semiring (``_entropy.py`` also holds its gradient, an exact Hessian-vector product).
 - :func:`chain_kbest`: k-best Viterbi, every state keeping its k best partial paths.
 - :func:`chain_path_score`: gathers the scores along given paths.
+
+A sparse ``log_trans`` (SciPy CSR, CSC or COO) runs on its stored entries on the CPU:
+O(batch · v · (c + nnz)) time and O(batch · v · c + nnz) memory, never a (c, c) matrix (the
+path scores look each step up in the CSR structure). ``+inf`` inputs follow the limit rule of
+the chain functions: the limit as the ``+inf`` terms grow together.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike
 
-from . import _chain_layout, _checks, _entropy, _sparse_chain
+from . import _chain_layout, _chain_limits, _checks, _entropy, _sparse_chain
 from .chain import Grads, _input_grads, _viterbi_grads
 from ._chain_layout import Chain
 from ._chain_limits import forward as _forward
@@ -33,8 +38,21 @@ from ._typing import Array, Shape, Sparse
 
 
 def _prepare(x: Any, log_trans: Any, log_init: Any, lengths: Any, caller: str, check: bool = True) -> Chain:
-    """``_chain_layout.prepare``, with sparse transitions as a dense matrix (O(c²) memory)."""
-    return _sparse_chain.densified(_chain_layout.prepare(x, log_trans, log_init, lengths, caller, check))
+    """``_chain_layout.prepare``; sparse transitions stay sparse on the CPU (the path functions
+    run on their stored entries) and become a dense matrix on the GPU (O(c²) memory)."""
+    chain = _chain_layout.prepare(x, log_trans, log_init, lengths, caller, check)
+    return _sparse_chain.densified(chain) if chain.backend.on_gpu else chain
+
+
+def _limit(chain: Chain) -> Chain:
+    """``chain`` itself where no input holds ``+inf``; else the chain in float64 with ``+inf``
+    as ``_chain_limits.LIMIT``, whose posterior is the limit one as the ``+inf`` terms grow
+    together (the paths through the most ``+inf`` terms, weighed by their finite terms), as
+    for the gradients of the chain functions."""
+    xp = chain.xp
+    if not any(bool(xp.isposinf(a).any()) for a in (chain.x, chain.trans, chain.init)):
+        return chain
+    return _chain_limits._with(chain, lambda a: xp.where(xp.isposinf(a), _chain_limits.LIMIT, a).astype(np.float64))
 
 
 def _count(caller: str, name: str, value: object, low: int) -> int:
@@ -90,10 +108,15 @@ def _sample(chain: Chain, num_samples: int, seed: int | None) -> Array:
     alpha = xp.ascontiguousarray(_normalised(xp, pre, chain.x, norm))
     uniforms = xp.random.default_rng(seed).random((num_samples, rows, v))
     paths = xp.empty((num_samples, rows, v), np.int64)
-    if num_samples and rows:
+    possible = xp.isfinite(log_partition) & (c > 0)
+    if num_samples and rows and chain.sparse is not None:
+        s = chain.sparse
+        t_values = xp.ascontiguousarray(chain.trans.reshape(-1)[s.order])
+        chain.backend.kernel("paths", "chain_sample_sparse")(alpha, s.t_indptr, s.t_rows, t_values, chain.lengths,
+                                                            possible, uniforms, paths)
+    elif num_samples and rows:
         trans_t = xp.ascontiguousarray(chain.trans.swapaxes(-1, -2))
         probs, trans_probs = _scaled_exp(xp, alpha), _scaled_exp(xp, trans_t)
-        possible = xp.isfinite(log_partition) & (c > 0)
         kernel = chain.backend.kernel("paths", "chain_sample")
         kernel(alpha, probs, trans_t, trans_probs, _draw_totals(chain, probs, trans_probs), TINY,
                chain.group, chain.lengths, possible, uniforms, paths)
@@ -121,8 +144,10 @@ def chain_sample(x: ArrayLike, log_trans: ArrayLike | Sparse, log_init: ArrayLik
     Returns
     -------
     int64 array (num_samples, *batch, v)
-        The states; -1 past each chain's length, and -1 everywhere on a chain whose
-        log-partition is not finite (no path of positive weight, or NaN / ``+inf`` inputs).
+        The states; -1 past each chain's length, and -1 everywhere on a chain with no path
+        of positive weight or a NaN input. Where ``+inf`` inputs make the log-partition
+        ``+inf``, the paths are drawn from the limit of the posterior as the ``+inf`` terms
+        grow together: among the paths through the most ``+inf`` terms, by their finite terms.
 
     Examples
     --------
@@ -145,7 +170,7 @@ def chain_sample_forward(x: ArrayLike, log_trans: ArrayLike | Sparse, log_init: 
     num_samples = _count(caller, "num_samples", num_samples, 0)
     chain = _prepare(x, log_trans, log_init, lengths, caller)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"), chain.backend.use():
-        return _leading(chain, _sample(chain, num_samples, seed).transpose(1, 0, 2))
+        return _leading(chain, _sample(_limit(chain), num_samples, seed).transpose(1, 0, 2))
 
 
 @scales_out
@@ -158,7 +183,9 @@ def chain_entropy(x: ArrayLike, log_trans: ArrayLike | Sparse, log_init: ArrayLi
     transition or state of weight zero, never taken) count 0.
 
     Takes the arguments of :func:`spchain.chain_logsumexp`; returns an array of the broadcast
-    batch shape, 0 where a chain has no path of positive weight.
+    batch shape, 0 where a chain has no path of positive weight. Where ``+inf`` inputs make
+    the log-partition ``+inf``, the entropy (and its gradient) is its limit as the ``+inf``
+    terms grow together: that of the posterior over the paths through the most ``+inf`` terms.
 
     Examples
     --------
@@ -183,8 +210,9 @@ def chain_entropy_forward(x: ArrayLike, log_trans: ArrayLike | Sparse, log_init:
     """
     chain = _prepare(x, log_trans, log_init, lengths, caller)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"), chain.backend.use():
-        entropy, saved = _entropy.entropy(chain)
-        return (chain.unrows(entropy),) + tuple(chain.unrows(a) for a in saved)
+        entropy, saved = _entropy.entropy(_limit(chain))
+        return tuple(chain.unrows(a.astype(chain.x.dtype, copy=False) if a.dtype.kind == "f" else a)
+                     for a in (entropy, *saved))
 
 
 def chain_entropy_backward(inputs: Sequence[Any], results: Sequence[Array], grads: Sequence[Array],
@@ -192,17 +220,23 @@ def chain_entropy_backward(inputs: Sequence[Any], results: Sequence[Array], grad
     """Gradients ``(d x, d log_trans, d log_init)`` of ``sum(grad * entropy)`` from the inputs
     ``(x, log_trans, log_init, lengths)`` of :func:`chain_entropy_forward`, its results and
     ``grads = (grad,)`` (``None`` where ``needs`` is false): the exact Hessian-vector product
-    ``-∇²A θ`` by the expectation-semiring backward pass. The inputs are trusted."""
+    ``-∇²A θ`` by the expectation-semiring backward pass. The inputs are trusted. With ``+inf``
+    inputs the forward of the float64 limit chain is run again (``results`` hold it rounded)."""
     x, log_trans, log_init, lengths = inputs
     chain = _prepare(x, log_trans, log_init, lengths, "spchain.chain_entropy", check=False)
     _, v, c = chain.x.shape
     pre, norm, fwd, mean, possible = results[1:]
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"), chain.backend.use():
-        saved = [chain.rows(pre, (v, c)), chain.rows(norm, (v,)), chain.rows(fwd, (v, c)), chain.rows(mean),
-                 chain.rows(possible)]
-        weight = chain.rows(grads[0].astype(chain.x.dtype, copy=False))
-        grad_x, grad_trans = _entropy.entropy_grads(chain, saved, weight, trans_grad=needs[1])
-        return _input_grads(chain, needs, inputs, grad_x, grad_trans)
+        limit = _limit(chain)
+        if limit is chain:
+            saved = [chain.rows(pre, (v, c)), chain.rows(norm, (v,)), chain.rows(fwd, (v, c)), chain.rows(mean),
+                     chain.rows(possible)]
+        else:
+            saved = list(_entropy.entropy(limit)[1])
+        weight = chain.rows(grads[0].astype(limit.x.dtype, copy=False))
+        grad_x, grad_trans = _entropy.entropy_grads(limit, saved, weight, trans_grad=needs[1])
+        grad_trans = None if grad_trans is None else grad_trans.astype(chain.x.dtype, copy=False)
+        return _input_grads(chain, needs, inputs, grad_x.astype(chain.x.dtype, copy=False), grad_trans)
 
 
 def _kbest(chain: Chain, k: int) -> tuple[Array, Array]:
@@ -213,9 +247,17 @@ def _kbest(chain: Chain, k: int) -> tuple[Array, Array]:
     paths = xp.full((k, rows, v), -1, np.int64)
     if rows and c:
         work = xp.empty((rows, 2, c, k), chain.x.dtype)
+        counts = xp.empty((rows, 2, c, k), np.int64)
         backptr = xp.empty((rows, v, c, k), np.int64)
-        kernel = chain.backend.kernel("paths", "chain_kbest")
-        kernel(chain.x, chain.trans, chain.group, chain.init, chain.lengths, work, backptr, scores, paths)
+        scratch = (work, counts, backptr, scores, paths)
+        if chain.sparse is not None:
+            s = chain.sparse
+            t_values = xp.ascontiguousarray(chain.trans.reshape(-1)[s.order])
+            chain.backend.kernel("paths", "chain_kbest_sparse")(chain.x, s.t_indptr, s.t_rows, t_values, chain.init,
+                                                               chain.lengths, *scratch)
+        else:
+            chain.backend.kernel("paths", "chain_kbest")(chain.x, chain.trans, chain.group, chain.init, chain.lengths,
+                                                        *scratch)
     return scores, paths
 
 
@@ -238,11 +280,14 @@ def chain_kbest(x: ArrayLike, log_trans: ArrayLike | Sparse, log_init: ArrayLike
     -------
     scores : array (k, *batch)
         The scores, non-increasing; ``-inf`` where a chain has fewer than ``k`` paths of
-        positive weight (paths of score ``-inf`` are never listed).
+        positive weight (paths of score ``-inf`` are never listed). A path through a ``+inf``
+        term scores ``+inf`` (through a ``-inf`` one too, ``-inf``); such paths rank as in the
+        limit where the ``+inf`` terms grow together: by their number of ``+inf`` terms, then
+        by the sum of their finite terms.
     paths : int64 array (k, *batch, v)
         The paths (-1 past each length, and -1 everywhere for an unlisted path). Ties go to
         the lower state, from the last position backwards, so ``k = 1`` gives
-        :func:`spchain.viterbi`'s path wherever its score is above ``-inf``.
+        :func:`spchain.viterbi`'s path wherever its score is finite.
 
     Examples
     --------
@@ -286,13 +331,20 @@ def _path_score(chain: Chain, path: Array) -> Array:
     inside = path >= 0
     state = xp.where(inside, path, 0)
     r = xp.arange(rows)[:, None]
-    terms = xp.where(inside, chain.x[r, xp.arange(v)[None, :], state], 0).astype(np.float64)
-    score = terms.sum(axis=1) + chain.init[xp.arange(rows), state[:, 0]]
-    if v > 1:
+    terms = [xp.where(inside, chain.x[r, xp.arange(v)[None, :], state], 0),
+             chain.init[xp.arange(rows), state[:, 0], None]]
+    if v > 1 and chain.sparse is not None:  # a look-up of each step in the CSR structure; -1: absent, -inf
+        stored = xp.concatenate([chain.trans.reshape(-1), xp.full(1, -np.inf, chain.trans.dtype)])
+        moves = stored[_sparse_chain.entries_of(chain, state[:, :-1], state[:, 1:])]
+        terms.append(xp.where(inside[:, 1:], moves, 0))
+    elif v > 1:
         steps = xp.arange(v - 1)[None, :] if chain.per_step else xp.zeros((1, v - 1), np.int64)
         moves = chain.trans[r // chain.group, steps, state[:, :-1], state[:, 1:]]
-        score = score + xp.where(inside[:, 1:], moves, 0).sum(axis=1, dtype=np.float64)
-    return score.astype(chain.x.dtype)
+        terms.append(xp.where(inside[:, 1:], moves, 0))
+    every = xp.concatenate(terms, axis=1).astype(np.float64)
+    score = every.sum(axis=1)  # +inf + -inf is NaN here, and -inf in the limit rule: a structural zero wins
+    zero = (every == -np.inf).any(axis=1) & ~xp.isnan(every).any(axis=1)
+    return xp.where(zero, -np.inf, score).astype(chain.x.dtype)
 
 
 def path_layout(caller: str, x_shape: Shape, batch_shape: Shape, path_shape: Shape) -> Shape:
@@ -346,7 +398,8 @@ def chain_path_score(x: ArrayLike, log_trans: ArrayLike | Sparse, log_init: Arra
     Returns
     -------
     array
-        The scores, of the broadcast batch shape.
+        The scores, of the broadcast batch shape: ``-inf`` for a path through a ``-inf`` term,
+        else ``+inf`` for one through a ``+inf`` term.
 
     Examples
     --------

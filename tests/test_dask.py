@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import scipy.sparse
 
+dask = pytest.importorskip("dask")
 da = pytest.importorskip("dask.array")
 distributed = pytest.importorskip("distributed")
 
@@ -44,8 +45,6 @@ def _make_chunk(block_info=None):
 
 
 def test_each_chain_task_fuses_with_the_task_making_its_chunk():
-    import dask
-
     x = da.map_blocks(_make_chunk, chunks=((3, 3, 3), (5,), (4,)), dtype=np.float32)
     (optimized,) = dask.optimize(sc.chain_logsumexp(x, np.zeros((4, 4), np.float32), np.zeros(4, np.float32)))
     assert len(optimized.__dask_graph__().layers) == 1  # one fused task per chunk: x never moves between workers
@@ -240,11 +239,16 @@ def test_bad_input_fails_when_the_graph_is_built(rng):
         sc.spmm(scipy.sparse.eye(3, format="csr"), chunked(np.ones((4, 2)), 2))
 
 
-def test_lengths_out_of_range_fail_in_the_task(rng):
-    x = chunked(rng.normal(size=(4, 5, 3)), (2, 5, 3))
-    out = sc.chain_logsumexp(x, np.zeros((3, 3)), lengths=np.array([1, 2, 6, 1]))
-    with pytest.raises(ValueError, match="lengths must lie in 1..v"):
-        out.compute(scheduler="sync")
+@pytest.mark.parametrize("time_chunks", [5, 2], ids=["one time chunk", "time chunks"])
+@pytest.mark.parametrize("bad", [0, 6])
+@pytest.mark.parametrize("fn", [sc.chain_logsumexp, sc.chain_marginals])
+def test_lengths_out_of_range_fail_in_the_task(rng, fn, bad, time_chunks):
+    x = chunked(rng.normal(size=(4, 5, 3)), (2, time_chunks, 3))
+    lengths = np.array([1, 2, bad, 1])
+    for given in (lengths, chunked(lengths, 2)):
+        out = fn(x, np.zeros((3, 3)), lengths=given)
+        with pytest.raises(ValueError, match=f"{fn.__name__}: lengths must lie in 1..v = 1..5, got values from "):
+            out.compute(scheduler="sync")
 
 
 def _slow(block):
@@ -264,3 +268,34 @@ def test_a_worker_killed_mid_computation_gives_the_same_result(client, rng):
     os.kill(pid, signal.SIGKILL)
     np.testing.assert_allclose(future.result(timeout=120), sc.chain_marginals(x, trans), atol=1e-13)
     assert victim not in client.scheduler_info()["workers"]
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("per_step", [False, True])
+def test_time_chunked_marginals_with_plus_inf_equal_the_in_memory_result(rng, per_step, dtype):
+    """Rows with a ``+inf`` term have the limit marginals (the paths through the most ``+inf``
+    terms), whatever the chunking: the messages between chunks keep the offsets of their ``+inf``."""
+    v, c = 7, 3
+    x = rng.normal(size=(6, v, c))
+    trans = log_stochastic(rng, (1, v - 1, c, c) if per_step else (c, c))
+    x[0, 4, 1] = np.inf                                  # one +inf late in the chain
+    x[1, 1, 0] = x[1, 5, 2] = np.inf                     # two, in different chunks
+    x[2, 2, 1] = np.inf
+    x[2, 3] = -np.inf                                    # on impossible paths only: no effect
+    x[3, 0, 2] = np.inf                                  # at the first position
+    trans[..., 0, 1] = np.inf                            # a +inf transition, for every row
+    trans[..., 2, 2] = -np.inf
+    init = rng.normal(size=c)
+    lengths = np.array([v, v, v, 4, 2, 6])
+    x, trans, init = x.astype(dtype), trans.astype(dtype), init.astype(dtype)
+    want = sc.chain_marginals(x, trans, init, lengths=lengths)
+    want_z = sc.chain_logsumexp(x, trans, init, lengths=lengths)
+    assert np.isfinite(want).all() and np.isposinf(want_z).sum() == 5
+    for time_chunks in [(1,) * v, (2, 5), (1, 2, 4), (3, 3, 1), (6, 1)]:
+        dx = chunked(x, (2, time_chunks, c))
+        got, got_z = dask.compute(sc.chain_marginals(dx, trans, init, lengths=lengths),
+                                  sc.chain_logsumexp(dx, trans, init, lengths=lengths), scheduler="sync")
+        assert got.dtype == got_z.dtype == dtype
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 if dtype == np.float32 else 1e-9,
+                                   err_msg=f"time chunks {time_chunks}")
+        np.testing.assert_allclose(got_z, want_z, rtol=1e-5 if dtype == np.float32 else 1e-12)

@@ -44,7 +44,8 @@ def run_kbest(module, prefix, x, trans, group, init, lengths, k):
     rows, v, c = x.shape
     scores, paths = np.empty((k, rows), x.dtype), np.empty((k, rows, v), np.int64)
     getattr(module, prefix + "chain_kbest")(x, trans, group, init, lengths, np.empty((rows, 2, c, k), x.dtype),
-                                            np.empty((rows, v, c, k), np.int64), scores, paths)
+                                            np.empty((rows, 2, c, k), np.int64), np.empty((rows, v, c, k), np.int64),
+                                            scores, paths)
     return scores, paths
 
 
@@ -98,8 +99,41 @@ def test_cuda_path_kernels_skip_empty_launches(small_launch):
 
     x = np.zeros((0, 3, 2))
     cuda_paths.launch_chain_kbest(x, np.zeros((0, 2, 2, 2)), 1, np.zeros((0, 2)), np.zeros(0, np.int64),
-                                  np.zeros((0, 2, 2, 1)), np.zeros((0, 3, 2, 1), np.int64), np.zeros((1, 0)),
+                                  np.zeros((0, 2, 2, 1)), np.zeros((0, 2, 2, 1), np.int64),
+                                  np.zeros((0, 3, 2, 1), np.int64), np.zeros((1, 0)),
                                   np.zeros((1, 0, 3), np.int64))
     trans = np.zeros((0, 2, 2, 2))
     cuda_paths.launch_chain_sample(x, x, trans, trans, np.zeros((0, 2, 2)), 1e-250, 1, np.zeros(0, np.int64), np.zeros(0, bool),
                                    np.zeros((2, 0, 3)), np.zeros((2, 0, 3), np.int64))
+
+
+def plus_inf(problem, rng):
+    """``normalised_problem`` with ``+inf`` in x, the transitions and init (beside its ``-inf``)."""
+    x, trans, group, init, lengths = (a.copy() if isinstance(a, np.ndarray) else a for a in problem)
+    for a, share in ((x, 0.1), (trans, 0.1), (init, 0.1)):
+        a[rng.random(a.shape) < share] = np.inf
+    return x, trans, group, init, lengths
+
+
+def test_cpu_kbest_with_plus_inf_has_no_nan_or_holes(rng):
+    problem = plus_inf(normalised_problem(rng, v=4, c=3), rng)
+    scores, paths = run_kbest(cpu_paths, "", *problem, k=6)
+    x, lengths = problem[0], problem[4]
+    assert not np.isnan(scores).any()
+    for b in range(x.shape[0]):
+        listed = scores[:, b] > -np.inf
+        assert (paths[listed, b, :lengths[b]] >= 0).all() and (paths[~listed, b] == -1).all()
+        assert len({tuple(p) for p in paths[listed, b]}) == listed.sum(), "a path listed twice"
+
+
+@pytest.mark.cuda_kernel
+@pytest.mark.parametrize("per_step, group, k", [(True, 7, 3), (False, 1, 5)])
+def test_cuda_kbest_with_plus_inf_matches_cpu_twin(small_launch, rng, per_step, group, k):
+    from spchain.kernels.cuda import paths as cuda_paths
+
+    problem = plus_inf(normalised_problem(rng, c=4, per_step=per_step, group=group), rng)
+    want = run_kbest(cpu_paths, "", *problem, k)
+    got = run_kbest(cuda_paths, "launch_", *problem, k)
+    assert not np.isnan(want[0]).any()
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-12)
+    np.testing.assert_array_equal(got[1], want[1])

@@ -198,3 +198,125 @@ def test_paths_that_do_not_broadcast_with_lengths_are_errors():
     with pytest.raises(ValueError, match="does not broadcast with the chains' \\(2,\\)"):
         sc.chain_path_score(np.zeros((3, 2)), np.zeros((2, 2)), None, np.zeros((3, 3), np.int64),
                             lengths=np.array([1, 2]))
+
+
+def limit_paths(x, trans, init, length):
+    """Brute force under the ``+inf`` limit rule, in float64: ``(finite, count, paths)`` of every
+    path, its finite terms' sum (``-inf`` where a term is ``-inf``, whatever its ``+inf`` terms)
+    and its number of ``+inf`` terms. The limit as the ``+inf`` terms grow together ranks paths
+    by ``count``, then ``finite``."""
+    x, trans, init = (np.asarray(a, np.float64) for a in (x, trans, init))
+    c = x.shape[-1]
+    paths = np.array(list(np.ndindex(*(c,) * int(length))), dtype=np.int64).reshape(-1, int(length))
+    finite, count = np.zeros(len(paths)), np.zeros(len(paths), np.int64)
+    for n, p in enumerate(paths):
+        terms = [init[p[0]], x[0, p[0]]]
+        for t in range(1, len(p)):
+            terms += [(trans[t - 1] if trans.ndim == 3 else trans)[p[t - 1], p[t]], x[t, p[t]]]
+        terms = np.array(terms)
+        count[n] = np.isposinf(terms).sum()
+        finite[n] = -np.inf if np.isneginf(terms).any() else terms[np.isfinite(terms)].sum()
+    return finite, count, paths
+
+
+def limit_posterior(finite, count):
+    """The limit posterior over the paths of :func:`limit_paths` (all 0 where none is possible)."""
+    possible = finite > -np.inf
+    if not possible.any():
+        return np.zeros(len(finite))
+    keep = possible & (count == count[possible].max())
+    w = np.where(keep, np.exp(finite - finite[keep].max()), 0)
+    return w / w.sum()
+
+
+def plus_inf_problem(seed, v, c, per_step, batch=4, dtype=np.float64):
+    """:func:`problem` with ``+inf`` in x, the transitions and init, some on impossible paths."""
+    rng = np.random.default_rng(seed + 100)
+    x, trans, init, lengths = problem(seed, v, c, batch=batch, per_step=per_step, dtype=dtype)
+    x[rng.random(x.shape) < 0.12] = np.inf
+    trans[rng.random(trans.shape) < 0.1] = np.inf
+    init[rng.random(init.shape) < 0.2] = np.inf
+    return x, trans, init, lengths
+
+
+@pytest.mark.parametrize("seed, v, c, per_step", CASES)
+@pytest.mark.parametrize("k", [1, 4, 30])
+def test_kbest_with_plus_inf_ranks_by_the_limit(seed, v, c, per_step, k):
+    x, trans, init, lengths = plus_inf_problem(seed, v, c, per_step)
+    scores, paths = sc.chain_kbest(x, trans, init, k=k, lengths=lengths)
+    for b in range(len(x)):
+        finite, count, all_paths = limit_paths(*chain_of(b, x, trans, init, lengths))
+        order = [n for n in np.lexsort(tuple(all_paths.T) + (-finite, -count)) if finite[n] > -np.inf][:k]
+        want_scores = np.full(k, -np.inf)
+        want_scores[:len(order)] = np.where(count[order] > 0, np.inf, finite[order])
+        want_paths = np.full((k, v), -1)
+        want_paths[:len(order), :lengths[b]] = all_paths[order]
+        np.testing.assert_allclose(scores[:, b], want_scores, rtol=1e-12)
+        np.testing.assert_array_equal(paths[:, b], want_paths)
+
+
+def test_kbest_of_a_plus_inf_emission_or_transition():
+    x = np.zeros((2, 2))
+    x[1, 1] = np.inf
+    scores, paths = sc.chain_kbest(x, np.zeros((2, 2)), k=4)
+    np.testing.assert_array_equal(scores, [np.inf, np.inf, 0, 0])
+    np.testing.assert_array_equal(paths, [[0, 1], [1, 1], [0, 0], [1, 0]])
+    trans = np.zeros((2, 2))
+    trans[0, 1] = np.inf
+    scores, paths = sc.chain_kbest(np.zeros((2, 2)), trans, k=4)
+    np.testing.assert_array_equal(scores, [np.inf, 0, 0, 0])
+    np.testing.assert_array_equal(paths, [[0, 1], [0, 0], [1, 0], [1, 1]])
+
+
+@pytest.mark.parametrize("seed, v, c, per_step", CASES)
+def test_path_score_with_plus_inf_follows_the_limit(seed, v, c, per_step):
+    x, trans, init, lengths = plus_inf_problem(seed, v, c, per_step)
+    for b in range(len(x)):
+        finite, count, paths = limit_paths(*chain_of(b, x, trans, init, lengths))
+        padded = np.pad(paths, ((0, 0), (0, v - paths.shape[1])), constant_values=-1)
+        got = sc.chain_path_score(x[b], trans[0] if per_step else trans, init, padded, lengths=lengths[b])
+        np.testing.assert_allclose(got, np.where((count > 0) & (finite > -np.inf), np.inf, finite), rtol=1e-12)
+
+
+@pytest.mark.parametrize("seed, v, c, per_step", CASES)
+def test_entropy_with_plus_inf_is_that_of_the_limit_posterior(seed, v, c, per_step, algorithm):
+    x, trans, init, lengths = plus_inf_problem(seed, v, c, per_step)
+    got = sc.chain_entropy(x, trans, init, lengths=lengths)
+    for b in range(len(x)):
+        p = limit_posterior(*limit_paths(*chain_of(b, x, trans, init, lengths))[:2])
+        np.testing.assert_allclose(got[b], -(p[p > 0] * np.log(p[p > 0])).sum(), rtol=1e-8, atol=1e-8)
+
+
+@pytest.mark.parametrize("seed, v, c, per_step", [(0, 3, 3, True), (1, 4, 2, False), (3, 5, 2, True)])
+def test_samples_with_plus_inf_follow_the_limit_posterior(seed, v, c, per_step):
+    x, trans, init, lengths = plus_inf_problem(seed, v, c, per_step)
+    n = 4000
+    paths = sc.chain_sample(x, trans, init, lengths=lengths, num_samples=n, seed=seed)
+    for b in range(len(x)):
+        finite, count, all_paths = limit_paths(*chain_of(b, x, trans, init, lengths))
+        p = limit_posterior(finite, count)
+        if not p.any():
+            np.testing.assert_array_equal(paths[:, b], -1)
+            continue
+        np.testing.assert_array_equal(paths[:, b, lengths[b]:], -1)
+        counts = sample_frequencies(paths[:, b], all_paths)
+        assert counts[p == 0].sum() == 0, "a path outside the limit posterior was drawn"
+        if (p > 0).sum() > 1:
+            assert stats.chisquare(counts[p > 0], p[p > 0] * n).pvalue > 1e-3
+
+
+def test_entropy_gradient_with_plus_inf_is_the_limit_one():
+    """The gradient of the limit entropy: that of the brute-force entropy (torch autograd)
+    with ``+inf`` as ``2**20``, in float64, the limit's posterior being that chain's."""
+    torch = pytest.importorskip("torch")
+    import spchain.torch as st
+
+    x, trans, init, lengths = plus_inf_problem(3, 3, 3, False, batch=2)  # row 1 has no path
+    x[0, 1, 2] = np.inf
+    assert np.isposinf(sc.chain_logsumexp(x, trans, init, lengths=lengths)[0])
+    got_x, got_t, got_i = (torch.tensor(a, requires_grad=True) for a in (x, trans, init))
+    st.chain_entropy(got_x, got_t, got_i, lengths=torch.tensor(lengths)).sum().backward()
+    big = [torch.tensor(np.where(np.isposinf(a), 2.0**20, a), requires_grad=True) for a in (x[0], trans, init)]
+    reference.chain_entropy_torch(*big, lengths[0]).backward()
+    for got, want in zip((got_x.grad[0], got_t.grad, got_i.grad), big):
+        np.testing.assert_allclose(got.numpy(), want.grad.numpy(), atol=1e-7)

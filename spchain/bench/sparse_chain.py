@@ -10,6 +10,12 @@ part, the exponentials of the c × c matrix, that does not grow with the batch; 
 at batch 4 too); their labels give the factor by which their times scale (linearly in the
 steps v - 1, and for the recursion about linearly in the batch), and they get no error
 figure at full size.
+
+The case "path functions (peak memory)" runs every path function on the same banded matrix at
+c = 4096 (batch 8, v 64: the peaks, not the times, are its point): ``chain_entropy`` and
+``chain_path_score`` with their gradients, ``chain_sample`` and ``chain_kbest``, beside
+``chain_marginals``. On the stored entries each stays within a small factor of
+``chain_marginals``' peak; the dense (c, c) float32 matrix alone would be 64 MiB.
 """
 
 import warnings
@@ -21,17 +27,19 @@ from .. import torch as st
 from .chain import sequential
 from .core import Case
 
-CASES = ["forward + backward"]
+CASES = ["forward + backward", "path functions (peak memory)"]
 SIZES = {False: {"batch": 64, "v": 500, "c": 4096}, True: {"batch": 4, "v": 8, "c": 1024}}
+PATH_SIZES = {False: {"batch": 8, "v": 64, "c": 4096}, True: {"batch": 2, "v": 8, "c": 1024}}
+"""The sizes of the path functions' case."""
 DENSE_SIZE = {"spchain dense chain": (64, 3), "torch sequential logsumexp": (4, 3)}
 """(batch, v) of the dense baselines at full size."""
 WIDTH = 7  # successors of each state besides itself
 
 
-def make_inputs(quick: bool, device: str,
-                seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def make_inputs(quick: bool, device: str, seed: int = 0, sizes: dict[bool, dict[str, int]] = SIZES,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(x, log_trans CSR, dense log_trans, log_init)``: random emissions, a random band."""
-    batch, v, c = SIZES[quick].values()
+    batch, v, c = sizes[quick].values()
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(batch, v, c, generator=g)
     rows = torch.arange(c).repeat_interleave(WIDTH + 1)
@@ -49,7 +57,38 @@ def make_inputs(quick: bool, device: str,
     return x.to(device), sparse, dense.to(device), log_init.to(device)
 
 
+def path_case(quick: bool, device: str) -> Case:
+    """Every path function on the sparse matrix beside ``chain_marginals``, for their peaks."""
+    x, sparse, _, log_init = make_inputs(quick, device, sizes=PATH_SIZES)
+    path = st.viterbi(x, sparse, log_init)[1]
+    sync: Callable[[], None] = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    def with_gradient(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[], None]:
+        def run() -> None:
+            leaf = x.detach().requires_grad_()
+            fn(leaf).sum().backward()
+            sync()
+        return run
+
+    def plain(fn: Callable[[], object]) -> Callable[[], None]:
+        def run() -> None:
+            fn()
+            sync()
+        return run
+
+    methods: dict[str, Callable[[], object]] = {
+        "spchain chain_marginals": plain(lambda: st.chain_marginals(x, sparse, log_init)),
+        "chain_entropy + gradient": with_gradient(lambda leaf: st.chain_entropy(leaf, sparse, log_init)),
+        "chain_path_score + gradient": with_gradient(lambda leaf: st.chain_path_score(leaf, sparse, log_init, path)),
+        "chain_sample (4 draws)": plain(lambda: st.chain_sample(x, sparse, log_init, num_samples=4, seed=0)),
+        "chain_kbest (k 2)": plain(lambda: st.chain_kbest(x, sparse, log_init, k=2)),
+    }
+    return Case("sparse-chain", "path functions (peak memory)", methods, None, device)
+
+
 def make_case(name: str, quick: bool, device: str = "cpu") -> Case:
+    if name == "path functions (peak memory)":
+        return path_case(quick, device)
     x, sparse, dense, log_init = make_inputs(quick, device)
     batch, v, c = SIZES[quick].values()
 

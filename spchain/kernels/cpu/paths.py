@@ -77,6 +77,61 @@ def draw(alpha, probs, b, t, trans_t, trans_probs, g, s, state, u, tiny, total):
     return -1
 
 
+@njit(cache=True)
+def draw_sparse(alpha, b, t, t_indptr, t_rows, t_values, state, u):
+    """:func:`draw_exact` over the stored predecessors ``i`` of ``state`` (the entries of its
+    column in the transpose's CSR structure), weights ``exp(alpha[b, t, i] + value)``."""
+    top = -np.inf
+    for q in range(t_indptr[state], t_indptr[state + 1]):
+        val = alpha[b, t, t_rows[q]] + t_values[q]
+        if val > top:
+            top = val
+    if not math.isfinite(top):
+        return -1
+    total = 0.0
+    for q in range(t_indptr[state], t_indptr[state + 1]):
+        total += exp_nonpositive(alpha[b, t, t_rows[q]] + t_values[q] - top)
+    if total != total:
+        return -1
+    threshold = u * total
+    last = -1
+    cumulative = 0.0
+    for q in range(t_indptr[state], t_indptr[state + 1]):
+        w = exp_nonpositive(alpha[b, t, t_rows[q]] + t_values[q] - top)
+        if w > 0.0:
+            last = t_rows[q]
+            cumulative += w
+            if cumulative > threshold:
+                return t_rows[q]
+    return last  # rounding: the cumulative sum fell short of the threshold
+
+
+@njit(parallel=True, cache=True)
+def chain_sample_sparse(alpha, t_indptr, t_rows, t_values, lengths, possible, uniforms, paths):
+    """:func:`chain_sample` with one sparse transition matrix for all rows and steps (the
+    transpose's CSR structure, as in :func:`chain_kbest_sparse`): each draw in log space
+    (:func:`draw_sparse`) over the stored predecessors of the state drawn after it.
+    O(N * B * v * (c + nnz)) time at worst, no (c, c) matrix."""
+    samples, rows, v = paths.shape
+    none = np.empty((1, 1, 1, 1), alpha.dtype)  # draw_exact reads no transition for state -1
+    for bn in prange(samples * rows):
+        b = bn // samples
+        n = bn % samples
+        length = lengths[b]
+        paths[n, b, :] = -1
+        if not possible[b]:
+            continue
+        state = draw_exact(alpha, b, length - 1, none, 0, 0, -1, uniforms[n, b, length - 1])
+        paths[n, b, length - 1] = state
+        for t in range(length - 2, -1, -1):
+            if state < 0:
+                break
+            state = draw_sparse(alpha, b, t, t_indptr, t_rows, t_values, state, uniforms[n, b, t])
+            paths[n, b, t] = state
+        if state < 0:
+            paths[n, b, :] = -1
+
+
 @njit(parallel=True, cache=True)
 def chain_sample(alpha, probs, trans_t, trans_probs, totals, tiny, group, lengths, possible, uniforms, paths):
     """Backward sampling from the normalised forward messages: fills ``paths`` (N, B, v).
@@ -121,44 +176,111 @@ def chain_sample(alpha, probs, trans_t, trans_probs, totals, tiny, group, length
 
 
 @njit(cache=True)
-def _before(a, ia, b, ib):
-    """Whether candidate ``(a, ia)`` ranks before ``(b, ib)``: the higher score (NaN highest),
-    ties to the lower index."""
+def plus(f, n, term):
+    """A partial path's score ``(f, n)`` (its finite terms' sum ``f``, ``n`` terms ``+inf``)
+    times one more log term: a ``+inf`` term counts, any other adds to ``f`` (so a ``-inf``
+    term makes the path ``-inf`` whatever its ``+inf`` terms; NaN stays NaN)."""
+    if term == np.inf:
+        return f, n + 1
+    return f + term, n
+
+
+@njit(cache=True)
+def _before(a, na, ia, b, nb, ib):
+    """Whether candidate ``(a, na, ia)`` ranks before ``(b, nb, ib)``: NaN first, then more
+    ``+inf`` terms, then the higher finite sum, ties to the lower index."""
     if a != a:
         return b == b or ia < ib
     if b != b:
         return False
+    if na != nb:
+        return na > nb
     return a > b or (a == b and ia < ib)
 
 
 @njit(cache=True)
-def _insert(score, index, k, val, idx):
-    """Insert ``(val, idx)`` into the ranked list ``score``/``index`` of length ``k``
-    (-inf / -1 for empty slots); candidates arrive in increasing ``idx``."""
+def _insert(score, count, index, k, val, n, idx):
+    """Insert ``(val, n, idx)`` into the ranked list ``score``/``count``/``index`` of length
+    ``k`` (-1 in ``index`` for empty slots); candidates of score ``-inf`` are dropped."""
     if val == -np.inf:
         return
     pos = k
-    while pos > 0 and (index[pos - 1] < 0 or _before(val, idx, score[pos - 1], index[pos - 1])):
+    while pos > 0 and (index[pos - 1] < 0 or _before(val, n, idx, score[pos - 1], count[pos - 1], index[pos - 1])):
         pos -= 1
     if pos == k:
         return
     for m in range(k - 1, pos, -1):
         score[m] = score[m - 1]
+        count[m] = count[m - 1]
         index[m] = index[m - 1]
     score[pos] = val
+    count[pos] = n
     index[pos] = idx
 
 
+@njit(cache=True)
+def _kbest_first(b, x, init, work, counts):
+    """Position 0 of row ``b``: one partial path per state, in ``work[b, 0]`` / ``counts[b, 0]``."""
+    for j in range(x.shape[2]):
+        work[b, 0, j, :] = -np.inf
+        counts[b, 0, j, :] = 0
+        f, n = plus(0.0, 0, init[b, j])
+        work[b, 0, j, 0], counts[b, 0, j, 0] = plus(f, n, x[b, 0, j])
+
+
+@njit(cache=True)
+def _kbest_candidate(work, counts, b, cur, i, k, value, new, new_counts, index):
+    """Offer the ``k`` partial paths of state ``i`` times the log term ``value`` to ``new``."""
+    for r in range(k):
+        if work[b, cur, i, r] != -np.inf:  # an empty slot, or a path of weight 0
+            f, n = plus(work[b, cur, i, r], counts[b, cur, i, r], value)
+            _insert(new, new_counts, index, k, f, n, i * k + r)
+
+
+@njit(cache=True)
+def _kbest_emit(new, new_counts, index, k, value):
+    """The emission ``value`` times the kept partial paths of a state (not the empty slots)."""
+    for r in range(k):
+        if index[r] >= 0:
+            new[r], new_counts[r] = plus(new[r], new_counts[r], value)
+
+
+@njit(cache=True)
+def _kbest_last(b, length, cur, work, counts, backptr, scores, paths):
+    """Rank the partial paths of the last position of row ``b`` and follow their back-pointers."""
+    c, k = work.shape[2], work.shape[3]
+    best, best_counts = work[b, 1 - cur, 0], counts[b, 1 - cur, 0]  # free scratch now, as is backptr[b, 0]
+    index = backptr[b, 0, 0]
+    best[:] = -np.inf
+    index[:] = -1
+    for j in range(c):
+        for r in range(k):
+            _insert(best, best_counts, index, k, work[b, cur, j, r], counts[b, cur, j, r], j * k + r)
+    for r in range(k):
+        scores[r, b] = np.inf if index[r] >= 0 and best_counts[r] > 0 and best[r] == best[r] else best[r]
+        paths[r, b, :] = -1
+        entry = index[r]
+        if entry < 0:
+            continue
+        for t in range(length - 1, -1, -1):
+            state = entry // k
+            paths[r, b, t] = state
+            if t > 0:
+                entry = backptr[b, t, state, entry % k]
+
+
 @njit(parallel=True, cache=True)
-def chain_kbest(x, trans, group, init, lengths, work, backptr, scores, paths):
+def chain_kbest(x, trans, group, init, lengths, work, counts, backptr, scores, paths):
     """Exact k-best Viterbi: the ``k`` best paths of each row, best first.
 
-    Inputs as for ``chain.viterbi``; ``work`` (B, 2, c, k) is scratch, ``backptr``
-    (B, v, c, k, int64) holds ``i * k + r`` (the predecessor state ``i`` and its rank ``r``;
-    ``backptr[b, 0, 0]`` is scratch for the final ranking).
-    Every state keeps its ``k`` best partial paths; paths of score ``-inf`` are dropped, so
-    fewer than ``k`` paths leave ``-inf`` scores and -1 paths. Ties go to the lower
-    (state, rank), as in ``viterbi``. Overwrites ``scores`` (k, B) and ``paths`` (k, B, v).
+    Inputs as for ``chain.viterbi``; ``work`` (B, 2, c, k) and ``counts`` (B, 2, c, k, int64)
+    are scratch: the kept partial paths' scores as their finite sums and their numbers of
+    ``+inf`` terms (:func:`plus`), ranked by the ``+inf`` terms first (the limit as they grow
+    together), then the finite sum. ``backptr`` (B, v, c, k, int64) holds ``i * k + r`` (the
+    predecessor state ``i`` and its rank ``r``; ``backptr[b, 0, 0]`` is scratch for the final
+    ranking). Paths of score ``-inf`` are dropped, so fewer than ``k`` paths leave ``-inf``
+    scores and -1 paths. Ties go to the lower (state, rank), as in ``viterbi``. Overwrites
+    ``scores`` (k, B; ``+inf`` for a path through a ``+inf`` term) and ``paths`` (k, B, v).
     O(B * v * c² * k²) time at worst; rows run in parallel.
     """
     rows, v, c = x.shape
@@ -166,39 +288,39 @@ def chain_kbest(x, trans, group, init, lengths, work, backptr, scores, paths):
     per_step = trans.shape[1] > 1
     for b in prange(rows):
         g = b // group
-        length = lengths[b]
+        _kbest_first(b, x, init, work, counts)
         cur = 0
-        for j in range(c):
-            work[b, 0, j, :] = -np.inf
-            work[b, 0, j, 0] = init[b, j] + x[b, 0, j]
-        for t in range(length - 1):
+        for t in range(lengths[b] - 1):
             m = trans[g, t if per_step else 0]
-            new = work[b, 1 - cur]
             for j in range(c):
-                new[j, :] = -np.inf
-                index = backptr[b, t + 1, j]
+                new, new_counts, index = work[b, 1 - cur, j], counts[b, 1 - cur, j], backptr[b, t + 1, j]
+                new[:] = -np.inf
                 index[:] = -1
                 for i in range(c):
-                    for r in range(k):
-                        _insert(new[j], index, k, work[b, cur, i, r] + m[i, j], i * k + r)
-                for r in range(k):
-                    new[j, r] += x[b, t + 1, j]
+                    _kbest_candidate(work, counts, b, cur, i, k, m[i, j], new, new_counts, index)
+                _kbest_emit(new, new_counts, index, k, x[b, t + 1, j])
             cur = 1 - cur
-        best = work[b, 1 - cur, 0]  # free scratch now, as is backptr[b, 0] (position 0 has none)
-        index = backptr[b, 0, 0]
-        best[:] = -np.inf
-        index[:] = -1
-        for j in range(c):
-            for r in range(k):
-                _insert(best, index, k, work[b, cur, j, r], j * k + r)
-        for r in range(k):
-            scores[r, b] = best[r]
-            paths[r, b, :] = -1
-            entry = index[r]
-            if entry < 0:
-                continue
-            for t in range(length - 1, -1, -1):
-                state = entry // k
-                paths[r, b, t] = state
-                if t > 0:
-                    entry = backptr[b, t, state, entry % k]
+        _kbest_last(b, lengths[b], cur, work, counts, backptr, scores, paths)
+
+
+@njit(parallel=True, cache=True)
+def chain_kbest_sparse(x, t_indptr, t_rows, t_values, init, lengths, work, counts, backptr, scores, paths):
+    """:func:`chain_kbest` with one sparse transition matrix for all rows and steps, given by
+    its transpose's CSR structure (``t_indptr``, ``t_rows``, ``t_values``: the stored entries
+    of column ``j`` in order of their row; absent entries are ``-inf``). The candidates of a
+    state are those of its stored predecessors: O(B * v * (c + nnz) * k²) time at worst."""
+    rows, v, c = x.shape
+    k = scores.shape[0]
+    for b in prange(rows):
+        _kbest_first(b, x, init, work, counts)
+        cur = 0
+        for t in range(lengths[b] - 1):
+            for j in range(c):
+                new, new_counts, index = work[b, 1 - cur, j], counts[b, 1 - cur, j], backptr[b, t + 1, j]
+                new[:] = -np.inf
+                index[:] = -1
+                for q in range(t_indptr[j], t_indptr[j + 1]):
+                    _kbest_candidate(work, counts, b, cur, t_rows[q], k, t_values[q], new, new_counts, index)
+                _kbest_emit(new, new_counts, index, k, x[b, t + 1, j])
+            cur = 1 - cur
+        _kbest_last(b, lengths[b], cur, work, counts, backptr, scores, paths)

@@ -111,32 +111,44 @@ def launch_chain_sample(alpha, probs, trans_t, trans_probs, totals, tiny, group,
 
 
 @cuda.jit(device=True)
-def _before(a, ia, b, ib):
+def _plus(f, n, term):
+    """The CPU twin's ``plus``."""
+    if term == math.inf:
+        return f, n + 1
+    return f + term, n
+
+
+@cuda.jit(device=True)
+def _before(a, na, ia, b, nb, ib):
     if a != a:
         return b == b or ia < ib
     if b != b:
         return False
+    if na != nb:
+        return na > nb
     return a > b or (a == b and ia < ib)
 
 
 @cuda.jit(device=True)
-def _insert(score, index, k, val, idx):
+def _insert(score, count, index, k, val, n, idx):
     if val == -math.inf:
         return
     pos = k
-    while pos > 0 and (index[pos - 1] < 0 or _before(val, idx, score[pos - 1], index[pos - 1])):
+    while pos > 0 and (index[pos - 1] < 0 or _before(val, n, idx, score[pos - 1], count[pos - 1], index[pos - 1])):
         pos -= 1
     if pos == k:
         return
     for m in range(k - 1, pos, -1):
         score[m] = score[m - 1]
+        count[m] = count[m - 1]
         index[m] = index[m - 1]
     score[pos] = val
+    count[pos] = n
     index[pos] = idx
 
 
 @cuda.jit
-def chain_kbest_kernel(x, trans, group, init, lengths, work, backptr, scores, paths):
+def chain_kbest_kernel(x, trans, group, init, lengths, work, counts, backptr, scores, paths):
     rows, v, c = x.shape
     k = scores.shape[0]
     per_step = trans.shape[1] > 1
@@ -147,31 +159,45 @@ def chain_kbest_kernel(x, trans, group, init, lengths, work, backptr, scores, pa
         for j in range(c):
             for r in range(k):
                 work[b, 0, j, r] = -math.inf
-            work[b, 0, j, 0] = init[b, j] + x[b, 0, j]
+                counts[b, 0, j, r] = 0
+            f, n = _plus(0.0, 0, init[b, j])
+            f, n = _plus(f, n, x[b, 0, j])
+            work[b, 0, j, 0] = f
+            counts[b, 0, j, 0] = n
         for t in range(length - 1):
             s = t if per_step else 0
             for j in range(c):
                 new = work[b, 1 - cur, j]
+                new_counts = counts[b, 1 - cur, j]
                 index = backptr[b, t + 1, j]
                 for r in range(k):
                     new[r] = -math.inf
                     index[r] = -1
                 for i in range(c):
                     for r in range(k):
-                        _insert(new, index, k, work[b, cur, i, r] + trans[g, s, i, j], i * k + r)
+                        if work[b, cur, i, r] != -math.inf:
+                            f, n = _plus(work[b, cur, i, r], counts[b, cur, i, r], trans[g, s, i, j])
+                            _insert(new, new_counts, index, k, f, n, i * k + r)
                 for r in range(k):
-                    new[r] += x[b, t + 1, j]
+                    if index[r] >= 0:
+                        f, n = _plus(new[r], new_counts[r], x[b, t + 1, j])
+                        new[r] = f
+                        new_counts[r] = n
             cur = 1 - cur
         best = work[b, 1 - cur, 0]
+        best_counts = counts[b, 1 - cur, 0]
         index = backptr[b, 0, 0]
         for r in range(k):
             best[r] = -math.inf
             index[r] = -1
         for j in range(c):
             for r in range(k):
-                _insert(best, index, k, work[b, cur, j, r], j * k + r)
+                _insert(best, best_counts, index, k, work[b, cur, j, r], counts[b, cur, j, r], j * k + r)
         for r in range(k):
-            scores[r, b] = best[r]
+            if index[r] >= 0 and best_counts[r] > 0 and best[r] == best[r]:
+                scores[r, b] = math.inf
+            else:
+                scores[r, b] = best[r]
             for t in range(v):
                 paths[r, b, t] = -1
             entry = index[r]
@@ -184,9 +210,9 @@ def chain_kbest_kernel(x, trans, group, init, lengths, work, backptr, scores, pa
                     entry = backptr[b, t, state, entry % k]
 
 
-def launch_chain_kbest(x, trans, group, init, lengths, work, backptr, scores, paths, stream=0):
+def launch_chain_kbest(x, trans, group, init, lengths, work, counts, backptr, scores, paths, stream=0):
     """k-best Viterbi; overwrites ``scores`` and ``paths`` (see ``kernels.cpu.paths.chain_kbest``)."""
     if x.shape[0] == 0:
         return
     chain_kbest_kernel[config.blocks_for(x.shape[0]), config.THREADS_PER_BLOCK, stream](
-        x, trans, group, init, lengths, work, backptr, scores, paths)
+        x, trans, group, init, lengths, work, counts, backptr, scores, paths)
