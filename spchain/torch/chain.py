@@ -100,6 +100,14 @@ _VITERBI = Operator(
     "viterbi", f"{_SCHEMA} -> (Tensor, Tensor)",
     functools.partial(_chain.viterbi_forward, caller="spchain.torch.viterbi"), _viterbi_fake,
     outputs=2, backward=_chain.viterbi_backward, differentiable=(0, 1, 2))
+_SPARSE_CHAIN_LOGSUMEXP = _sparse_chain.operator(
+    "chain_logsumexp", _CHAIN_LOGSUMEXP.forward, _logsumexp_fake, schema_tail=_sparse_chain.LENGTHS,
+    returns="(Tensor, Tensor, Tensor)", backward=_chain.chain_logsumexp_backward)
+_SPARSE_CHAIN_MARGINALS = _sparse_chain.operator(
+    "chain_marginals", _CHAIN_MARGINALS.forward, _marginals_fake, schema_tail=_sparse_chain.LENGTHS, returns="Tensor")
+_SPARSE_VITERBI = _sparse_chain.operator(
+    "viterbi", _VITERBI.forward, _viterbi_fake, schema_tail=_sparse_chain.LENGTHS, returns="(Tensor, Tensor)",
+    outputs=2, backward=_chain.viterbi_backward)
 
 
 def chain_logsumexp(x: TensorLike, log_trans: TensorLike, log_init: TensorLike | None = None, *,
@@ -124,7 +132,7 @@ def chain_logsumexp(x: TensorLike, log_trans: TensorLike, log_init: TensorLike |
     """
     if _sparse_chain.is_csr(log_trans):
         args = _sparse_chain.tensors("spchain.torch.chain_logsumexp", x, log_trans, log_init, lengths, _tensors)
-        return _sparse_chain.CHAIN_LOGSUMEXP(*args)
+        return _SPARSE_CHAIN_LOGSUMEXP(*args)
     return _CHAIN_LOGSUMEXP(*_tensors("spchain.torch.chain_logsumexp", x, log_trans, log_init, lengths))
 
 
@@ -144,7 +152,7 @@ def chain_marginals(x: TensorLike, log_trans: TensorLike, log_init: TensorLike |
     """
     if _sparse_chain.is_csr(log_trans):
         args = _sparse_chain.tensors("spchain.torch.chain_marginals", x, log_trans, log_init, lengths, _tensors)
-        return _sparse_chain.CHAIN_MARGINALS(*args)
+        return _SPARSE_CHAIN_MARGINALS(*args)
     return _CHAIN_MARGINALS(*_tensors("spchain.torch.chain_marginals", x, log_trans, log_init, lengths))
 
 
@@ -165,5 +173,5 @@ def viterbi(x: TensorLike, log_trans: TensorLike, log_init: TensorLike | None = 
     """
     if _sparse_chain.is_csr(log_trans):
         args = _sparse_chain.tensors("spchain.torch.viterbi", x, log_trans, log_init, lengths, _tensors)
-        return _sparse_chain.VITERBI(*args)
+        return _SPARSE_VITERBI(*args)
     return _VITERBI(*_tensors("spchain.torch.viterbi", x, log_trans, log_init, lengths))

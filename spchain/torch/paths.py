@@ -60,6 +60,18 @@ _CHAIN_PATH_SCORE = Operator(
     "chain_path_score", "(Tensor x, Tensor log_trans, Tensor? log_init, Tensor path, Tensor? lengths) -> Tensor",
     functools.partial(_paths.chain_path_score_forward, caller="spchain.torch.chain_path_score"), _path_score_fake,
     backward=_paths.chain_path_score_backward, differentiable=(0, 1, 2))
+_SPARSE_CHAIN_ENTROPY = _sparse_chain.operator(
+    "chain_entropy", _CHAIN_ENTROPY.forward, _entropy_fake, schema_tail=_sparse_chain.LENGTHS,
+    returns="(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)", backward=_paths.chain_entropy_backward)
+_SPARSE_CHAIN_SAMPLE = _sparse_chain.operator(
+    "chain_sample", _CHAIN_SAMPLE.forward, _sample_fake,
+    schema_tail=f"{_sparse_chain.LENGTHS}, int num_samples, int? seed", returns="Tensor")
+_SPARSE_CHAIN_KBEST = _sparse_chain.operator(
+    "chain_kbest", _CHAIN_KBEST.forward, _kbest_fake, schema_tail=f"{_sparse_chain.LENGTHS}, int k",
+    returns="(Tensor, Tensor)", outputs=2)
+_SPARSE_CHAIN_PATH_SCORE = _sparse_chain.operator(
+    "chain_path_score", _CHAIN_PATH_SCORE.forward, _path_score_fake,
+    schema_tail=f", Tensor path{_sparse_chain.LENGTHS}", returns="Tensor", backward=_paths.chain_path_score_backward)
 
 
 def chain_sample(x: TensorLike, log_trans: TensorLike, log_init: TensorLike | None = None, *,
@@ -74,7 +86,7 @@ def chain_sample(x: TensorLike, log_trans: TensorLike, log_init: TensorLike | No
     """
     if _sparse_chain.is_csr(log_trans):
         args = _sparse_chain.tensors("spchain.torch.chain_sample", x, log_trans, log_init, lengths, _tensors)
-        return _sparse_chain.CHAIN_SAMPLE(*args, num_samples, seed)
+        return _SPARSE_CHAIN_SAMPLE(*args, num_samples, seed)
     return _CHAIN_SAMPLE(*_tensors("spchain.torch.chain_sample", x, log_trans, log_init, lengths), num_samples, seed)
 
 
@@ -93,7 +105,7 @@ def chain_entropy(x: TensorLike, log_trans: TensorLike, log_init: TensorLike | N
     """
     if _sparse_chain.is_csr(log_trans):
         args = _sparse_chain.tensors("spchain.torch.chain_entropy", x, log_trans, log_init, lengths, _tensors)
-        return _sparse_chain.CHAIN_ENTROPY(*args)
+        return _SPARSE_CHAIN_ENTROPY(*args)
     return _CHAIN_ENTROPY(*_tensors("spchain.torch.chain_entropy", x, log_trans, log_init, lengths))
 
 
@@ -113,7 +125,7 @@ def chain_kbest(x: TensorLike, log_trans: TensorLike, log_init: TensorLike | Non
     """
     if _sparse_chain.is_csr(log_trans):
         args = _sparse_chain.tensors("spchain.torch.chain_kbest", x, log_trans, log_init, lengths, _tensors)
-        return _sparse_chain.CHAIN_KBEST(*args, k)
+        return _SPARSE_CHAIN_KBEST(*args, k)
     return _CHAIN_KBEST(*_tensors("spchain.torch.chain_kbest", x, log_trans, log_init, lengths), k)
 
 
@@ -141,5 +153,5 @@ def chain_path_score(x: TensorLike, log_trans: TensorLike, log_init: TensorLike 
         path = torch.as_tensor(path, device=x.device)
     elif path.layout != torch.strided:
         raise TypeError(f"{caller}: path must be a dense tensor, not one of layout {path.layout}")
-    op = _sparse_chain.CHAIN_PATH_SCORE if len(trans) == 3 else _CHAIN_PATH_SCORE
+    op = _SPARSE_CHAIN_PATH_SCORE if len(trans) == 3 else _CHAIN_PATH_SCORE
     return op(x, *trans, log_init, path, lengths)
