@@ -32,6 +32,7 @@ WORKLOADS = {
     "grouped": "grouped",
     "chains-at-scale": "dask",
     "crf": "crf",
+    "hmm-forward": "hmm_forward",
     "torch-layer": "torch_layer",
 }
 """Workload name → module (relative to this package) with ``CASES`` and ``make_case``."""
