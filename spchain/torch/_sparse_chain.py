@@ -57,16 +57,16 @@ def _dense_args(args: Sequence[Any]) -> tuple[Any, ...]:
 
 @overload
 def operator(name: str, forward: Forward, fake: Fake, *, schema_tail: str = ..., returns: str,
-              outputs: Literal[1] = ..., backward: DenseBackward | None = ...) -> Operator[torch.Tensor]: ...
+             outputs: Literal[1] = ..., backward: DenseBackward | None = ...) -> Operator[torch.Tensor]: ...
 
 
 @overload
 def operator(name: str, forward: Forward, fake: Fake, *, schema_tail: str = ..., returns: str,
-              outputs: Literal[2], backward: DenseBackward | None = ...) -> Operator[tuple[torch.Tensor, torch.Tensor]]: ...
+             outputs: Literal[2], backward: DenseBackward | None = ...) -> Operator[tuple[torch.Tensor, torch.Tensor]]: ...
 
 
 def operator(name: str, forward: Forward, fake: Fake, *, schema_tail: str = "", returns: str,
-              outputs: Literal[1, 2] = 1, backward: DenseBackward | None = None) -> Operator[Any]:
+             outputs: Literal[1, 2] = 1, backward: DenseBackward | None = None) -> Operator[Any]:
     """``Operator`` ``sparse_<name>`` over the array-level ``forward`` / ``backward`` of a chain
     or path function whose ``log_trans`` is the second argument (``spchain.torch.chain`` and
     ``spchain.torch.paths`` define theirs beside the dense ones; ``fake`` is the dense fake)."""
