@@ -16,6 +16,7 @@ import functools
 import importlib
 import os
 import sys
+import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -126,13 +127,25 @@ def threading_layer() -> str:
     Windows (pip's ``tbb``); pip puts ``libtbb`` in ``sys.prefix/lib``, which a virtual
     environment's loader does not search, so it is loaded from there first. Without TBB, or
     where the user chose a layer (``NUMBA_THREADING_LAYER``, ``numba.config``), Numba's own
-    choice stands: kernels work, but a forked child must not call them.
+    choice stands: kernels work, but a forked child must not call them. If another library
+    started Numba's threads first on another layer, that layer stays, with a warning: under
+    contention, a parallel kernel on GNU OpenMP ran 40x slower than on TBB (a 4 MB transpose,
+    0.5 ms against 20 ms, 2 cores at a load of 8).
     """
     import numba
+    from numba.np.ufunc import parallel
 
     if os.environ.get("NUMBA_THREADING_LAYER") or numba.config.THREADING_LAYER != "default":
         return str(numba.config.THREADING_LAYER)
     if _tbb_loads():
+        if parallel._is_initialized and numba.threading_layer() != "tbb":
+            warnings.warn(
+                f"Numba's threads were started on its {numba.threading_layer()!r} layer (by a library that ran "
+                "Numba parallel code before spchain's first CPU kernel) and cannot change: spchain's kernels "
+                "are not fork-safe there, and GNU OpenMP's spinning threads run them many times slower on "
+                "a busy machine; import spchain's kernels first (call spchain._backend.threading_layer()) "
+                "or set NUMBA_THREADING_LAYER=tbb", stacklevel=2)
+            return str(numba.threading_layer())
         numba.config.THREADING_LAYER = "tbb"
     return str(numba.config.THREADING_LAYER)
 

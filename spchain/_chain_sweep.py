@@ -21,6 +21,7 @@ import numpy as np
 
 from . import _chain_scaled, _logspace
 from ._chain_layout import Chain
+from ._logspace import normalised, renormalise
 from ._typing import Array
 
 SWEEPS = ("auto", "gemm", "kernel")
@@ -128,11 +129,6 @@ def normalise(xp: ModuleType, q: Array) -> tuple[tuple[Array, Array, Array], Arr
     return (e, shift - offset, top - offset), lse[..., 0]
 
 
-def normalised(xp: ModuleType, pre: Array, x: Array, norm: Array) -> Array:
-    """The normalised forward message ``â_t`` from what the forward sweep saved."""
-    return (pre + x) - _logspace.finite_or_zero(xp, norm)[..., None]
-
-
 def forward_finite(chain: Chain) -> tuple[Array, Array, Array]:
     """Forward sweep: ``(log_partition (B,), pre (B, v, c), norm (B, v))``."""
     if chain.sparse is not None:
@@ -214,20 +210,6 @@ def batched_counts(chain: Chain) -> bool:
     kernel that walks each matrix's rows serially and a GEMM sweep's per-step products and
     synchronisations. The CPU keeps its kernels and per-step products (its measured figures)."""
     return chain.backend.on_gpu
-
-
-def renormalise(xp: ModuleType, marginals: Array) -> tuple[Array, Array]:
-    """``marginals`` divided by their sum over the last axis, and the log of that sum (0 where
-    the sum is 0 or not finite, which stays as it is).
-
-    In exact arithmetic each position's marginals sum to 1; in float32 the backward messages,
-    scaled by the forward normalisers only, drift by a factor linear in the position (5e-4 at
-    v = 10⁴). Renormalising every position removes that drift and changes nothing exact.
-    """
-    total = marginals.sum(axis=-1, keepdims=True)
-    usable = (total > 0) & xp.isfinite(total)
-    total = xp.where(usable, total, 1)
-    return marginals / total, xp.log(total)
 
 
 def _backward_gemm(chain: Chain, pre: Array, norm: Array, weight: Array, grad_trans: Array | None) -> Array:

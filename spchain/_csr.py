@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import scipy.sparse
 
 from ._backend import Backend
 from ._typing import Array, Shape, Sparse
@@ -164,6 +165,17 @@ def _group(backend: Backend, keys: Array, n_groups: int) -> tuple[Array, Array]:
     order = np.empty(keys.shape[0], keys.dtype)
     backend.kernel("sparse", "group_by")(keys, indptr, order)
     return indptr, order
+
+
+def new_csr(backend: Backend, like: object, data: Array, indices: Array, indptr: Array, shape: Shape,
+            copy: bool) -> Sparse:
+    """A CSR object of ``backend``: a ``csr_matrix`` if ``like`` is a (SciPy) matrix or on the
+    GPU (cupyx has no array classes), else a ``csr_array``."""
+    if backend.on_gpu or isinstance(like, scipy.sparse.spmatrix):
+        cls = backend.sparse.csr_matrix
+    else:
+        cls = scipy.sparse.csr_array
+    return cls((data, indices, indptr), shape=shape, copy=copy)
 
 
 def row_of_entries(backend: Backend, csr: Csr) -> Array:

@@ -36,7 +36,7 @@ import numpy as np
 from . import _logspace
 from ._chain_layout import Chain
 from ._chain_limits import forward as _forward
-from ._chain_sweep import normalised as _normalised
+from ._logspace import normalised as _normalised
 from ._typing import Array
 
 

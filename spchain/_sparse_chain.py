@@ -30,6 +30,7 @@ import scipy.sparse
 
 from . import _csr
 from ._backend import Backend
+from ._logspace import normalised, renormalise
 from ._typing import Array, Sparse
 
 if TYPE_CHECKING:
@@ -122,8 +123,6 @@ def forward(chain: Chain) -> tuple[Array, Array, Array]:
 def backward(chain: Chain, pre: Array, norm: Array, weight: Array,
              trans_grad: bool = True) -> tuple[Array, Array | None]:
     """``backward_finite`` of a sparse chain: ``(d x (B, v, c), d values (1, 1, nnz) or None)``."""
-    from ._chain_sweep import normalised, renormalise
-
     xp = chain.xp
     rows, v, c = chain.x.shape
     grad_trans = xp.zeros(chain.trans.shape, chain.x.dtype) if trans_grad else None

@@ -25,7 +25,6 @@ import numpy as np
 import scipy.sparse
 
 from . import _backend, _checks, _csr, _selection
-from . import sparse as _sparse
 from ._backend import Backend
 from ._typing import Array, Seed, Shape, Sparse
 
@@ -256,7 +255,7 @@ def prune(w: Array, sparsity: float | None = None, *, method: Literal["magnitude
         if block is not None:
             raise ValueError(f"{caller}: method='n:m' takes no block")
         indptr, indices, data = n_m_parts(backend, w, sparsity, n, m, caller)
-        return _sparse._new_csr(backend, None, data, indices, indptr, w.shape, copy=False)
+        return _csr.new_csr(backend, None, data, indices, indptr, w.shape, copy=False)
     data, indices, indptr = block_parts(backend, w, sparsity, method, seed, block, caller)
     return _like(None, backend, data, indices, indptr, w.shape)
 

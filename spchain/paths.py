@@ -31,8 +31,8 @@ from . import _chain_layout, _chain_limits, _checks, _entropy, _sparse_chain
 from .chain import Grads, _input_grads, _viterbi_grads
 from ._chain_layout import Chain
 from ._chain_limits import forward as _forward
-from ._chain_sweep import normalised as _normalised
 from ._dask import scales_out
+from ._logspace import normalised as _normalised
 from ._typing import Array, Shape, Sparse
 
 

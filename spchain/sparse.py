@@ -29,7 +29,7 @@ import scipy.sparse
 
 from . import _backend, _checks, blocksparse
 from ._backend import Backend
-from ._csr import Csr, _operand, check_dense, check_fraction, contiguous, sparse_parts, to_csr
+from ._csr import Csr, _operand, check_dense, check_fraction, contiguous, new_csr, sparse_parts, to_csr
 from ._dask import scales_out
 from ._selection import largest, positions_to_csr, random_positions
 from ._typing import Array, Seed, Shape, Sparse
@@ -160,17 +160,6 @@ def sampled(backend: Backend, csr: Csr, a: Array, b: Array, dtype: np.dtype[Any]
     return out
 
 
-def _new_csr(backend: Backend, like: object, data: Array, indices: Array, indptr: Array, shape: Shape,
-             copy: bool) -> Sparse:
-    """A CSR object of ``backend``: a ``csr_matrix`` if ``like`` is a (SciPy) matrix or on the
-    GPU (cupyx has no array classes), else a ``csr_array``."""
-    if backend.on_gpu or isinstance(like, scipy.sparse.spmatrix):
-        cls = backend.sparse.csr_matrix
-    else:
-        cls = scipy.sparse.csr_array
-    return cls((data, indices, indptr), shape=shape, copy=copy)
-
-
 @scales_out
 def spmm(a: Sparse, b: Array) -> Array:
     """Sparse times dense: ``a @ b``.
@@ -278,7 +267,7 @@ def sddmm(pattern: Sparse, a: Array, b: Array) -> Sparse:
     backend = _backend.backend_of(pattern, a, b, caller=caller)
     fmt, shape, _, index = sparse_parts(backend, pattern, caller)
     csr, data = sddmm_parts(backend, fmt, shape, index, a, b, caller)
-    return _new_csr(backend, pattern, data, csr.indices, csr.indptr, shape, copy=True)
+    return new_csr(backend, pattern, data, csr.indices, csr.indptr, shape, copy=True)
 
 
 def sddmm_parts(backend: Backend, fmt: str, shape: Shape, index: tuple[Array, Array], a: Array, b: Array,
@@ -348,7 +337,7 @@ def prune(w: Array, sparsity: float | None = None, *, method: Literal["magnitude
     if sparsity is None:
         raise ValueError(f"{caller}: method={method!r} needs a sparsity")
     indptr, indices, data = prune_parts(backend, w, sparsity, method, seed, caller)
-    return _new_csr(backend, None, data, indices, indptr, w.shape, copy=False)
+    return new_csr(backend, None, data, indices, indptr, w.shape, copy=False)
 
 
 def prune_parts(backend: Backend, w: Array, sparsity: float, method: str, seed: Seed,

@@ -60,8 +60,8 @@ def layout_and_marginals(rng, scale, per_row):
     cpu_chain.chain_backward(chain.x, chain.trans, chain.group, chain.lengths, norm, beta)
     inside = (np.arange(v)[None, :] < chain.lengths[:, None])[..., None]
     with np.errstate(invalid="ignore"):
-        marg, _ = _chain_sweep.renormalise(
-            np, np.where(inside, np.exp(_chain_sweep.normalised(np, pre, chain.x, norm) + beta), 0))
+        marg, _ = _logspace.renormalise(
+            np, np.where(inside, np.exp(_logspace.normalised(np, pre, chain.x, norm) + beta), 0))
     return chain, pre, norm, marg
 
 

@@ -114,3 +114,23 @@ def test_threads_calling_spchain_at_once_get_correct_results(rng):
     for t in threads:
         t.join()
     assert len(errors) == 80 and max(errors) < 1e-10
+
+
+@TBB
+def test_threads_that_another_library_started_first_on_another_layer_give_a_warning():
+    result = run("""
+        import warnings, numba, numpy as np
+
+        @numba.njit(parallel=True)
+        def fill(a):
+            for i in numba.prange(a.shape[0]):
+                a[i] = i
+
+        fill(np.zeros(4))  # another library's parallel code starts Numba's threads on its default layer
+        from spchain import _backend
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            layer = _backend.threading_layer()
+        print(layer == numba.threading_layer() != "tbb", [str(w.message) for w in caught])
+    """)
+    assert result.stdout.startswith("True") and "NUMBA_THREADING_LAYER=tbb" in result.stdout, result.stderr

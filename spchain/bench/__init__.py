@@ -35,6 +35,7 @@ WORKLOADS = {
     "grouped": "grouped",
     "chains-at-scale": "dask",
     "crf": "crf",
+    "hmm-forward": "hmm_forward",
     "torch-layer": "torch_layer",
     "hmm-fit": "hmm",
 }

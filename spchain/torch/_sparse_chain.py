@@ -1,23 +1,21 @@
 """The chain and path functions of ``spchain.torch`` with a sparse CSR ``log_trans``.
 
 ``custom_op`` takes dense tensors only, so the public functions pass a sparse CSR tensor as
-its ``crow_indices``, ``col_indices`` and ``values`` (:func:`tensors`), and the operators here
-(``spchain::sparse_<name>``) rebuild it as a SciPy / cupyx CSR matrix for the array-level
+its ``crow_indices``, ``col_indices`` and ``values`` (:func:`tensors`), and the operators made
+here (``spchain::sparse_<name>``, defined by ``spchain.torch.chain`` and ``spchain.torch.paths``
+beside their dense ones) rebuild it as a SciPy / cupyx CSR matrix for the array-level
 functions. The gradient of ``values`` is that of the stored entries; autograd takes it
 through ``log_trans.values()`` to a sparse CSR gradient of exactly ``log_trans``'s structure.
 """
 
 from collections.abc import Callable, Sequence
-from types import ModuleType
 from typing import TYPE_CHECKING, Any, Literal, TypeGuard, overload
 
 import torch
 
 from .. import _backend, _chain_layout
-from .. import chain as _chain
-from .. import paths as _paths
 from .._typing import Array, Sparse
-from ._operator import Fake, Forward, Jvp, Operator, Public, linear_jvp, run_eagerly
+from ._operator import Fake, Forward, Jvp, Operator, Public, run_eagerly
 
 if TYPE_CHECKING:
     from .chain import ChainTensors, TensorLike
@@ -87,24 +85,24 @@ def _dense_args(args: Sequence[Any]) -> tuple[Any, ...]:
 
 
 @overload
-def _operator(name: str, forward: Forward, fake: Fake, *, schema_tail: str = ..., returns: str,
-              outputs: Literal[1] = ..., backward: DenseBackward | None = ..., jvp: Jvp | None = ...
-              ) -> Operator[torch.Tensor]: ...
+def operator(name: str, forward: Forward, fake: Fake, *, schema_tail: str = ..., returns: str,
+             outputs: Literal[1] = ..., backward: DenseBackward | None = ..., jvp: Jvp | None = ...
+             ) -> Operator[torch.Tensor]: ...
 
 
 @overload
-def _operator(name: str, forward: Forward, fake: Fake, *, schema_tail: str = ..., returns: str,
-              outputs: Literal[2], backward: DenseBackward | None = ..., jvp: Jvp | None = ...
-              ) -> Operator[tuple[torch.Tensor, torch.Tensor]]: ...
+def operator(name: str, forward: Forward, fake: Fake, *, schema_tail: str = ..., returns: str,
+             outputs: Literal[2], backward: DenseBackward | None = ..., jvp: Jvp | None = ...
+             ) -> Operator[tuple[torch.Tensor, torch.Tensor]]: ...
 
 
-def _operator(name: str, forward: Forward, fake: Fake, *, schema_tail: str = "", returns: str,
-              outputs: Literal[1, 2] = 1, backward: DenseBackward | None = None, jvp: Jvp | None = None
-              ) -> Operator[Any]:
+def operator(name: str, forward: Forward, fake: Fake, *, schema_tail: str = "", returns: str,
+             outputs: Literal[1, 2] = 1, backward: DenseBackward | None = None, jvp: Jvp | None = None
+             ) -> Operator[Any]:
     """``Operator`` ``sparse_<name>`` over the array-level ``forward`` / ``backward`` of a chain
-    or path function whose ``log_trans`` is the second argument; forward-mode AD by ``jvp``
-    (default: a chain's result by its reverse rule, :func:`spchain.torch.chain.batch_jvp`) where
-    it has a backward."""
+    or path function whose ``log_trans`` is the second argument (``fake`` is the dense one);
+    forward-mode AD by ``jvp`` (e.g. :func:`spchain.torch.chain.batch_jvp`) where it has a
+    backward."""
     schema = f"(Tensor x, Tensor crow, Tensor col, Tensor values, Tensor? log_init{schema_tail}) -> {returns}"
 
     def sparse_fake(x: torch.Tensor, crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor,
@@ -120,45 +118,8 @@ def _operator(name: str, forward: Forward, fake: Fake, *, schema_tail: str = "",
     return Operator(f"sparse_{name}", schema, lambda *args: forward(*_dense_args(args)), sparse_fake,
                     outputs=outputs, backward=None if backward is None else sparse_backward,
                     differentiable=(0, 3, 4) if backward is not None else (),
-                    jvp=None if backward is None else jvp or _batch_jvp, autocast="float32")
+                    jvp=None if backward is None else jvp, autocast="float32")
 
 
-def _forward(f: Forward, name: str) -> Forward:
-    return lambda *args: f(*args, caller=f"spchain.torch.{name}")
-
-
-def _fakes() -> tuple[ModuleType, ModuleType]:
-    from . import chain, paths
-    return chain, paths
-
-
-def _lazy_fake(module: int, name: str) -> Fake:
-    return lambda *args: getattr(_fakes()[module], name)(*args)
-
-
-def _batch_jvp(operator: Operator[Any], *args: Any) -> Sequence[torch.Tensor | None]:
-    jvp: Jvp = _fakes()[0].batch_jvp(3)
-    return jvp(operator, *args)
-
-
-_LENGTHS = ", Tensor? lengths"
-CHAIN_LOGSUMEXP = _operator("chain_logsumexp", _forward(_chain.chain_logsumexp_forward, "chain_logsumexp"),
-                            _lazy_fake(0, "_logsumexp_fake"), schema_tail=_LENGTHS,
-                            returns="(Tensor, Tensor, Tensor)", backward=_chain.chain_logsumexp_backward)
-CHAIN_MARGINALS = _operator("chain_marginals", _forward(_chain.chain_marginals_forward, "chain_marginals"),
-                            _lazy_fake(0, "_marginals_fake"), schema_tail=_LENGTHS, returns="Tensor")
-VITERBI = _operator("viterbi", _forward(_chain.viterbi_forward, "viterbi"), _lazy_fake(0, "_viterbi_fake"),
-                    schema_tail=_LENGTHS, returns="(Tensor, Tensor)", outputs=2, backward=_chain.viterbi_backward)
-CHAIN_ENTROPY = _operator("chain_entropy", _forward(_paths.chain_entropy_forward, "chain_entropy"),
-                          _lazy_fake(1, "_entropy_fake"), schema_tail=_LENGTHS,
-                          returns="(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
-                          backward=_paths.chain_entropy_backward)
-CHAIN_SAMPLE = _operator("chain_sample", _forward(_paths.chain_sample_forward, "chain_sample"),
-                         _lazy_fake(1, "_sample_fake"), schema_tail=f"{_LENGTHS}, int num_samples, int? seed",
-                         returns="Tensor")
-CHAIN_KBEST = _operator("chain_kbest", _forward(_paths.chain_kbest_forward, "chain_kbest"),
-                        _lazy_fake(1, "_kbest_fake"), schema_tail=f"{_LENGTHS}, int k", returns="(Tensor, Tensor)",
-                        outputs=2)
-CHAIN_PATH_SCORE = _operator("chain_path_score", _forward(_paths.chain_path_score_forward, "chain_path_score"),
-                             _lazy_fake(1, "_path_score_fake"), schema_tail=f", Tensor path{_LENGTHS}",
-                             returns="Tensor", backward=_paths.chain_path_score_backward, jvp=linear_jvp)
+LENGTHS = ", Tensor? lengths"
+"""The schema of the operators' ``lengths`` argument."""

@@ -135,6 +135,14 @@ _VITERBI = Operator(
     "viterbi", f"{_SCHEMA} -> (Tensor, Tensor)",
     functools.partial(_chain.viterbi_forward, caller="spchain.torch.viterbi"), _viterbi_fake,
     outputs=2, backward=_chain.viterbi_backward, differentiable=(0, 1, 2), jvp=batch_jvp(), autocast="float32")
+SPARSE_CHAIN_LOGSUMEXP = _sparse_chain.operator(
+    "chain_logsumexp", _CHAIN_LOGSUMEXP.forward, _logsumexp_fake, schema_tail=_sparse_chain.LENGTHS,
+    returns="(Tensor, Tensor, Tensor)", backward=_chain.chain_logsumexp_backward, jvp=batch_jvp(3))
+SPARSE_CHAIN_MARGINALS = _sparse_chain.operator(
+    "chain_marginals", _CHAIN_MARGINALS.forward, _marginals_fake, schema_tail=_sparse_chain.LENGTHS, returns="Tensor")
+SPARSE_VITERBI = _sparse_chain.operator(
+    "viterbi", _VITERBI.forward, _viterbi_fake, schema_tail=_sparse_chain.LENGTHS, returns="(Tensor, Tensor)",
+    outputs=2, backward=_chain.viterbi_backward, jvp=batch_jvp(3))
 
 
 def chain_logsumexp(x: TensorLike, log_trans: TensorLike, log_init: TensorLike | None = None, *,
@@ -160,7 +168,7 @@ def chain_logsumexp(x: TensorLike, log_trans: TensorLike, log_init: TensorLike |
             [1., 1., 1.]])
     """
     if _sparse_chain.is_csr(log_trans):
-        return _sparse_chain.eagerly(_sparse_chain.CHAIN_LOGSUMEXP, "spchain.torch.chain_logsumexp", x, log_trans,
+        return _sparse_chain.eagerly(SPARSE_CHAIN_LOGSUMEXP, "spchain.torch.chain_logsumexp", x, log_trans,
                                      log_init, lengths, _tensors)
     return _CHAIN_LOGSUMEXP(*_tensors("spchain.torch.chain_logsumexp", x, log_trans, log_init, lengths))
 
@@ -180,7 +188,7 @@ def chain_marginals(x: TensorLike, log_trans: TensorLike, log_init: TensorLike |
             [0.5000, 0.5000]])
     """
     if _sparse_chain.is_csr(log_trans):
-        return _sparse_chain.eagerly(_sparse_chain.CHAIN_MARGINALS, "spchain.torch.chain_marginals", x, log_trans,
+        return _sparse_chain.eagerly(SPARSE_CHAIN_MARGINALS, "spchain.torch.chain_marginals", x, log_trans,
                                      log_init, lengths, _tensors)
     return _CHAIN_MARGINALS(*_tensors("spchain.torch.chain_marginals", x, log_trans, log_init, lengths))
 
@@ -201,6 +209,6 @@ def viterbi(x: TensorLike, log_trans: TensorLike, log_init: TensorLike | None = 
             [1., 0.]]))
     """
     if _sparse_chain.is_csr(log_trans):
-        return _sparse_chain.eagerly(_sparse_chain.VITERBI, "spchain.torch.viterbi", x, log_trans, log_init,
+        return _sparse_chain.eagerly(SPARSE_VITERBI, "spchain.torch.viterbi", x, log_trans, log_init,
                                      lengths, _tensors)
     return _VITERBI(*_tensors("spchain.torch.viterbi", x, log_trans, log_init, lengths))

@@ -6,9 +6,9 @@ from typing import Literal, TypeAlias
 import torch
 from torch import nn
 
-from . import _sparse_chain
-from .chain import chain_logsumexp, chain_marginals, viterbi
-from .paths import chain_path_score, chain_sample
+from .chain import (SPARSE_CHAIN_LOGSUMEXP, SPARSE_CHAIN_MARGINALS, SPARSE_VITERBI, chain_logsumexp, chain_marginals,
+                    viterbi)
+from .paths import SPARSE_CHAIN_PATH_SCORE, SPARSE_CHAIN_SAMPLE, chain_path_score, chain_sample
 from .sparse import csr_tensor
 
 REDUCTIONS = ("mean", "sum", "token_mean", "none")
@@ -264,7 +264,7 @@ class LinearChainCRF(nn.Module):
         transitions, start = self._scores(x.dtype)
         if len(transitions) == 1:
             return chain_logsumexp(x, transitions[0], start, lengths=lengths)
-        return _sparse_chain.CHAIN_LOGSUMEXP(x, *transitions, start, lengths)
+        return SPARSE_CHAIN_LOGSUMEXP(x, *transitions, start, lengths)
 
     def nll(self, emissions: torch.Tensor, tags: torch.Tensor, lengths: Lengths = None,
             reduction: Reduction = "mean", *, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -285,7 +285,7 @@ class LinearChainCRF(nn.Module):
         if len(transitions) == 1:
             score = chain_path_score(x, transitions[0], start, path, lengths=lengths)
         else:
-            score = _sparse_chain.CHAIN_PATH_SCORE(x, *transitions, start, path, lengths)
+            score = SPARSE_CHAIN_PATH_SCORE(x, *transitions, start, path, lengths)
         return self._reduce(self._logsumexp(x, lengths) - score, reduction, lengths)
 
     def decode(self, emissions: torch.Tensor, lengths: Lengths = None, *,
@@ -306,7 +306,7 @@ class LinearChainCRF(nn.Module):
             if len(transitions) == 1:
                 path = viterbi(x, transitions[0], start, lengths=lengths)[1]
             else:
-                path = _sparse_chain.VITERBI(x, *transitions, start, lengths)[1]
+                path = SPARSE_VITERBI(x, *transitions, start, lengths)[1]
         if self.batch_first is not None:
             return [row[:n].tolist() for row, n in zip(path, lengths.tolist())]
         return self._unshifted(path, offsets, -1)
@@ -322,7 +322,7 @@ class LinearChainCRF(nn.Module):
             if len(transitions) == 1:
                 out = chain_marginals(x, transitions[0], start, lengths=lengths)
             else:
-                out = _sparse_chain.CHAIN_MARGINALS(x, *transitions, start, lengths)
+                out = SPARSE_CHAIN_MARGINALS(x, *transitions, start, lengths)
         return self._unshifted(out, offsets, -2)
 
     def sample(self, emissions: torch.Tensor, lengths: Lengths = None, *, mask: torch.Tensor | None = None,
@@ -335,7 +335,7 @@ class LinearChainCRF(nn.Module):
             if len(transitions) == 1:
                 out = chain_sample(x, transitions[0], start, lengths=lengths, num_samples=num_samples, seed=seed)
             else:
-                out = _sparse_chain.CHAIN_SAMPLE(x, *transitions, start, lengths, num_samples, seed)
+                out = SPARSE_CHAIN_SAMPLE(x, *transitions, start, lengths, num_samples, seed)
         return self._unshifted(out, offsets, -1)
 
 

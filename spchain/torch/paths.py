@@ -64,6 +64,20 @@ _CHAIN_PATH_SCORE = Operator(
     "chain_path_score", "(Tensor x, Tensor log_trans, Tensor? log_init, Tensor path, Tensor? lengths) -> Tensor",
     functools.partial(_paths.chain_path_score_forward, caller="spchain.torch.chain_path_score"), _path_score_fake,
     backward=_paths.chain_path_score_backward, differentiable=(0, 1, 2), jvp=linear_jvp, autocast="float32")
+SPARSE_CHAIN_ENTROPY = _sparse_chain.operator(
+    "chain_entropy", _CHAIN_ENTROPY.forward, _entropy_fake, schema_tail=_sparse_chain.LENGTHS,
+    returns="(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)", backward=_paths.chain_entropy_backward,
+    jvp=batch_jvp(3))
+SPARSE_CHAIN_SAMPLE = _sparse_chain.operator(
+    "chain_sample", _CHAIN_SAMPLE.forward, _sample_fake,
+    schema_tail=f"{_sparse_chain.LENGTHS}, int num_samples, int? seed", returns="Tensor")
+SPARSE_CHAIN_KBEST = _sparse_chain.operator(
+    "chain_kbest", _CHAIN_KBEST.forward, _kbest_fake, schema_tail=f"{_sparse_chain.LENGTHS}, int k",
+    returns="(Tensor, Tensor)", outputs=2)
+SPARSE_CHAIN_PATH_SCORE = _sparse_chain.operator(
+    "chain_path_score", _CHAIN_PATH_SCORE.forward, _path_score_fake,
+    schema_tail=f", Tensor path{_sparse_chain.LENGTHS}", returns="Tensor", backward=_paths.chain_path_score_backward,
+    jvp=linear_jvp)
 
 
 def chain_sample(x: TensorLike, log_trans: TensorLike, log_init: TensorLike | None = None, *,
@@ -77,7 +91,7 @@ def chain_sample(x: TensorLike, log_trans: TensorLike, log_init: TensorLike | No
     torch.Size([2, 4])
     """
     if _sparse_chain.is_csr(log_trans):
-        return _sparse_chain.eagerly(_sparse_chain.CHAIN_SAMPLE, "spchain.torch.chain_sample", x, log_trans, log_init,
+        return _sparse_chain.eagerly(SPARSE_CHAIN_SAMPLE, "spchain.torch.chain_sample", x, log_trans, log_init,
                                      lengths, _tensors, num_samples, seed)
     return _CHAIN_SAMPLE(*_tensors("spchain.torch.chain_sample", x, log_trans, log_init, lengths), num_samples, seed)
 
@@ -96,7 +110,7 @@ def chain_entropy(x: TensorLike, log_trans: TensorLike, log_init: TensorLike | N
     (3.0, 0.0)
     """
     if _sparse_chain.is_csr(log_trans):
-        return _sparse_chain.eagerly(_sparse_chain.CHAIN_ENTROPY, "spchain.torch.chain_entropy", x, log_trans, log_init,
+        return _sparse_chain.eagerly(SPARSE_CHAIN_ENTROPY, "spchain.torch.chain_entropy", x, log_trans, log_init,
                                      lengths, _tensors)
     return _CHAIN_ENTROPY(*_tensors("spchain.torch.chain_entropy", x, log_trans, log_init, lengths))
 
@@ -116,7 +130,7 @@ def chain_kbest(x: TensorLike, log_trans: TensorLike, log_init: TensorLike | Non
             [0, 0]]))
     """
     if _sparse_chain.is_csr(log_trans):
-        return _sparse_chain.eagerly(_sparse_chain.CHAIN_KBEST, "spchain.torch.chain_kbest", x, log_trans, log_init,
+        return _sparse_chain.eagerly(SPARSE_CHAIN_KBEST, "spchain.torch.chain_kbest", x, log_trans, log_init,
                                      lengths, _tensors, k)
     return _CHAIN_KBEST(*_tensors("spchain.torch.chain_kbest", x, log_trans, log_init, lengths), k)
 
@@ -148,7 +162,7 @@ def _sparse_path_score(x: TensorLike, log_trans: torch.Tensor, log_init: TensorL
     """:func:`chain_path_score` with a sparse CSR ``log_trans``, run eagerly (see ``_sparse_chain.eagerly``)."""
     caller = "spchain.torch.chain_path_score"
     x, *trans, log_init, lengths = _sparse_chain.tensors(caller, x, log_trans, log_init, lengths, _tensors)
-    return _sparse_chain.CHAIN_PATH_SCORE(x, *trans, log_init, _path(caller, path, x), lengths)
+    return SPARSE_CHAIN_PATH_SCORE(x, *trans, log_init, _path(caller, path, x), lengths)
 
 
 def _path(caller: str, path: TensorLike, x: torch.Tensor) -> torch.Tensor:
