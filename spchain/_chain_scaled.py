@@ -11,12 +11,15 @@
 from __future__ import annotations
 
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ._chain_layout import Chain
 from ._logspace import finite_or_zero
 from ._typing import Array
+
+if TYPE_CHECKING:
+    from ._chain_layout import Chain
 
 REUSE = 4
 """Row-steps per transition matrix from which exponentiating the matrices once pays."""

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import scipy.sparse
 
-from . import _csr
+from . import _chain_scaled, _csr
 from ._backend import Backend
 from ._logspace import normalised, renormalise
 from ._typing import Array, Sparse
@@ -152,8 +152,6 @@ def _values_grad_on_device(chain: Chain, values: Array, pre: Array, norm: Array,
     ``Rᵀ`` at the stored entries, in float64 and in chunks of rows. Where any scale factor left
     range, the log-space kernel recomputes the whole gradient; it reads that flag on the
     device, so nothing synchronises."""
-    from . import _chain_scaled
-
     xp, s = chain.xp, _structure(chain)
     rows, v, c = chain.x.shape
     nnz, f64 = values.shape[0], np.float64
