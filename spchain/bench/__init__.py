@@ -1,25 +1,32 @@
 """``python -m spchain bench``: spchain beside the baselines it must beat, in one process.
 
-Each workload of DESIGN.md lives in a module here with ``CASES`` (the names of its cases),
+Each workload of the design (``docs/design.rst``) lives in a module here with ``CASES`` (the names of its cases),
 ``SIZES`` (``{False: full sizes, True: quick sizes}``, each a dict of named sizes), optionally
 ``FULL_ONLY`` (cases that ``--quick`` leaves out), and ``make_case(name, quick, device)``
 returning a :class:`~.core.Case`, inputs built; asv's suite (``asv_bench/``) times the same cases.
-The command prints a table (median time, peak memory, max error against a float64
-reference, ratios against spchain) and writes a PNG bar chart.
+To add a workload, add its module and one line to ``WORKLOADS``. The command prints a table
+(median time, peak memory, max error against a float64 reference, ratios against spchain),
+draws a PNG bar chart with ``--png``, and checks the ratios against the committed record
+(:mod:`.record`) with ``--check``.
 
-    python -m spchain bench --quick            # small sizes, under a minute
-    python -m spchain bench --only chain       # one full-size workload
+    python -m spchain bench --quick                        # small sizes
+    python -m spchain bench --only chain                   # one full-size workload
+    python -m spchain bench --check --quick --only chain   # the regression check
 """
 
 import argparse
 import gc
 import importlib
+import math
+import os
 import platform
 import sys
+from pathlib import Path
 from types import ModuleType
 
-from .core import Case, measure
-from .report import plot, table
+from . import record
+from .core import Case, Result, measure
+from .report import LEGEND, plot, table, write_docs
 
 WORKLOADS = {
     "sparse-linear": "sparse",
@@ -65,26 +72,127 @@ def make_case(name: str, case: str, quick: bool, device: str = "cpu") -> Case:
     return built
 
 
-def _parser() -> argparse.ArgumentParser:
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text!r}")
+    return value
+
+
+def _writable(path: str, suffix: str) -> None:
+    """Raise ``ValueError`` unless ``path`` ends in ``suffix`` and a file can be written there."""
+    if not path.endswith(suffix):
+        raise ValueError(f"{path!r} does not end in {suffix}")
+    target = Path(path)
+    if target.is_dir():
+        raise ValueError(f"{path!r} is a directory")
+    folder = target.parent
+    if not folder.is_dir():
+        raise ValueError(f"{path!r}: no directory {str(folder)!r}")
+    if not os.access(target if target.exists() else folder, os.W_OK):
+        raise ValueError(f"{path!r} cannot be written")
+
+
+def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     parser = argparse.ArgumentParser(prog="python -m spchain", description="spchain's command line")
     commands = parser.add_subparsers(dest="command", required=True)
     bench = commands.add_parser("bench", help="run the benchmark workloads beside their baselines")
-    bench.add_argument("--quick", action="store_true", help="small sizes (under a minute in all)")
+    bench.add_argument("--quick", action="store_true", help="small sizes")
     bench.add_argument("--only", nargs="+", choices=sorted(WORKLOADS), metavar="WORKLOAD",
                        help=f"run only these workloads ({', '.join(WORKLOADS)})")
     bench.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    bench.add_argument("--repeat", type=int, default=None, help="timed rounds (default 5, quick 3)")
-    bench.add_argument("--budget", type=float, default=None,
-                       help="seconds after which a method's timed runs stop repeating (default 20, quick 2)")
-    bench.add_argument("--png", default="spchain-bench.png", help="where to write the bar chart")
-    return parser
+    bench.add_argument("--repeat", type=_positive_int, default=None, help="timed rounds (default 5, quick 3)")
+    bench.add_argument("--budget", type=_seconds, default=None,
+                       help="seconds after which a baseline's timed runs stop repeating (default 20, quick 2)")
+    bench.add_argument("--png", default=None, help="also draw the bar chart into this PNG file")
+    bench.add_argument("--check", action="store_true",
+                       help=f"compare each baseline's time ratio with the record's at these sizes; "
+                            f"exit 1 if one fell by more than {record.DROP:.0%}")
+    bench.add_argument("--update-record", action="store_true",
+                       help="write this run's figures into the record (and the README and docs tables in a clone)")
+    bench.add_argument("--write-docs", action="store_true",
+                       help="only rewrite the README's and the docs' tables from the record (runs nothing)")
+    bench.add_argument("--record", type=Path, default=record.PATH, help="the record file (default: the committed one)")
+    return parser, bench
+
+
+def _arguments(argv: list[str] | None) -> argparse.Namespace:
+    """The parsed arguments, every check that can fail done before anything runs."""
+    top, parser = _parser()
+    args = top.parse_args(argv)
+    twice = sorted({w for w in args.only or () if args.only.count(w) > 1})
+    if twice:
+        parser.error(f"--only: {', '.join(twice)} named more than once")
+    if args.png is not None:
+        try:
+            _writable(args.png, ".png")
+        except ValueError as exc:
+            parser.error(f"--png: {exc}")
+    if (args.check or args.update_record or args.write_docs) and not args.record.is_file():
+        parser.error(f"--record: no file {str(args.record)!r}")
+    if args.update_record:
+        try:
+            _writable(str(args.record), ".json")
+        except ValueError as exc:
+            parser.error(f"--record: {exc}")
+    if (args.update_record or args.write_docs) and args.record == record.PATH and not (ROOT / "README.md").is_file():
+        parser.error("--update-record and --write-docs rewrite the README of a clone of the repository; "
+                     "this spchain is installed without one")
+    return args
+
+
+ROOT = Path(__file__).resolve().parents[2]
+"""The repository's root in a clone (where ``README.md`` and ``docs/`` are)."""
+
+
+def run(selected: list[tuple[str, str]], quick: bool, device: str, repeat: int, budget: float) -> list[Result]:
+    """Measure the ``(workload, case)`` pairs, a progress bar on stderr."""
+    from tqdm import tqdm
+
+    results = []
+    with tqdm(total=len(selected), desc="benchmarks", file=sys.stderr,
+              bar_format="{l_bar}{bar}| {elapsed}<{remaining} {postfix}") as bar:
+        for i, (name, case_name) in enumerate(selected):
+            bar.set_postfix_str(f"{name}: {case_name}")
+            gc.collect()
+            gc.freeze()  # what outlives the cases so far (modules, caches) is left out of later collections
+            case = make_case(name, case_name, quick, device)
+            runs = len(case.methods) * (repeat + 2)
+            done = [0]
+
+            def tick() -> None:
+                done[0] += 1
+                bar.update(i + min(done[0] / runs, 1.0) - bar.n)
+
+            results.extend(measure(case, repeat, budget, tick))
+            bar.n = i + 1  # exact, so that the bar ends at its total
+            bar.refresh()
+            del case
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = _arguments(argv)
+    if args.write_docs:
+        for path in write_docs(record.load(args.record), ROOT):
+            print(f"rewritten: {path}")
+        return 0
     try:
         import torch
-        from tqdm import tqdm
+        import tqdm  # noqa: F401
     except ImportError as exc:
         print(f"python -m spchain bench needs torch and tqdm ({exc}): pip install 'spchain[torch,bench]'",
               file=sys.stderr)
@@ -92,20 +200,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("--device cuda: torch sees no CUDA device", file=sys.stderr)
         return 2
-    repeat = max(1, args.repeat or (3 if args.quick else 5))
+    repeat = args.repeat or (3 if args.quick else 5)
     budget = args.budget if args.budget is not None else (2.0 if args.quick else 20.0)
     selected = [(w, c) for w in args.only or WORKLOADS for c in cases(w, args.quick)]
-    results = []
-    with tqdm(total=len(selected), desc="benchmarks", file=sys.stderr,
-              bar_format="{l_bar}{bar}| {elapsed}<{remaining} {postfix}") as bar:
-        for name, case_name in selected:
-            bar.set_postfix_str(f"{name}: {case_name}")
-            gc.collect()
-            gc.freeze()  # what outlives the cases so far (modules, caches) is left out of later collections
-            case = make_case(name, case_name, args.quick, args.device)
-            runs = len(case.methods) * (repeat + 2)
-            results.extend(measure(case, repeat, budget, lambda: bar.update(1 / runs)))
-            del case
+    results = run(selected, args.quick, args.device, repeat, budget)
     machine = torch.cuda.get_device_name() if args.device == "cuda" else f"{platform.processor() or platform.machine()}"
     title = (f"spchain {importlib.import_module('spchain').__version__} on {machine}, torch {torch.__version__}, "
              f"{torch.get_num_threads()} threads{' (quick sizes)' if args.quick else ''}")
@@ -113,6 +211,23 @@ def main(argv: list[str] | None = None) -> int:
     names = list(dict.fromkeys(w for w, _ in selected))
     print("\n".join(f"  {name.ljust(max(map(len, names)))}  {sizes(name, args.quick)}" for name in names))
     print(table(results))
-    plot(results, args.png, title)
-    print(f"bar chart written to {args.png}")
-    return 0
+    print(LEGEND)
+    if args.png is not None:
+        plot(results, args.png, title)
+        print(f"bar chart written to {args.png}")
+    status = 0
+    if args.check:
+        changes, missing = record.compare(record.load(args.record), results, args.quick)
+        print(record.check_report(changes, missing))
+        status = 1 if any(c.fell for c in changes) else 0
+    if args.update_record:
+        saved = record.load(args.record)
+        written = record.update(saved, results, args.quick,
+                                record.this_run(argv if argv is not None else sys.argv[1:],
+                                                args.quick, torch.get_num_threads(), args.device))
+        record.save(saved, args.record)
+        print(f"{args.record}: {len(written)} cases written")
+        if args.record == record.PATH:
+            for path in write_docs(saved, ROOT):
+                print(f"rewritten: {path}")
+    return status
