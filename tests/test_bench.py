@@ -150,6 +150,27 @@ def test_an_unwritable_png_fails_before_the_run(tmp_path, capsys, monkeypatch):
     assert "cannot be written" in capsys.readouterr().err
 
 
+def test_a_first_run_compiles_the_kernels_of_the_selected_workloads_first_and_only_then(monkeypatch):
+    compiled = []
+    monkeypatch.setattr(bench, "compile_kernels", lambda names, quick: compiled.append((names, quick)))
+    monkeypatch.setattr(bench, "run", lambda *a: _results("viterbi", "decode", 1.0, {"torch broadcasting max": 2.0}))
+    monkeypatch.setattr(bench, "kernels_cached", lambda: False)
+    assert bench.main(["bench", "--quick", "--only", "viterbi", "logmatmul"]) == 0
+    assert compiled == [(["viterbi", "logmatmul"], True)]
+    monkeypatch.setattr(bench, "kernels_cached", lambda: True)
+    assert bench.main(["bench", "--quick", "--only", "viterbi"]) == 0
+    assert len(compiled) == 1
+
+
+def test_compiling_a_workload_runs_spchains_methods_and_the_reference_of_each_case(monkeypatch):
+    ran = []
+    monkeypatch.setattr(bench, "make_case", lambda name, case, quick: core.Case(
+        name, case, {"spchain": lambda: ran.append(case), "spchain dense": lambda: ran.append("dense"),
+                     "baseline": lambda: pytest.fail("a baseline ran")}, reference=lambda: ran.append("reference")))
+    assert bench._compile("chain", True) == "chain"
+    assert ran == [x for case in bench.cases("chain", True) for x in (case, "dense", "reference")]
+
+
 # --- the record, the check, and the tables generated from it --------------------------------------
 
 def test_the_readme_and_benchmarks_page_tables_are_the_ones_the_record_generates():

@@ -158,6 +158,51 @@ ROOT = Path(__file__).resolve().parents[2]
 """The repository's root in a clone (where ``README.md`` and ``docs/`` are)."""
 
 
+def kernels_cached() -> bool:
+    """Whether Numba's on-disk cache holds any of spchain's CPU kernels (after a first run)."""
+    from numba.core.config import CACHE_DIR
+
+    from ..kernels import cpu
+
+    places = [Path(cpu.__file__).parent / "__pycache__", *([Path(CACHE_DIR)] if CACHE_DIR else [])]
+    return any(next(place.rglob("*.nbi"), None) is not None for place in places if place.is_dir())
+
+
+def _compile(name: str, quick: bool) -> str:
+    """Run spchain's methods (those named ``spchain...``) and the float64 reference of each case
+    of workload ``name`` once, which compiles the kernels they need into Numba's on-disk cache
+    (in a worker process of :func:`compile_kernels`)."""
+    import torch
+
+    torch.set_num_threads(1)
+    for case_name in cases(name, quick):
+        case = make_case(name, case_name, quick)
+        for method, fn in case.methods.items():
+            if method.startswith("spchain"):
+                fn()
+        if case.reference is not None:
+            case.reference()
+    return name
+
+
+def compile_kernels(names: list[str], quick: bool) -> None:
+    """Compile the kernels that the workloads ``names`` need, in parallel worker processes (one a
+    core; Numba compiles one function at a time in a process), into Numba's on-disk cache, with
+    a progress bar: the first run after an install only."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    from tqdm import tqdm
+
+    workers = min(len(names), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    with ProcessPoolExecutor(max(workers, 1), mp_context=multiprocessing.get_context("spawn")) as pool, \
+            tqdm(total=len(names), desc="compiling kernels (first run only)", file=sys.stderr,
+                 bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} workloads, {elapsed} {postfix}") as bar:
+        for done in as_completed([pool.submit(_compile, name, quick) for name in names]):
+            bar.set_postfix_str(done.result())
+            bar.update(1)
+
+
 def run(selected: list[tuple[str, str]], quick: bool, device: str, repeat: int, budget: float) -> list[Result]:
     """Measure the ``(workload, case)`` pairs, a progress bar on stderr."""
     from tqdm import tqdm
@@ -203,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     repeat = args.repeat or (3 if args.quick else 5)
     budget = args.budget if args.budget is not None else (2.0 if args.quick else 20.0)
     selected = [(w, c) for w in args.only or WORKLOADS for c in cases(w, args.quick)]
+    if args.device == "cpu" and not kernels_cached():
+        compile_kernels(list(dict.fromkeys(w for w, _ in selected)), args.quick)
     results = run(selected, args.quick, args.device, repeat, budget)
     machine = torch.cuda.get_device_name() if args.device == "cuda" else f"{platform.processor() or platform.machine()}"
     title = (f"spchain {importlib.import_module('spchain').__version__} on {machine}, torch {torch.__version__}, "
