@@ -17,6 +17,7 @@ draws a PNG bar chart with ``--png``, and checks the ratios against the committe
 import argparse
 import gc
 import importlib
+import json
 import math
 import os
 import platform
@@ -118,6 +119,8 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     bench.add_argument("--budget", type=_seconds, default=None,
                        help="seconds after which a baseline's timed runs stop repeating (default 20, quick 2)")
     bench.add_argument("--png", default=None, help="also draw the bar chart into this PNG file")
+    bench.add_argument("--json", default=None,
+                       help="also write the figures into this JSON file (the run and its cases, as in the record)")
     bench.add_argument("--check", action="store_true",
                        help=f"compare each baseline's time ratio with the record's at these sizes; "
                             f"exit 1 if one fell by more than {record.DROP:.0%}")
@@ -141,6 +144,11 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
             _writable(args.png, ".png")
         except ValueError as exc:
             parser.error(f"--png: {exc}")
+    if args.json is not None:
+        try:
+            _writable(args.json, ".json")
+        except ValueError as exc:
+            parser.error(f"--json: {exc}")
     if (args.check or args.update_record or args.write_docs) and not args.record.is_file():
         parser.error(f"--record: no file {str(args.record)!r}")
     if args.update_record:
@@ -248,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     repeat = args.repeat or (3 if args.quick else 5)
     budget = args.budget if args.budget is not None else (2.0 if args.quick else 20.0)
     selected = [(w, c) for w in args.only or WORKLOADS for c in cases(w, args.quick)]
+    this_run = record.this_run(argv if argv is not None else sys.argv[1:], args.quick, torch.get_num_threads(),
+                               args.device)
     if args.device == "cpu" and not kernels_cached():
         compile_kernels(list(dict.fromkeys(w for w, _ in selected)), args.quick)
     results = run(selected, args.quick, args.device, repeat, budget)
@@ -262,6 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.png is not None:
         plot(results, args.png, title)
         print(f"bar chart written to {args.png}")
+    if args.json is not None:
+        Path(args.json).write_text(json.dumps(record.as_json(results, this_run), indent=1) + "\n")
+        print(f"figures written to {args.json}")
     status = 0
     if args.check:
         changes, missing = record.compare(record.load(args.record), results, args.quick)
@@ -269,9 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         status = 1 if any(c.fell for c in changes) else 0
     if args.update_record:
         saved = record.load(args.record)
-        written = record.update(saved, results, args.quick,
-                                record.this_run(argv if argv is not None else sys.argv[1:],
-                                                args.quick, torch.get_num_threads(), args.device))
+        written = record.update(saved, results, args.quick, this_run)
         record.save(saved, args.record)
         print(f"{args.record}: {len(written)} cases written")
         if args.record == record.PATH:

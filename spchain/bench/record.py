@@ -75,6 +75,11 @@ def this_run(argv: list[str], quick: bool, threads: int, device: str) -> dict[st
     }
 
 
+def _sig(x: float, digits: int = 4) -> float:
+    """``x`` rounded to ``digits`` significant digits (the record's figures are not more exact)."""
+    return float(f"{x:.{digits}g}")
+
+
 def entry(results: list[Result], run: str, quick: bool, old: dict[str, Any] | None) -> dict[str, Any]:
     """The record's entry of one case's results (spchain's first), measured in run ``run``.
 
@@ -84,16 +89,16 @@ def entry(results: list[Result], run: str, quick: bool, old: dict[str, Any] | No
     labels = {m["method"]: m["label"] for m in old["methods"] if "label" in m} if old else {}
     methods = []
     for r in results:
-        figures: dict[str, Any] = {"method": r.method, "label": labels.get(r.method, r.method), "median_s": r.median,
+        figures: dict[str, Any] = {"method": r.method, "label": labels.get(r.method, r.method), "median_s": _sig(r.median),
                                    "runs": len(r.times)}
         if not math.isnan(r.peak_bytes):
-            figures["peak_mib"] = r.peak_bytes / MiB
+            figures["peak_mib"] = _sig(r.peak_bytes / MiB)
         if not math.isnan(r.max_rel_error):
-            figures["max_rel_err"] = r.max_rel_error
+            figures["max_rel_err"] = _sig(r.max_rel_error, 2)
         if r is not base:
-            figures["time_ratio"] = r.median * r.scale / base.median
+            figures["time_ratio"] = _sig(r.median * r.scale / base.median)
             if base.peak_bytes > 0 and not math.isnan(r.peak_bytes):
-                figures["memory_ratio"] = r.peak_bytes / base.peak_bytes
+                figures["memory_ratio"] = _sig(r.peak_bytes / base.peak_bytes)
             if r.scale != 1:
                 figures["scale"] = r.scale
         methods.append(figures)
@@ -121,6 +126,12 @@ def update(record: dict[str, Any], results: list[Result], quick: bool, run: dict
     named = {m.get("run", c["run"]) for c in record["cases"] for m in [{}, *c["methods"]]}
     record["runs"] = {k: v for k, v in record["runs"].items() if k in named}
     return written
+
+
+def as_json(results: list[Result], run: dict[str, Any]) -> dict[str, Any]:
+    """A run's figures in the record's form: ``{"run": run, "cases": [entry, ...]}``."""
+    quick = run["sizes"] == "quick"
+    return {"run": run, "cases": [entry(group, "run", quick, None) for group in _by_case(results)]}
 
 
 @dataclass
