@@ -216,7 +216,7 @@ def test_check_lists_every_ratio_that_fell_by_more_than_a_quarter():
     assert [(c.baseline, c.fell) for c in changes] == [("slow", True), ("fast", False)]  # 26 % and 22.5 % down
     assert missing == ["chain: new"]
     text = record.check_report(changes, missing)
-    assert "1 of 2 ratios fell by more than 25 %" in text and "chain: forward, slow: 10x -> 7.4x (-26%)" in text
+    assert "1 of 2 ratios fell by more than 25%" in text and "chain: forward, slow: 10x -> 7.4x (-26%)" in text
     assert record.compare(saved, now, quick=False) == ([], ["chain: forward", "chain: new"])  # other sizes
 
 
