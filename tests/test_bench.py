@@ -131,6 +131,8 @@ def test_the_progress_bar_ends_exactly_at_its_total_without_a_warning(monkeypatc
     (["--png", "bench.svg"], "does not end in .png"),
     (["--check", "--record", "/no/such/record.json"], "--record: no file"),
     (["--json", "/no/such/folder/figures.json"], "--json: '/no/such/folder/figures.json': no directory"),
+    (["--check", "--device", "cuda"], "the record holds CPU figures"),
+    (["--update-record", "--record", "/no/such/record.json"], "--record: no file"),
 ])
 def test_bad_arguments_are_clear_errors_before_anything_runs(args, message, capsys, monkeypatch):
     monkeypatch.setattr(bench, "run", lambda *a, **k: pytest.fail("ran despite a bad argument"))

@@ -139,23 +139,19 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     twice = sorted({w for w in args.only or () if args.only.count(w) > 1})
     if twice:
         parser.error(f"--only: {', '.join(twice)} named more than once")
-    if args.png is not None:
-        try:
-            _writable(args.png, ".png")
-        except ValueError as exc:
-            parser.error(f"--png: {exc}")
-    if args.json is not None:
-        try:
-            _writable(args.json, ".json")
-        except ValueError as exc:
-            parser.error(f"--json: {exc}")
     if (args.check or args.update_record or args.write_docs) and not args.record.is_file():
         parser.error(f"--record: no file {str(args.record)!r}")
-    if args.update_record:
+    if (args.check or args.update_record) and args.device != "cpu":
+        parser.error("--check and --update-record: the record holds CPU figures (--device cpu)")
+    outputs = [("--png", args.png, ".png"), ("--json", args.json, ".json"),
+               ("--record", str(args.record) if args.update_record else None, ".json")]
+    for flag, path, suffix in outputs:
+        if path is None:
+            continue
         try:
-            _writable(str(args.record), ".json")
+            _writable(path, suffix)
         except ValueError as exc:
-            parser.error(f"--record: {exc}")
+            parser.error(f"{flag}: {exc}")
     if (args.update_record or args.write_docs) and args.record == record.PATH and not (ROOT / "README.md").is_file():
         parser.error("--update-record and --write-docs rewrite the README of a clone of the repository; "
                      "this spchain is installed without one")
