@@ -268,7 +268,7 @@ def test_json_writes_the_run_and_its_cases_in_the_records_form(tmp_path, monkeyp
 def test_regenerate_replaces_only_between_the_markers_and_needs_them():
     start, end = report.MARKERS["md"]
     text = f"before\n{start}\nold\n{end}\nafter\n"
-    assert report.regenerate(text, "new", "md") == f"before\n{start}\nnew\n{end}\nafter\n"
+    assert report.regenerate(text, "new", "md") == f"before\n{start}\nnew\n\n{end}\nafter\n"
     with pytest.raises(ValueError, match="no generated-table markers"):
         report.regenerate("no markers", "new", "md")
 

@@ -190,7 +190,7 @@ def regenerate(text: str, body: str, fmt: str) -> str:
     pattern = re.compile(re.escape(start) + r"\n.*?" + re.escape(end), re.S)
     if not pattern.search(text):
         raise ValueError(f"no generated-table markers ({start!r} ... {end!r})")
-    return pattern.sub(lambda _: f"{start}\n{body}\n{end}", text)
+    return pattern.sub(lambda _: f"{start}\n{body}\n\n{end}", text)  # a blank line ends the legend's list
 
 
 def write_docs(record: dict[str, Any], root: Path) -> list[Path]:
