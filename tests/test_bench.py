@@ -130,6 +130,7 @@ def test_the_progress_bar_ends_exactly_at_its_total_without_a_warning(monkeypatc
     (["--png", "/no/such/folder/bench.png"], "--png: '/no/such/folder/bench.png': no directory"),
     (["--png", "bench.svg"], "does not end in .png"),
     (["--check", "--record", "/no/such/record.json"], "--record: no file"),
+    (["--full"], "argument --full: not allowed with argument --quick"),
     (["--json", "/no/such/folder/figures.json"], "--json: '/no/such/folder/figures.json': no directory"),
     (["--check", "--device", "cuda"], "the record holds CPU figures"),
     (["--update-record", "--record", "/no/such/record.json"], "--record: no file"),
@@ -229,7 +230,7 @@ def test_check_exits_nonzero_when_a_ratio_fell(tmp_path, capsys, monkeypatch):
          "methods": [{"method": "spchain", "median_s": 1.0},
                      {"method": "torch broadcasting max", "median_s": 1.0, "time_ratio": 1.0}]}]}))
     monkeypatch.setattr(bench, "run", lambda *a: _results("viterbi", "decode", 1.0, {"torch broadcasting max": 0.5}))
-    assert bench.main(["bench", "--quick", "--only", "viterbi", "--check", "--record", str(path)]) == 1
+    assert bench.main(["bench", "--only", "viterbi", "--check", "--record", str(path)]) == 1  # quick sizes
     assert "decode, torch broadcasting max: 1x -> 0.5x (-50%)" in capsys.readouterr().out
     monkeypatch.setattr(bench, "run", lambda *a: _results("viterbi", "decode", 1.0, {"torch broadcasting max": 0.8}))
     assert bench.main(["bench", "--quick", "--only", "viterbi", "--check", "--record", str(path)]) == 0

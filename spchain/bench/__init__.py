@@ -11,7 +11,7 @@ draws a PNG bar chart with ``--png``, and checks the ratios against the committe
 
     python -m spchain bench --quick                        # small sizes
     python -m spchain bench --only chain                   # one full-size workload
-    python -m spchain bench --check --quick --only chain   # the regression check
+    python -m spchain bench --check --only chain           # the regression check (quick sizes)
 """
 
 import argparse
@@ -111,7 +111,9 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     parser = argparse.ArgumentParser(prog="python -m spchain", description="spchain's command line")
     commands = parser.add_subparsers(dest="command", required=True)
     bench = commands.add_parser("bench", help="run the benchmark workloads beside their baselines")
-    bench.add_argument("--quick", action="store_true", help="small sizes")
+    size = bench.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="small sizes (the default of --check)")
+    size.add_argument("--full", action="store_true", help="full sizes (the default but with --check)")
     bench.add_argument("--only", nargs="+", choices=sorted(WORKLOADS), metavar="WORKLOAD",
                        help=f"run only these workloads ({', '.join(WORKLOADS)})")
     bench.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -122,8 +124,8 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     bench.add_argument("--json", default=None,
                        help="also write the figures into this JSON file (the run and its cases, as in the record)")
     bench.add_argument("--check", action="store_true",
-                       help=f"compare each baseline's time ratio with the record's at these sizes; "
-                            f"exit 1 if one fell by more than {record.DROP:.0%}")
+                       help=f"compare each baseline's time ratio with the record's at these sizes (quick unless "
+                            f"--full); exit 1 if one fell by more than {record.DROP:.0%}")
     bench.add_argument("--update-record", action="store_true",
                        help="write this run's figures into the record (and the README and docs tables in a clone)")
     bench.add_argument("--write-docs", action="store_true",
@@ -139,6 +141,7 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     twice = sorted({w for w in args.only or () if args.only.count(w) > 1})
     if twice:
         parser.error(f"--only: {', '.join(twice)} named more than once")
+    args.quick = args.quick or (args.check and not args.full)
     if (args.check or args.update_record or args.write_docs) and not args.record.is_file():
         parser.error(f"--record: no file {str(args.record)!r}")
     if (args.check or args.update_record) and args.device != "cpu":

@@ -6,7 +6,7 @@ machine, CPU, torch, threads, command). The README's headline table and the figu
 ``docs/tutorials/benchmarks.rst`` are generated from it (:mod:`.report`), and
 ``python -m spchain bench --check`` compares a fresh run's ratios with it::
 
-    python -m spchain bench --check --quick --only chain     # before you stop
+    python -m spchain bench --check --only chain             # before you stop (quick sizes)
     python -m spchain bench --update-record --quick          # after a change that moves figures
 """
 
