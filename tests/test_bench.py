@@ -166,6 +166,18 @@ def test_a_first_run_compiles_the_kernels_of_the_selected_workloads_first_and_on
     assert len(compiled) == 1
 
 
+def test_compiling_on_one_core_stays_in_this_process_and_shows_its_progress(monkeypatch, capsys):
+    import torch
+
+    compiled = []
+    monkeypatch.setattr(bench, "_compile", lambda name, quick: compiled.append((name, quick)))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    threads = torch.get_num_threads()
+    bench.compile_kernels(["chain", "viterbi"], True)
+    assert compiled == [("chain", True), ("viterbi", True)] and torch.get_num_threads() == threads
+    assert "compiling kernels (first run only)" in capsys.readouterr().err
+
+
 def test_compiling_a_workload_runs_spchains_methods_and_the_reference_of_each_case(monkeypatch):
     ran = []
     monkeypatch.setattr(bench, "make_case", lambda name, case, quick: core.Case(

@@ -178,10 +178,7 @@ def kernels_cached() -> bool:
 def _compile(name: str, quick: bool) -> str:
     """Run spchain's methods (those named ``spchain...``) and the float64 reference of each case
     of workload ``name`` once, which compiles the kernels they need into Numba's on-disk cache
-    (in a worker process of :func:`compile_kernels`)."""
-    import torch
-
-    torch.set_num_threads(1)
+    (for :func:`compile_kernels`)."""
     for case_name in cases(name, quick):
         case = make_case(name, case_name, quick)
         for method, fn in case.methods.items():
@@ -190,6 +187,13 @@ def _compile(name: str, quick: bool) -> str:
         if case.reference is not None:
             case.reference()
     return name
+
+
+def _one_thread() -> None:
+    """A compiling worker's torch runs on one thread: the workers share the cores."""
+    import torch
+
+    torch.set_num_threads(1)
 
 
 def compile_kernels(names: list[str], quick: bool) -> None:
@@ -202,12 +206,19 @@ def compile_kernels(names: list[str], quick: bool) -> None:
     from tqdm import tqdm
 
     workers = min(len(names), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
-    with ProcessPoolExecutor(max(workers, 1), mp_context=multiprocessing.get_context("spawn")) as pool, \
-            tqdm(total=len(names), desc="compiling kernels (first run only)", file=sys.stderr,
-                 bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} workloads, {elapsed} {postfix}") as bar:
-        for done in as_completed([pool.submit(_compile, name, quick) for name in names]):
-            bar.set_postfix_str(done.result())
-            bar.update(1)
+    with tqdm(total=len(names), desc="compiling kernels (first run only)", file=sys.stderr,
+              bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} workloads, {elapsed} {postfix}") as bar:
+        if workers <= 1:  # a worker process would only add its start-up
+            for name in names:
+                bar.set_postfix_str(name)
+                _compile(name, quick)
+                bar.update(1)
+            return
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                 initializer=_one_thread) as pool:
+            for done in as_completed([pool.submit(_compile, name, quick) for name in names]):
+                bar.set_postfix_str(done.result())
+                bar.update(1)
 
 
 def run(selected: list[tuple[str, str]], quick: bool, device: str, repeat: int, budget: float) -> list[Result]:
