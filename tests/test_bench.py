@@ -166,15 +166,20 @@ def test_a_first_run_compiles_the_kernels_of_the_selected_workloads_first_and_on
     assert len(compiled) == 1
 
 
-def test_compiling_on_one_core_stays_in_this_process_and_shows_its_progress(monkeypatch, capsys):
+def test_compiling_on_one_free_core_stays_in_this_process_and_shows_its_progress(monkeypatch, capsys):
     import torch
 
     compiled = []
     monkeypatch.setattr(bench, "_compile", lambda name, quick: compiled.append((name, quick)))
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
     threads = torch.get_num_threads()
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
     bench.compile_kernels(["chain", "viterbi"], True)
-    assert compiled == [("chain", True), ("viterbi", True)] and torch.get_num_threads() == threads
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.2, 0.0, 0.0))  # less than two cores free
+    bench.compile_kernels(["logmatmul"], True)
+    assert compiled == [("chain", True), ("viterbi", True), ("logmatmul", True)]
+    assert torch.get_num_threads() == threads
     assert "compiling kernels (first run only)" in capsys.readouterr().err
 
 

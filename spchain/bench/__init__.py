@@ -198,17 +198,19 @@ def _one_thread() -> None:
 
 def compile_kernels(names: list[str], quick: bool) -> None:
     """Compile the kernels that the workloads ``names`` need, in parallel worker processes (one a
-    core; Numba compiles one function at a time in a process), into Numba's on-disk cache, with
-    a progress bar: the first run after an install only."""
+    free core; Numba compiles one function at a time in a process), into Numba's on-disk cache,
+    with a progress bar: the first run after an install only."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
     from tqdm import tqdm
 
-    workers = min(len(names), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    free = cores - (os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0)  # workers on busy cores only add work
+    workers = min(len(names), int(free + 0.5))
     with tqdm(total=len(names), desc="compiling kernels (first run only)", file=sys.stderr,
               bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} workloads, {elapsed} {postfix}") as bar:
-        if workers <= 1:  # a worker process would only add its start-up
+        if workers <= 1:  # one worker would only add its start-up
             for name in names:
                 bar.set_postfix_str(name)
                 _compile(name, quick)
