@@ -89,8 +89,8 @@ def entry(results: list[Result], run: str, quick: bool, old: dict[str, Any] | No
     labels = {m["method"]: m["label"] for m in old["methods"] if "label" in m} if old else {}
     methods = []
     for r in results:
-        figures: dict[str, Any] = {"method": r.method, "label": labels.get(r.method, r.method), "median_s": _sig(r.median),
-                                   "runs": len(r.times)}
+        figures: dict[str, Any] = {"method": r.method, "label": labels.get(r.method, r.method),
+                                   "median_s": _sig(r.median), "runs": len(r.times)}
         if not math.isnan(r.peak_bytes):
             figures["peak_mib"] = _sig(r.peak_bytes / MiB)
         if not math.isnan(r.max_rel_error):
@@ -163,7 +163,8 @@ def compare(record: dict[str, Any], results: list[Result], quick: bool) -> tuple
         base = group[0]
         for r in group[1:]:
             if recorded.get(r.method) is not None:
-                changes.append(Change(r.workload, r.case, r.method, recorded[r.method], r.median * r.scale / base.median))
+                now = r.median * r.scale / base.median
+                changes.append(Change(r.workload, r.case, r.method, recorded[r.method], now))
     return changes, missing
 
 
@@ -172,7 +173,8 @@ def check_report(changes: list[Change], missing: list[str]) -> str:
     lines = [f"{c.workload}: {c.case}, {c.baseline}: {c.recorded:.3g}x recorded, {c.now:.3g}x now"
              f"{'  FELL' if c.fell else ''}" for c in changes]
     if missing:
-        lines.append(f"not in the record at these sizes (python -m spchain bench --update-record): {', '.join(missing)}")
+        lines.append("not in the record at these sizes (python -m spchain bench --update-record): "
+                     + ", ".join(missing))
     fell = [c for c in changes if c.fell]
     lines.append(f"{len(fell)} of {len(changes)} ratios fell by more than {DROP:.0%}" + (":" if fell else ""))
     lines += [f"  {c.workload}: {c.case}, {c.baseline}: {c.recorded:.3g}x -> {c.now:.3g}x "

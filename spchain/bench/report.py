@@ -142,8 +142,8 @@ def _cells(case: dict[str, Any], letters: dict[str, str], fmt: str) -> tuple[str
         ratios.append(ratio)
     label = f"{_code(case.get('label', case['workload'] + ': ' + case['case']), fmt)} [{letters[case['run']]}]"
     err = "-" if ours.get("max_rel_err") is None else f"{ours['max_rel_err']:.1e}"
-    return (label, figures(ours), "; ".join(f"{_code(m.get('label', m['method']), fmt)} {figures(m)}" for m in baselines),
-            "; ".join(ratios), err)
+    named = "; ".join(f"{_code(m.get('label', m['method']), fmt)} {figures(m)}" for m in baselines)
+    return label, figures(ours), named, "; ".join(ratios), err
 
 
 def _legend(record: dict[str, Any], letters: dict[str, str], fmt: str) -> list[str]:
@@ -157,8 +157,9 @@ def _legend(record: dict[str, Any], letters: dict[str, str], fmt: str) -> list[s
     lines = [_code(text, fmt), ""]
     for run, letter in letters.items():
         r = record["runs"][run]
+        note = f"; {r['note']}" if r.get("note") else ""
         lines.append(_code(f"- [{letter}] {r['date']}: {r['machine']}, {r['cpu']}, torch {r['torch']}, "
-                           f"{r['threads']} threads, `{r['command']}`" + (f"; {r['note']}" if r.get("note") else ""), fmt))
+                           f"{r['threads']} threads, `{r['command']}`{note}", fmt))
     return lines
 
 
