@@ -1,6 +1,6 @@
 """Input validation shared by the array API.
 
-Conventions (RELIABILITY.md): ``ValueError`` for bad structure or shape, ``TypeError`` for an
+Conventions (docs/design.rst): ``ValueError`` for bad structure or shape, ``TypeError`` for an
 unsupported type or dtype; messages name the function and the offending values.
 """
 

@@ -14,7 +14,9 @@ import pytest
 pytest.importorskip("torch")
 
 from spchain import bench  # noqa: E402
-from spchain.bench import core, grouped, report  # noqa: E402
+from spchain.bench import core, grouped, record, report  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 WRONG = {("chain", "torch pairwise broadcast tree")}
 """Baselines that are wrong on purpose: the pairwise tree pads odd levels with the all-ones matrix."""
@@ -80,15 +82,229 @@ def test_measure_stops_a_baseline_at_the_budget_but_runs_spchain_every_round():
     assert len(ours.times) == 3 and len(baseline.times) == 1
 
 
-def test_command_prints_a_table_and_writes_a_png(tmp_path, capsys):
-    png = tmp_path / "bench.png"
-    assert bench.main(["bench", "--quick", "--only", "viterbi", "--repeat", "1", "--png", str(png)]) == 0
-    out = capsys.readouterr().out
+def test_command_prints_a_table_and_its_legend_and_writes_a_png_only_when_asked(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert bench.main(["bench", "--quick", "--only", "viterbi", "--repeat", "1"]) == 0
+    out, err = capsys.readouterr()
     assert "viterbi" in out and "torch broadcasting max" in out and "time / spchain" in out
     assert f"viterbi  {bench.sizes('viterbi', True)}" in out  # the sizes, above the table
+    assert report.LEGEND in out and "runs: how many" in out
+    assert list(tmp_path.iterdir()) == []  # no PNG without --png
+    assert "-0" not in err.split("\r")[-1] and "100%" in err  # the bar ends at its total, no negative time left
+    png = tmp_path / "bench.png"
+    assert bench.main(["bench", "--quick", "--only", "viterbi", "--repeat", "1", "--png", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rows = report.rows(core.measure(bench.make_case("viterbi", "decode", quick=True), 1, 1.0))
-    assert rows[0][2] == "spchain" and rows[0][7] == "1.0x"
+    assert rows[0][2] == "spchain" and rows[0][7] == "1x"
+
+
+def test_the_progress_bar_ends_exactly_at_its_total_without_a_warning(monkeypatch):
+    import warnings
+
+    from tqdm import tqdm
+
+    ends = []
+    original = tqdm.close
+
+    def close(bar):
+        ends.append((bar.n, bar.total))
+        original(bar)
+
+    monkeypatch.setattr(tqdm, "close", close)
+    fake = [core.Case("w", f"c{i}", {"spchain": lambda: None, "other": lambda: None}) for i in range(3)]
+    monkeypatch.setattr(bench, "make_case", lambda name, case, quick, device: fake[int(case[1])])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        bench.run([("w", "c0"), ("w", "c1"), ("w", "c2")], True, "cpu", repeat=7, budget=1.0)
+    assert set(ends) == {(3, 3)}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--repeat", "0"], "--repeat: must be a whole number >= 1, got '0'"),
+    (["--repeat", "-3"], "--repeat: must be a whole number >= 1, got '-3'"),
+    (["--repeat", "two"], "--repeat: must be a whole number >= 1"),
+    (["--budget", "-1"], "--budget: must be a finite number of seconds >= 0, got '-1'"),
+    (["--budget", "nan"], "--budget: must be a finite number of seconds >= 0, got 'nan'"),
+    (["--budget", "inf"], "--budget: must be a finite number"),
+    (["--only", "chain", "viterbi", "chain"], "--only: chain named more than once"),
+    (["--png", "/no/such/folder/bench.png"], "--png: '/no/such/folder/bench.png': no directory"),
+    (["--png", "bench.svg"], "does not end in .png"),
+    (["--check", "--record", "/no/such/record.json"], "--record: no file"),
+    (["--full"], "argument --full: not allowed with argument --quick"),
+    (["--json", "/no/such/folder/figures.json"], "--json: '/no/such/folder/figures.json': no directory"),
+    (["--check", "--device", "cuda"], "the record holds CPU figures"),
+    (["--update-record", "--record", "/no/such/record.json"], "--record: no file"),
+])
+def test_bad_arguments_are_clear_errors_before_anything_runs(args, message, capsys, monkeypatch):
+    monkeypatch.setattr(bench, "run", lambda *a, **k: pytest.fail("ran despite a bad argument"))
+    with pytest.raises(SystemExit) as exit:
+        bench.main(["bench", "--quick", *args])
+    assert exit.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_an_unwritable_png_fails_before_the_run(tmp_path, capsys, monkeypatch):
+    if os.geteuid() == 0:
+        pytest.skip("root writes anywhere")
+    folder = tmp_path / "locked"
+    folder.mkdir()
+    folder.chmod(0o500)
+    monkeypatch.setattr(bench, "run", lambda *a, **k: pytest.fail("ran despite an unwritable --png"))
+    with pytest.raises(SystemExit):
+        bench.main(["bench", "--quick", "--png", str(folder / "bench.png")])
+    assert "cannot be written" in capsys.readouterr().err
+
+
+def test_a_first_run_compiles_the_kernels_of_the_selected_workloads_first_and_only_then(monkeypatch):
+    compiled = []
+    monkeypatch.setattr(bench, "compile_kernels", lambda names, quick: compiled.append((names, quick)))
+    monkeypatch.setattr(bench, "run", lambda *a: _results("viterbi", "decode", 1.0, {"torch broadcasting max": 2.0}))
+    monkeypatch.setattr(bench, "kernels_cached", lambda: False)
+    assert bench.main(["bench", "--quick", "--only", "viterbi", "logmatmul"]) == 0
+    assert compiled == [(["viterbi", "logmatmul"], True)]
+    monkeypatch.setattr(bench, "kernels_cached", lambda: True)
+    assert bench.main(["bench", "--quick", "--only", "viterbi"]) == 0
+    assert len(compiled) == 1
+
+
+def test_compiling_on_one_free_core_stays_in_this_process_and_shows_its_progress(monkeypatch, capsys):
+    import torch
+
+    compiled = []
+    monkeypatch.setattr(bench, "_compile", lambda name, quick: compiled.append((name, quick)))
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    bench.compile_kernels(["chain", "viterbi"], True)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.2, 0.0, 0.0))  # less than two cores free
+    bench.compile_kernels(["logmatmul"], True)
+    assert compiled == [("chain", True), ("viterbi", True), ("logmatmul", True)]
+    assert torch.get_num_threads() == threads
+    assert "compiling kernels (first run only)" in capsys.readouterr().err
+
+
+def test_compiling_a_workload_runs_spchains_methods_and_the_reference_of_each_case(monkeypatch):
+    ran = []
+    monkeypatch.setattr(bench, "make_case", lambda name, case, quick: core.Case(
+        name, case, {"spchain": lambda: ran.append(case), "spchain dense": lambda: ran.append("dense"),
+                     "baseline": lambda: pytest.fail("a baseline ran")}, reference=lambda: ran.append("reference")))
+    assert bench._compile("chain", True) == "chain"
+    assert ran == [x for case in bench.cases("chain", True) for x in (case, "dense", "reference")]
+
+
+# --- the record, the check, and the tables generated from it --------------------------------------
+
+def test_the_readme_and_benchmarks_page_tables_are_the_ones_the_record_generates():
+    saved = record.load()
+    readme, page = (ROOT / "README.md").read_text(), (ROOT / "docs/tutorials/benchmarks.rst").read_text()
+    assert readme == report.regenerate(readme, report.markdown(saved), "md"), "python -m spchain bench --write-docs"
+    assert page == report.regenerate(page, report.rst(saved), "rst"), "python -m spchain bench --write-docs"
+    assert "| sparse linear 4096², 99 %, x (256, 4096), forward [a] | 2.1 ms, 8 MiB |" in readme
+
+
+def test_every_record_entry_names_a_known_case_its_run_and_consistent_figures():
+    saved = record.load()
+    keys = [record.key(c) for c in saved["cases"]]
+    assert len(keys) == len(set(keys))
+    for case in saved["cases"]:
+        names = bench.workload(case["workload"]).CASES  # a case may add a note: "forward, threaded scheduler"
+        assert any(case["case"] == name or case["case"].startswith(f"{name}, ") for name in names), case
+        assert case["methods"][0]["method"] == "spchain"
+        for m in [case, *case["methods"]]:
+            run = saved["runs"][m.get("run", case["run"])]
+            assert {"date", "machine", "cpu", "torch", "threads", "command"} <= run.keys()
+        for m in case["methods"][1:]:
+            assert m["time_ratio"] > 0
+            if "run" not in m:  # measured beside this spchain figure: the ratio is the times' (rounded as stated)
+                expected = m["median_s"] * m.get("scale", 1) / case["methods"][0]["median_s"]
+                assert m["time_ratio"] == pytest.approx(expected, rel=0.1), (case["case"], m["method"])
+    assert any(c["quick"] for c in saved["cases"]) and any(not c["quick"] for c in saved["cases"])
+
+
+def _results(workload, case, spchain_s, baselines):
+    return [core.Result(workload, case, "spchain", [spchain_s], 1.0 * core.MiB, 0.0),
+            *(core.Result(workload, case, name, [t], 2.0 * core.MiB, 0.0) for name, t in baselines.items())]
+
+
+def test_check_lists_every_ratio_that_fell_by_more_than_a_quarter():
+    saved = {"runs": {}, "cases": [
+        {"workload": "chain", "case": "forward", "quick": True, "run": "r",
+         "methods": [{"method": "spchain", "median_s": 1.0}, {"method": "slow", "median_s": 10.0, "time_ratio": 10.0},
+                     {"method": "fast", "median_s": 4.0, "time_ratio": 4.0}]}]}
+    now = _results("chain", "forward", 1.0, {"slow": 7.4, "fast": 3.1}) + _results("chain", "new", 1.0, {"b": 2.0})
+    changes, missing = record.compare(saved, now, quick=True)
+    assert [(c.baseline, c.fell) for c in changes] == [("slow", True), ("fast", False)]  # 26 % and 22.5 % down
+    assert missing == ["chain: new"]
+    text = record.check_report(changes, missing)
+    assert "1 of 2 ratios fell by more than 25%" in text and "chain: forward, slow: 10x -> 7.4x (-26%)" in text
+    assert record.compare(saved, now, quick=False) == ([], ["chain: forward", "chain: new"])  # other sizes
+
+
+def test_check_exits_nonzero_when_a_ratio_fell(tmp_path, capsys, monkeypatch):
+    path = tmp_path / "record.json"
+    path.write_text(json.dumps({"runs": {}, "cases": [
+        {"workload": "viterbi", "case": "decode", "quick": True, "run": "r",
+         "methods": [{"method": "spchain", "median_s": 1.0},
+                     {"method": "torch broadcasting max", "median_s": 1.0, "time_ratio": 1.0}]}]}))
+    monkeypatch.setattr(bench, "run", lambda *a: _results("viterbi", "decode", 1.0, {"torch broadcasting max": 0.5}))
+    assert bench.main(["bench", "--only", "viterbi", "--check", "--record", str(path)]) == 1  # quick sizes
+    assert "decode, torch broadcasting max: 1x -> 0.5x (-50%)" in capsys.readouterr().out
+    monkeypatch.setattr(bench, "run", lambda *a: _results("viterbi", "decode", 1.0, {"torch broadcasting max": 0.8}))
+    assert bench.main(["bench", "--quick", "--only", "viterbi", "--check", "--record", str(path)]) == 0
+
+
+def test_update_record_writes_the_run_and_keeps_labels(tmp_path, monkeypatch):
+    path = tmp_path / "record.json"
+    path.write_text(json.dumps({"runs": {"old": {"date": "2000-01-01"}}, "cases": [
+        {"workload": "viterbi", "case": "decode", "quick": True, "run": "old", "label": "`viterbi`", "headline": "h",
+         "methods": [{"method": "spchain", "label": "spchain", "median_s": 1.0},
+                     {"method": "torch broadcasting max", "label": "broadcasting", "median_s": 1.0, "time_ratio": 1.0}]}]}))
+    monkeypatch.setattr(bench, "run", lambda *a: _results("viterbi", "decode", 0.5, {"torch broadcasting max": 2.0}))
+    argv = ["bench", "--quick", "--only", "viterbi", "--update-record", "--record", str(path)]
+    assert bench.main(argv) == 0
+    saved = record.load(path)
+    (case,) = saved["cases"]
+    assert case["label"] == "`viterbi`" and case["headline"] == "h" and case["quick"]
+    assert [m["label"] for m in case["methods"]] == ["spchain", "broadcasting"]
+    assert case["methods"][1]["time_ratio"] == 4.0 and case["methods"][1]["memory_ratio"] == 2.0
+    assert list(saved["runs"]) == [case["run"]]  # the old run is named by nothing now
+    run = saved["runs"][case["run"]]
+    assert run["command"] == "python -m spchain " + " ".join(argv) and run["sizes"] == "quick"
+    assert run["torch"] and run["cpu"] and run["threads"] >= 1
+
+
+def test_json_writes_the_run_and_its_cases_in_the_records_form(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "run", lambda *a: _results("viterbi", "decode", 0.5, {"torch broadcasting max": 2.0}))
+    path = tmp_path / "figures.json"
+    assert bench.main(["bench", "--quick", "--only", "viterbi", "--json", str(path)]) == 0
+    saved = json.loads(path.read_text())
+    assert saved["run"]["sizes"] == "quick" and "--json" in saved["run"]["command"]
+    (case,) = saved["cases"]
+    assert record.key(case) == ("viterbi", "decode", True) and case["methods"][1]["time_ratio"] == 4.0
+
+
+def test_regenerate_replaces_only_between_the_markers_and_needs_them():
+    start, end = report.MARKERS["md"]
+    text = f"before\n{start}\nold\n{end}\nafter\n"
+    assert report.regenerate(text, "new", "md") == f"before\n{start}\nnew\n\n{end}\nafter\n"
+    with pytest.raises(ValueError, match="no generated-table markers"):
+        report.regenerate("no markers", "new", "md")
+
+
+def test_scaled_baselines_count_their_scaled_time_in_ratios():
+    case = core.Case("w", "c", {"spchain": lambda: None, "small": lambda: None}, scale={"small": 100.0})
+    ours, small = core.measure(case, repeat=1, budget_s=1.0)
+    assert small.scale == 100.0 and ours.scale == 1.0
+    assert report.rows([ours, small])[1][7] == report._ratio(small.median * 100, ours.median)
+
+
+def test_no_file_refers_to_design_or_reliability_documents_outside_the_repository():
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    if not tracked:
+        pytest.skip("not a git checkout")
+    named = [f for f in tracked if (ROOT / f).is_file() and re.search(r"(DESIGN|RELIABILITY)\.md",
+                                                                     (ROOT / f).read_text(errors="ignore"))]
+    assert named == []
 
 
 def test_the_documented_asv_quick_command_saves_results(tmp_path):

@@ -36,7 +36,8 @@ def test_bench_json_records_the_run(tmp_path):
     assert bench.main(["bench", "--quick", "--only", "viterbi", "--repeat", "1", "--png", str(tmp_path / "b.png"),
                        "--json", str(path)]) == 0
     record = json.loads(path.read_text())
-    assert record["device"] == "cpu" and record["torch"] and "cupy" in record and record["machine"]
-    methods = [r["method"] for r in record["results"]]
-    assert methods[0] == "spchain" and len(methods) > 1
-    assert all(r["median_s"] > 0 and len(r["times_s"]) >= 1 for r in record["results"])
+    run = record["run"]
+    assert run["device"] == "cpu" and run["torch"] and "cupy" in run and run["machine"] and run["timing"]
+    methods = [m for case in record["cases"] for m in case["methods"]]
+    assert methods[0]["method"] == "spchain" and len(methods) > 1
+    assert all(m["median_s"] > 0 and m["runs"] >= 1 for m in methods)

@@ -1,7 +1,7 @@
 """spmm, sddmm and prune at the array level (spchain/sparse.py), against SciPy and float64 references.
 
 Each test body runs on NumPy/SciPy, and on CuPy/cupyx under the ``gpu`` marker (the ``xp``
-fixture); the rows of RELIABILITY.md's sparse table are named in the test names.
+fixture); the bad-input rules of docs/design.rst are named in the test names.
 """
 
 import numpy as np
@@ -160,7 +160,7 @@ def test_spmm_never_writes_to_the_callers_arrays(rng):
         np.testing.assert_array_equal(x, s)
 
 
-# --- malformed structures (RELIABILITY.md, sparse structure) --------------------------------------
+# --- malformed structures (docs/design.rst, bad input) ------------------------------------------------
 
 
 def csr_with(**arrays):

@@ -266,7 +266,7 @@ def test_scalars_none_and_lists_are_type_errors_naming_the_argument(a, match):
             fn(a, randn(1, 1))
 
 
-# RELIABILITY.md rows ---------------------------------------------------------------------------
+# bad input (docs/design.rst) ---------------------------------------------------------------------
 
 TORCH_OPS = {
     "logmatmul": lambda a, b: st.logmatmul(a, b),

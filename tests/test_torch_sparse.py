@@ -338,7 +338,7 @@ def test_many_forward_backward_calls_keep_memory_bounded(rss_growth, monkeypatch
     assert len(torch_linear._STRUCTURES) == 1
 
 
-# --- bad input (RELIABILITY.md) ---------------------------------------------------------------------
+# --- bad input (docs/design.rst) -------------------------------------------------------------------
 
 
 def valid_args(rng):

@@ -1,15 +1,18 @@
 """``python -m spchain bench``: spchain beside the baselines it must beat, in one process.
 
-Each workload of DESIGN.md lives in a module here with ``CASES`` (the names of its cases),
+Each workload of the design (``docs/design.rst``) lives in a module here with ``CASES`` (the names of its cases),
 ``SIZES`` (``{False: full sizes, True: quick sizes}``, each a dict of named sizes), optionally
 ``FULL_ONLY`` (cases that ``--quick`` leaves out), and ``make_case(name, quick, device)``
 returning a :class:`~.core.Case`, inputs built; asv's suite (``asv_bench/``) times the same cases.
-The command prints a table (median time, peak memory, max error against a float64
-reference, ratios against spchain) and writes a PNG bar chart.
+To add a workload, add its module and one line to ``WORKLOADS``. The command prints a table
+(median time, peak memory, max error against a float64 reference, ratios against spchain),
+draws a PNG bar chart with ``--png``, and checks the ratios against the committed record
+(:mod:`.record`) with ``--check``.
 
-    python -m spchain bench --quick            # small sizes, under a minute
-    python -m spchain bench --only chain       # one full-size workload
-    python -m spchain bench --device cuda --json out.json   # on a GPU (CUDA-event times), also as JSON
+    python -m spchain bench --quick                        # small sizes
+    python -m spchain bench --only chain                   # one full-size workload
+    python -m spchain bench --check --only chain           # the regression check (quick sizes)
+    python -m spchain bench --device cuda --json out.json  # on a GPU (CUDA-event times), also as JSON
 """
 
 import argparse
@@ -17,12 +20,15 @@ import gc
 import importlib
 import json
 import math
+import os
 import platform
 import sys
+from pathlib import Path
 from types import ModuleType
 
+from . import record
 from .core import Case, Result, measure
-from .report import plot, table
+from .report import LEGEND, plot, table, write_docs
 
 WORKLOADS = {
     "sparse-linear": "sparse",
@@ -35,9 +41,7 @@ WORKLOADS = {
     "grouped": "grouped",
     "chains-at-scale": "dask",
     "crf": "crf",
-    "hmm-forward": "hmm_forward",
     "torch-layer": "torch_layer",
-    "hmm-fit": "hmm",
 }
 """Workload name → module (relative to this package) with ``CASES`` and ``make_case``."""
 
@@ -70,28 +74,191 @@ def make_case(name: str, case: str, quick: bool, device: str = "cpu") -> Case:
     return built
 
 
-def _parser() -> argparse.ArgumentParser:
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text!r}")
+    return value
+
+
+def _writable(path: str, suffix: str) -> None:
+    """Raise ``ValueError`` unless ``path`` ends in ``suffix`` and a file can be written there."""
+    if not path.endswith(suffix):
+        raise ValueError(f"{path!r} does not end in {suffix}")
+    target = Path(path)
+    if target.is_dir():
+        raise ValueError(f"{path!r} is a directory")
+    folder = target.parent
+    if not folder.is_dir():
+        raise ValueError(f"{path!r}: no directory {str(folder)!r}")
+    if not os.access(target if target.exists() else folder, os.W_OK):
+        raise ValueError(f"{path!r} cannot be written")
+
+
+def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     parser = argparse.ArgumentParser(prog="python -m spchain", description="spchain's command line")
     commands = parser.add_subparsers(dest="command", required=True)
     bench = commands.add_parser("bench", help="run the benchmark workloads beside their baselines")
-    bench.add_argument("--quick", action="store_true", help="small sizes (under a minute in all)")
+    size = bench.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="small sizes (the default of --check)")
+    size.add_argument("--full", action="store_true", help="full sizes (the default but with --check)")
     bench.add_argument("--only", nargs="+", choices=sorted(WORKLOADS), metavar="WORKLOAD",
                        help=f"run only these workloads ({', '.join(WORKLOADS)})")
     bench.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    bench.add_argument("--repeat", type=int, default=None, help="timed rounds (default 5, quick 3)")
-    bench.add_argument("--budget", type=float, default=None,
-                       help="seconds after which a method's timed runs stop repeating (default 20, quick 2)")
-    bench.add_argument("--png", default="spchain-bench.png", help="where to write the bar chart")
-    bench.add_argument("--json", default=None, metavar="OUT",
-                       help="also write the results, the device and the versions to this JSON file")
-    return parser
+    bench.add_argument("--repeat", type=_positive_int, default=None, help="timed rounds (default 5, quick 3)")
+    bench.add_argument("--budget", type=_seconds, default=None,
+                       help="seconds after which a baseline's timed runs stop repeating (default 20, quick 2)")
+    bench.add_argument("--png", default=None, help="also draw the bar chart into this PNG file")
+    bench.add_argument("--json", default=None,
+                       help="also write the figures into this JSON file (the run and its cases, as in the record)")
+    bench.add_argument("--check", action="store_true",
+                       help=f"compare each baseline's time ratio with the record's at these sizes (quick unless "
+                            f"--full); exit 1 if one fell by more than {record.DROP:.0%}")
+    bench.add_argument("--update-record", action="store_true",
+                       help="write this run's figures into the record (and the README and docs tables in a clone)")
+    bench.add_argument("--write-docs", action="store_true",
+                       help="only rewrite the README's and the docs' tables from the record (runs nothing)")
+    bench.add_argument("--record", type=Path, default=record.PATH, help="the record file (default: the committed one)")
+    return parser, bench
+
+
+def _arguments(argv: list[str] | None) -> argparse.Namespace:
+    """The parsed arguments, every check that can fail done before anything runs."""
+    top, parser = _parser()
+    args = top.parse_args(argv)
+    twice = sorted({w for w in args.only or () if args.only.count(w) > 1})
+    if twice:
+        parser.error(f"--only: {', '.join(twice)} named more than once")
+    args.quick = args.quick or (args.check and not args.full)
+    if (args.check or args.update_record or args.write_docs) and not args.record.is_file():
+        parser.error(f"--record: no file {str(args.record)!r}")
+    if (args.check or args.update_record) and args.device != "cpu":
+        parser.error("--check and --update-record: the record holds CPU figures (--device cpu)")
+    outputs = [("--png", args.png, ".png"), ("--json", args.json, ".json"),
+               ("--record", str(args.record) if args.update_record else None, ".json")]
+    for flag, path, suffix in outputs:
+        if path is None:
+            continue
+        try:
+            _writable(path, suffix)
+        except ValueError as exc:
+            parser.error(f"{flag}: {exc}")
+    if (args.update_record or args.write_docs) and args.record == record.PATH and not (ROOT / "README.md").is_file():
+        parser.error("--update-record and --write-docs rewrite the README of a clone of the repository; "
+                     "this spchain is installed without one")
+    return args
+
+
+ROOT = Path(__file__).resolve().parents[2]
+"""The repository's root in a clone (where ``README.md`` and ``docs/`` are)."""
+
+
+def kernels_cached() -> bool:
+    """Whether Numba's on-disk cache holds any of spchain's CPU kernels (after a first run)."""
+    from numba.core.config import CACHE_DIR
+
+    from ..kernels import cpu
+
+    places = [Path(cpu.__file__).parent / "__pycache__", *([Path(CACHE_DIR)] if CACHE_DIR else [])]
+    return any(next(place.rglob("*.nbi"), None) is not None for place in places if place.is_dir())
+
+
+def _compile(name: str, quick: bool) -> str:
+    """Run spchain's methods (those named ``spchain...``) and the float64 reference of each case
+    of workload ``name`` once, which compiles the kernels they need into Numba's on-disk cache
+    (for :func:`compile_kernels`)."""
+    for case_name in cases(name, quick):
+        case = make_case(name, case_name, quick)
+        for method, fn in case.methods.items():
+            if method.startswith("spchain"):
+                fn()
+        if case.reference is not None:
+            case.reference()
+    return name
+
+
+def _one_thread() -> None:
+    """A compiling worker's torch runs on one thread: the workers share the cores."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def compile_kernels(names: list[str], quick: bool) -> None:
+    """Compile the kernels that the workloads ``names`` need, in parallel worker processes (one a
+    free core; Numba compiles one function at a time in a process), into Numba's on-disk cache,
+    with a progress bar: the first run after an install only."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    from tqdm import tqdm
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    free = cores - (os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0)  # workers on busy cores only add work
+    workers = min(len(names), int(free + 0.5))
+    with tqdm(total=len(names), desc="compiling kernels (first run only)", file=sys.stderr,
+              bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} workloads, {elapsed} {postfix}") as bar:
+        if workers <= 1:  # one worker would only add its start-up
+            for name in names:
+                bar.set_postfix_str(name)
+                _compile(name, quick)
+                bar.update(1)
+            return
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                 initializer=_one_thread) as pool:
+            for done in as_completed([pool.submit(_compile, name, quick) for name in names]):
+                bar.set_postfix_str(done.result())
+                bar.update(1)
+
+
+def run(selected: list[tuple[str, str]], quick: bool, device: str, repeat: int, budget: float) -> list[Result]:
+    """Measure the ``(workload, case)`` pairs, a progress bar on stderr."""
+    from tqdm import tqdm
+
+    results = []
+    with tqdm(total=len(selected), desc="benchmarks", file=sys.stderr,
+              bar_format="{l_bar}{bar}| {elapsed}<{remaining} {postfix}") as bar:
+        for i, (name, case_name) in enumerate(selected):
+            bar.set_postfix_str(f"{name}: {case_name}")
+            gc.collect()
+            gc.freeze()  # what outlives the cases so far (modules, caches) is left out of later collections
+            case = make_case(name, case_name, quick, device)
+            runs = len(case.methods) * (repeat + 2)
+            done = [0]
+
+            def tick() -> None:
+                done[0] += 1
+                bar.update(i + min(done[0] / runs, 1.0) - bar.n)
+
+            results.extend(measure(case, repeat, budget, tick))
+            bar.n = i + 1  # exact, so that the bar ends at its total
+            bar.refresh()
+            del case
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = _arguments(argv)
+    if args.write_docs:
+        for path in write_docs(record.load(args.record), ROOT):
+            print(f"rewritten: {path}")
+        return 0
     try:
         import torch
-        from tqdm import tqdm
+        import tqdm  # noqa: F401
     except ImportError as exc:
         print(f"python -m spchain bench needs torch and tqdm ({exc}): pip install 'spchain[torch,bench]'",
               file=sys.stderr)
@@ -99,20 +266,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("--device cuda: torch sees no CUDA device", file=sys.stderr)
         return 2
-    repeat = max(1, args.repeat or (3 if args.quick else 5))
+    repeat = args.repeat or (3 if args.quick else 5)
     budget = args.budget if args.budget is not None else (2.0 if args.quick else 20.0)
     selected = [(w, c) for w in args.only or WORKLOADS for c in cases(w, args.quick)]
-    results = []
-    with tqdm(total=len(selected), desc="benchmarks", file=sys.stderr,
-              bar_format="{l_bar}{bar}| {elapsed}<{remaining} {postfix}") as bar:
-        for name, case_name in selected:
-            bar.set_postfix_str(f"{name}: {case_name}")
-            gc.collect()
-            gc.freeze()  # what outlives the cases so far (modules, caches) is left out of later collections
-            case = make_case(name, case_name, args.quick, args.device)
-            runs = len(case.methods) * (repeat + 2)
-            results.extend(measure(case, repeat, budget, lambda: bar.update(1 / runs)))
-            del case
+    this_run = record.this_run(argv if argv is not None else sys.argv[1:], args.quick, torch.get_num_threads(),
+                               args.device)
+    if args.device == "cpu" and not kernels_cached():
+        compile_kernels(list(dict.fromkeys(w for w, _ in selected)), args.quick)
+    results = run(selected, args.quick, args.device, repeat, budget)
     machine = torch.cuda.get_device_name() if args.device == "cuda" else f"{platform.processor() or platform.machine()}"
     title = (f"spchain {importlib.import_module('spchain').__version__} on {machine}, torch {torch.__version__}, "
              f"{torch.get_num_threads()} threads{' (quick sizes)' if args.quick else ''}")
@@ -120,26 +281,24 @@ def main(argv: list[str] | None = None) -> int:
     names = list(dict.fromkeys(w for w, _ in selected))
     print("\n".join(f"  {name.ljust(max(map(len, names)))}  {sizes(name, args.quick)}" for name in names))
     print(table(results))
-    plot(results, args.png, title)
-    print(f"bar chart written to {args.png}")
-    if args.json:
-        write_json(args.json, results, machine=machine, device=args.device, quick=args.quick)
-        print(f"results written to {args.json}")
-    return 0
-
-
-def write_json(path: str, results: list[Result], **run: object) -> None:
-    """The results of a run as JSON: ``run`` (device, machine, ...) with the versions of
-    spchain, torch and CuPy (``None`` where not installed), and one record a method."""
-    import torch
-
-    cupy = sys.modules.get("cupy")
-    record = {**run, "spchain": importlib.import_module("spchain").__version__, "torch": torch.__version__,
-              "cupy": getattr(cupy, "__version__", None),
-              "timing": "CUDA events after warm-up" if run.get("device") == "cuda" else "wall clock after warm-up",
-              "results": [{"workload": r.workload, "case": r.case, "method": r.method, "median_s": r.median,
-                           "times_s": r.times, "peak_bytes": None if math.isnan(r.peak_bytes) else r.peak_bytes,
-                           "max_rel_error": None if math.isnan(r.max_rel_error) else r.max_rel_error}
-                          for r in results]}
-    with open(path, "w") as f:
-        json.dump(record, f, indent=1)
+    print(LEGEND)
+    if args.png is not None:
+        plot(results, args.png, title)
+        print(f"bar chart written to {args.png}")
+    if args.json is not None:
+        Path(args.json).write_text(json.dumps(record.as_json(results, this_run), indent=1) + "\n")
+        print(f"figures written to {args.json}")
+    status = 0
+    if args.check:
+        changes, missing = record.compare(record.load(args.record), results, args.quick)
+        print(record.check_report(changes, missing))
+        status = 1 if any(c.fell for c in changes) else 0
+    if args.update_record:
+        saved = record.load(args.record)
+        written = record.update(saved, results, args.quick, this_run)
+        record.save(saved, args.record)
+        print(f"{args.record}: {len(written)} cases written")
+        if args.record == record.PATH:
+            for path in write_docs(saved, ROOT):
+                print(f"rewritten: {path}")
+    return status

@@ -1,4 +1,4 @@
-"""The block-diag workload of DESIGN.md: x (8192, 512) as 8 groups of 64, float32, forward + backward.
+"""The block-diag workload of the design (docs/design.rst): x (8192, 512) as 8 groups of 64, float32, forward + backward.
 
 Every method computes ``y[b, g] = x[b, g] @ w[g]`` and the gradients in ``x`` and ``w`` of
 ``sum(y * grad)``: ``spchain.torch.block_diag_matmul`` beside ``torch.einsum`` (the baseline to

@@ -1,4 +1,4 @@
-"""The chain workload: batch 500, v 40, c 200, per-step transitions, float32 (DESIGN.md).
+"""The chain workload: batch 500, v 40, c 200, per-step transitions, float32 (docs/design.rst).
 
 spchain's ``chain_logsumexp`` beside the two ways PyTorch users write it today:
 

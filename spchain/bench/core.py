@@ -38,6 +38,9 @@ class Case:
     slow: set[str] = field(default_factory=set)
     """Methods so slow that one timed run, without a warm-up, is enough (they compile nothing):
     the chain workload's pairwise broadcast tree, say."""
+    scale: dict[str, float] = field(default_factory=dict)
+    """Baselines run at a smaller size than spchain: the factor that scales their time to
+    spchain's size (ratios use the scaled time)."""
 
 
 @dataclass
@@ -50,6 +53,8 @@ class Result:
     times: list[float]
     peak_bytes: float
     max_rel_error: float
+    scale: float = 1.0
+    """The factor that scales the time to spchain's size (see :attr:`Case.scale`)."""
 
     @property
     def median(self) -> float:
@@ -243,4 +248,5 @@ def measure(case: Case, repeat: int, budget_s: float, tick: Callable[[], None] =
         if name not in peaks:
             peaks[name] = peak(fn)
         tick()
-    return [Result(case.workload, case.name, name, times[name], peaks[name], errors[name]) for name in case.methods]
+    return [Result(case.workload, case.name, name, times[name], peaks[name], errors[name], case.scale.get(name, 1.0))
+            for name in case.methods]

@@ -92,13 +92,16 @@ def make_case(name: str, quick: bool, device: str = "cpu") -> Case:
     x, sparse, dense, log_init = make_inputs(quick, device)
     batch, v, c = SIZES[quick].values()
 
+    scale: dict[str, float] = {}
+
     def label(name: str) -> tuple[str, torch.Tensor]:
         if quick:
             return name, x
         small_batch, small_v = DENSE_SIZE[name]
         factor = batch * (v - 1) / (small_batch * (small_v - 1))
-        return (f"{name} at batch {small_batch} v {small_v}: x{factor:.0f} less work, scale its time by that",
-                x[:small_batch, :small_v].clone())
+        name = f"{name} at batch {small_batch} v {small_v}: x{factor:.0f} less work, scale its time by that"
+        scale[name] = factor
+        return name, x[:small_batch, :small_v].clone()
 
     sync: Callable[[], None] = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
@@ -130,4 +133,4 @@ def make_case(name: str, quick: bool, device: str = "cpu") -> Case:
         dense_name: timed(st.chain_logsumexp, dense_x, dense, quick),
         torch_name: timed(torch_sequential, torch_x, dense, quick),
     }
-    return Case("sparse-chain", name, methods, reference if quick else None, device)
+    return Case("sparse-chain", name, methods, reference if quick else None, device, scale=scale)

@@ -3,7 +3,7 @@
 ``kernels.cpu.logspace`` compiles them with ``@njit`` and ``kernels.cuda.logspace`` as CUDA
 device functions, so the CPU and CUDA kernels share exactly the same arithmetic.
 
-Rules (see DESIGN.md): ``-inf`` is log-space zero and is legal everywhere, an all ``-inf``
+Rules (see docs/design.rst): ``-inf`` is log-space zero and is legal everywhere, an all ``-inf``
 reduction gives ``-inf`` (never NaN), NaN in gives NaN out, and no finite stand-in for
 ``-inf`` is ever used.
 
