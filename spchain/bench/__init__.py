@@ -42,6 +42,8 @@ WORKLOADS = {
     "chains-at-scale": "dask",
     "crf": "crf",
     "torch-layer": "torch_layer",
+    "hmm-forward": "hmm_forward",
+    "hmm-fit": "hmm",
 }
 """Workload name → module (relative to this package) with ``CASES`` and ``make_case``."""
 
