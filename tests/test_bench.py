@@ -22,6 +22,7 @@ WRONG = {("chain", "torch pairwise broadcast tree")}
 CASES = [(w, c) for w in bench.WORKLOADS for c in bench.workload(w).CASES]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workload, case", CASES)
 def test_every_method_matches_the_float64_reference(workload, case):
     built = bench.make_case(workload, case, quick=True)
@@ -91,6 +92,7 @@ def test_command_prints_a_table_and_writes_a_png(tmp_path, capsys):
     assert rows[0][2] == "spchain" and rows[0][7] == "1.0x"
 
 
+@pytest.mark.slow
 def test_the_documented_asv_quick_command_saves_results(tmp_path):
     """The documented ``SPCHAIN_BENCH_QUICK=1 asv run ...`` line (docs/tutorials/benchmarks.rst), on one benchmark, with a copy of
     asv.conf.json that keeps results and the machine file in ``tmp_path``: it must save numbers
