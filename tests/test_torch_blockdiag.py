@@ -270,7 +270,6 @@ def test_group_sizes_list_changed_after_forward_does_not_change_backward():
     torch.testing.assert_close(w.grad, want_w)
 
 
-@pytest.mark.slow  # 220 forward-backward steps
 def test_many_forward_backward_calls_do_not_leak(rss_growth):
     x, w = make((256, 4, 16), torch.float32), make((4, 16, 16), torch.float32)
     layer = sct.GroupedLinear(4, 64, 32)
