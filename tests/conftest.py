@@ -1,21 +1,30 @@
-"""Markers, Hypothesis profiles and the shared fixtures of spchain's tests.
+"""Markers, options, Hypothesis profiles and the shared fixtures of spchain's tests.
 
+- ``slow`` tests (Hypothesis at its full budget, DDP, Dask clusters, the docstring examples,
+  subprocesses, large sizes) are deselected by plain ``pytest``; ``pytest --all`` runs everything
+  (as CI does), ``pytest -m slow`` only them. Without ``--all`` or ``slow`` in ``-m``, a Hypothesis
+  test tries ``QUICK_EXAMPLES`` inputs and belongs to the default set; with them, ``FULL_EXAMPLES``
+  and it counts as slow (``HYPOTHESIS_PROFILE=quick|full`` or ``--hypothesis-profile`` overrides).
+- ``--max-default-seconds=S`` fails the run if a test of the default set (not ``slow``) takes
+  longer than ``S`` seconds, setup and teardown included (wall time); CI passes 30.
 - ``gpu`` tests need CuPy and a real CUDA device; they are skipped without one.
 - ``cuda_kernel`` tests run Numba CUDA kernels; without a GPU they need the simulator:
   ``NUMBA_ENABLE_CUDASIM=1 pytest -m cuda_kernel`` (set before Numba is imported).
 """
 
+import collections
 import gc
 import os
 import zlib
 
 import numpy as np
 import pytest
-from hypothesis import settings
+from _pytest.mark.expression import Expression
+from hypothesis import is_hypothesis_test, settings
 
-settings.register_profile("dev", max_examples=60, deadline=None)
-settings.register_profile("ci", max_examples=40, deadline=None, print_blob=True)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+QUICK_EXAMPLES, FULL_EXAMPLES = 10, 100
+settings.register_profile("quick", max_examples=QUICK_EXAMPLES, deadline=None, print_blob=True)
+settings.register_profile("full", max_examples=FULL_EXAMPLES, deadline=None, print_blob=True)
 
 SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 
@@ -38,7 +47,68 @@ def _gpu_available() -> bool:
 GPU = _gpu_available()
 
 
+def pytest_addoption(parser):
+    parser.addoption("--all", action="store_true",
+                     help="run the slow tests too, as CI does (plain pytest deselects them; -m slow runs only them)")
+    parser.addoption("--max-default-seconds", type=float, metavar="S",
+                     help="fail the run if a test not marked slow takes longer than S seconds (CI: 30)")
+
+
+def _slow_selected(config) -> bool:
+    """Whether this run takes slow tests: ``--all``, or an ``-m`` expression that a ``slow`` test matches."""
+    markexpr = config.option.markexpr
+    return config.option.all or bool(markexpr) and Expression.compile(markexpr).evaluate(lambda name, **_: name == "slow")
+
+
+def pytest_configure(config):
+    if not config.getoption("hypothesis_profile", None):
+        settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("full" if _slow_selected(config) else "quick"))
+    if config.option.max_default_seconds is not None:
+        config.pluginmanager.register(DefaultSetTimer(config.option.max_default_seconds))
+
+
+class DefaultSetTimer:
+    """``--max-default-seconds``: each default-set test's setup, call and teardown, summed (wall time)."""
+
+    def __init__(self, limit: float):
+        self.limit = limit
+        self.seconds = collections.Counter()
+
+    def pytest_runtest_logreport(self, report):
+        if "slow" not in report.keywords:
+            self.seconds[report.nodeid] += report.duration
+
+    def over(self):
+        return sorted(((s, n) for n, s in self.seconds.items() if s > self.limit), reverse=True)
+
+    def pytest_sessionfinish(self, session):
+        if self.over() and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+    def pytest_terminal_summary(self, terminalreporter):
+        if self.over():
+            terminalreporter.section(f"over {self.limit:g} s in the default set (--max-default-seconds)", red=True)
+            for seconds, nodeid in self.over():
+                terminalreporter.write_line(f"{seconds:8.2f}s {nodeid}")
+
+
+def pytest_report_header(config):
+    if not (config.option.all or config.option.markexpr):
+        return "slow tests deselected: pytest --all runs everything, pytest -m slow only them"
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects by markers
 def pytest_collection_modifyitems(config, items):
+    if _slow_selected(config):
+        for item in items:
+            if is_hypothesis_test(getattr(item, "obj", None)):
+                item.add_marker(pytest.mark.slow)
+    elif not config.option.markexpr:
+        slow = [item for item in items if item.get_closest_marker("slow")]
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            items[:] = [item for item in items if not item.get_closest_marker("slow")]
     no_gpu = pytest.mark.skip(reason="needs CuPy and a CUDA device")
     no_cuda = pytest.mark.skip(reason="needs a CUDA device, or NUMBA_ENABLE_CUDASIM=1 for the simulator")
     for item in items:

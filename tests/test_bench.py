@@ -24,6 +24,7 @@ WRONG = {("chain", "torch pairwise broadcast tree")}
 CASES = [(w, c) for w in bench.WORKLOADS for c in bench.workload(w).CASES]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workload, case", CASES)
 def test_every_method_matches_the_float64_reference(workload, case):
     built = bench.make_case(workload, case, quick=True)
@@ -307,6 +308,7 @@ def test_no_file_refers_to_design_or_reliability_documents_outside_the_repositor
     assert named == []
 
 
+@pytest.mark.slow
 def test_the_documented_asv_quick_command_saves_results(tmp_path):
     """The documented ``SPCHAIN_BENCH_QUICK=1 asv run ...`` line (docs/tutorials/benchmarks.rst), on one benchmark, with a copy of
     asv.conf.json that keeps results and the machine file in ``tmp_path``: it must save numbers

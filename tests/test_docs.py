@@ -13,6 +13,7 @@ TORCH_MODULES = ["spchain.torch._bridge", "spchain.torch.blockdiag", "spchain.to
                  "spchain.torch.sparse"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", MODULES + TORCH_MODULES)
 def test_docstring_examples(name):
     if name in TORCH_MODULES:

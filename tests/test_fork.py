@@ -80,6 +80,7 @@ def test_a_forked_multiprocessing_child_runs_kernels_after_the_parent_did():
 
 
 @TBB
+@pytest.mark.slow
 def test_a_torch_dataloader_worker_runs_kernels_after_the_parent_did():
     pytest.importorskip("torch")
     result = run(PARENT.format(block_tbb="") + DATALOADER)
@@ -87,6 +88,7 @@ def test_a_torch_dataloader_worker_runs_kernels_after_the_parent_did():
     assert float(result.stdout.split("child error")[1].split()[0]) < 1e-12
 
 
+@pytest.mark.slow
 def test_without_tbb_numba_default_layer_still_runs_kernels():
     result = run(PARENT.format(block_tbb=NO_TBB) + "print('ok', work(), sc._backend.threading_layer())")
     assert result.returncode == 0, result.stderr

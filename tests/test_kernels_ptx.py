@@ -123,6 +123,7 @@ def test_fp64_pattern_finds_double_instructions():
     assert len(FP64.findall(ptx)) == 2
 
 
+@pytest.mark.slow  # compiles every kernel again; the default set compiles each once above
 @pytest.mark.parametrize("name", [name for name, _, _ in kernels(np.float32) if name not in FLOAT64_BY_DESIGN])
 def test_float32_kernels_have_no_fp64_instructions(sm90, name):
     """A float64 literal in a float32 kernel promotes what it meets: double ``exp`` and
@@ -132,6 +133,7 @@ def test_float32_kernels_have_no_fp64_instructions(sm90, name):
     assert FP64.findall(ptx) == []
 
 
+@pytest.mark.slow
 def test_float64_kernels_still_compute_in_float64(sm90):
     for name, kernel, signature in kernels(np.float64):
         ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=(9, 0))

@@ -195,6 +195,7 @@ def _regrow_worker(rank, init, regrow, block, out):
         torch.distributed.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("regrow, block", [("random", None), ("gradient", None), ("gradient", (2, 3))])
 def test_prune_and_regrow_keeps_distributed_replicas_identical(regrow, block):
     if not torch.distributed.is_available():

@@ -93,6 +93,7 @@ def _eager(case):
     return out.detach(), grads
 
 
+@pytest.mark.slow  # a compile or export per function: minutes; the default set compiles a few below
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_compile_fullgraph_has_no_graph_break_and_matches_eager(case):
     inputs = case.inputs()
@@ -117,6 +118,7 @@ class _Wrap(torch.nn.Module):
         return self.fn(*args)
 
 
+@pytest.mark.slow  # a compile or export per function: minutes; the default set compiles a few below
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_export_runs_as_eager(case):
     inputs = case.inputs()
@@ -327,6 +329,7 @@ def _module(name):
     return make(), inputs()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", MODULES)
 def test_compiled_module_trains_like_eager(name):
     module, inputs = _module(name)
@@ -340,6 +343,7 @@ def test_compiled_module_trains_like_eager(name):
         torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", MODULES)
 def test_module_exports(name):
     module, inputs = _module(name)
