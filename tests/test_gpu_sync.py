@@ -18,7 +18,8 @@ import pytest
 HOT_PATHS = {
     "spchain._backend": {"device_kernel": None},
     "spchain.blockdiag": {"batched_matmul": None, "gemm_plan": None, "_block_diag_product": None,
-                          "_grouped_product": None, "_grouped_weight_grad": None},
+                          "_grouped_product": None, "_grouped_weight_grad": None,
+                          "indexed_matmul": None, "indexed_gemm_plan": None, "_ragged_weight_grad": None},
     "spchain.sparse": {"_gpu_spmm": None, "_cupyx_csr": "structure.canonical"},
     "spchain._sparse_chain": {"forward": None, "backward": None, "_values_grad_on_device": None},
     "spchain._logspace": {"log_product": "on_device(xp)", "_recompute_lost_on_device": None,
