@@ -176,3 +176,17 @@ def test_ragged_plan_pads_at_most_twice_the_rows():
         assert plan.chunk_group.size <= 2 * nonempty and plan.chunk_group.size * plan.rows <= 2 * rows + nonempty
         assert np.unique(plan.dest).size == rows and np.all(plan.dest < plan.chunk_group.size * plan.rows)
         assert np.array_equal(np.bincount(plan.chunk_group[plan.dest // plan.rows], minlength=sizes.size), sizes)
+
+
+def test_cpu_keeps_one_blas_product_per_group(monkeypatch, rng):
+    def fail(*args):
+        raise AssertionError("the CPU path takes no padded chunks")
+
+    monkeypatch.setattr(blockdiag, "indexed_matmul", fail)
+    monkeypatch.setattr(blockdiag, "_ragged_weight_grad", fail)
+    sizes = np.array([2, 0, 5, 1])
+    x, w, grad = rng.normal(size=(8, 3)), rng.normal(size=(4, 3, 2)), rng.normal(size=(8, 2))
+    y = blockdiag.grouped_matmul(x, w, sizes.tolist())
+    got = (y,) + blockdiag.grouped_matmul_backward((x, w, sizes), (y,), (grad,), (True, True))
+    for g, want in zip(got, per_group(x, w, sizes, grad)):
+        np.testing.assert_allclose(g, want, rtol=1e-12, atol=1e-12)
