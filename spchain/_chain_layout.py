@@ -201,7 +201,7 @@ def _lengths_on_device(xp: ModuleType, lengths: Array, init: Array, v: int) -> t
     """``(lengths, init)`` of a chain on the GPU, checked without a synchronisation (an error
     would need the host to read the device): a row whose length lies outside 1..v gets a NaN
     ``init``, so every result of that row is NaN, and its length clipped into 1..v, so no
-    kernel reads past its row. The sweeps then run all v steps (``max_length = v``): rows
-    end at their own lengths, so results are those of the shortest sweep."""
+    kernel reads past its row. The sweeps then run all v steps (``max_length = v``, unread
+    on the host), each row still ending at its own length: the results are the same."""
     bad = (lengths < 1) | (lengths > v)
     return xp.clip(lengths, 1, v), xp.where(bad[:, None], np.nan, init).astype(init.dtype, copy=False)
