@@ -7,7 +7,9 @@ BLAS/cuBLAS product per group on strided views of the caller's arrays (in one ba
 ``matmul`` call for the block-diagonal product), writing straight into the result. On
 NumPy the views go to BLAS as they are; on the GPU the block-diagonal products, and grouped
 products of equal groups, are one strided-batched cuBLAS GEMM on the views
-(:func:`batched_matmul`: no operand copied), while ragged groups take a cuBLAS product each.
+(:func:`batched_matmul`: no operand copied), and ragged groups one pointer-array cuBLAS GEMM
+over chunks of rows padded to at most twice the rows (:func:`ragged_plan`,
+:func:`indexed_matmul`), each chunk reading its group's weight where it lies.
 
 The gradients of both products are products of the same kind: the input gradient is the
 product with the transposed weight, and the weight gradient of group g is
@@ -23,7 +25,7 @@ import math
 import numbers
 from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from numpy.typing import NDArray
@@ -290,8 +292,10 @@ def grouped_matmul(x: Array, w: Array, group_sizes: Sequence[int] | Array) -> Ar
     """Multiply each contiguous group of rows by its own matrix.
 
     Rows ``x[o_g : o_g + group_sizes[g]]`` are multiplied by ``w[g]``, where ``o_g`` is the sum
-    of the earlier sizes: one BLAS/cuBLAS product per group, on views of ``x`` and of the
-    result, so nothing of size G × N is ever allocated. Empty groups are allowed.
+    of the earlier sizes: on the CPU one BLAS product per group, on views of ``x`` and of the
+    result; on the GPU one batched cuBLAS GEMM (rows padded to at most 2 N + G for ragged
+    groups). Nothing of size G × N is ever allocated, nor a copy of ``w``. Empty groups are
+    allowed.
 
     Parameters
     ----------
@@ -340,7 +344,11 @@ def grouped_matmul(x: Array, w: Array, group_sizes: Sequence[int] | Array) -> Ar
 
 def _grouped_product(backend: Backend, x: Array, w: Array, sizes: NDArray[np.int64],
                      dtype: np.dtype[Any]) -> Array:
-    """``grouped_matmul`` of checked operands and int64 ``sizes``, in ``dtype``."""
+    """``grouped_matmul`` of checked operands and int64 ``sizes``, in ``dtype``.
+
+    On the GPU one batched cuBLAS GEMM: over views for equal groups, over the chunks of
+    :func:`ragged_plan` for ragged ones. On the CPU one BLAS product per group, on views.
+    """
     xp = backend.xp
     with backend.use():
         x = _blas_layout(xp, x.astype(dtype, copy=False))
@@ -350,17 +358,99 @@ def _grouped_product(backend: Backend, x: Array, w: Array, sizes: NDArray[np.int
             n = int(sizes[0])
             batched_matmul(xp, x.reshape(-1, n, x.shape[1]), w, out.reshape(-1, n, w.shape[2]))
             return out
+        if backend.on_gpu and out.size:
+            plan = ragged_plan(sizes)
+            dest = xp.asarray(plan.dest)
+            padded = xp.empty((plan.chunk_group.size * plan.rows, x.shape[1]), dtype)
+            padded[dest] = x
+            result = xp.empty((plan.chunk_group.size, plan.rows, w.shape[2]), dtype)
+            indexed_matmul(xp, padded.reshape(-1, plan.rows, x.shape[1]), w, plan.chunk_group, result)
+            out[...] = result.reshape(-1, w.shape[2])[dest]
+            return out
         for g, rows in _row_slices(sizes):
             _backend.matmul(xp, x[rows], w[g], out=out[rows])
     return out
 
 
 def _equal_groups(backend: Backend, sizes: NDArray[np.int64], x: Array) -> bool:
-    """Whether a grouped product on the GPU is one strided-batched GEMM: every group of one
-    non-zero size, ``x`` with unit-stride rows of unit-stride entries (so its groups are views
-    of equal stride). Ragged groups take one cuBLAS product a group."""
+    """Whether a grouped product on the GPU is one strided-batched GEMM on views: every group
+    of one non-zero size, ``x`` with unit-stride rows of unit-stride entries (so its groups are
+    views of equal stride). Ragged groups take :func:`ragged_plan`'s chunks."""
     return bool(backend.on_gpu and sizes.size and sizes[0] > 0 and (sizes == sizes[0]).all()
                 and x.strides[1] == x.itemsize and x.strides[0] == x.itemsize * x.shape[1])
+
+
+class RaggedPlan(NamedTuple):
+    """Ragged groups cut into chunks of ``rows`` rows each, for one batched GEMM on the GPU.
+
+    ``chunk_group[c]`` is the group of chunk c (chunks in group order, none for an empty
+    group); row i of ``x`` goes to row ``dest[i]`` of the (chunks × ``rows``) padded layout.
+    ``ranks[r]`` is ``(groups, chunks)``: the groups with more than r chunks and their r-th chunk.
+    """
+
+    rows: int
+    chunk_group: NDArray[np.int64]
+    dest: NDArray[np.int64]
+    ranks: tuple[tuple[NDArray[np.int64], NDArray[np.int64]], ...]
+
+
+def ragged_plan(sizes: NDArray[np.int64]) -> RaggedPlan:
+    """The chunks of ragged groups of checked ``sizes`` (at least one row in all).
+
+    Chunks have T = ⌈N / G'⌉ rows (G' the non-empty groups), so there are at most
+    N / T + G' ≤ 2 G' chunks and at most 2 N + G' padded rows: the padding is bounded by the
+    rows themselves, whatever the sizes, where padding to the largest group may take G × N.
+    """
+    total, nonempty = int(sizes.sum()), int(np.count_nonzero(sizes))
+    rows = -(-total // nonempty)
+    chunks = -(-sizes // rows)
+    first_row = (np.cumsum(chunks) - chunks) * rows
+    offsets = np.cumsum(sizes) - sizes
+    dest = np.arange(total, dtype=np.int64) + np.repeat(first_row - offsets, sizes)
+    first = np.cumsum(chunks) - chunks
+    ranks = tuple((np.flatnonzero(chunks > r), first[chunks > r] + r) for r in range(int(chunks.max())))
+    return RaggedPlan(rows, np.repeat(np.arange(sizes.size, dtype=np.int64), chunks), dest, ranks)
+
+
+def indexed_matmul(xp: ModuleType, a: Array, b: Array, index: NDArray[np.int64], out: Array) -> None:
+    """``out[c] = a[c] @ b[index[c]]`` for (C, m, k) ``a`` and ``out`` (C-contiguous) and
+    (G, k, n) ``b`` with unit-stride matrices: no matrix of ``b`` copied.
+
+    On the GPU one pointer-array cuBLAS GEMM (``gemmBatched``): each chunk points at its
+    group's matrix where it lies (:func:`indexed_gemm_plan`); elsewhere ``matmul`` of a gather.
+    """
+    plan = indexed_gemm_plan(a, b, index, out) if xp is not np and a.shape[-1] else None
+    if plan is None:
+        _backend.matmul(xp, a, b[xp.asarray(index)], out=out)
+        return
+    cublas = importlib.import_module("cupy_backends.cuda.libs.cublas")
+    gemm = cublas.sgemmBatched if out.dtype == np.float32 else cublas.dgemmBatched
+    one, zero = np.ones(1, out.dtype), np.zeros(1, out.dtype)
+    item = out.itemsize
+    pointers = {name: xp.asarray(np.asarray(offsets, np.uint64) * np.uint64(item) + np.uint64(_address(base)))
+                for name, base, offsets in (("a", b, plan["offsets_a"]), ("b", a, plan["offsets_b"]),
+                                            ("c", out, plan["offsets_c"]))}
+    handle = xp.cuda.device.get_cublas_handle()
+    cublas.setStream(handle, xp.cuda.get_current_stream().ptr)
+    gemm(handle, plan["transa"], plan["transb"], plan["m"], plan["n"], plan["k"], one.ctypes.data,
+         _address(pointers["a"]), plan["lda"], _address(pointers["b"]), plan["ldb"], zero.ctypes.data,
+         _address(pointers["c"]), plan["ldc"], plan["batch"])
+
+
+def indexed_gemm_plan(a: Array, b: Array, index: NDArray[np.int64], out: Array) -> dict[str, Any] | None:
+    """The arguments of one column-major pointer-array GEMM (cuBLAS's ``gemmBatched``) that
+    computes ``out[c] = a[c] @ b[index[c]]`` on the arrays as they lie, or ``None`` where none
+    does: :func:`gemm_plan`'s arguments for one chunk, with the element offset of each
+    chunk's matrices from each array's first element in place of batch strides.
+    """
+    plan = gemm_plan(a[:1], b[:1], out[:1]) if index.size else None
+    if plan is None:
+        return None
+    item = out.itemsize
+    chunks = np.arange(index.size, dtype=np.int64)
+    return {**{key: plan[key] for key in ("transa", "transb", "m", "n", "k", "lda", "ldb", "ldc")},
+            "batch": int(index.size), "offsets_a": index * (b.strides[0] // item),
+            "offsets_b": chunks * (a.strides[0] // item), "offsets_c": chunks * (out.strides[0] // item)}
 
 
 def grouped_matmul_forward(x: Array, w: Array, group_sizes: Sequence[int] | Array) -> Array:
@@ -427,6 +517,30 @@ def _grouped_weight_grad(x: Array, grad: Array, sizes: NDArray[np.int64]) -> Arr
             n = int(sizes[0])
             batched_matmul(xp, x.reshape(-1, n, x.shape[1]).swapaxes(1, 2), grad.reshape(-1, n, grad.shape[1]), out)
             return out
+        if backend.on_gpu and x.shape[0] and out.size:
+            _ragged_weight_grad(xp, x, grad, ragged_plan(sizes), out)
+            return out
         for g, rows in _row_slices(sizes):
             _backend.matmul(xp, x[rows].T, grad[rows], out=out[g])
     return out
+
+
+def _ragged_weight_grad(xp: ModuleType, x: Array, grad: Array, plan: RaggedPlan, out: Array) -> None:
+    """``out[g] = x_gᵀ grad_g`` by the chunks of ``plan``: one strided-batched GEMM of the
+    zero-padded chunks gives each chunk's product ((chunks, d_in, d_out): at most twice ``out``),
+    and each group sums its chunks in order, one add per chunk rank (⌈max size / T⌉ in all).
+    """
+    dest = xp.asarray(plan.dest)
+    chunks, dtype = plan.chunk_group.size, out.dtype
+    padded = []
+    for a in (x, grad):
+        full = xp.zeros((chunks * plan.rows, a.shape[1]), dtype)
+        full[dest] = a
+        padded.append(full.reshape(chunks, plan.rows, a.shape[1]))
+    partial = xp.empty((chunks, x.shape[1], grad.shape[1]), dtype)
+    batched_matmul(xp, padded[0].swapaxes(1, 2), padded[1], partial)
+    for rank, (groups, sources) in enumerate(plan.ranks):
+        if rank:
+            out[xp.asarray(groups)] += partial[xp.asarray(sources)]
+        else:
+            out[xp.asarray(groups)] = partial[xp.asarray(sources)]

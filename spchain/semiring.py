@@ -150,7 +150,10 @@ def maxmatmul_backward(inputs: Sequence[Array], results: Sequence[Array], grads:
     (a, b), (values, argmax), grad = inputs, results, grads[0]
     xp, a_, b_ = _trusted(a, b)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        infinite = _logspace.PosInf(xp, a_, b_) if bool(xp.isposinf(values).any()) else None
+        if _logspace.on_device(xp):  # no synchronisation: the +inf shares are zero where no value is +inf
+            infinite: _logspace.PosInf | None = _logspace.PosInf(xp, a_, b_)
+        else:
+            infinite = _logspace.PosInf(xp, a_, b_) if bool(xp.isposinf(values).any()) else None
         return maxmatmul_grads(xp, a.shape, b.shape, values, argmax, grad.astype(values.dtype, copy=False),
                                infinite)
 

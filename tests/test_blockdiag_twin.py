@@ -101,3 +101,92 @@ def test_grouped_gpu_branch_batches_equal_groups_only(monkeypatch, rng):
         got = blockdiag._grouped_product(gpu, x, w, np.array(sizes), np.dtype(np.float64))
         np.testing.assert_allclose(got, blockdiag.grouped_matmul(x, w, sizes), rtol=1e-12)
         assert len(calls) == batched_calls
+
+
+def emulate_indexed(plan, a, b, out):
+    """cuBLAS ``gemmBatched(alpha=1, beta=0)``: chunk c reads its A at ``offsets_a[c]`` elements
+    from ``b``'s first element, its B from ``a``'s and writes its C from ``out``'s, column-major."""
+    item = out.itemsize
+
+    def matrix(v, offset, op, rows, cols, ld):
+        stored = (rows, cols) if op == 0 else (cols, rows)
+        start = np.lib.stride_tricks.as_strided(v, (offset + 1,), (item,))[offset:]
+        return OPS[op](np.lib.stride_tricks.as_strided(start, stored, (item, ld * item), writeable=False))
+
+    for c in range(plan["batch"]):
+        first = matrix(b, plan["offsets_a"][c], plan["transa"], plan["m"], plan["k"], plan["lda"])
+        second = matrix(a, plan["offsets_b"][c], plan["transb"], plan["k"], plan["n"], plan["ldb"])
+        start = np.lib.stride_tricks.as_strided(out, (plan["offsets_c"][c] + 1,), (item,))[plan["offsets_c"][c]:]
+        np.lib.stride_tricks.as_strided(start, (plan["m"], plan["n"]), (item, plan["ldc"] * item))[...] = first @ second
+
+
+def per_group(x, w, sizes, grad):
+    """The per-group loop, in float64: the product and both gradients."""
+    stops = np.cumsum(sizes)
+    y, grad_x, grad_w = np.empty((len(x), w.shape[2])), np.empty_like(x), np.zeros_like(w)
+    for g, (start, stop) in enumerate(zip(stops - sizes, stops)):
+        y[start:stop] = x[start:stop] @ w[g]
+        grad_x[start:stop] = grad[start:stop] @ w[g].T
+        grad_w[g] = x[start:stop].T @ grad[start:stop]
+    return y, grad_x, grad_w
+
+
+@pytest.mark.parametrize("sizes", [[1, 3, 2], [0, 3, 3], [6], [0, 0, 6, 0], [9, 0, 1, 1, 0, 2], [1, 1, 1, 1, 1, 14]])
+def test_ragged_groups_are_one_batched_gemm_on_the_gpu_branch(monkeypatch, rng, sizes):
+    import contextlib
+
+    import scipy.sparse
+
+    from spchain import _backend
+
+    sizes = np.array(sizes)
+    rows, groups = int(sizes.sum()), len(sizes)
+    calls = []
+
+    def indexed(xp, a, b, index, out):
+        assert np.shares_memory(b, w) or b.shape[1] == 0, "the weight is read where it lies, never copied"
+        assert a.shape[0] * a.shape[1] <= 2 * rows + groups and len(index) <= 2 * groups, "padding bounded"
+        calls.append("indexed")
+        emulate_indexed(blockdiag.indexed_gemm_plan(a, b, index, out), a, b, out)
+
+    def batched(xp, a, b, out):
+        calls.append("batched")
+        emulate(blockdiag.gemm_plan(a, b, out), a, b, out)
+
+    gpu = _backend.Backend(np, scipy.sparse, 0)
+    monkeypatch.setattr(blockdiag, "indexed_matmul", indexed)
+    monkeypatch.setattr(blockdiag, "batched_matmul", batched)
+    monkeypatch.setattr(blockdiag, "backend_of", lambda *arrays, **kwargs: gpu)
+    monkeypatch.setattr(_backend.Backend, "use", lambda self: contextlib.nullcontext())
+    x, w, grad = rng.normal(size=(rows, 4)), rng.normal(size=(groups, 4, 3)), rng.normal(size=(rows, 3))
+    x[0, 1] = np.inf  # stays in its own group's gradient
+    want = per_group(x, w, sizes, grad)
+    y = blockdiag.grouped_matmul(x, w, sizes.tolist())
+    grad_x, grad_w = blockdiag.grouped_matmul_backward((x, w, sizes), (y,), (grad,), (True, True))
+    for got, expected in zip((y, grad_x, grad_w), want):
+        np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-12)
+    assert calls == ["indexed", "indexed", "batched"] if len(set(sizes.tolist())) > 1 else ["batched"] * 3
+
+
+def test_ragged_plan_pads_at_most_twice_the_rows():
+    for sizes in ([1, 3, 2], [0, 0, 7], [100, 1, 1, 1], [3, 3, 4]):
+        sizes = np.array(sizes)
+        plan = blockdiag.ragged_plan(sizes)
+        rows, nonempty = sizes.sum(), np.count_nonzero(sizes)
+        assert plan.chunk_group.size <= 2 * nonempty and plan.chunk_group.size * plan.rows <= 2 * rows + nonempty
+        assert np.unique(plan.dest).size == rows and np.all(plan.dest < plan.chunk_group.size * plan.rows)
+        assert np.array_equal(np.bincount(plan.chunk_group[plan.dest // plan.rows], minlength=sizes.size), sizes)
+
+
+def test_cpu_keeps_one_blas_product_per_group(monkeypatch, rng):
+    def fail(*args):
+        raise AssertionError("the CPU path takes no padded chunks")
+
+    monkeypatch.setattr(blockdiag, "indexed_matmul", fail)
+    monkeypatch.setattr(blockdiag, "_ragged_weight_grad", fail)
+    sizes = np.array([2, 0, 5, 1])
+    x, w, grad = rng.normal(size=(8, 3)), rng.normal(size=(4, 3, 2)), rng.normal(size=(8, 2))
+    y = blockdiag.grouped_matmul(x, w, sizes.tolist())
+    got = (y,) + blockdiag.grouped_matmul_backward((x, w, sizes), (y,), (grad,), (True, True))
+    for g, want in zip(got, per_group(x, w, sizes, grad)):
+        np.testing.assert_allclose(g, want, rtol=1e-12, atol=1e-12)

@@ -18,13 +18,18 @@ import pytest
 HOT_PATHS = {
     "spchain._backend": {"device_kernel": None},
     "spchain.blockdiag": {"batched_matmul": None, "gemm_plan": None, "_block_diag_product": None,
-                          "_grouped_product": None, "_grouped_weight_grad": None},
+                          "_grouped_product": None, "_grouped_weight_grad": None,
+                          "indexed_matmul": None, "indexed_gemm_plan": None, "_ragged_weight_grad": None},
     "spchain.sparse": {"_gpu_spmm": None, "_cupyx_csr": "structure.canonical"},
     "spchain._sparse_chain": {"forward": None, "backward": None, "_values_grad_on_device": None},
     "spchain._logspace": {"log_product": "on_device(xp)", "_recompute_lost_on_device": None,
                           "product_epilogue": None, "log_matmul": "posinf and on_device(xp)",
                           "_log_matmul_on_device": None, "log_matmul_grads": "on_device(xp)",
                           "_log_matmul_grads_on_device": None, "_without_posinf": None, "_on_entries": None},
+    "spchain._chain_layout": {"prepare": "backend.on_gpu", "_lengths_on_device": None},
+    "spchain.semiring": {"maxmatmul_backward": "_logspace.on_device(xp)"},
+    "spchain.torch.linear": {"_StructureCache.lookup": "backend.on_gpu", "_same_on_device": None,
+                             "_StructureCache.note_versions": None, "_forward": None},
     "spchain._chain_scaled": {"transition_grad_gemm": None, "_exact_where_not": "chain.backend.on_gpu"},
     "spchain._chain_sweep": {"use_gemm": "chain.backend.on_gpu", "forward_finite": None, "_forward_gemm": None,
                              "backward_finite": None, "_backward_gemm": None, "normalise": None,
@@ -70,7 +75,9 @@ def gpu_branch(function, branch):
 
 @pytest.mark.parametrize("module, name", [(m, f) for m, fs in HOT_PATHS.items() for f in fs])
 def test_gpu_branches_do_not_synchronise(module, name):
-    function = getattr(importlib.import_module(module), name)
+    function = importlib.import_module(module)
+    for part in name.split("."):
+        function = getattr(function, part)
     assert sync_calls(gpu_branch(function, HOT_PATHS[module][name])) == []
 
 

@@ -96,8 +96,9 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor,
     """Multiply each contiguous group of rows of ``x`` by its own matrix ``w[g]``.
 
     The tensor version of :func:`spchain.grouped_matmul`, differentiable in ``x`` and ``w``:
-    one BLAS/cuBLAS product per group on views, nothing of size G × N allocated, empty
-    groups allowed.
+    one BLAS product per group on views on the CPU, one batched cuBLAS GEMM on CUDA (ragged
+    groups padded to at most 2 N + G rows), nothing of size G × N allocated, empty groups
+    allowed.
 
     Parameters
     ----------
@@ -259,7 +260,7 @@ class GroupedLinear(_PerGroupLinear):
     """G linear layers, one per contiguous group of rows (the experts of a mixture of experts).
 
     ``forward(x, group_sizes)`` maps the rows of group g by ``x_g @ weight[g] + bias[g]``,
-    through :func:`grouped_matmul`: one BLAS/cuBLAS product per group, nothing of size G × N.
+    through :func:`grouped_matmul`: nothing of size G × N, no copy of the weight.
 
     Parameters
     ----------

@@ -46,31 +46,55 @@ class _StructureCache:
     bytes of arrays in all (default 256 MiB; the most recent one is kept whatever its size), so
     that the structures that ``prune_and_regrow`` leaves behind do not pin memory. An entry holds private copies of the
     validated structure, and every lookup compares the arrays' contents with them (O(nnz),
-    next to an O(nnz * batch) product), validating and rebuilding on any difference: version
-    counters are not trusted (writes through a NumPy view or ``.data`` do not bump them, and
-    an unchecked index would reach a kernel), nor is an address that a new tensor may reuse.
+    next to an O(nnz * batch) product): version counters are not trusted (writes through a
+    NumPy view or ``.data`` do not bump them, and an unchecked index would reach a kernel), nor
+    is an address that a new tensor may reuse. On the CPU a difference validates and rebuilds
+    the entry. On the GPU the comparison stays on the device (reading it would wait for the
+    device): :meth:`lookup` returns its flag with the entry, the product runs on the validated
+    copies, and :func:`_forward` makes the result NaN where the flag says the caller's
+    structure changed. An in-place torch write bumps the tensors' version counters, which
+    :meth:`note_versions` reads on the host before each eager call: it drops their entries,
+    so the next lookup validates and rebuilds; only a write that bumps no counter (``.data``,
+    a CuPy view) meets the flag and gives NaN until the next such rebuild.
     """
 
     def __init__(self, size: int = 64, budget: int = 256 * 2**20) -> None:
         self._entries: collections.OrderedDict[tuple[Hashable, ...], _Entry] = collections.OrderedDict()
         self._size, self._budget, self._bytes = size, budget, 0
+        self._versions: collections.OrderedDict[tuple[int, int], tuple[int, int]] = collections.OrderedDict()
 
-    def get(self, backend: _backend.Backend, arrays: tuple[Array, Array], shape: Shape, caller: str,
-            key_arrays: tuple[Array, Array] | None = None) -> _Entry:
-        """``(csr, transpose)`` for the structure ``arrays = (indptr, indices)``: ``csr`` on
-        private validated copies, ``transpose`` its ``(csr_t, order)`` on the CPU (``None`` on
-        the GPU). The entry is the one of ``key_arrays`` (default ``arrays``): the backward
-        looks up its forward's structure under the caller's tensors."""
+    def note_versions(self, indptr: torch.Tensor, indices: torch.Tensor) -> None:
+        """Drop the entries of ``(indptr, indices)``'s addresses if a torch write changed them
+        (their version counters moved) since the last call: host integers, no synchronisation."""
+        addresses, versions = (indptr.data_ptr(), indices.data_ptr()), (indptr._version, indices._version)
+        if self._versions.pop(addresses, versions) != versions:
+            for key in [key for key in self._entries if key[:2] == addresses]:
+                self._forget(key)
+        self._versions[addresses] = versions
+        while len(self._versions) > self._size:
+            self._versions.popitem(last=False)
+
+    def lookup(self, backend: _backend.Backend, arrays: tuple[Array, Array], shape: Shape, caller: str,
+            key_arrays: tuple[Array, Array] | None = None) -> tuple[_Entry, Array | None]:
+        """``((csr, transpose), same)`` for the structure ``arrays = (indptr, indices)``: ``csr``
+        on private validated copies, ``transpose`` its ``(csr_t, order)`` on the CPU (``None``
+        on the GPU). The entry is the one of ``key_arrays`` (default ``arrays``): the backward
+        looks up its forward's structure under the caller's tensors. ``same`` is ``None``
+        where ``arrays`` were compared on the host (the CPU, a new entry, or ``arrays`` that
+        are the entry's own), else the device's 0-d flag that they equal the entry's."""
         first, second = key_arrays or arrays
         key = (_address(first), _address(second), first.dtype, second.dtype, first.shape, second.shape, shape,
                backend.device)
         entry = self._entries.get(key)
         if entry is not None:
             csr, transpose = entry
-            if (csr.indices.shape == arrays[1].shape and csr.indptr.shape == arrays[0].shape
-                    and bool((csr.indices == arrays[1]).all()) and bool((csr.indptr == arrays[0]).all())):
-                self._entries.move_to_end(key)
-                return entry
+            if csr.indices.shape == arrays[1].shape and csr.indptr.shape == arrays[0].shape:
+                if backend.on_gpu:
+                    self._entries.move_to_end(key)
+                    return entry, _same_on_device(csr, arrays)
+                if bool((csr.indices == arrays[1]).all()) and bool((csr.indptr == arrays[0]).all()):
+                    self._entries.move_to_end(key)
+                    return entry, None
         csr = _csr.to_csr(backend, "csr", shape, None, arrays[0].copy(), arrays[1].copy(), caller)
         entry = csr, (None if backend.on_gpu else _csr.transposed(backend, csr))
         self._forget(key)
@@ -78,7 +102,7 @@ class _StructureCache:
         self._bytes += _nbytes(entry)
         while len(self._entries) > 1 and (len(self._entries) > self._size or self._bytes > self._budget):
             self._forget(next(iter(self._entries)))
-        return entry
+        return entry, None
 
     def _forget(self, key: tuple[Hashable, ...]) -> None:
         entry = self._entries.pop(key, None)
@@ -92,6 +116,15 @@ class _StructureCache:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+def _same_on_device(csr: _csr.Csr, arrays: tuple[Array, Array]) -> Array | None:
+    """``None`` where ``arrays`` are ``csr``'s own (the structure a forward returned, by
+    address), else the 0-d device flag that their contents equal ``csr``'s: no synchronisation."""
+    if _address(arrays[0]) == _address(csr.indptr) and _address(arrays[1]) == _address(csr.indices):
+        return None
+    same: Array = (csr.indices == arrays[1]).all() & (csr.indptr == arrays[0]).all()
+    return same
 
 
 def _nbytes(entry: _Entry) -> int:
@@ -114,9 +147,13 @@ def _forward(xt: Array, values: Array, indptr: Array, indices: Array, shape: Seq
     the computation's dtype, the validated structure the product ran on)."""
     backend = _backend.backend_of(xt, values, bias, indptr, indices, caller=_CALLER)
     dtype = _checks.float_dtype(_CALLER, x=xt, values=values, bias=bias)
-    csr, _ = _STRUCTURES.get(backend, (indptr, indices), tuple(shape), _CALLER)
+    (csr, _), same = _STRUCTURES.lookup(backend, (indptr, indices), tuple(shape), _CALLER)
     y, x_saved = _sparse.linear(backend, csr, values, xt.T, bias, dtype)
-    return y.T, x_saved.T, csr.indptr.copy(), csr.indices.copy()
+    if not backend.on_gpu:
+        return y.T, x_saved.T, csr.indptr.copy(), csr.indices.copy()
+    if same is not None:  # a structure changed since it was cached: NaN, never the old structure's product
+        y = backend.xp.where(same, y, np.nan).astype(y.dtype, copy=False)
+    return y.T, x_saved.T, csr.indptr, csr.indices  # the cache's copies are never written: no copy per call
 
 
 def _fake(xt: torch.Tensor, values: torch.Tensor, indptr: torch.Tensor, indices: torch.Tensor, shape: Sequence[int],
@@ -136,7 +173,8 @@ def _backward(args: Sequence[Any], results: Sequence[Array], grads: Sequence[Arr
     need_x, need_values, need_bias = needs
     backend = _backend.backend_of(grad_yt, xt, ran_indices, caller=_CALLER)
     if need_x:  # the transpose, cached with the structure the forward ran on
-        csr, transpose = _STRUCTURES.get(backend, (ran_indptr, ran_indices), tuple(shape), _CALLER, (indptr, indices))
+        (csr, transpose), _ = _STRUCTURES.lookup(backend, (ran_indptr, ran_indices), tuple(shape), _CALLER,
+                                              (indptr, indices))
     else:
         csr, transpose = _csr.Csr(ran_indptr, ran_indices, None, tuple(shape)), None
     grad_x, grad_values = _sparse.linear_backward(backend, csr, transpose, values, grad_yt.T, xt.T, xt.dtype,
@@ -198,7 +236,10 @@ def sparse_linear(x: torch.Tensor, values: torch.Tensor, indptr: torch.Tensor, i
     gradient needs), for the 64 most recently used structures (at most 256 MiB of them, so
     that structures left behind by ``prune_and_regrow`` do not pin memory); each call only
     compares the tensors with the cached copy (O(nnz), however they were changed: in place,
-    through ``.data`` or a NumPy view) and validates and rebuilds on any difference. The backward
+    through ``.data`` or a NumPy view) and validates and rebuilds on any difference. On CUDA
+    the comparison stays on the device (no wait for it): an in-place torch write (which bumps
+    the version counters) rebuilds as on the CPU, and a write that bumps none (``.data``, a
+    CuPy view) makes the result NaN until the next rebuild, never the old structure's. The backward
     differentiates the structure its forward ran on; changing ``x``, ``values``, ``indptr`` or
     ``indices`` in place between them raises autograd's version-counter error, as
     ``nn.Linear`` does. Double backward (``create_graph=True``) raises a ``RuntimeError``.
@@ -227,6 +268,8 @@ def sparse_linear(x: torch.Tensor, values: torch.Tensor, indptr: torch.Tensor, i
                          "must be 1-D and of one length (nnz)")
     if bias is not None and tuple(bias.shape) != (shape[0],):
         raise ValueError(f"{_CALLER}: bias has shape {tuple(bias.shape)}; expected ({shape[0]},)")
+    if indices.is_cuda and not torch.compiler.is_compiling():
+        _STRUCTURES.note_versions(indptr, indices)
     rows = x if x.dim() == 2 else x.reshape(math.prod(x.shape[:-1]), shape[1])
     y = _OPERATOR(rows.t(), values, indptr, indices, list(shape), bias).t()
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], shape[0])

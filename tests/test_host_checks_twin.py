@@ -1,0 +1,79 @@
+"""CPU twins of the GPU branches that check inputs without waiting for the device
+(tests/test_gpu_sync.py reads their source): chain lengths, the max-plus product's ``+inf``
+gradient, and the sparse layer's structure cache. Each runs the GPU branch on NumPy arrays
+or CPU tensors and compares it with the CPU branch, whose errors stay as they were."""
+
+import contextlib
+
+import numpy as np
+import pytest
+import scipy.sparse
+import torch
+
+from spchain import _backend, _chain_layout, _chain_sweep, _csr, _logspace, semiring
+from spchain.torch import linear as torch_linear
+
+
+@contextlib.contextmanager
+def gpu_branches(monkeypatch):
+    with monkeypatch.context() as patch:
+        patch.setattr(_backend.Backend, "on_gpu", property(lambda self: True))
+        yield
+
+
+def test_lengths_out_of_range_give_nan_rows_on_the_gpu_branch(monkeypatch, rng):
+    B, v, c = 5, 6, 3
+    x, trans = rng.normal(size=(B, v, c)), rng.normal(size=(c, c))
+    lengths = np.array([0, 2, 6, 7, 3])
+    with pytest.raises(ValueError, match="lengths must lie in 1..v"):  # the CPU's error, as before
+        _chain_layout.prepare(x, trans, None, lengths, "t")
+    with gpu_branches(monkeypatch):
+        chain = _chain_layout.prepare(x, trans, None, lengths, "t")
+    assert chain.max_length == v and chain.lengths.min() >= 1 and chain.lengths.max() <= v
+    got = _chain_sweep.forward_finite(chain)[0]
+    good = np.array([1, 2, 4])
+    want = _chain_sweep.forward_finite(_chain_layout.prepare(x[good], trans, None, lengths[good], "t"))[0]
+    np.testing.assert_allclose(got[good], want, rtol=1e-12)  # all v steps, each row to its own length
+    assert np.isnan(got[[0, 3]]).all()
+
+
+@pytest.mark.parametrize("posinf", [False, True])
+def test_maxmatmul_backward_gpu_branch_matches_the_cpu(monkeypatch, rng, posinf):
+    a, b = rng.normal(size=(2, 4, 5)), rng.normal(size=(5, 3))
+    a[0, 1, 2] = -np.inf
+    if posinf:
+        b[2, 1] = np.inf
+    results = semiring.maxmatmul_forward(a, b)
+    grad = rng.normal(size=results[0].shape)
+    want = semiring.maxmatmul_backward((a, b), results, (grad, None), (True, True))
+    monkeypatch.setattr(_logspace, "on_device", lambda xp: True)
+    got = semiring.maxmatmul_backward((a, b), results, (grad, None), (True, True))
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+
+
+def test_structure_cache_compares_on_the_device_and_rebuilds_on_a_version_bump(monkeypatch):
+    built = []
+
+    def to_csr(backend, kind, shape, values, indptr, indices, caller):
+        built.append(shape)
+        return _csr.Csr(indptr, indices, None, shape)
+
+    monkeypatch.setattr(torch_linear._csr, "to_csr", to_csr)
+    gpu = _backend.Backend(np, scipy.sparse, 0)
+    cache = torch_linear._StructureCache()
+    indptr, indices = torch.tensor([0, 1, 3]), torch.tensor([2, 0, 1])
+    arrays = (indptr.numpy(), indices.numpy())
+    (csr, _), same = cache.lookup(gpu, arrays, (2, 3), "t")
+    assert same is None and len(built) == 1
+    (_, _), same = cache.lookup(gpu, arrays, (2, 3), "t")
+    assert bool(same) and len(built) == 1, "a hit compares on the device, builds nothing"
+    assert cache.lookup(gpu, (csr.indptr, csr.indices), (2, 3), "t", arrays)[1] is None  # its own arrays
+    indices.numpy()[0] = 1  # a write no version counter sees
+    cache.note_versions(indptr, indices)
+    (_, _), same = cache.lookup(gpu, arrays, (2, 3), "t")
+    assert not bool(same) and len(built) == 1, "the flag says changed: the forward makes its result NaN"
+    indices[0] = 2  # an in-place torch write bumps the version: the entry is dropped and rebuilt
+    cache.note_versions(indptr, indices)
+    (csr, _), same = cache.lookup(gpu, arrays, (2, 3), "t")
+    assert same is None and len(built) == 2 and csr.indices.tolist() == [2, 0, 1]
