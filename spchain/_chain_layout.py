@@ -187,21 +187,10 @@ def prepare(x: Any, log_trans: Any, log_init: Any, lengths: Any, caller: str, ch
         lengths = xp.full((rows,), v, dtype=np.int64)
     else:
         lengths = _rows(xp, batch_shape, order, lengths.astype(np.int64, copy=False), ())
-        if backend.on_gpu:
-            lengths, init = _lengths_on_device(xp, lengths, init, v)
-        elif rows:
+        if rows:
             low, high = int(lengths.min()), int(lengths.max())
             if check and (low < 1 or high > v):
                 raise ValueError(f"{caller}: lengths must lie in 1..v = 1..{v}, got values from {low} to {high}")
             max_length = high
     return Chain(backend, x_rows, trans, init, lengths, group, max_length, batch_shape, order, x.shape, structure)
 
-
-def _lengths_on_device(xp: ModuleType, lengths: Array, init: Array, v: int) -> tuple[Array, Array]:
-    """``(lengths, init)`` of a chain on the GPU, checked without a synchronisation (an error
-    would need the host to read the device): a row whose length lies outside 1..v gets a NaN
-    ``init``, so every result of that row is NaN, and its length clipped into 1..v, so no
-    kernel reads past its row. The sweeps then run all v steps (``max_length = v``, unread
-    on the host), each row still ending at its own length: the results are the same."""
-    bad = (lengths < 1) | (lengths > v)
-    return xp.clip(lengths, 1, v), xp.where(bad[:, None], np.nan, init).astype(init.dtype, copy=False)

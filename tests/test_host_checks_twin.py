@@ -1,6 +1,5 @@
 """CPU twins of the GPU branches that check inputs without waiting for the device
-(tests/test_gpu_sync.py reads their source): chain lengths, the max-plus product's ``+inf``
-gradient, and the sparse layer's structure cache. Each runs the GPU branch on NumPy arrays
+(tests/test_gpu_sync.py reads their source): the max-plus product's ``+inf`` gradient, and the sparse layer's structure cache. Each runs the GPU branch on NumPy arrays
 or CPU tensors and compares it with the CPU branch, whose errors stay as they were."""
 
 import contextlib
@@ -10,7 +9,7 @@ import pytest
 import scipy.sparse
 import torch
 
-from spchain import _backend, _chain_layout, _chain_sweep, _csr, _logspace, semiring
+from spchain import _backend, _csr, semiring
 from spchain.torch import linear as torch_linear
 
 
@@ -19,22 +18,6 @@ def gpu_branches(monkeypatch):
     with monkeypatch.context() as patch:
         patch.setattr(_backend.Backend, "on_gpu", property(lambda self: True))
         yield
-
-
-def test_lengths_out_of_range_give_nan_rows_on_the_gpu_branch(monkeypatch, rng):
-    B, v, c = 5, 6, 3
-    x, trans = rng.normal(size=(B, v, c)), rng.normal(size=(c, c))
-    lengths = np.array([0, 2, 6, 7, 3])
-    with pytest.raises(ValueError, match="lengths must lie in 1..v"):  # the CPU's error, as before
-        _chain_layout.prepare(x, trans, None, lengths, "t")
-    with gpu_branches(monkeypatch):
-        chain = _chain_layout.prepare(x, trans, None, lengths, "t")
-    assert chain.max_length == v and chain.lengths.min() >= 1 and chain.lengths.max() <= v
-    got = _chain_sweep.forward_finite(chain)[0]
-    good = np.array([1, 2, 4])
-    want = _chain_sweep.forward_finite(_chain_layout.prepare(x[good], trans, None, lengths[good], "t"))[0]
-    np.testing.assert_allclose(got[good], want, rtol=1e-12)  # all v steps, each row to its own length
-    assert np.isnan(got[[0, 3]]).all()
 
 
 @pytest.mark.parametrize("posinf", [False, True])
