@@ -9,7 +9,7 @@ import pytest
 import scipy.sparse
 import torch
 
-from spchain import _backend, _csr, semiring
+from spchain import _backend, _csr, _logspace, semiring
 from spchain.torch import linear as torch_linear
 
 
