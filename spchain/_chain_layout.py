@@ -39,6 +39,17 @@ class Chain:
     x_shape: Shape
     sparse: _sparse_chain.Structure | None = None  # where trans holds its values, (1, 1, nnz)
 
+    def __post_init__(self) -> None:
+        # The inputs are read, never written: on the CPU they reach the kernels as read-only
+        # views, whether or not they came from a broadcast or from the caller read-only, so
+        # that Numba compiles one signature a dtype and rank, not one per combination of flags.
+        for name in ("x", "trans", "init", "lengths"):
+            a = getattr(self, name)
+            if isinstance(a, np.ndarray) and a.flags.writeable:
+                a = a.view()
+                a.flags.writeable = False
+                setattr(self, name, a)
+
     @property
     def xp(self) -> ModuleType:
         return self.backend.xp

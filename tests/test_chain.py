@@ -464,3 +464,29 @@ def test_chain_sweep_forces_a_sweep_and_restores_the_previous_one(monkeypatch):
     with pytest.raises(ValueError, match="sweep must be one of"):
         with sc.chain_sweep("fast"):
             pass
+
+
+def test_broadcast_and_read_only_inputs_reuse_the_compiled_kernels(rng):
+    """A broadcast or read-only input reaches the kernels as the same type as a fresh array
+    (the prepared chain's inputs are read-only views), so it compiles no new signature."""
+    import importlib
+    import pkgutil
+
+    import spchain.kernels.cpu as cpu
+
+    modules = [importlib.import_module(f"{cpu.__name__}.{m.name}") for m in pkgutil.iter_modules(cpu.__path__)]
+
+    def signatures():
+        return {(m.__name__, name): len(f.signatures) for m in modules for name, f in vars(m).items()
+                if hasattr(f, "signatures")}
+
+    x, t = rng.normal(size=(3, 5, 4)), rng.normal(size=(4, 4))
+    for f in (sc.chain_logsumexp, sc.chain_marginals, sc.viterbi):
+        f(x, t)
+    before = signatures()
+    frozen = x.copy()
+    frozen.flags.writeable = False
+    for f in (sc.chain_logsumexp, sc.chain_marginals, sc.viterbi):
+        f(x[:1], rng.normal(size=(3, 4, 4)))  # x broadcast over the transitions' batch
+        f(frozen, t, 0.0, lengths=np.array([5, 3, 2]))  # read-only x, a broadcast log_init
+    assert signatures() == before
