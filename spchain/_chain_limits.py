@@ -33,7 +33,8 @@ def _plus_inf_rows(chain: Chain) -> tuple[Array, Array] | tuple[None, None]:
     the rows whose log-partition is ``+inf`` (a path with no ``-inf`` or NaN term goes through
     a ``+inf`` one) and, for those, such a path (the most ``+inf`` terms; Viterbi's ties)."""
     xp = chain.xp
-    if not any(bool(xp.isposinf(a).any()) for a in (chain.x, chain.trans, chain.init)):
+    # a == inf: one pass, where isposinf takes three (isinf, signbit and their and)
+    if not any(bool((a == np.inf).any()) for a in (chain.x, chain.trans, chain.init)):
         return None, None
     marks = _with(chain, lambda a: xp.where(xp.isposinf(a), 1, xp.where(xp.isfinite(a), 0, a)).astype(a.dtype))
     score, path = viterbi_finite(marks)
