@@ -189,7 +189,7 @@ def backward_finite(chain: Chain, pre: Array, norm: Array, weight: Array,
     if use_gemm(chain):
         grad_x = _backward_gemm(chain, pre, norm, weight, grad_trans)
     elif _chain_scaled.applies(chain):
-        grad_x = _chain_scaled.backward(chain, pre, norm, weight, grad_trans) * weight[:, None, None]
+        grad_x = _weighted(xp, _chain_scaled.backward(chain, pre, norm, weight, grad_trans), weight)
     else:
         beta = xp.empty_like(chain.x)
         chain.backend.kernel("chain", "chain_backward")(chain.x, chain.trans, chain.group, chain.lengths, norm, beta)
@@ -200,8 +200,17 @@ def backward_finite(chain: Chain, pre: Array, norm: Array, weight: Array,
         elif grad_trans is not None:
             kernel = chain.backend.kernel("chain", "chain_transition_grad")
             kernel(chain.x, chain.trans, chain.group, chain.lengths, pre, norm, marginals, weight, grad_trans)
-        grad_x = marginals * weight[:, None, None]
+        grad_x = _weighted(xp, marginals, weight)
     return grad_x, grad_trans
+
+
+def _weighted(xp: ModuleType, marginals: Array, weight: Array) -> Array:
+    """``marginals`` (B, v, c), a fresh array, times ``weight`` (B,) in place; on the CPU as is
+    where every weight is 1 (an HMM's E-step), which saves a pass over them (the GPU skips the
+    test: it would synchronise)."""
+    if xp is not np or not bool((weight == 1).all()):
+        marginals *= weight[:, None, None]
+    return marginals
 
 
 def batched_counts(chain: Chain) -> bool:

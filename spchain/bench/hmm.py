@@ -153,8 +153,9 @@ def make_case(name: str, quick: bool, device: str = "cpu") -> Case:
 def main(order: str = "spchain,hmmlearn,spchain,spchain") -> None:
     """``python -m spchain.bench.hmm [ORDER]``: the full-size Gaussian case, spchain's and
     hmmlearn's fits alternating in ``ORDER`` (comma-separated) after a small warm-up; prints
-    each time and the ratio of the medians."""
+    each time with the machine's load average over the last minute, and the ratio of the medians."""
     import logging
+    import os
     import time
 
     import hmmlearn.hmm
@@ -169,7 +170,7 @@ def main(order: str = "spchain,hmmlearn,spchain,spchain") -> None:
         start = time.perf_counter()
         fit(modules[name], "GaussianHMM", initial, X, lengths, n_iter, covariance_type="diag")
         times[name].append(time.perf_counter() - start)
-        print(f"{name}: {times[name][-1]:.2f} s", flush=True)
+        print(f"{name}: {times[name][-1]:.2f} s (load {os.getloadavg()[0]:.2f})", flush=True)
     ours, theirs = (float(np.median(times[name])) for name in modules)
     print(f"median spchain {ours:.2f} s, hmmlearn {theirs:.2f} s: {theirs / ours:.1f}x")
 
