@@ -76,7 +76,7 @@ def kernels(dtype):
           lengths, arr(types.boolean, 1),
           arr(types.float64, 3), arr(i64, 3))),
         ("chain_kbest", cuda_paths.chain_kbest_kernel,
-         (x, trans, i64, init, lengths, arr(f, 4), arr(i64, 4), arr(f, 2), arr(i64, 3))),
+         (x, trans, i64, init, lengths, arr(f, 4), arr(i64, 4), arr(i64, 4), arr(f, 2), arr(i64, 3))),
         ("max_matmul", cuda_semiring.max_matmul_kernel,
          (arr(f, 3), arr(f, 3), arr(i64, 1), arr(i64, 1), arr(f, 3), arr(i64, 3))),
         *((f"sddmm {index}", cuda_sparse.sddmm_kernel, (arr(index, 1), arr(index, 1), arr(f, 2), arr(f, 2), arr(f, 1)))

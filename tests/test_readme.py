@@ -95,7 +95,7 @@ def _check_pip(argv):
 def _check_python(argv):
     assert argv[:2] == ["python", "-m"], argv
     if argv[2:4] == ["spchain", "bench"]:
-        bench._parser().parse_args(argv[3:])  # argparse exits on an unknown option or value
+        bench._parser()[0].parse_args(argv[3:])  # argparse exits on an unknown option or value
         return
     spec = importlib.util.find_spec(argv[2])
     assert len(argv) == 3 and spec is not None and "__main__" in pathlib.Path(spec.origin).read_text(), argv
@@ -129,7 +129,7 @@ def test_a_readme_command_names_what_exists(command, pytestconfig):
 def test_the_readme_options_exist(pytestconfig, capsys):
     """A bare option in the text (``--png``, ``--only WORKLOAD ...``) is one of the bench command's or pytest's."""
     with pytest.raises(SystemExit):
-        bench._parser().parse_args(["bench", "--help"])
+        bench._parser()[0].parse_args(["bench", "--help"])
     bench_help = capsys.readouterr().out
     options = [span.split()[0] for span in SPANS if span.startswith("--")]
     for option in options:

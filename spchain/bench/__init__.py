@@ -128,7 +128,7 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
                        help="also write the figures into this JSON file (the run and its cases, as in the record)")
     bench.add_argument("--check", action="store_true",
                        help=f"compare each baseline's time ratio with the record's at these sizes (quick unless "
-                            f"--full); exit 1 if one fell by more than {record.DROP:.0%}")
+                            f"--full); exit 1 if one fell by more than {record.DROP:.0%}%")
     bench.add_argument("--update-record", action="store_true",
                        help="write this run's figures into the record (and the README and docs tables in a clone)")
     bench.add_argument("--write-docs", action="store_true",

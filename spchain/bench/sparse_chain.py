@@ -58,7 +58,8 @@ def make_inputs(quick: bool, device: str, seed: int = 0, sizes: dict[bool, dict[
 
 
 def path_case(quick: bool, device: str) -> Case:
-    """Every path function on the sparse matrix beside ``chain_marginals``, for their peaks."""
+    """Every path function on the sparse matrix beside ``chain_marginals`` (the method named
+    ``spchain``, the base of the ratios), for their peaks."""
     x, sparse, _, log_init = make_inputs(quick, device, sizes=PATH_SIZES)
     path = st.viterbi(x, sparse, log_init)[1]
     sync: Callable[[], None] = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -77,7 +78,7 @@ def path_case(quick: bool, device: str) -> Case:
         return run
 
     methods: dict[str, Callable[[], object]] = {
-        "spchain chain_marginals": plain(lambda: st.chain_marginals(x, sparse, log_init)),
+        "spchain": plain(lambda: st.chain_marginals(x, sparse, log_init)),
         "chain_entropy + gradient": with_gradient(lambda leaf: st.chain_entropy(leaf, sparse, log_init)),
         "chain_path_score + gradient": with_gradient(lambda leaf: st.chain_path_score(leaf, sparse, log_init, path)),
         "chain_sample (4 draws)": plain(lambda: st.chain_sample(x, sparse, log_init, num_samples=4, seed=0)),

@@ -107,7 +107,7 @@ def log_product_grads_kernel(a, b, a_index, b_index, found, out, grad, flags, gr
                 x, y = a[ap, i, q], b[bp, q, j]
                 if (x == inf and y > -inf) or (y == inf and x > -inf):
                     count += 1
-            share = g / out.dtype.type(max(count, 1))
+            share = g / out.dtype.type(count if count > 1 else 1)  # builtin max() fails to compile for CUDA here
             for q in range(k):
                 x, y = a[ap, i, q], b[bp, q, j]
                 if (x == inf and y > -inf) or (y == inf and x > -inf):
