@@ -29,6 +29,10 @@ CASES = [(w, c) for w in bench.WORKLOADS for c in bench.workload(w).CASES]
 def test_every_method_matches_the_float64_reference(workload, case):
     built = bench.make_case(workload, case, quick=True)
     assert list(built.methods)[0] == "spchain"
+    if built.reference is None:  # a case of different functions, measured for memory: each runs
+        for run in built.methods.values():
+            run()
+        return
     reference = built.reference()
     for method, run in built.methods.items():
         error = core.max_rel_error(run(), reference)

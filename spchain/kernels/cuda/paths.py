@@ -152,6 +152,7 @@ def chain_kbest_kernel(x, trans, group, init, lengths, work, counts, backptr, sc
     rows, v, c = x.shape
     k = scores.shape[0]
     per_step = trans.shape[1] > 1
+    zero = x.dtype.type(0)  # not 0.0: a float64 sum would make float32 kernels compute in float64
     for b in range(cuda.grid(1), rows, cuda.gridsize(1)):
         g = b // group
         length = lengths[b]
@@ -160,7 +161,7 @@ def chain_kbest_kernel(x, trans, group, init, lengths, work, counts, backptr, sc
             for r in range(k):
                 work[b, 0, j, r] = -math.inf
                 counts[b, 0, j, r] = 0
-            f, n = _plus(0.0, 0, init[b, j])
+            f, n = _plus(zero, 0, init[b, j])
             f, n = _plus(f, n, x[b, 0, j])
             work[b, 0, j, 0] = f
             counts[b, 0, j, 0] = n
