@@ -234,11 +234,16 @@ def _ddp_worker(rank, init, out):
             ddp = torch.nn.parallel.DistributedDataParallel(module)
             ddp(*half).sum().backward()
             results[name] = [p.grad.clone() for p in module.parameters()]
+            # wait, the GIL released, for gloo's thread to finish with the gradients' work: freed
+            # later, the DDP reducer can deadlock against that thread (torch holds the GIL there)
+            torch.distributed.barrier()
+            del ddp
         torch.save(results, f"{out}.{rank}")
     finally:
         torch.distributed.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_distributed_data_parallel_averages_the_gradients_of_the_whole_batch():
     if not torch.distributed.is_available():
         pytest.skip("torch.distributed is not available")
