@@ -35,13 +35,7 @@ def _forward_kernel(dtype):
         neg_inf, zero = x.dtype.type(-math.inf), x.dtype.type(0)
         for b in range(cuda.blockIdx.x, rows, cuda.gridDim.x):
             length = lengths[b]
-            m, s = neg_inf, zero
-            for j in range(tid, c, threads):
-                pre[b, 0, j] = init[b, j]
-                m, s = lse_push(m, s, init[b, j] + x[b, 0, j])
-            d = _block_log_sum_exp(m, s, red_m, red_s)
-            if tid == 0:
-                norm[b, 0] = d
+            d = _first_position(x, init, pre, norm, b, red_m, red_s)
             for t in range(length - 1):
                 offset = d if _finite(d) else zero
                 m, s = neg_inf, zero
@@ -90,6 +84,21 @@ def _backward_kernel(dtype):
                 cuda.syncthreads()
 
     return backward_kernel
+
+
+@cuda.jit(device=True)
+def _first_position(x, init, pre, norm, b, red_m, red_s):
+    """Position 0 of row ``b`` for the block: ``pre[b, 0] = init[b]`` and its normaliser
+    ``norm[b, 0] = lse(init[b] + x[b, 0])``, which it returns (the forward kernels' first step)."""
+    tid = cuda.threadIdx.x
+    m, s = x.dtype.type(-math.inf), x.dtype.type(0)
+    for j in range(tid, x.shape[2], cuda.blockDim.x):
+        pre[b, 0, j] = init[b, j]
+        m, s = lse_push(m, s, init[b, j] + x[b, 0, j])
+    d = _block_log_sum_exp(m, s, red_m, red_s)
+    if tid == 0:
+        norm[b, 0] = d
+    return d
 
 
 @cuda.jit(device=True)
@@ -289,13 +298,7 @@ def _forward_scaled_kernel(dtype):
         neg_inf, zero = x.dtype.type(-math.inf), x.dtype.type(0)
         for b in range(cuda.blockIdx.x, rows, cuda.gridDim.x):
             length = lengths[b]
-            m, s = neg_inf, zero
-            for j in range(tid, c, threads):
-                pre[b, 0, j] = init[b, j]
-                m, s = lse_push(m, s, init[b, j] + x[b, 0, j])
-            d = _block_log_sum_exp(m, s, red_m, red_s)
-            if tid == 0:
-                norm[b, 0] = d
+            d = _first_position(x, init, pre, norm, b, red_m, red_s)
             for t in range(length - 1):
                 offset = d if _finite(d) else zero
                 best = neg_inf
