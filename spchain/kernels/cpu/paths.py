@@ -10,10 +10,8 @@ import math
 import numpy as np
 from numba import njit, prange
 
+from ..rules import WALK_CHUNK
 from .exp import exp_nonpositive
-
-WALK_CHUNK = 16
-"""States whose weights a draw sums at a time before walking through them one by one."""
 
 
 @njit(cache=True)

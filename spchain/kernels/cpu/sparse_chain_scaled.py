@@ -22,7 +22,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from .chain_scaled import FLUSH, LIMIT, TINY
+from ..rules import FLUSH, LIMIT, TINY
 from .exp import exp_like, exp_nonpositive, log_like
 from .sparse_chain import chunk_of
 

@@ -16,7 +16,7 @@ import numpy as np
 from numba import cuda
 
 from . import config
-from ..logspace import like
+from ..rules import like
 from .logspace import lse_merge, lse_push, lse_value
 
 

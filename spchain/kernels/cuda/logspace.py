@@ -1,17 +1,17 @@
-"""The guarded log-space helpers of ``kernels.logspace`` as CUDA device functions, and the
+"""The guarded log-space helpers of ``kernels.rules`` as CUDA device functions, and the
 device-side fix-up of a scaled log-space product."""
 
 import math
 
 from numba import cuda
 
-from .. import logspace
+from .. import rules
 from . import config
 
-log_add_exp = cuda.jit(device=True)(logspace.log_add_exp)
-lse_push = cuda.jit(device=True)(logspace.lse_push)
-lse_merge = cuda.jit(device=True)(logspace.lse_merge)
-lse_value = cuda.jit(device=True)(logspace.lse_value)
+log_add_exp = cuda.jit(device=True)(rules.log_add_exp)
+lse_push = cuda.jit(device=True)(rules.lse_push)
+lse_merge = cuda.jit(device=True)(rules.lse_merge)
+lse_value = cuda.jit(device=True)(rules.lse_value)
 
 
 @cuda.jit

@@ -7,10 +7,8 @@ import math
 
 from numba import cuda
 
+from ..rules import WALK_CHUNK
 from . import config
-
-WALK_CHUNK = 16
-"""As in ``spchain/kernels/cpu/paths.py`` (the same sums, so the same draws)."""
 
 
 @cuda.jit(device=True)
