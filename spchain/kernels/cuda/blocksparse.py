@@ -18,6 +18,11 @@ def spmm_kernel(indptr, indices, slots, data, b, bias, out):
     the blocks ``p`` of ``row``'s block row (``r = row % R``).
 
     Grid-stride over the M * n outputs, accumulated in the dtype of ``out``. Overwrites ``out`` (M, n).
+
+    Inputs: ``indptr``, ``indices``, ``slots`` of the block grid, ``data`` (nnzb, R, C), ``b`` (N, n), ``bias``
+    (M,).
+    Launch: grid ``blocks_for(M * n)`` blocks of ``THREADS_PER_BLOCK`` threads, a thread an output entry
+    (grid-stride).
     """
     rows, cols = data.shape[1], data.shape[2]
     n = out.shape[1]
@@ -44,6 +49,10 @@ def sddmm_kernel(indptr, indices, a, b, out):
 
     Grid-stride over the nnzb * R * C outputs; each finds its block row by binary search in
     ``indptr`` (empty block rows included) and accumulates in the dtype of ``out``. Overwrites ``out``.
+
+    Inputs: ``indptr``, ``indices`` of the block grid, ``a`` (M, k), ``b`` (N, k). Output: ``out`` (nnzb, R, C).
+    Launch: grid ``blocks_for(nnzb * R * C)`` blocks of ``THREADS_PER_BLOCK`` threads, a thread an output entry
+    (grid-stride).
     """
     rows, cols = out.shape[1], out.shape[2]
     n_rows = indptr.shape[0] - 1

@@ -23,6 +23,9 @@ def log_product_fixup_kernel(a, b, a_index, b_index, lost, out):
     The twin of ``spchain._logspace._recompute_lost`` (its NumPy form), without a
     synchronisation: the flags are read on the device, so a product that lost nothing costs
     one pass over them.
+
+    Launch: grid ``blocks_for(P * m * n)`` blocks of ``THREADS_PER_BLOCK`` threads, a thread an output entry
+    (grid-stride).
     """
     batch, m, n = out.shape
     k = a.shape[2]
@@ -51,7 +54,12 @@ def posinf_fixup_kernel(a, b, a_index, b_index, found, out):
     """``out[p, i, j] = +inf`` where a term ``a[a_index[p], i, k] + b[b_index[p], k, j]`` has a
     ``+inf`` side and its other side is not ``-inf`` (nor NaN), unless ``out`` is NaN: the
     ``+inf`` rule of ``spchain._logspace.PosInf``. Returns at once unless ``found[0]`` (read on
-    the device: whether the operands hold any ``+inf``)."""
+    the device: whether the operands hold any ``+inf``).
+
+    Inputs: ``a`` (Ba, m, k), ``b`` (Bb, k, n), ``a_index``, ``b_index`` (P,), ``found`` (1,). Output: ``out``
+    (P, m, n), updated in place.
+    Launch: grid ``blocks_for(P * m * n)`` blocks of ``THREADS_PER_BLOCK`` threads, a thread an output entry
+    (grid-stride)."""
     if not found[0]:
         return
     batch, m, n = out.shape
@@ -80,6 +88,11 @@ def log_product_grads_kernel(a, b, a_index, b_index, found, out, grad, flags, gr
       ``grad · exp(a + b - out)``, to both sides (a term with a ``+inf`` side is a zero one here);
     - if ``found[0]`` (the operands hold ``+inf``), where ``out`` is ``+inf``: ``grad`` in equal
       shares to the ``+inf`` terms, each share to both sides (``spchain._logspace.PosInf``).
+
+    Inputs: ``a`` (Ba, m, k), ``b`` (Bb, k, n), ``a_index``, ``b_index`` (P,), ``found`` (1,), ``out``, ``grad``
+    and ``flags`` (P, m, n). Outputs: ``grad_a``, ``grad_b``, added to.
+    Launch: grid ``blocks_for(P * m * n)`` blocks of ``THREADS_PER_BLOCK`` threads, a thread an output entry
+    (grid-stride).
     """
     batch, m, n = out.shape
     k = a.shape[2]

@@ -19,6 +19,10 @@ def sddmm_kernel(indptr, indices, a, b, out):
 
     Grid-stride over entries; each finds its row by binary search in ``indptr`` (empty rows
     included) and accumulates its dot product in the dtype of ``out``. Overwrites ``out`` (nnz).
+
+    Inputs: ``indptr`` (m + 1), ``indices`` (nnz), ``a`` (m, k), ``b`` (n, k). Output: ``out`` (nnz).
+    Launch: grid ``blocks_for(nnz)`` blocks of ``THREADS_PER_BLOCK`` threads, a thread an entry (grid-stride).
+    For fewer than ``WARP_FROM`` columns.
     """
     n_rows = indptr.shape[0] - 1
     for p in range(cuda.grid(1), out.shape[0], cuda.gridsize(1)):
@@ -51,7 +55,12 @@ def _sddmm_warp_kernel(dtype):
         """:func:`sddmm_kernel` with a warp an entry: its 32 lanes read consecutive columns of
         ``a[i, :]`` and ``b[j, :]`` (coalesced loads, where a thread an entry reads rows far
         apart), and sum their partial dot products in shared memory. Blocks are whole warps
-        and take their entries in rounds, so every thread reaches every barrier."""
+        and take their entries in rounds, so every thread reaches every barrier.
+
+        Inputs and output as :func:`sddmm_kernel`.
+        Launch: grid ``blocks_for(nnz, threads // WARP)`` blocks of ``threads`` (``THREADS_PER_BLOCK`` rounded
+        down to whole warps, at least one) threads, a warp an entry (grid-stride); dynamic shared memory
+        ``threads`` values. From ``WARP_FROM`` columns on."""
         tid = cuda.threadIdx.x
         lane, w = tid % WARP, tid // WARP
         per_block = cuda.blockDim.x // WARP

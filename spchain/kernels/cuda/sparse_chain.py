@@ -26,6 +26,12 @@ def _forward_kernel(dtype):
 
     @cuda.jit
     def forward_kernel(x, t_indptr, t_rows, t_values, init, lengths, pre, norm):
+        """Forward sweep over the stored entries, the twin of ``kernels.cpu.sparse_chain.forward``.
+
+        Inputs: ``x`` (B, v, c), the transpose's structure ``t_indptr`` (c + 1), ``t_rows`` and ``t_values``
+        (nnz), ``init`` (B, c), ``lengths`` (B,). Outputs: ``pre`` (B, v, c) and ``norm`` (B, v), overwritten.
+        Launch: grid ``blocks_for(B, 1)`` blocks, one row of the batch each (grid-stride over rows); block
+        ``THREADS_PER_BLOCK`` threads over the states; dynamic shared memory ``2 * threads`` values."""
         rows, v, c = x.shape
         tid = cuda.threadIdx.x
         threads = cuda.blockDim.x
@@ -63,6 +69,12 @@ def _forward_kernel(dtype):
 def _backward_kernel(dtype):
     @cuda.jit
     def backward_kernel(x, indptr, indices, values, lengths, norm, beta):
+        """Backward sweep over the stored entries, the twin of ``kernels.cpu.sparse_chain.backward``.
+
+        Inputs: ``x`` (B, v, c), the structure ``indptr`` (c + 1), ``indices`` and ``values`` (nnz), ``lengths``
+        (B,), ``norm`` (B, v). Output: ``beta`` (B, v, c), overwritten.
+        Launch: grid ``blocks_for(B, 1)`` blocks, one row of the batch each (grid-stride over rows); block
+        ``THREADS_PER_BLOCK`` threads over the states."""
         rows, v, c = x.shape
         tid = cuda.threadIdx.x
         threads = cuda.blockDim.x
@@ -127,6 +139,12 @@ def _values_grad_chunk(x, indptr, indices, values, lengths, pre, norm, marg, wei
 
 @cuda.jit
 def values_grad_kernel(x, indptr, indices, values, lengths, pre, norm, marg, weight, partial):
+    """Expected counts of the stored entries, the twin of ``kernels.cpu.sparse_chain.values_grad``.
+
+    Inputs: ``x``, ``pre``, ``marg`` (B, v, c), ``indptr``, ``indices``, ``values``, ``lengths`` (B,), ``norm``
+    (B, v), ``weight`` (B,). Output: ``partial`` (K, nnz), overwritten.
+    Launch: grid ``blocks_for(K * c)`` blocks of ``THREADS_PER_BLOCK`` threads, a thread a (chunk of rows,
+    matrix row) pair (grid-stride)."""
     c = x.shape[2]
     for ki in range(cuda.grid(1), partial.shape[0] * c, cuda.gridsize(1)):
         _values_grad_chunk(x, indptr, indices, values, lengths, pre, norm, marg, weight, partial, ki // c, ki % c)
@@ -135,7 +153,11 @@ def values_grad_kernel(x, indptr, indices, values, lengths, pre, norm, marg, wei
 @cuda.jit
 def values_grad_masked_kernel(x, indptr, indices, values, lengths, pre, norm, marg, weight, ok, partial):
     """:func:`values_grad_kernel` unless ``ok[0]`` (read on the device: the scaled value
-    gradient needs no exact recomputation), which leaves ``partial`` as it is."""
+    gradient needs no exact recomputation), which leaves ``partial`` as it is.
+
+    Inputs as :func:`values_grad_kernel`, and ``ok`` (1,) bool. Output: ``partial`` (K, nnz), overwritten unless
+    ``ok[0]``.
+    Launch: as :func:`values_grad_kernel`."""
     if ok[0]:
         return
     c = x.shape[2]
@@ -145,6 +167,13 @@ def values_grad_masked_kernel(x, indptr, indices, values, lengths, pre, norm, ma
 
 @cuda.jit
 def viterbi_kernel(x, t_indptr, t_rows, t_values, init, lengths, work, backptr, score, path):
+    """Best paths over the stored entries, the twin of ``kernels.cpu.sparse_chain.viterbi``.
+
+    Inputs: ``x`` (B, v, c), ``t_indptr``, ``t_rows``, ``t_values``, ``init`` (B, c), ``lengths`` (B,); scratch
+    ``work`` (B, 2, c) and ``backptr`` (B, v, c, int32). Outputs: ``score`` (B,) and ``path`` (B, v, int64),
+    overwritten.
+    Launch: grid ``blocks_for(B, 1)`` blocks, one row of the batch each (grid-stride over rows); block
+    ``THREADS_PER_BLOCK`` threads over the states."""
     rows, v, c = x.shape
     tid = cuda.threadIdx.x
     threads = cuda.blockDim.x
@@ -239,7 +268,10 @@ def launch_viterbi(x, t_indptr, t_rows, t_values, init, lengths, work, backptr, 
 def shifted_exp_kernel(indptr, values, top, e):
     """For each segment ``r`` (a column of the transposed structure), one thread: ``top[r]`` =
     the maximum of its values (``-inf`` if empty or all ``-inf``, NaN if one is NaN) and
-    ``e[q] = exp(values[q] - top[r])`` in the values' dtype (NaN for a NaN segment)."""
+    ``e[q] = exp(values[q] - top[r])`` in the values' dtype (NaN for a NaN segment).
+
+    Inputs: ``indptr`` (r + 1), ``values`` (nnz). Outputs: ``top`` (r,) and ``e`` (nnz), overwritten.
+    Launch: grid ``blocks_for(r)`` blocks of ``THREADS_PER_BLOCK`` threads, a thread a segment (grid-stride)."""
     neg_inf, zero = values.dtype.type(-math.inf), values.dtype.type(0)
     for r in range(cuda.grid(1), indptr.shape[0] - 1, cuda.gridsize(1)):
         best = neg_inf
@@ -288,7 +320,12 @@ def _forward_scaled_kernel(dtype):
 
         (``top`` the maximum of â_t, the row's exponentials in ``work[b]``). A column whose
         scaled sum is below ``count · tiny / eps`` (its ``count`` terms' underflow could matter)
-        or not a number is recomputed in log space, exactly as :func:`forward_kernel` does."""
+        or not a number is recomputed in log space, exactly as :func:`forward_kernel` does.
+
+        Inputs: as :func:`forward_kernel`, and ``t_e`` (nnz), ``cmax`` (c,), ``tiny_over_eps``; scratch ``work``
+        (B, c). Outputs: ``pre`` (B, v, c) and ``norm`` (B, v), overwritten.
+        Launch: grid ``blocks_for(B, 1)`` blocks, one row of the batch each (grid-stride over rows); block
+        ``THREADS_PER_BLOCK`` threads over the states; dynamic shared memory ``2 * threads`` values."""
         rows, v, c = x.shape
         tid = cuda.threadIdx.x
         threads = cuda.blockDim.x
@@ -374,7 +411,12 @@ def _backward_scaled_kernel(dtype):
             beta[t, i] = top + rmax[i] + log sum_q row_e[q] exp(y[indices[q]] - top) - norm[t + 1]
 
         with ``y = x[t + 1] + beta[t + 1]`` and ``top`` its maximum; log space where a scaled
-        sum is below ``count · tiny / eps`` or not a number, as in :func:`forward_scaled_kernel`."""
+        sum is below ``count · tiny / eps`` or not a number, as in :func:`forward_scaled_kernel`.
+
+        Inputs: as :func:`backward_kernel`, and ``row_e`` (nnz), ``rmax`` (c,), ``tiny_over_eps``; scratch
+        ``work`` (B, c). Output: ``beta`` (B, v, c), overwritten.
+        Launch: grid ``blocks_for(B, 1)`` blocks, one row of the batch each (grid-stride over rows); block
+        ``THREADS_PER_BLOCK`` threads over the states; dynamic shared memory ``threads`` values."""
         rows, v, c = x.shape
         tid = cuda.threadIdx.x
         threads = cuda.blockDim.x
