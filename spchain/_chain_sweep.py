@@ -284,7 +284,8 @@ def viterbi_finite(chain: Chain) -> tuple[Array, Array]:
     if rows:
         work = xp.empty((rows, 2, c), chain.x.dtype)
         backptr = xp.empty((rows, v, c), np.int32)
-        kernel = cpu.chain.viterbi if not chain.backend.on_gpu else chain.backend.launcher(cuda.chain.launch_viterbi)
+        kernel = (cpu.chain.chain_viterbi if not chain.backend.on_gpu
+                  else chain.backend.launcher(cuda.chain.launch_chain_viterbi))
         kernel(chain.x, chain.trans, chain.group, chain.init, chain.lengths, work, backptr, score, path)
         path = xp.where((score == -np.inf)[:, None], -1, path)  # no path: nothing to follow, no gradient
     return score, path

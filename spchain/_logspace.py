@@ -292,7 +292,7 @@ def _log_matmul_on_device(xp: ModuleType, a: Array, b: Array, out: Array | None)
     ``+inf`` (it reads on the device whether there is any, and returns at once if not)."""
     found, clean_a, clean_b = _without_posinf(xp, a, b)
     out = log_product(xp, scaled(xp, clean_a, -1), scaled(xp, clean_b, -2), lambda: clean_a, clean_b, out)
-    _on_entries(xp, cuda.logspace.launch_posinf_fixup, a, b, out, found)
+    _on_entries(xp, cuda.logspace.launch_log_product_posinf_fixup, a, b, out, found)
     return out
 
 
@@ -318,9 +318,9 @@ def _log_matmul_grads_on_device(xp: ModuleType, a: Array, b: Array, out: Array, 
         grad_b += scale * e * _backend.matmul(xp, u.swapaxes(-1, -2), w)
     exact = (lost & (finite_grad != 0) & (out > -np.inf)).astype(np.uint8)
     none = xp.zeros((0, 1, 1), a.dtype)
-    _on_entries(xp, cuda.logspace.launch_log_product_grads, a, b, out, found, flat_batch(xp.broadcast_to(grad, out.shape)),
-                flat_batch(exact), none if grad_a is None else flat_batch(grad_a),
-                none if grad_b is None else flat_batch(grad_b))
+    _on_entries(xp, cuda.logspace.launch_log_product_grads, a, b, out, found,
+                flat_batch(xp.broadcast_to(grad, out.shape)), flat_batch(exact),
+                none if grad_a is None else flat_batch(grad_a), none if grad_b is None else flat_batch(grad_b))
 
 
 def _on_entries(xp: ModuleType, launcher: Callable[..., Any], a: Array, b: Array, out: Array,

@@ -141,7 +141,8 @@ def matmul(backend: Backend, bsr: Bsr, b: Array, dtype: np.dtype[Any], bias: Arr
     if out.size:
         bias = xp.zeros(m, dtype) if bias is None else bias.astype(dtype, copy=False)
         with backend.use():
-            kernel = cpu.blocksparse.spmm if not backend.on_gpu else backend.launcher(cuda.blocksparse.launch_spmm)
+            kernel = (cpu.blocksparse.blocksparse_spmm if not backend.on_gpu
+                      else backend.launcher(cuda.blocksparse.launch_blocksparse_spmm))
             kernel(indptr, indices, slots, data, _csr.contiguous(backend, b.astype(dtype, copy=False)), bias, out)
     return out
 
@@ -161,7 +162,8 @@ def sampled(backend: Backend, bsr: Bsr, a: Array, b: Array, dtype: np.dtype[Any]
         a = _csr.contiguous(backend, a.astype(dtype, copy=False))
         b = _csr.contiguous(backend, b.astype(dtype, copy=False))
         with backend.use():
-            kernel = cpu.blocksparse.sddmm if not backend.on_gpu else backend.launcher(cuda.blocksparse.launch_sddmm)
+            kernel = (cpu.blocksparse.blocksparse_sddmm if not backend.on_gpu
+                      else backend.launcher(cuda.blocksparse.launch_blocksparse_sddmm))
             kernel(bsr.indptr, bsr.indices, a, b, out)
     return out
 

@@ -108,7 +108,7 @@ def _sample(chain: Chain, num_samples: int, seed: int | None) -> Array:
     if num_samples and rows and chain.sparse is not None:
         s = chain.sparse
         t_values = xp.ascontiguousarray(chain.trans.reshape(-1)[s.order])
-        cpu.paths.chain_sample_sparse(alpha, s.t_indptr, s.t_rows, t_values, chain.lengths, possible, uniforms, paths)
+        cpu.paths.sparse_chain_sample(alpha, s.t_indptr, s.t_rows, t_values, chain.lengths, possible, uniforms, paths)
     elif num_samples and rows:
         trans_t = xp.ascontiguousarray(chain.trans.swapaxes(-1, -2))
         probs, trans_probs = _scaled_exp(xp, alpha), _scaled_exp(xp, trans_t)
@@ -249,7 +249,7 @@ def _kbest(chain: Chain, k: int) -> tuple[Array, Array]:
         if chain.sparse is not None:
             s = chain.sparse
             t_values = xp.ascontiguousarray(chain.trans.reshape(-1)[s.order])
-            cpu.paths.chain_kbest_sparse(chain.x, s.t_indptr, s.t_rows, t_values, chain.init, chain.lengths, *scratch)
+            cpu.paths.sparse_chain_kbest(chain.x, s.t_indptr, s.t_rows, t_values, chain.init, chain.lengths, *scratch)
         else:
             kernel = (cpu.paths.chain_kbest if not chain.backend.on_gpu
                       else chain.backend.launcher(cuda.paths.launch_chain_kbest))

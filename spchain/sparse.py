@@ -144,7 +144,7 @@ def matmul(backend: Backend, csr: Csr, b: Array, dtype: np.dtype[Any], bias: Arr
         return _gpu_spmm(backend, csr, data, b, dtype, bias)
     out = np.empty((m, n), dtype)
     if out.size:
-        _threads(cpu.sparse.spmm, cpu.sparse.spmm_serial, csr.nnz * n)(
+        _threads(cpu.sparse.sparse_spmm, cpu.sparse.sparse_spmm_serial, csr.nnz * n)(
             csr.indptr, csr.indices, data, contiguous(backend, b), np.zeros(m, dtype) if bias is None else bias, out)
     return out
 
@@ -158,8 +158,9 @@ def sampled(backend: Backend, csr: Csr, a: Array, b: Array, dtype: np.dtype[Any]
     b = contiguous(backend, b.astype(dtype, copy=False))
     out = xp.empty(csr.nnz, dtype)
     with backend.use():
-        kernel = (_threads(cpu.sparse.sddmm, cpu.sparse.sddmm_serial, csr.nnz * a.shape[1]) if not backend.on_gpu
-                  else backend.launcher(cuda.sparse.launch_sddmm))
+        kernel = (_threads(cpu.sparse.sparse_sddmm, cpu.sparse.sparse_sddmm_serial,
+                           csr.nnz * a.shape[1]) if not backend.on_gpu
+                  else backend.launcher(cuda.sparse.launch_sparse_sddmm))
         kernel(csr.indptr, csr.indices, a, b, out)
     return out
 

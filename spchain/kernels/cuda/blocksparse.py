@@ -13,7 +13,7 @@ from . import config
 
 
 @cuda.jit
-def spmm_kernel(indptr, indices, slots, data, b, bias, out):
+def blocksparse_spmm_kernel(indptr, indices, slots, data, b, bias, out):
     """``out[row, col] = bias[row] + sum(data[slots[p]][r, c] * b[indices[p] * C + c, col])`` over
     the blocks ``p`` of ``row``'s block row (``r = row % R``).
 
@@ -37,14 +37,14 @@ def spmm_kernel(indptr, indices, slots, data, b, bias, out):
         out[row, col] = bias[row] + acc
 
 
-def launch_spmm(indptr, indices, slots, data, b, bias, out, stream=0):
-    """Launch :func:`spmm_kernel` on ``stream`` over ``out``'s values (at least one)."""
-    spmm_kernel[config.blocks_for(out.size), config.THREADS_PER_BLOCK, stream](indptr, indices, slots, data, b,
-                                                                               bias, out)
+def launch_blocksparse_spmm(indptr, indices, slots, data, b, bias, out, stream=0):
+    """Launch :func:`blocksparse_spmm_kernel` on ``stream`` over ``out``'s values (at least one)."""
+    blocksparse_spmm_kernel[config.blocks_for(out.size), config.THREADS_PER_BLOCK, stream](
+        indptr, indices, slots, data, b, bias, out)
 
 
 @cuda.jit
-def sddmm_kernel(indptr, indices, a, b, out):
+def blocksparse_sddmm_kernel(indptr, indices, a, b, out):
     """``out[p, r, c] = a[i * R + r, :] . b[indices[p] * C + c, :]`` for block ``p`` of block row ``i``.
 
     Grid-stride over the nnzb * R * C outputs; each finds its block row by binary search in
@@ -73,6 +73,6 @@ def sddmm_kernel(indptr, indices, a, b, out):
         out[p, r, c] = acc
 
 
-def launch_sddmm(indptr, indices, a, b, out, stream=0):
-    """Launch :func:`sddmm_kernel` on ``stream`` over ``out``'s values (at least one)."""
-    sddmm_kernel[config.blocks_for(out.size), config.THREADS_PER_BLOCK, stream](indptr, indices, a, b, out)
+def launch_blocksparse_sddmm(indptr, indices, a, b, out, stream=0):
+    """Launch :func:`blocksparse_sddmm_kernel` on ``stream`` over ``out``'s values (at least one)."""
+    blocksparse_sddmm_kernel[config.blocks_for(out.size), config.THREADS_PER_BLOCK, stream](indptr, indices, a, b, out)

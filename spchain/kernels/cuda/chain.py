@@ -222,8 +222,8 @@ def _viterbi_kernel(dtype):
     dtype = numba.from_dtype(dtype)
 
     @cuda.jit
-    def viterbi_kernel(x, trans, group, chunk, init, lengths, work, backptr, score, path):
-        """Best paths, the twin of ``kernels.cpu.chain.viterbi``.
+    def chain_viterbi_kernel(x, trans, group, chunk, init, lengths, work, backptr, score, path):
+        """Best paths, the twin of ``kernels.cpu.chain.chain_viterbi``.
 
         Inputs: ``x`` (B, v, c), ``trans`` (G, S, c, c), ``group``, ``chunk``, ``init`` (B, c), ``lengths``
         (B,); scratch ``work`` (B, 2, c) and ``backptr`` (B, v, c, int32). Outputs: ``score`` (B,) and ``path``
@@ -280,7 +280,7 @@ def _viterbi_kernel(dtype):
                         path[b, t - 1] = backptr[b, t, path[b, t]]
             cuda.syncthreads()
 
-    return viterbi_kernel
+    return chain_viterbi_kernel
 
 
 def _shared_bytes(dtype, chunk: int, threads: int) -> int:
@@ -327,8 +327,8 @@ def launch_chain_transition_grad_masked(x, trans, group, lengths, pre, norm, mar
         x, trans, group, lengths, pre, norm, marg, weight, ok, grad)
 
 
-def launch_viterbi(x, trans, group, init, lengths, work, backptr, score, path, stream=0):
-    """Best paths; overwrites ``score`` and ``path`` (see ``kernels.cpu.chain.viterbi``)."""
+def launch_chain_viterbi(x, trans, group, init, lengths, work, backptr, score, path, stream=0):
+    """Best paths; overwrites ``score`` and ``path`` (see ``kernels.cpu.chain.chain_viterbi``)."""
     if x.shape[0] == 0:
         return
     threads, chunk = config.THREADS_PER_BLOCK, config.STATE_CHUNK

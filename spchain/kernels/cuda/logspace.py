@@ -50,7 +50,7 @@ def launch_log_product_fixup(a, b, a_index, b_index, lost, out, stream=0):
 
 
 @cuda.jit
-def posinf_fixup_kernel(a, b, a_index, b_index, found, out):
+def log_product_posinf_fixup_kernel(a, b, a_index, b_index, found, out):
     """``out[p, i, j] = +inf`` where a term ``a[a_index[p], i, k] + b[b_index[p], k, j]`` has a
     ``+inf`` side and its other side is not ``-inf`` (nor NaN), unless ``out`` is NaN: the
     ``+inf`` rule of ``spchain._logspace.PosInf``. Returns at once unless ``found[0]`` (read on
@@ -130,11 +130,11 @@ def log_product_grads_kernel(a, b, a_index, b_index, found, out, grad, flags, gr
                         cuda.atomic.add(grad_b, (p, q, j), share)
 
 
-def launch_posinf_fixup(a, b, a_index, b_index, found, out, stream=0):
-    """Launch :func:`posinf_fixup_kernel` on ``stream`` (nothing for an empty ``out``)."""
+def launch_log_product_posinf_fixup(a, b, a_index, b_index, found, out, stream=0):
+    """Launch :func:`log_product_posinf_fixup_kernel` on ``stream`` (nothing for an empty ``out``)."""
     if out.size == 0:
         return
-    posinf_fixup_kernel[config.blocks_for(out.size), config.THREADS_PER_BLOCK, stream](
+    log_product_posinf_fixup_kernel[config.blocks_for(out.size), config.THREADS_PER_BLOCK, stream](
         a, b, a_index, b_index, found, out)
 
 
