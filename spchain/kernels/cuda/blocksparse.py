@@ -17,10 +17,10 @@ def blocksparse_spmm_kernel(indptr, indices, slots, data, b, bias, out):
     """``out[row, col] = bias[row] + sum(data[slots[p]][r, c] * b[indices[p] * C + c, col])`` over
     the blocks ``p`` of ``row``'s block row (``r = row % R``).
 
-    Grid-stride over the M * n outputs, accumulated in the dtype of ``out``. Overwrites ``out`` (M, n).
+    Accumulated in the dtype of ``out``.
 
     Inputs: ``indptr``, ``indices``, ``slots`` of the block grid, ``data`` (nnzb, R, C), ``b`` (N, n), ``bias``
-    (M,).
+    (M,). Output: ``out`` (M, n), overwritten.
     Launch: grid ``blocks_for(M * n)`` blocks of ``THREADS_PER_BLOCK`` threads, a thread an output entry
     (grid-stride).
     """

@@ -17,13 +17,14 @@ lse_value = cuda.jit(device=True)(rules.lse_value)
 @cuda.jit
 def log_product_fixup_kernel(a, b, a_index, b_index, lost, out):
     """``out[p, i, j] = log sum_k exp(a[a_index[p], i, k] + b[b_index[p], k, j])`` where
-    ``lost[p, i, j]`` is set (one thread an entry, grid-stride); elsewhere ``out`` is left as
-    it is. ``a`` (Ba, m, k), ``b`` (Bb, k, n), ``lost`` (P, m, n) uint8, ``out`` (P, m, n).
+    ``lost[p, i, j]`` is set; elsewhere ``out`` is left as it is.
 
     The twin of ``spchain._logspace._recompute_lost`` (its NumPy form), without a
     synchronisation: the flags are read on the device, so a product that lost nothing costs
     one pass over them.
 
+    Inputs: ``a`` (Ba, m, k), ``b`` (Bb, k, n), ``a_index``, ``b_index`` (P,), ``lost`` (P, m, n) uint8.
+    Output: ``out`` (P, m, n), updated in place.
     Launch: grid ``blocks_for(P * m * n)`` blocks of ``THREADS_PER_BLOCK`` threads, a thread an output entry
     (grid-stride).
     """

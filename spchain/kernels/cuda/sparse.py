@@ -57,7 +57,7 @@ def _sddmm_warp_kernel(dtype):
         apart), and sum their partial dot products in shared memory. Blocks are whole warps
         and take their entries in rounds, so every thread reaches every barrier.
 
-        Inputs and output as :func:`sparse_sddmm_kernel`.
+        Inputs and Output as :func:`sparse_sddmm_kernel`.
         Launch: grid ``blocks_for(nnz, threads // WARP)`` blocks of ``threads`` (``THREADS_PER_BLOCK`` rounded
         down to whole warps, at least one) threads, a warp an entry (grid-stride); dynamic shared memory
         ``threads`` values. From ``WARP_FROM`` columns on."""
