@@ -11,12 +11,9 @@ Every optional import (CuPy, torch, numba.cuda) is guarded here and nowhere else
 from __future__ import annotations
 
 import contextvars
-import ctypes
 import functools
 import importlib
-import os
 import sys
-import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -28,6 +25,7 @@ import scipy.sparse
 from numpy.typing import NDArray
 
 from ._typing import Array
+from .kernels.cpu import threading_layer as threading_layer
 
 if TYPE_CHECKING:
     import dask.array
@@ -67,15 +65,11 @@ class Backend:
         device: AbstractContextManager[Any] = self.xp.cuda.Device(self.device)
         return device
 
-    def kernel(self, module: str, op: str) -> Callable[..., Any]:
-        """Kernel ``op`` of ``spchain/kernels/cpu/<module>.py``, or on the GPU the launcher
-        ``launch_<op>`` of ``spchain/kernels/cuda/<module>.py``, bound to CuPy's current stream.
-
-        Importing the kernel module here, on first use, keeps ``import spchain`` light.
+    def launcher(self, launch: Callable[..., Any]) -> Callable[..., Any]:
+        """A CUDA launcher (``launch_<op>`` of a ``spchain.kernels.cuda`` module) bound to this
+        backend's stream (:func:`device_kernel`): ``backend.launcher(cuda.chain.launch_chain_forward)``.
         """
-        if self.device is None:
-            return _cpu_kernel(module, op)
-        return device_kernel(self.xp, module, op)
+        return device_kernel(self.xp, launch)
 
     def to_host(self, a: Array) -> NDArray[Any]:
         """``a`` as a NumPy array (a copy from the device on the GPU)."""
@@ -83,15 +77,14 @@ class Backend:
         return host
 
 
-def device_kernel(xp: ModuleType, module: str, op: str) -> Callable[..., Any]:
-    """The launcher ``launch_<op>`` of ``spchain/kernels/cuda/<module>.py`` bound to ``xp``'s
+def device_kernel(xp: ModuleType, launcher: Callable[..., Any]) -> Callable[..., Any]:
+    """``launcher`` (``launch_<op>`` of a ``spchain.kernels.cuda`` module) bound to ``xp``'s
     (CuPy's) current stream, its device arrays passed to Numba without a synchronisation.
 
     By the CUDA array interface (v3) Numba makes the host wait for the stream of every CuPy
     array it is given, at each launch. The kernel runs on that very stream, after the work
     that made its arguments, so the wait buys nothing and would stall every step of a sweep.
     """
-    launcher = getattr(importlib.import_module(f".kernels.cuda.{module}", __package__), f"launch_{op}")
     cuda = numba_cuda()
     if xp is np:  # the GPU branches on NumPy arrays, their kernels under Numba's simulator (CPU twins)
         def simulated(*args: Any) -> Any:  # a read-only view (a broadcast) goes in as a copy: none comes back
@@ -106,61 +99,6 @@ def device_kernel(xp: ModuleType, module: str, op: str) -> Callable[..., Any]:
                           for a in args), stream=stream)
 
     return launch
-
-
-@functools.cache
-def _cpu_kernel(module: str, op: str) -> Callable[..., Any]:
-    threading_layer()
-    kernel: Callable[..., Any] = getattr(importlib.import_module(f".kernels.cpu.{module}", __package__), op)
-    return kernel
-
-
-@functools.cache
-def threading_layer() -> str:
-    """Select Numba's threading layer for spchain's parallel CPU kernels, once, before the first
-    one loads; returns the name asked for (``"tbb"``, or ``"default"`` without TBB).
-
-    TBB is fork-safe and thread-safe: a process that forks after running a kernel (a torch
-    ``DataLoader`` worker, ``multiprocessing`` with ``fork``) can run kernels in the child, and
-    threads can call spchain at once. GNU OpenMP, Numba's usual layer, kills such a child, and
-    ``workqueue`` aborts on concurrent calls. TBB is a dependency of spchain on x86-64 Linux and
-    Windows (pip's ``tbb``); pip puts ``libtbb`` in ``sys.prefix/lib``, which a virtual
-    environment's loader does not search, so it is loaded from there first. Without TBB, or
-    where the user chose a layer (``NUMBA_THREADING_LAYER``, ``numba.config``), Numba's own
-    choice stands: kernels work, but a forked child must not call them. If another library
-    started Numba's threads first on another layer, that layer stays, with a warning: under
-    contention, a parallel kernel on GNU OpenMP ran 40x slower than on TBB (a 4 MB transpose,
-    0.5 ms against 20 ms, 2 cores at a load of 8).
-    """
-    import numba
-    from numba.np.ufunc import parallel
-
-    if os.environ.get("NUMBA_THREADING_LAYER") or numba.config.THREADING_LAYER != "default":
-        return str(numba.config.THREADING_LAYER)
-    if _tbb_loads():
-        if parallel._is_initialized and numba.threading_layer() != "tbb":
-            warnings.warn(
-                f"Numba's threads were started on its {numba.threading_layer()!r} layer (by a library that ran "
-                "Numba parallel code before spchain's first CPU kernel) and cannot change: spchain's kernels "
-                "are not fork-safe there, and GNU OpenMP's spinning threads run them many times slower on "
-                "a busy machine; import spchain's kernels first (call spchain._backend.threading_layer()) "
-                "or set NUMBA_THREADING_LAYER=tbb", stacklevel=2)
-            return str(numba.threading_layer())
-        numba.config.THREADING_LAYER = "tbb"
-    return str(numba.config.THREADING_LAYER)
-
-
-def _tbb_loads() -> bool:
-    """Whether Numba's TBB layer can start here (a TBB of a version Numba accepts)."""
-    library = os.path.join(sys.prefix, "lib", "libtbb.so.12")
-    try:
-        if sys.platform.startswith("linux") and os.path.exists(library):
-            ctypes.CDLL(library, mode=ctypes.RTLD_GLOBAL)
-        importlib.import_module("numba.np.ufunc.tbbpool")
-        importlib.import_module("numba.np.ufunc.parallel")._check_tbb_version_compatible()
-    except (OSError, ImportError, AttributeError):
-        return False
-    return True
 
 
 class _NullContext:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ._logspace import finite_or_zero
+from .kernels import cpu, cuda
 from ._typing import Array
 
 if TYPE_CHECKING:
@@ -23,9 +24,6 @@ if TYPE_CHECKING:
 
 REUSE = 4
 """Row-steps per transition matrix from which exponentiating the matrices once pays."""
-
-LIMIT = 299.0
-"""The batched counts' scale factors stay below ``exp(LIMIT)``, as the CPU kernels' do."""
 
 CHUNK = 1 << 20
 """Row-step-states whose float64 scratch the batched counts hold at a time."""
@@ -46,14 +44,16 @@ def _scaled(chain: Chain) -> tuple[Array, Array]:
     trans = chain.trans.astype(np.float64)
     cmax = trans.max(axis=-2) if trans.shape[-2] else np.full(trans.shape[:-2] + trans.shape[-1:], -np.inf)
     e = np.exp(trans - np.where(cmax == -np.inf, 0, cmax)[..., None, :])
-    e[e < chain.backend.kernel("chain_scaled", "FLUSH")] = 0
+    from .kernels.rules import FLUSH
+
+    e[e < FLUSH] = 0
     return e, cmax
 
 
 def forward(chain: Chain, pre: Array, norm: Array) -> None:
     """Fills ``pre`` and ``norm`` as ``chain_forward`` does."""
     e, cmax = _scaled(chain)
-    chain.backend.kernel("chain_scaled", "chain_forward_scaled")(
+    cpu.chain_scaled.chain_forward_scaled(
         chain.x, chain.trans, e, cmax, chain.group, chain.init, chain.lengths, pre, norm)
 
 
@@ -62,22 +62,20 @@ def backward(chain: Chain, pre: Array, norm: Array, weight: Array, grad_trans: A
     ``weight``-ed expected transition counts."""
     e, cmax = _scaled(chain)
     marg = np.empty_like(chain.x)
-    kernels = chain.backend.kernel
-    kernels("chain_scaled", "chain_marginals_scaled")(chain.x, chain.trans, e, cmax, chain.group, chain.lengths,
-                                                       pre, norm, marg)
+    cpu.chain_scaled.chain_marginals_scaled(chain.x, chain.trans, e, cmax, chain.group, chain.lengths, pre, norm, marg)
     if grad_trans is not None:
         groups, steps = chain.trans.shape[:2]
         parts = max(1, min(PARTS // max(groups * steps, 1), chain.group))
         chunks = -(-chain.group // parts)
         acc = np.zeros(chain.trans.shape[:2] + (parts,) + chain.trans.shape[2:])
         ok = np.ones((groups, steps, parts), bool)
-        kernels("chain_scaled", "chain_transition_grad_scaled")(chain.x, cmax, chain.group, chain.lengths, pre,
-                                                                norm, marg, weight, chunks, acc, ok)
+        cpu.chain_scaled.chain_transition_grad_scaled(chain.x, cmax, chain.group, chain.lengths, pre, norm, marg,
+                                                      weight, chunks, acc, ok)
         if ok.all():
             grad_trans[...] = e * acc.sum(axis=2)
         else:  # a scale factor out of range: the exact log-space sums
-            kernels("chain", "chain_transition_grad")(chain.x, chain.trans, chain.group, chain.lengths, pre, norm,
-                                                      marg, weight, grad_trans)
+            cpu.chain.chain_transition_grad(chain.x, chain.trans, chain.group, chain.lengths, pre, norm, marg, weight,
+                                            grad_trans)
     return marg
 
 
@@ -134,9 +132,11 @@ def scaled_factors(xp: ModuleType, x: Array, pre: Array, norm: Array, marg: Arra
     """``(p, r, bad)`` of rows ``(..., v, c)`` for the steps ``t -> t + 1``, each (..., v - 1, c),
     float64: ``p = exp(â_t - max â_t)`` (0 where row ``b`` takes no step ``t``, ``t >= last_b``),
     ``r = weight_b · marg[t + 1] · exp(max â_t + col - pre[t + 1])`` and ``bad`` where that
-    exponent passes ``LIMIT`` (or a factor is not a number): the expected count of a transition
+    exponent passes ``rules.LIMIT`` (or a factor is not a number): the expected count of a transition
     ``i -> j`` is ``Σ p[i] · exp(T[i, j] - col[j]) · r[j]`` where nothing is bad. ``col`` holds
     the column maxima of ``T``, broadcast against (..., v - 1, c)."""
+    from .kernels.rules import LIMIT
+
     f64 = np.float64
     v = x.shape[-2]
     active = xp.arange(v - 1) < last[..., None]  # steps t -> t + 1 taken
@@ -159,8 +159,8 @@ def _exact_where_not(chain: Chain, pre: Array, norm: Array, marg: Array, weight:
     some matrix needs it."""
     args = (chain.x, chain.trans, chain.group, chain.lengths, pre, norm, marg, weight)
     if chain.backend.on_gpu:
-        chain.backend.kernel("chain", "chain_transition_grad_masked")(*args, ok, grad_trans)
+        chain.backend.launcher(cuda.chain.launch_chain_transition_grad_masked)(*args, ok, grad_trans)
     elif not ok.all():
         exact = np.empty_like(grad_trans)
-        chain.backend.kernel("chain", "chain_transition_grad")(*args, exact)
+        cpu.chain.chain_transition_grad(*args, exact)
         grad_trans[...] = np.where(ok[..., None, None], grad_trans, exact)

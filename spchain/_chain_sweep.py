@@ -21,6 +21,7 @@ import numpy as np
 
 from . import _chain_scaled, _logspace
 from ._chain_layout import Chain
+from .kernels import cpu, cuda
 from ._logspace import normalised, renormalise
 from ._typing import Array
 
@@ -143,7 +144,8 @@ def forward_finite(chain: Chain) -> tuple[Array, Array, Array]:
     elif rows and _chain_scaled.applies(chain):
         _chain_scaled.forward(chain, pre, norm)
     elif rows:
-        kernel = chain.backend.kernel("chain", "chain_forward")
+        kernel = (cpu.chain.chain_forward if not chain.backend.on_gpu
+                  else chain.backend.launcher(cuda.chain.launch_chain_forward))
         kernel(chain.x, chain.trans, chain.group, chain.init, chain.lengths, pre, norm)
     inside = xp.arange(v)[None, :] < chain.lengths[:, None]
     log_partition = xp.where(inside, norm, 0).sum(axis=1, dtype=np.float64).astype(chain.x.dtype)
@@ -192,13 +194,16 @@ def backward_finite(chain: Chain, pre: Array, norm: Array, weight: Array,
         grad_x = _weighted(xp, _chain_scaled.backward(chain, pre, norm, weight, grad_trans), weight)
     else:
         beta = xp.empty_like(chain.x)
-        chain.backend.kernel("chain", "chain_backward")(chain.x, chain.trans, chain.group, chain.lengths, norm, beta)
+        kernel = (cpu.chain.chain_backward if not chain.backend.on_gpu
+                  else chain.backend.launcher(cuda.chain.launch_chain_backward))
+        kernel(chain.x, chain.trans, chain.group, chain.lengths, norm, beta)
         inside = (xp.arange(v)[None, :] < chain.lengths[:, None])[..., None]
         marginals, _ = renormalise(xp, xp.where(inside, xp.exp(normalised(xp, pre, chain.x, norm) + beta), 0))
         if grad_trans is not None and batched_counts(chain):
             _chain_scaled.transition_grad_gemm(chain, pre, norm, marginals, weight, grad_trans)
         elif grad_trans is not None:
-            kernel = chain.backend.kernel("chain", "chain_transition_grad")
+            kernel = (cpu.chain.chain_transition_grad if not chain.backend.on_gpu
+                      else chain.backend.launcher(cuda.chain.launch_chain_transition_grad))
             kernel(chain.x, chain.trans, chain.group, chain.lengths, pre, norm, marginals, weight, grad_trans)
         grad_x = _weighted(xp, marginals, weight)
     return grad_x, grad_trans
@@ -279,7 +284,8 @@ def viterbi_finite(chain: Chain) -> tuple[Array, Array]:
     if rows:
         work = xp.empty((rows, 2, c), chain.x.dtype)
         backptr = xp.empty((rows, v, c), np.int32)
-        kernel = chain.backend.kernel("chain", "viterbi")
+        kernel = (cpu.chain.chain_viterbi if not chain.backend.on_gpu
+                  else chain.backend.launcher(cuda.chain.launch_chain_viterbi))
         kernel(chain.x, chain.trans, chain.group, chain.init, chain.lengths, work, backptr, score, path)
         path = xp.where((score == -np.inf)[:, None], -1, path)  # no path: nothing to follow, no gradient
     return score, path

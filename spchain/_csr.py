@@ -14,6 +14,7 @@ import scipy.sparse
 
 from ._backend import Backend
 from ._typing import Array, Shape, Sparse
+from .kernels import cpu
 
 FORMATS = ("csr", "csc", "coo")
 _INT32_MAX = np.iinfo(np.int32).max
@@ -163,7 +164,7 @@ def _group(backend: Backend, keys: Array, n_groups: int) -> tuple[Array, Array]:
         return indptr, xp.argsort(keys, kind="stable").astype(keys.dtype)
     indptr = np.empty(n_groups + 1, keys.dtype)
     order = np.empty(keys.shape[0], keys.dtype)
-    backend.kernel("sparse", "group_by")(keys, indptr, order)
+    cpu.sparse.group_by(keys, indptr, order)
     return indptr, order
 
 
@@ -236,6 +237,6 @@ def contiguous(backend: Backend, a: Array) -> Array:
         return a
     if not backend.on_gpu and a.ndim == 2 and a.flags.f_contiguous:
         out = np.empty(a.shape, a.dtype)
-        backend.kernel("sparse", "transpose")(a.T, out)
+        cpu.sparse.transpose(a.T, out)
         return out
     return backend.xp.ascontiguousarray(a)

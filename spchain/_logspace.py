@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from . import _backend
+from .kernels import cuda
 from ._typing import Array, Shape
 
 FIXUP_CHUNK = 1 << 22
@@ -291,7 +292,7 @@ def _log_matmul_on_device(xp: ModuleType, a: Array, b: Array, out: Array | None)
     ``+inf`` (it reads on the device whether there is any, and returns at once if not)."""
     found, clean_a, clean_b = _without_posinf(xp, a, b)
     out = log_product(xp, scaled(xp, clean_a, -1), scaled(xp, clean_b, -2), lambda: clean_a, clean_b, out)
-    _on_entries(xp, "posinf_fixup", a, b, out, found)
+    _on_entries(xp, cuda.logspace.launch_log_product_posinf_fixup, a, b, out, found)
     return out
 
 
@@ -317,19 +318,20 @@ def _log_matmul_grads_on_device(xp: ModuleType, a: Array, b: Array, out: Array, 
         grad_b += scale * e * _backend.matmul(xp, u.swapaxes(-1, -2), w)
     exact = (lost & (finite_grad != 0) & (out > -np.inf)).astype(np.uint8)
     none = xp.zeros((0, 1, 1), a.dtype)
-    _on_entries(xp, "log_product_grads", a, b, out, found, flat_batch(xp.broadcast_to(grad, out.shape)),
-                flat_batch(exact), none if grad_a is None else flat_batch(grad_a),
-                none if grad_b is None else flat_batch(grad_b))
+    _on_entries(xp, cuda.logspace.launch_log_product_grads, a, b, out, found,
+                flat_batch(xp.broadcast_to(grad, out.shape)), flat_batch(exact),
+                none if grad_a is None else flat_batch(grad_a), none if grad_b is None else flat_batch(grad_b))
 
 
-def _on_entries(xp: ModuleType, op: str, a: Array, b: Array, out: Array, *args: Array) -> None:
-    """Launch ``op`` of ``spchain/kernels/cuda/logspace.py``, a thread an entry of ``out``, with
+def _on_entries(xp: ModuleType, launcher: Callable[..., Any], a: Array, b: Array, out: Array,
+                *args: Array) -> None:
+    """Launch ``launcher`` (of ``spchain.kernels.cuda.logspace``), a thread an entry of ``out``, with
     ``a`` and ``b`` as (B, m, k) and (B, k, n) and the index of each entry's own, and ``out``
     flattened to (P, m, n) (written back if that took a copy)."""
     a3, b3, a_index, b_index = batched_operands(xp, a, b, out.shape[:-2])
     view = out.ndim <= 3 or out.flags.c_contiguous  # then flat_batch(out) is a view of out
     flat_out = flat_batch(out if view else xp.ascontiguousarray(out))
-    _backend.device_kernel(xp, "logspace", op)(a3, b3, a_index, b_index, *args[:1], flat_out, *args[1:])
+    _backend.device_kernel(xp, launcher)(a3, b3, a_index, b_index, *args[:1], flat_out, *args[1:])
     if not view:
         out[...] = flat_out.reshape(out.shape)
 
@@ -365,7 +367,7 @@ def _chunks(count: int, width: int) -> list[slice]:
 def _recompute_lost_on_device(xp: ModuleType, a: Array, b: Array, out: Array, lost: Array) -> None:
     """:func:`_recompute_lost` as one CUDA kernel that reads ``lost`` on the device and
     recomputes only the flagged entries (``spchain/kernels/cuda/logspace.py``)."""
-    _on_entries(xp, "log_product_fixup", a, b, out, flat_batch(lost).astype(np.uint8))
+    _on_entries(xp, cuda.logspace.launch_log_product_fixup, a, b, out, flat_batch(lost).astype(np.uint8))
 
 
 def _recompute_lost(xp: ModuleType, a: Array, b: Array, out: Array, lost: Array) -> None:

@@ -31,6 +31,7 @@ import scipy.sparse
 from . import _chain_scaled, _csr
 from ._backend import Backend
 from ._logspace import normalised, renormalise
+from .kernels import cpu, cuda
 from ._typing import Array, Sparse
 
 if TYPE_CHECKING:
@@ -82,8 +83,7 @@ def split(backend: Backend, log_trans: Sparse, dtype: np.dtype[Any], caller: str
 
 
 def _first_duplicate(indptr: Array, indices: Array, marks: Array) -> int:
-    from .kernels.cpu.sparse_chain import first_duplicate
-    return int(first_duplicate(indptr, indices, marks))
+    return int(cpu.sparse_chain.first_duplicate(indptr, indices, marks))
 
 
 def _structure(chain: Chain) -> Structure:
@@ -105,16 +105,16 @@ def forward(chain: Chain) -> tuple[Array, Array, Array]:
     s = _structure(chain)
     if rows and not chain.backend.on_gpu:
         scaled = _scaled(chain)
-        chain.backend.kernel("sparse_chain_scaled", "forward")(chain.x, s.t_indptr, s.t_rows, scaled.t_values,
-                                                              scaled.t_e, scaled.cmax, chain.init, chain.lengths,
-                                                              pre, norm, min(rows, _threads(chain.backend)))
+        cpu.sparse_chain_scaled.sparse_chain_forward_scaled(
+            chain.x, s.t_indptr, s.t_rows, scaled.t_values, scaled.t_e, scaled.cmax, chain.init, chain.lengths, pre,
+            norm, min(rows, _threads(chain.backend)))
     elif rows:  # the GPU: scaled SpMVs too, the stored values exponentiated once in the data's dtype
         t_values = xp.ascontiguousarray(_values(chain)[s.order])
         cmax, t_e = xp.empty(c, chain.x.dtype), xp.empty_like(t_values)
-        chain.backend.kernel("sparse_chain", "shifted_exp")(s.t_indptr, t_values, cmax, t_e)
-        chain.backend.kernel("sparse_chain", "forward_scaled")(chain.x, s.t_indptr, s.t_rows, t_values, t_e, cmax,
-                                                              chain.init, chain.lengths, xp.empty((rows, c), chain.x.dtype),
-                                                              pre, norm)
+        chain.backend.launcher(cuda.sparse_chain.launch_sparse_chain_shifted_exp)(s.t_indptr, t_values, cmax, t_e)
+        chain.backend.launcher(cuda.sparse_chain.launch_sparse_chain_forward_scaled)(
+            chain.x, s.t_indptr, s.t_rows, t_values, t_e, cmax, chain.init, chain.lengths,
+            xp.empty((rows, c), chain.x.dtype), pre, norm)
     inside = xp.arange(v)[None, :] < chain.lengths[:, None]
     log_partition = xp.where(inside, norm, 0).sum(axis=1, dtype=np.float64).astype(chain.x.dtype)
     return log_partition, pre, norm
@@ -134,9 +134,10 @@ def backward(chain: Chain, pre: Array, norm: Array, weight: Array,
     values = xp.ascontiguousarray(_values(chain))
     beta = xp.empty_like(chain.x)
     rmax, row_e = xp.empty(c, chain.x.dtype), xp.empty_like(values)  # the GPU: scaled SpMVs, as the forward
-    chain.backend.kernel("sparse_chain", "shifted_exp")(s.indptr, values, rmax, row_e)
-    chain.backend.kernel("sparse_chain", "backward_scaled")(chain.x, s.indptr, s.indices, values, row_e, rmax,
-                                                           chain.lengths, norm, xp.empty((rows, c), chain.x.dtype), beta)
+    chain.backend.launcher(cuda.sparse_chain.launch_sparse_chain_shifted_exp)(s.indptr, values, rmax, row_e)
+    chain.backend.launcher(cuda.sparse_chain.launch_sparse_chain_backward_scaled)(
+        chain.x, s.indptr, s.indices, values, row_e, rmax, chain.lengths, norm, xp.empty((rows, c), chain.x.dtype),
+        beta)
     inside = (xp.arange(v)[None, :] < chain.lengths[:, None])[..., None]
     marginals, _ = renormalise(xp, xp.where(inside, xp.exp(normalised(xp, pre, chain.x, norm) + beta), 0))
     if trans_grad and values.shape[0]:
@@ -155,9 +156,9 @@ def _values_grad_on_device(chain: Chain, values: Array, pre: Array, norm: Array,
     xp, s = chain.xp, _structure(chain)
     rows, v, c = chain.x.shape
     nnz, f64 = values.shape[0], np.float64
-    kernel = chain.backend.kernel
     cmax, t_e, e = xp.empty(c, f64), xp.empty(nnz, f64), xp.empty(nnz, f64)
-    kernel("sparse_chain", "shifted_exp")(s.t_indptr, values[s.order].astype(f64), cmax, t_e)
+    shifted_exp = chain.backend.launcher(cuda.sparse_chain.launch_sparse_chain_shifted_exp)
+    shifted_exp(s.t_indptr, values[s.order].astype(f64), cmax, t_e)
     e[s.order] = t_e
     acc, part_acc = xp.zeros(nnz, f64), xp.empty(nnz, f64)
     bad = xp.zeros(1, bool)
@@ -166,19 +167,20 @@ def _values_grad_on_device(chain: Chain, values: Array, pre: Array, norm: Array,
         part = slice(k, k + width)
         p, r, flags = _chain_scaled.scaled_factors(xp, chain.x[part], pre[part], norm[part], marg[part], weight[part],
                                                    chain.lengths[part] - 1, cmax)
-        kernel("sparse", "sddmm")(s.indptr, s.indices, xp.ascontiguousarray(p.reshape(-1, c).T),
-                                  xp.ascontiguousarray(r.reshape(-1, c).T), part_acc)
+        chain.backend.launcher(cuda.sparse.launch_sparse_sddmm)(
+            s.indptr, s.indices, xp.ascontiguousarray(p.reshape(-1, c).T), xp.ascontiguousarray(r.reshape(-1, c).T),
+            part_acc)
         acc += part_acc
         bad |= flags.any()
     partial = xp.zeros((1, nnz), values.dtype)
-    kernel("sparse_chain", "values_grad_masked")(chain.x, s.indptr, s.indices, values, chain.lengths, pre, norm, marg,
-                                                 weight, ~bad, partial)
+    chain.backend.launcher(cuda.sparse_chain.launch_sparse_chain_values_grad_masked)(
+        chain.x, s.indptr, s.indices, values, chain.lengths, pre, norm, marg, weight, ~bad, partial)
     return xp.where(bad, partial[0], (e * acc).astype(values.dtype))
 
 
 @dataclasses.dataclass(frozen=True)
 class _Scaled:
-    """The stored values exponentiated once for the scaled CPU kernels (``shifted_exp`` of
+    """The stored values exponentiated once for the scaled CPU kernels (``sparse_chain_shifted_exp`` of
     ``spchain/kernels/cpu/sparse_chain_scaled.py``): shifted by their column maxima ``cmax`` (``t_e``
     in the transpose's order, ``e`` in CSR order) and by their row maxima ``rmax`` (``row_e``)."""
 
@@ -195,7 +197,7 @@ def _scaled(chain: Chain) -> _Scaled:
     values = np.ascontiguousarray(_values(chain))
     t_values = np.ascontiguousarray(values[s.order])
     c, nnz = s.shape[0], values.shape[0]
-    shifted_exp = chain.backend.kernel("sparse_chain_scaled", "shifted_exp")
+    shifted_exp = cpu.sparse_chain_scaled.sparse_chain_shifted_exp
     cmax, t_e, rmax, row_e = np.empty(c), np.empty(nnz), np.empty(c), np.empty(nnz)
     shifted_exp(s.t_indptr, t_values, cmax, t_e)
     shifted_exp(s.indptr, values, rmax, row_e)
@@ -213,7 +215,7 @@ def _backward_scaled(chain: Chain, pre: Array, norm: Array, weight: Array,
     nnz = scaled.e.shape[0] if grad_trans is not None else 0
     partial = np.empty((min(rows, _threads(chain.backend)), nnz))
     grad_x = np.empty_like(chain.x)
-    chain.backend.kernel("sparse_chain_scaled", "backward")(
+    cpu.sparse_chain_scaled.sparse_chain_backward_scaled(
         chain.x, s.indptr, s.indices, np.ascontiguousarray(_values(chain)), scaled.row_e, scaled.rmax, s.t_indptr,
         s.t_rows, scaled.t_values, s.order, scaled.e, scaled.cmax, chain.lengths, pre, norm, weight, grad_x, partial)
     if grad_trans is not None:
@@ -239,8 +241,9 @@ def viterbi(chain: Chain) -> tuple[Array, Array]:
         t_values = xp.ascontiguousarray(_values(chain)[s.order])
         work = xp.empty((rows, 2, c), chain.x.dtype)
         backptr = xp.empty((rows, v, c), np.int32)
-        chain.backend.kernel("sparse_chain", "viterbi")(chain.x, s.t_indptr, s.t_rows, t_values, chain.init,
-                                                       chain.lengths, work, backptr, score, path)
+        kernel = (cpu.sparse_chain.sparse_chain_viterbi if not chain.backend.on_gpu
+                  else chain.backend.launcher(cuda.sparse_chain.launch_sparse_chain_viterbi))
+        kernel(chain.x, s.t_indptr, s.t_rows, t_values, chain.init, chain.lengths, work, backptr, score, path)
         path = xp.where((score == -np.inf)[:, None], -1, path)
     return score, path
 
@@ -268,8 +271,7 @@ def path_counts(chain: Chain, state: Array, w: Array) -> Array:
 
 
 def _entry_of(*args: Array) -> None:
-    from .kernels.cpu.sparse_chain import entry_of
-    entry_of(*args)
+    cpu.sparse_chain.entry_of(*args)
 
 
 def densified(chain: Chain) -> Chain:

@@ -27,6 +27,7 @@ import scipy.sparse
 from . import _backend, _checks, _csr, _selection
 from ._backend import Backend
 from ._typing import Array, Seed, Shape, Sparse
+from .kernels import cpu, cuda
 
 BsrOperand: TypeAlias = Union[Sparse, tuple[tuple[Array, Array, Array], Shape]]
 """A BSR operand: a SciPy ``bsr_matrix`` / ``bsr_array`` or ``((data, indices, indptr), shape)``."""
@@ -140,8 +141,9 @@ def matmul(backend: Backend, bsr: Bsr, b: Array, dtype: np.dtype[Any], bias: Arr
     if out.size:
         bias = xp.zeros(m, dtype) if bias is None else bias.astype(dtype, copy=False)
         with backend.use():
-            backend.kernel("blocksparse", "spmm")(indptr, indices, slots, data,
-                                                 _csr.contiguous(backend, b.astype(dtype, copy=False)), bias, out)
+            kernel = (cpu.blocksparse.blocksparse_spmm if not backend.on_gpu
+                      else backend.launcher(cuda.blocksparse.launch_blocksparse_spmm))
+            kernel(indptr, indices, slots, data, _csr.contiguous(backend, b.astype(dtype, copy=False)), bias, out)
     return out
 
 
@@ -160,7 +162,9 @@ def sampled(backend: Backend, bsr: Bsr, a: Array, b: Array, dtype: np.dtype[Any]
         a = _csr.contiguous(backend, a.astype(dtype, copy=False))
         b = _csr.contiguous(backend, b.astype(dtype, copy=False))
         with backend.use():
-            backend.kernel("blocksparse", "sddmm")(bsr.indptr, bsr.indices, a, b, out)
+            kernel = (cpu.blocksparse.blocksparse_sddmm if not backend.on_gpu
+                      else backend.launcher(cuda.blocksparse.launch_blocksparse_sddmm))
+            kernel(bsr.indptr, bsr.indices, a, b, out)
     return out
 
 

@@ -34,6 +34,7 @@ from ._chain_limits import forward as _forward
 from ._dask import scales_out
 from ._logspace import normalised as _normalised
 from ._typing import Array, Shape, Sparse
+from .kernels import cpu, cuda
 
 
 
@@ -70,18 +71,11 @@ def _leading(chain: Chain, a: Array) -> Array:
     return xp.ascontiguousarray(xp.moveaxis(out, len(chain.batch_shape), 0))
 
 
-TINY = 1e-130
-"""The sampling kernel redoes a draw in log space where the sum of its scaled weights is
-below this. The scaled weights are float64 with entries below ``FLUSH`` set to 0 (so no
-product is subnormal, which is slow): the weights lost are under ``c · FLUSH``, below 1e-20
-of a sum of at least ``TINY`` for c up to 10⁴."""
-
-FLUSH = 1e-154
-
-
 def _scaled_exp(xp: ModuleType, a: Array) -> Array:
-    """``exp(a - max(a))`` over the last axis in float64, 0 below ``FLUSH`` and where the
-    maximum is not finite."""
+    """``exp(a - max(a))`` over the last axis in float64, 0 below ``rules.FLUSH`` and where the
+    maximum is not finite (the scaled weights of the sampling kernels, ``spchain/kernels/rules.py``)."""
+    from .kernels.rules import FLUSH
+
     a = a.astype(np.float64)
     top = a.max(axis=-1, keepdims=True)
     e = xp.exp(a - xp.where(xp.isfinite(top), top, 0))
@@ -102,6 +96,8 @@ def _draw_totals(chain: Chain, probs: Array, trans_probs: Array) -> Array:
 
 def _sample(chain: Chain, num_samples: int, seed: int | None) -> Array:
     """``(num_samples, B, v)`` paths drawn from each row's posterior."""
+    from .kernels.rules import TINY
+
     xp = chain.xp
     rows, v, c = chain.x.shape
     log_partition, pre, norm = _forward(chain)
@@ -112,12 +108,12 @@ def _sample(chain: Chain, num_samples: int, seed: int | None) -> Array:
     if num_samples and rows and chain.sparse is not None:
         s = chain.sparse
         t_values = xp.ascontiguousarray(chain.trans.reshape(-1)[s.order])
-        chain.backend.kernel("paths", "chain_sample_sparse")(alpha, s.t_indptr, s.t_rows, t_values, chain.lengths,
-                                                            possible, uniforms, paths)
+        cpu.paths.sparse_chain_sample(alpha, s.t_indptr, s.t_rows, t_values, chain.lengths, possible, uniforms, paths)
     elif num_samples and rows:
         trans_t = xp.ascontiguousarray(chain.trans.swapaxes(-1, -2))
         probs, trans_probs = _scaled_exp(xp, alpha), _scaled_exp(xp, trans_t)
-        kernel = chain.backend.kernel("paths", "chain_sample")
+        kernel = (cpu.paths.chain_sample if not chain.backend.on_gpu
+                  else chain.backend.launcher(cuda.paths.launch_chain_sample))
         kernel(alpha, probs, trans_t, trans_probs, _draw_totals(chain, probs, trans_probs), TINY,
                chain.group, chain.lengths, possible, uniforms, paths)
     return paths
@@ -253,11 +249,11 @@ def _kbest(chain: Chain, k: int) -> tuple[Array, Array]:
         if chain.sparse is not None:
             s = chain.sparse
             t_values = xp.ascontiguousarray(chain.trans.reshape(-1)[s.order])
-            chain.backend.kernel("paths", "chain_kbest_sparse")(chain.x, s.t_indptr, s.t_rows, t_values, chain.init,
-                                                               chain.lengths, *scratch)
+            cpu.paths.sparse_chain_kbest(chain.x, s.t_indptr, s.t_rows, t_values, chain.init, chain.lengths, *scratch)
         else:
-            chain.backend.kernel("paths", "chain_kbest")(chain.x, chain.trans, chain.group, chain.init, chain.lengths,
-                                                        *scratch)
+            kernel = (cpu.paths.chain_kbest if not chain.backend.on_gpu
+                      else chain.backend.launcher(cuda.paths.launch_chain_kbest))
+            kernel(chain.x, chain.trans, chain.group, chain.init, chain.lengths, *scratch)
     return scores, paths
 
 

@@ -16,6 +16,7 @@ import numpy as np
 from . import _backend, _checks, _logspace
 from ._dask import scales_out
 from ._typing import Array, Shape
+from .kernels import cpu, cuda
 
 CHAIN_CHUNK_BYTES = 1 << 28
 """Bytes of input that ``log_chain_product`` reduces at a time (bounds its working memory)."""
@@ -138,7 +139,8 @@ def maxmatmul_forward(a: Array, b: Array, caller: str = "spchain.maxmatmul") -> 
         values = xp.empty(a_index.shape + (m, n), a.dtype)
         argmax = xp.empty(values.shape, np.int64)
         if values.size:
-            backend.kernel("semiring", "max_matmul")(a3, b3, a_index, b_index, values, argmax)
+            kernel = cpu.semiring.max_matmul if not backend.on_gpu else backend.launcher(cuda.semiring.launch_max_matmul)
+            kernel(a3, b3, a_index, b_index, values, argmax)
         return values.reshape(batch_shape + (m, n)), argmax.reshape(batch_shape + (m, n))
 
 

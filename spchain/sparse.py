@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import importlib
 import weakref
+from collections.abc import Callable
 from typing import Any, Literal
 
 import numpy as np
 import scipy.sparse
 
 from . import _backend, _checks, blocksparse
+from .kernels import cpu, cuda
 from ._backend import Backend
 from ._csr import Csr, _operand, check_dense, check_fraction, contiguous, new_csr, sparse_parts, to_csr
 from ._dask import scales_out
@@ -121,9 +123,9 @@ _SERIAL_WORK = 2**17
 arithmetic): starting the threads would cost about as much as such a product."""
 
 
-def _threads(backend: Backend, kernel: str, work: int) -> str:
-    """The name of ``kernel``'s one-thread version for small products on the CPU, else ``kernel``."""
-    return f"{kernel}_serial" if work < _SERIAL_WORK and not backend.on_gpu else kernel
+def _threads(parallel: Callable[..., Any], serial: Callable[..., Any], work: int) -> Callable[..., Any]:
+    """``serial``, the one-thread version of the CPU kernel ``parallel``, for small products."""
+    return serial if work < _SERIAL_WORK else parallel
 
 
 def matmul(backend: Backend, csr: Csr, b: Array, dtype: np.dtype[Any], bias: Array | None = None) -> Array:
@@ -142,7 +144,7 @@ def matmul(backend: Backend, csr: Csr, b: Array, dtype: np.dtype[Any], bias: Arr
         return _gpu_spmm(backend, csr, data, b, dtype, bias)
     out = np.empty((m, n), dtype)
     if out.size:
-        backend.kernel("sparse", _threads(backend, "spmm", csr.nnz * n))(
+        _threads(cpu.sparse.sparse_spmm, cpu.sparse.sparse_spmm_serial, csr.nnz * n)(
             csr.indptr, csr.indices, data, contiguous(backend, b), np.zeros(m, dtype) if bias is None else bias, out)
     return out
 
@@ -156,7 +158,10 @@ def sampled(backend: Backend, csr: Csr, a: Array, b: Array, dtype: np.dtype[Any]
     b = contiguous(backend, b.astype(dtype, copy=False))
     out = xp.empty(csr.nnz, dtype)
     with backend.use():
-        backend.kernel("sparse", _threads(backend, "sddmm", csr.nnz * a.shape[1]))(csr.indptr, csr.indices, a, b, out)
+        kernel = (_threads(cpu.sparse.sparse_sddmm, cpu.sparse.sparse_sddmm_serial,
+                           csr.nnz * a.shape[1]) if not backend.on_gpu
+                  else backend.launcher(cuda.sparse.launch_sparse_sddmm))
+        kernel(csr.indptr, csr.indices, a, b, out)
     return out
 
 

@@ -36,7 +36,7 @@ def test_spmm_matches_the_dense_product_with_bias(rng, small_launch, target, blo
     bias = rng.standard_normal(5 * r).astype(dtype)
     out = np.full((5 * r, 3), np.nan, dtype)
     slots = np.arange(indices.size, dtype=index_dtype)
-    kernel(target, "spmm")(indptr, indices, slots, data, b, bias, out)
+    kernel(target, "blocksparse_spmm")(indptr, indices, slots, data, b, bias, out)
     want = reference.bsr_dense(data, indices, indptr, (5 * r, 4 * c)) @ b + bias[:, None]
     np.testing.assert_allclose(out, want, rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-5)
 
@@ -56,7 +56,7 @@ def test_cpu_spmm_register_panels_match_scipy_with_edges_and_inf(rng, blocksize,
     b[0, n - 1], b[c - 1, 0] = -np.inf, np.nan
     bias = rng.standard_normal(4 * r).astype(dtype)
     out = np.full((4 * r, n), np.nan, dtype)
-    cpu_blocksparse.spmm(indptr, indices, np.arange(indices.size), data, b, bias, out)
+    cpu_blocksparse.blocksparse_spmm(indptr, indices, np.arange(indices.size), data, b, bias, out)
     want = scipy.sparse.bsr_array((data.astype(np.float64), indices, indptr), shape=(4 * r, 3 * c)) @ b + bias[:, None]
     np.testing.assert_allclose(out, want, rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-5)
 
@@ -68,7 +68,7 @@ def test_float32_spmm_over_long_block_rows_is_within_1e_5(rng, target):
     indptr, indices, data = random_bsr(rng, (2, 64), (2, 16), 0.5, np.float32, np.int64)
     b = rng.standard_normal((64 * 16, 2)).astype(np.float32)
     out = np.empty((4, 2), np.float32)
-    kernel(target, "spmm")(indptr, indices, np.arange(indices.size), data, b, np.zeros(4, np.float32), out)
+    kernel(target, "blocksparse_spmm")(indptr, indices, np.arange(indices.size), data, b, np.zeros(4, np.float32), out)
     w = reference.bsr_dense(data, indices, indptr, (4, 64 * 16))
     scale = np.abs(w) @ np.abs(b.astype(np.float64))
     assert np.abs(out - w @ b.astype(np.float64)).max() <= 1e-5 * scale.min()
@@ -87,7 +87,7 @@ def test_spmm_by_the_transpose_reads_transposed_blocks_through_slots(rng, small_
     out = np.empty((3 * c, 2))
     blocks = data.transpose(0, 2, 1)  # the CPU kernel reads the view; CUDA gets a contiguous copy
     blocks = blocks if target == "cpu" else np.ascontiguousarray(blocks)
-    kernel(target, "spmm")(t_indptr, rows[order], order, blocks, b, np.zeros(3 * c), out)
+    kernel(target, "blocksparse_spmm")(t_indptr, rows[order], order, blocks, b, np.zeros(3 * c), out)
     np.testing.assert_allclose(out, w.T @ b, rtol=1e-12, atol=1e-12)
 
 
@@ -100,7 +100,7 @@ def test_sddmm_is_the_dense_product_at_each_block(rng, small_launch, target, blo
     a = rng.standard_normal((4 * r, 7)).astype(dtype)
     b = rng.standard_normal((5 * c, 7)).astype(dtype)
     out = np.full((indices.size, r, c), np.nan, dtype)
-    kernel(target, "sddmm")(indptr, indices, a, b, out)
+    kernel(target, "blocksparse_sddmm")(indptr, indices, a, b, out)
     product = a.astype(np.float64) @ b.astype(np.float64).T
     rows = np.repeat(np.arange(4), np.diff(indptr))
     want = np.stack([product[i * r:(i + 1) * r, j * c:(j + 1) * c] for i, j in zip(rows, indices)])
@@ -120,7 +120,7 @@ def test_cpu_sddmm_register_panels_match_the_dense_product_with_edges_and_inf(rn
     if k > 1:
         a[0, 1], b[c - 1, 0] = np.inf, np.nan
     out = np.full((indices.size, r, c), np.nan, dtype)
-    cpu_blocksparse.sddmm(indptr, indices, a, b, out)
+    cpu_blocksparse.blocksparse_sddmm(indptr, indices, a, b, out)
     product = a.astype(np.float64) @ b.astype(np.float64).T
     rows = np.repeat(np.arange(3), np.diff(indptr))
     want = np.stack([product[i * r:(i + 1) * r, j * c:(j + 1) * c] for i, j in zip(rows, indices)])

@@ -82,7 +82,7 @@ def test_cuda_kernels_skip_empty_launches(small_launch):
 def run_viterbi(module, prefix, x, trans, group, init, lengths):
     rows, v, c = x.shape
     score, path = np.empty(rows, x.dtype), np.empty((rows, v), np.int64)
-    getattr(module, prefix + "viterbi")(x, trans, group, init, lengths, np.empty((rows, 2, c), x.dtype),
+    getattr(module, prefix + "chain_viterbi")(x, trans, group, init, lengths, np.empty((rows, 2, c), x.dtype),
                                         np.empty((rows, v, c), np.int32), score, path)
     return score, path
 

@@ -61,8 +61,8 @@ def test_warp_sddmm_matches_cpu_twin(small_launch, rng, d, dtype):
     a = rng.standard_normal((5, d)).astype(dtype)
     b = rng.standard_normal((6, d)).astype(dtype)
     want, got = np.empty(9, dtype), np.full(9, np.nan, dtype)
-    cpu_sparse.sddmm(indptr, indices, a, b, want)
-    cuda_sparse.launch_sddmm(indptr, indices, a, b, got)
+    cpu_sparse.sparse_sddmm(indptr, indices, a, b, want)
+    cuda_sparse.launch_sparse_sddmm(indptr, indices, a, b, got)
     np.testing.assert_allclose(got, want, rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-6)
 
 
@@ -81,14 +81,15 @@ def test_scaled_sparse_sweeps_match_cpu_log_space_sweeps(small_launch, rng, scal
     rows, v, c = x.shape
     want_pre, want_norm = np.empty_like(x), np.empty((rows, v), dtype)
     with np.errstate(invalid="ignore"):
-        cpu_sparse_chain.forward(x, transpose.indptr, transpose.indices, transpose.data, init, lengths, want_pre,
-                                 want_norm)
+        cpu_sparse_chain.sparse_chain_forward(x, transpose.indptr, transpose.indices, transpose.data, init, lengths,
+                                              want_pre, want_norm)
     cmax, t_e = np.empty(c, dtype), np.empty(transpose.nnz, dtype)
     with np.errstate(all="ignore"):
-        cuda_sparse_chain.launch_shifted_exp(transpose.indptr, transpose.data, cmax, t_e)
+        cuda_sparse_chain.launch_sparse_chain_shifted_exp(transpose.indptr, transpose.data, cmax, t_e)
         got_pre, got_norm = np.full_like(x, 7.0), np.full((rows, v), 7.0, dtype)
-        cuda_sparse_chain.launch_forward_scaled(x, transpose.indptr, transpose.indices, transpose.data, t_e, cmax, init,
-                                                lengths, np.empty((rows, c), dtype), got_pre, got_norm)
+        cuda_sparse_chain.launch_sparse_chain_forward_scaled(x, transpose.indptr, transpose.indices, transpose.data,
+                                                             t_e, cmax, init, lengths, np.empty((rows, c), dtype),
+                                                             got_pre, got_norm)
     tol = 2e-5 if dtype == np.float32 else 1e-12
     np.testing.assert_array_equal(np.isnan(got_pre), np.isnan(want_pre))
     np.testing.assert_allclose(got_pre, want_pre, rtol=tol, atol=tol * scale)
@@ -97,10 +98,12 @@ def test_scaled_sparse_sweeps_match_cpu_log_space_sweeps(small_launch, rng, scal
     want_beta, got_beta = np.empty_like(x), np.full_like(x, 7.0)
     rmax, row_e = np.empty(c, dtype), np.empty(matrix.nnz, dtype)
     with np.errstate(all="ignore"):
-        cpu_sparse_chain.backward(x, matrix.indptr, matrix.indices, matrix.data, lengths, want_norm, want_beta)
-        cuda_sparse_chain.launch_shifted_exp(matrix.indptr, matrix.data, rmax, row_e)
-        cuda_sparse_chain.launch_backward_scaled(x, matrix.indptr, matrix.indices, matrix.data, row_e, rmax, lengths,
-                                                 want_norm, np.empty((rows, c), dtype), got_beta)
+        cpu_sparse_chain.sparse_chain_backward(x, matrix.indptr, matrix.indices, matrix.data, lengths, want_norm,
+                                               want_beta)
+        cuda_sparse_chain.launch_sparse_chain_shifted_exp(matrix.indptr, matrix.data, rmax, row_e)
+        cuda_sparse_chain.launch_sparse_chain_backward_scaled(x, matrix.indptr, matrix.indices, matrix.data, row_e,
+                                                              rmax, lengths, want_norm, np.empty((rows, c), dtype),
+                                                              got_beta)
     np.testing.assert_array_equal(np.isnan(got_beta), np.isnan(want_beta))
     np.testing.assert_allclose(got_beta, want_beta, rtol=tol, atol=tol * scale)
 

@@ -8,8 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from numba import cuda, njit, types
 
+import cpu_logspace
 import reference
-from spchain.kernels.cpu import logspace as cpu_logspace
 from spchain.kernels.cuda import logspace as cuda_logspace
 
 SPECIAL = [-math.inf, math.inf, math.nan, 0.0, -1e300, 1e300, -745.0, 3.5]

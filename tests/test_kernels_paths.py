@@ -10,7 +10,8 @@ import pytest
 import reference
 from spchain.kernels.cpu import chain as cpu_chain
 from spchain.kernels.cpu import paths as cpu_paths
-from spchain.paths import TINY, _scaled_exp
+from spchain.kernels.rules import TINY
+from spchain.paths import _scaled_exp
 from test_kernels_chain import normalised_problem
 
 

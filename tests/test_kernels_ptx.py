@@ -55,18 +55,18 @@ def kernels(dtype):
          (x, trans, i64, lengths, arr(f, 3), arr(f, 2), arr(f, 3), arr(f, 1), arr(types.boolean, 2), arr(f, 4))),
         ("log_product_fixup", cuda_logspace.log_product_fixup_kernel,
          (arr(f, 3), arr(f, 3), arr(i64, 1), arr(i64, 1), arr(types.uint8, 3), arr(f, 3))),
-        ("sparse_chain shifted_exp", cuda_sparse_chain.shifted_exp_kernel,
+        ("sparse_chain shifted_exp", cuda_sparse_chain.sparse_chain_shifted_exp_kernel,
          (lengths, arr(f, 1), arr(f, 1), arr(f, 1))),
         ("sparse_chain forward_scaled", cuda_sparse_chain._forward_scaled_kernel(np.dtype(dtype)),
          (x, lengths, lengths, arr(f, 1), arr(f, 1), arr(f, 1), f, init, lengths, arr(f, 2), arr(f, 3), arr(f, 2))),
         ("sparse_chain backward_scaled", cuda_sparse_chain._backward_scaled_kernel(np.dtype(dtype)),
          (x, lengths, lengths, arr(f, 1), arr(f, 1), arr(f, 1), f, lengths, arr(f, 2), arr(f, 2), arr(f, 3))),
-        ("posinf_fixup", cuda_logspace.posinf_fixup_kernel,
+        ("posinf_fixup", cuda_logspace.log_product_posinf_fixup_kernel,
          (arr(f, 3), arr(f, 3), arr(i64, 1), arr(i64, 1), arr(types.boolean, 1), arr(f, 3))),
         ("log_product_grads", cuda_logspace.log_product_grads_kernel,
          (arr(f, 3), arr(f, 3), arr(i64, 1), arr(i64, 1), arr(types.boolean, 1), arr(f, 3), arr(f, 3),
           arr(types.uint8, 3), arr(f, 3), arr(f, 3))),
-        ("sparse_chain values_grad_masked", cuda_sparse_chain.values_grad_masked_kernel,
+        ("sparse_chain values_grad_masked", cuda_sparse_chain.sparse_chain_values_grad_masked_kernel,
          (x, lengths, lengths, arr(f, 1), lengths, arr(f, 3), arr(f, 2), arr(f, 3), arr(f, 1), arr(types.boolean, 1),
           arr(f, 2))),
         ("viterbi", cuda_chain._viterbi_kernel(np.dtype(dtype)),
@@ -79,14 +79,16 @@ def kernels(dtype):
          (x, trans, i64, init, lengths, arr(f, 4), arr(i64, 4), arr(i64, 4), arr(f, 2), arr(i64, 3))),
         ("max_matmul", cuda_semiring.max_matmul_kernel,
          (arr(f, 3), arr(f, 3), arr(i64, 1), arr(i64, 1), arr(f, 3), arr(i64, 3))),
-        *((f"sddmm {index}", cuda_sparse.sddmm_kernel, (arr(index, 1), arr(index, 1), arr(f, 2), arr(f, 2), arr(f, 1)))
+        *((f"sddmm {index}", cuda_sparse.sparse_sddmm_kernel,
+           (arr(index, 1), arr(index, 1), arr(f, 2), arr(f, 2), arr(f, 1)))
           for index in (types.int32, i64)),
         *((f"sddmm warp {index}", cuda_sparse._sddmm_warp_kernel(np.dtype(dtype)),
            (arr(index, 1), arr(index, 1), arr(f, 2), arr(f, 2), arr(f, 1))) for index in (types.int32, i64)),
-        *((f"block spmm {index}", cuda_blocksparse.spmm_kernel,
+        *((f"block spmm {index}", cuda_blocksparse.blocksparse_spmm_kernel,
            (arr(index, 1), arr(index, 1), arr(index, 1), arr(f, 3), arr(f, 2), arr(f, 1), arr(f, 2)))
           for index in (types.int32, i64)),
-        ("block sddmm", cuda_blocksparse.sddmm_kernel, (arr(i64, 1), arr(i64, 1), arr(f, 2), arr(f, 2), arr(f, 3))),
+        ("block sddmm", cuda_blocksparse.blocksparse_sddmm_kernel,
+         (arr(i64, 1), arr(i64, 1), arr(f, 2), arr(f, 2), arr(f, 3))),
     ]
 
 

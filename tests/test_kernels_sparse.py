@@ -14,7 +14,7 @@ def random_csr(rng, m, n, density, index_dtype=np.int32):
     return indptr.astype(index_dtype), cols.astype(index_dtype), rng.standard_normal(cols.size)
 
 
-@pytest.mark.parametrize("kernel", ["spmm", "spmm_serial"])
+@pytest.mark.parametrize("kernel", ["sparse_spmm", "sparse_spmm_serial"])
 @pytest.mark.parametrize("index_dtype", [np.int32, np.int64])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_spmm_matches_scipy_with_bias(rng, index_dtype, dtype, kernel):
@@ -54,11 +54,12 @@ TARGETS = ["cpu", "cpu serial", pytest.param("cuda", marks=pytest.mark.cuda_kern
 
 def sddmm(target, indptr, indices, a, b, out):
     if target.startswith("cpu"):
-        (cpu_sparse.sddmm_serial if target == "cpu serial" else cpu_sparse.sddmm)(indptr, indices, a, b, out)
+        (cpu_sparse.sparse_sddmm_serial if target == "cpu serial" else cpu_sparse.sparse_sddmm)(
+            indptr, indices, a, b, out)
     else:
         from spchain.kernels.cuda import sparse as cuda_sparse
 
-        cuda_sparse.launch_sddmm(indptr, indices, a, b, out)
+        cuda_sparse.launch_sparse_sddmm(indptr, indices, a, b, out)
 
 
 @pytest.mark.parametrize("target", TARGETS)

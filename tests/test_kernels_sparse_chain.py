@@ -31,20 +31,22 @@ def problem(rng, rows=7, v=5, c=6, dtype=np.float64):
 def run(module, prefix, x, matrix, transpose, init, lengths, chunks=3):
     rows, v, c = x.shape
     pre, norm, beta = np.empty_like(x), np.empty((rows, v), x.dtype), np.empty_like(x)
-    getattr(module, prefix + "forward")(x, transpose.indptr, transpose.indices, transpose.data, init, lengths, pre,
-                                        norm)
-    getattr(module, prefix + "backward")(x, matrix.indptr, matrix.indices, matrix.data, lengths, norm, beta)
+    getattr(module, prefix + "sparse_chain_forward")(x, transpose.indptr, transpose.indices, transpose.data, init,
+                                                     lengths, pre, norm)
+    getattr(module, prefix + "sparse_chain_backward")(x, matrix.indptr, matrix.indices, matrix.data, lengths, norm,
+                                                      beta)
     inside = (np.arange(v)[None, :] < lengths[:, None])[..., None]
     offset = np.where(np.isfinite(norm), norm, 0)[..., None]
     with np.errstate(invalid="ignore"):
         marg = np.where(inside, np.exp(pre + x - offset + beta), 0).astype(x.dtype)
     weight = np.linspace(0.5, 2.0, rows).astype(x.dtype)
     partial = np.empty((chunks, matrix.nnz), x.dtype)
-    getattr(module, prefix + "values_grad")(x, matrix.indptr, matrix.indices, matrix.data, lengths, pre, norm, marg,
-                                            weight, partial)
+    getattr(module, prefix + "sparse_chain_values_grad")(x, matrix.indptr, matrix.indices, matrix.data, lengths, pre,
+                                                         norm, marg, weight, partial)
     score, path = np.empty(rows, x.dtype), np.empty((rows, v), np.int64)
-    getattr(module, prefix + "viterbi")(x, transpose.indptr, transpose.indices, transpose.data, init, lengths,
-                                        np.empty((rows, 2, c), x.dtype), np.empty((rows, v, c), np.int32), score, path)
+    getattr(module, prefix + "sparse_chain_viterbi")(x, transpose.indptr, transpose.indices, transpose.data, init,
+                                                     lengths, np.empty((rows, 2, c), x.dtype),
+                                                     np.empty((rows, v, c), np.int32), score, path)
     return pre, norm, marg, partial.sum(0), score, path
 
 
@@ -61,8 +63,8 @@ def test_cpu_kernels_equal_the_dense_kernels(rng):
     entry_rows = np.repeat(np.arange(6), np.diff(matrix.indptr))
     np.testing.assert_allclose(grad, want_grad[0, 0][entry_rows, matrix.indices], rtol=1e-12, atol=1e-12)
     want_score, want_path = np.empty_like(score), np.empty_like(path)
-    cpu_chain.viterbi(x, trans, 7, init, lengths, np.empty((7, 2, 6)), np.empty((7, 5, 6), np.int32), want_score,
-                      want_path)
+    cpu_chain.chain_viterbi(x, trans, 7, init, lengths, np.empty((7, 2, 6)), np.empty((7, 5, 6), np.int32), want_score,
+                            want_path)
     np.testing.assert_array_equal(score, want_score)
     np.testing.assert_array_equal(path[score > -np.inf], want_path[score > -np.inf])
 
@@ -86,7 +88,7 @@ def test_cuda_kernels_skip_empty_launches(small_launch):
 
     x = np.zeros((0, 3, 2))
     index = np.zeros(3, np.int32)
-    cuda_sparse.launch_forward(x, index, index[:0], np.zeros(0), np.zeros((0, 2)), np.zeros(0, np.int64), x.copy(),
-                               np.zeros((0, 3)))
-    cuda_sparse.launch_values_grad(x, index, index[:0], np.zeros(0), np.zeros(0, np.int64), x, np.zeros((0, 3)), x,
-                                   np.zeros(0), np.zeros((0, 0)))
+    cuda_sparse.launch_sparse_chain_forward(x, index, index[:0], np.zeros(0), np.zeros((0, 2)), np.zeros(0, np.int64),
+                                            x.copy(), np.zeros((0, 3)))
+    cuda_sparse.launch_sparse_chain_values_grad(x, index, index[:0], np.zeros(0), np.zeros(0, np.int64), x,
+                                                np.zeros((0, 3)), x, np.zeros(0), np.zeros((0, 0)))

@@ -1,1 +1,88 @@
-"""``@njit(cache=True)`` CPU kernels: raw arrays in, preallocated outputs filled."""
+"""``@njit(cache=True)`` CPU kernels: raw arrays in, preallocated outputs filled.
+
+A dispatcher imports this package (``from .kernels import cpu``) and calls a kernel by its module
+attribute, ``cpu.chain.chain_forward(...)``: go-to-definition and ``grep`` lead from the call to
+the kernel. A kernel module is imported on first access, after :func:`threading_layer` chose
+Numba's threading layer, so ``import spchain`` imports no Numba.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib
+import os
+import sys
+import warnings
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the modules that attribute access loads, for type checkers and editors
+    from . import blocksparse as blocksparse
+    from . import chain as chain
+    from . import chain_scaled as chain_scaled
+    from . import exp as exp
+    from . import paths as paths
+    from . import semiring as semiring
+    from . import sparse as sparse
+    from . import sparse_chain as sparse_chain
+    from . import sparse_chain_scaled as sparse_chain_scaled
+
+MODULES = ("blocksparse", "chain", "chain_scaled", "exp", "paths", "semiring", "sparse", "sparse_chain",
+           "sparse_chain_scaled")
+"""The kernel modules, each imported on first access (``cpu.chain``)."""
+
+
+def __getattr__(name: str) -> ModuleType:
+    if name not in MODULES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    threading_layer()
+    return importlib.import_module(f".{name}", __name__)
+
+
+@functools.cache
+def threading_layer() -> str:
+    """Select Numba's threading layer for spchain's parallel CPU kernels, once, before the first
+    one loads; returns the name asked for (``"tbb"``, or ``"default"`` without TBB).
+
+    TBB is fork-safe and thread-safe: a process that forks after running a kernel (a torch
+    ``DataLoader`` worker, ``multiprocessing`` with ``fork``) can run kernels in the child, and
+    threads can call spchain at once. GNU OpenMP, Numba's usual layer, kills such a child, and
+    ``workqueue`` aborts on concurrent calls. TBB is a dependency of spchain on x86-64 Linux and
+    Windows (pip's ``tbb``); pip puts ``libtbb`` in ``sys.prefix/lib``, which a virtual
+    environment's loader does not search, so it is loaded from there first. Without TBB, or
+    where the user chose a layer (``NUMBA_THREADING_LAYER``, ``numba.config``), Numba's own
+    choice stands: kernels work, but a forked child must not call them. If another library
+    started Numba's threads first on another layer, that layer stays, with a warning: under
+    contention, a parallel kernel on GNU OpenMP ran 40x slower than on TBB (a 4 MB transpose,
+    0.5 ms against 20 ms, 2 cores at a load of 8).
+    """
+    import numba
+    from numba.np.ufunc import parallel
+
+    if os.environ.get("NUMBA_THREADING_LAYER") or numba.config.THREADING_LAYER != "default":
+        return str(numba.config.THREADING_LAYER)
+    if _tbb_loads():
+        if parallel._is_initialized and numba.threading_layer() != "tbb":
+            warnings.warn(
+                f"Numba's threads were started on its {numba.threading_layer()!r} layer (by a library that ran "
+                "Numba parallel code before spchain's first CPU kernel) and cannot change: spchain's kernels "
+                "are not fork-safe there, and GNU OpenMP's spinning threads run them many times slower on "
+                "a busy machine; import spchain's kernels first (call spchain.kernels.cpu.threading_layer()) "
+                "or set NUMBA_THREADING_LAYER=tbb", stacklevel=2)
+            return str(numba.threading_layer())
+        numba.config.THREADING_LAYER = "tbb"
+    return str(numba.config.THREADING_LAYER)
+
+
+def _tbb_loads() -> bool:
+    """Whether Numba's TBB layer can start here (a TBB of a version Numba accepts)."""
+    library = os.path.join(sys.prefix, "lib", "libtbb.so.12")
+    try:
+        if sys.platform.startswith("linux") and os.path.exists(library):
+            ctypes.CDLL(library, mode=ctypes.RTLD_GLOBAL)
+        importlib.import_module("numba.np.ufunc.tbbpool")
+        importlib.import_module("numba.np.ufunc.parallel")._check_tbb_version_compatible()
+    except (OSError, ImportError, AttributeError):
+        return False
+    return True

@@ -10,7 +10,7 @@ The dense tiles are multiplied as register-blocked micro-GEMMs vectorised along 
 axis: both products keep a 4 x 64-byte panel of the output in vector registers over a whole
 block (:func:`_panel`, LLVM vectors: Numba would keep the output in memory, as it may alias
 the operands). The edges go by loops that Numba vectorises: four output rows by four block
-columns per pass (``spmm``) or dot products (``sddmm``).
+columns per pass (``blocksparse_spmm``) or dot products (``blocksparse_sddmm``).
 """
 
 import numpy as np
@@ -132,7 +132,7 @@ def _panel(typingctx, a, b, o, r, t):
 
 
 @njit(parallel=True, cache=True, fastmath=_FAST)
-def spmm(indptr, indices, slots, data, b, bias, out):
+def blocksparse_spmm(indptr, indices, slots, data, b, bias, out):
     """BSR times dense: ``out[rows of block row i] = bias + sum(data[slots[p]] @ b[cols of block p])``.
 
     Inputs: ``indptr`` (M / R + 1), ``indices`` and ``slots`` (nnzb; block ``p`` of the structure
@@ -162,7 +162,7 @@ def spmm(indptr, indices, slots, data, b, bias, out):
 
 
 @njit(parallel=True, cache=True, fastmath=_FAST)
-def sddmm(indptr, indices, a, b, out):
+def blocksparse_sddmm(indptr, indices, a, b, out):
     """Block-sampled dense-dense product: ``out[p] = a[rows of block row i] @ b[cols of block p].T``.
 
     Inputs: ``indptr`` (M / R + 1), ``indices`` (nnzb), ``a`` (M, k) and ``b`` (N, k), both

@@ -209,7 +209,7 @@ def chain_transition_grad(x, trans, group, lengths, pre, norm, marg, weight, gra
 
 
 @njit(parallel=True, cache=True)
-def viterbi(x, trans, group, init, lengths, work, backptr, score, path):
+def chain_viterbi(x, trans, group, init, lengths, work, backptr, score, path):
     """Max-product sweep with backpointers, then backtracking: the best path of each row.
 
     Inputs as for :func:`chain_forward`. ``work`` (B, 2, c) and ``backptr`` (B, v, c, int32)

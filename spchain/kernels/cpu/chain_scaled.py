@@ -8,8 +8,8 @@ is then ``c`` exponentials and ``c²`` multiply-adds instead of ``c²`` exponent
     log sum_i exp(u[i] + trans[i, j]) = umax + cmax[j] + log sum_i exp(u[i] - umax) e[i, j].
 
 Every dropped term (a factor below ``FLUSH``, the other at most 1) is below 1e-154; where a
-scaled sum is below ``TINY`` = 1e-130 (so dropped terms could matter) or not a number, that
-entry is recomputed in log space, exactly as ``chain.py`` does. NaN propagates.
+scaled sum is below ``TINY`` (so dropped terms could matter) or not a number, that entry is
+recomputed in log space, exactly as ``chain.py`` does (``spchain/kernels/rules.py``). NaN propagates.
 """
 
 import math
@@ -17,13 +17,9 @@ import math
 import numpy as np
 from numba import njit, prange
 
+from ..rules import FLUSH, LIMIT, TINY
 from .chain import normalise
 from .exp import exp_nonpositive
-
-FLUSH = 1e-154
-TINY = 1e-130
-LIMIT = 299.0
-"""``-log(TINY)``: the transition gradient's scale factors stay below ``exp(LIMIT)``."""
 
 
 @njit(cache=True)

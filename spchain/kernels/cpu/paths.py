@@ -10,10 +10,8 @@ import math
 import numpy as np
 from numba import njit, prange
 
+from ..rules import WALK_CHUNK
 from .exp import exp_nonpositive
-
-WALK_CHUNK = 16
-"""States whose weights a draw sums at a time before walking through them one by one."""
 
 
 @njit(cache=True)
@@ -107,9 +105,9 @@ def draw_sparse(alpha, b, t, t_indptr, t_rows, t_values, state, u):
 
 
 @njit(parallel=True, cache=True)
-def chain_sample_sparse(alpha, t_indptr, t_rows, t_values, lengths, possible, uniforms, paths):
+def sparse_chain_sample(alpha, t_indptr, t_rows, t_values, lengths, possible, uniforms, paths):
     """:func:`chain_sample` with one sparse transition matrix for all rows and steps (the
-    transpose's CSR structure, as in :func:`chain_kbest_sparse`): each draw in log space
+    transpose's CSR structure, as in :func:`sparse_chain_kbest`): each draw in log space
     (:func:`draw_sparse`) over the stored predecessors of the state drawn after it.
     O(N * B * v * (c + nnz)) time at worst, no (c, c) matrix."""
     samples, rows, v = paths.shape
@@ -273,13 +271,13 @@ def _kbest_last(b, length, cur, work, counts, backptr, scores, paths):
 def chain_kbest(x, trans, group, init, lengths, work, counts, backptr, scores, paths):
     """Exact k-best Viterbi: the ``k`` best paths of each row, best first.
 
-    Inputs as for ``chain.viterbi``; ``work`` (B, 2, c, k) and ``counts`` (B, 2, c, k, int64)
+    Inputs as for ``chain.chain_viterbi``; ``work`` (B, 2, c, k) and ``counts`` (B, 2, c, k, int64)
     are scratch: the kept partial paths' scores as their finite sums and their numbers of
     ``+inf`` terms (:func:`plus`), ranked by the ``+inf`` terms first (the limit as they grow
     together), then the finite sum. ``backptr`` (B, v, c, k, int64) holds ``i * k + r`` (the
     predecessor state ``i`` and its rank ``r``; ``backptr[b, 0, 0]`` is scratch for the final
     ranking). Paths of score ``-inf`` are dropped, so fewer than ``k`` paths leave ``-inf``
-    scores and -1 paths. Ties go to the lower (state, rank), as in ``viterbi``. Overwrites
+    scores and -1 paths. Ties go to the lower (state, rank), as in ``chain.chain_viterbi``. Overwrites
     ``scores`` (k, B; ``+inf`` for a path through a ``+inf`` term) and ``paths`` (k, B, v).
     O(B * v * c² * k²) time at worst; rows run in parallel.
     """
@@ -304,7 +302,7 @@ def chain_kbest(x, trans, group, init, lengths, work, counts, backptr, scores, p
 
 
 @njit(parallel=True, cache=True)
-def chain_kbest_sparse(x, t_indptr, t_rows, t_values, init, lengths, work, counts, backptr, scores, paths):
+def sparse_chain_kbest(x, t_indptr, t_rows, t_values, init, lengths, work, counts, backptr, scores, paths):
     """:func:`chain_kbest` with one sparse transition matrix for all rows and steps, given by
     its transpose's CSR structure (``t_indptr``, ``t_rows``, ``t_values``: the stored entries
     of column ``j`` in order of their row; absent entries are ``-inf``). The candidates of a

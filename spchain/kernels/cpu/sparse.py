@@ -17,7 +17,7 @@ _FAST = {"reassoc", "contract"}  # lets the dot products vectorise; never assume
 
 
 @njit(parallel=True, cache=True, fastmath=_FAST)
-def spmm(indptr, indices, data, b, bias, out):
+def sparse_spmm(indptr, indices, data, b, bias, out):
     """CSR times dense: ``out[i, :] = bias[i] + sum(data[p] * b[indices[p], :])`` over row ``i``.
 
     Inputs: ``indptr`` (m + 1), ``indices`` and ``data`` (nnz), ``b`` (k, n) C-contiguous,
@@ -30,8 +30,8 @@ def spmm(indptr, indices, data, b, bias, out):
 
 
 @njit(cache=True, fastmath=_FAST)
-def spmm_serial(indptr, indices, data, b, bias, out):
-    """:func:`spmm` on one thread, row after row (the same arithmetic): for small products,
+def sparse_spmm_serial(indptr, indices, data, b, bias, out):
+    """:func:`sparse_spmm` on one thread, row after row (the same arithmetic): for small products,
     where starting the threads would cost more than the product."""
     for i in range(out.shape[0]):
         _spmm_row(indptr, indices, data, b, bias, out, i)
@@ -68,7 +68,7 @@ def _spmm_row(indptr, indices, data, b, bias, out, i):
 
 
 @njit(parallel=True, cache=True, fastmath=_FAST)
-def sddmm(indptr, indices, a, b, out):
+def sparse_sddmm(indptr, indices, a, b, out):
     """Sampled dense-dense product: ``out[p] = a[i, :] . b[indices[p], :]`` for entry ``p`` of row ``i``.
 
     Inputs: ``indptr`` (m + 1), ``indices`` (nnz), ``a`` (m, k) and ``b`` (n, k), both
@@ -80,8 +80,8 @@ def sddmm(indptr, indices, a, b, out):
 
 
 @njit(cache=True, fastmath=_FAST)
-def sddmm_serial(indptr, indices, a, b, out):
-    """:func:`sddmm` on one thread, row after row (the same arithmetic), for small products."""
+def sparse_sddmm_serial(indptr, indices, a, b, out):
+    """:func:`sparse_sddmm` on one thread, row after row (the same arithmetic), for small products."""
     for i in range(a.shape[0]):
         _sddmm_row(indptr, indices, a, b, out, i)
 

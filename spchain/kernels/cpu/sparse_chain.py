@@ -66,11 +66,11 @@ def chunk_of(rows, chunks, k):
     return k * rows // chunks, (k + 1) * rows // chunks
 
 
-def forward(x, t_indptr, t_rows, t_values, init, lengths, pre, norm):
+def sparse_chain_forward(x, t_indptr, t_rows, t_values, init, lengths, pre, norm):
     """Forward sweep: fills ``pre`` (B, v, c) and ``norm`` (B, v) as ``chain.chain_forward``
     does, over the transpose's CSR structure. Chunks of rows (one a thread) run in parallel,
     each one step at a time for all its rows. O(B * v * (c + nnz)) time, O(c * B) scratch."""
-    forward_chunks(x, t_indptr, t_rows, t_values, init, lengths, pre, norm, _chunks(x))
+    sparse_chain_forward_chunks(x, t_indptr, t_rows, t_values, init, lengths, pre, norm, _chunks(x))
 
 
 def _chunks(x):
@@ -80,8 +80,8 @@ def _chunks(x):
 
 
 @njit(parallel=True, cache=True)
-def forward_chunks(x, t_indptr, t_rows, t_values, init, lengths, pre, norm, chunks):
-    """:func:`forward` in ``chunks`` chunks of rows."""
+def sparse_chain_forward_chunks(x, t_indptr, t_rows, t_values, init, lengths, pre, norm, chunks):
+    """:func:`sparse_chain_forward` in ``chunks`` chunks of rows."""
     rows, v, c = x.shape
     for chunk in prange(chunks):
         b0, b1 = chunk_of(rows, chunks, chunk)
@@ -118,15 +118,15 @@ def forward_chunks(x, t_indptr, t_rows, t_values, init, lengths, pre, norm, chun
             norm[b, lengths[b]:] = 0.0
 
 
-def backward(x, indptr, indices, values, lengths, norm, beta):
+def sparse_chain_backward(x, indptr, indices, values, lengths, norm, beta):
     """Backward sweep: fills ``beta`` (B, v, c) as ``chain.chain_backward`` does; chunks of
-    rows in parallel as in :func:`forward`. O(B * v * (c + nnz)) time."""
-    backward_chunks(x, indptr, indices, values, lengths, norm, beta, _chunks(x))
+    rows in parallel as in :func:`sparse_chain_forward`. O(B * v * (c + nnz)) time."""
+    sparse_chain_backward_chunks(x, indptr, indices, values, lengths, norm, beta, _chunks(x))
 
 
 @njit(parallel=True, cache=True)
-def backward_chunks(x, indptr, indices, values, lengths, norm, beta, chunks):
-    """:func:`backward` in ``chunks`` chunks of rows."""
+def sparse_chain_backward_chunks(x, indptr, indices, values, lengths, norm, beta, chunks):
+    """:func:`sparse_chain_backward` in ``chunks`` chunks of rows."""
     rows, v, c = x.shape
     for chunk in prange(chunks):
         b0, b1 = chunk_of(rows, chunks, chunk)
@@ -156,7 +156,7 @@ def backward_chunks(x, indptr, indices, values, lengths, norm, beta, chunks):
 
 
 @njit(parallel=True, cache=True)
-def values_grad(x, indptr, indices, values, lengths, pre, norm, marg, weight, partial):
+def sparse_chain_values_grad(x, indptr, indices, values, lengths, pre, norm, marg, weight, partial):
     """The expected count of each stored transition: overwrites ``partial`` (K, nnz) with the
     sums over rows ``b`` of chunk ``k`` (rows ``k * B // K`` to ``(k + 1) * B // K - 1``) of
 
@@ -204,8 +204,8 @@ def values_grad(x, indptr, indices, values, lengths, pre, norm, marg, weight, pa
 
 
 @njit(parallel=True, cache=True)
-def viterbi(x, t_indptr, t_rows, t_values, init, lengths, work, backptr, score, path):
-    """Max-product sweep and backtracking as ``chain.viterbi``, over the stored entries (those
+def sparse_chain_viterbi(x, t_indptr, t_rows, t_values, init, lengths, work, backptr, score, path):
+    """Max-product sweep and backtracking as ``chain.chain_viterbi``, over the stored entries (those
     of a column in order of their row, so that ties go to the lowest state index)."""
     rows, v, c = x.shape
     for b in prange(rows):

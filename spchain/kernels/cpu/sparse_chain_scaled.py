@@ -4,7 +4,7 @@ the exponentials of the stored values taken once instead of one per stored entry
 Shapes, messages and normalisers as in ``spchain/kernels/cpu/chain.py``. The caller exponentiates
 the stored values once, shifted by the maximum of their column (``e``, ``cmax``; for the
 forward product and the value gradient) and of their row (``row_e``, ``rmax``; for the
-backward product), in float64, 0 below ``FLUSH`` (see :func:`shifted_exp`). A step of a row
+backward product), in float64, 0 below ``FLUSH`` (see :func:`sparse_chain_shifted_exp`). A step of a row
 is then ``c`` exponentials, ``nnz`` multiply-adds and ``c`` logarithms:
 
     log sum_i exp(u[i] + T[i, j]) = umax + cmax[j] + log sum_i exp(u[i] - umax) e[i, j],
@@ -22,7 +22,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from .chain_scaled import FLUSH, LIMIT, TINY
+from ..rules import FLUSH, LIMIT, TINY
 from .exp import exp_like, exp_nonpositive, log_like
 from .sparse_chain import chunk_of
 
@@ -31,7 +31,7 @@ BLOCK = 64
 
 
 @njit(cache=True, error_model="numpy")
-def shifted_exp(indptr, values, top, e):
+def sparse_chain_shifted_exp(indptr, values, top, e):
     """For each segment ``r`` of a CSR structure (a row, or a column of the transpose): ``top[r]``
     = the maximum of its values (``-inf`` if empty or all ``-inf``, NaN if one is NaN) and
     ``e[q] = exp(values[q] - top[r])`` in float64, 0 below ``FLUSH`` (NaN for a NaN segment)."""
@@ -120,10 +120,10 @@ def _scaled_spmm(indptr, indices, values, e, top_of, z, zoff, p, shift, top, acc
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
-def forward(x, t_indptr, t_rows, t_values, e, cmax, init, lengths, pre, norm, chunks):
+def sparse_chain_forward_scaled(x, t_indptr, t_rows, t_values, e, cmax, init, lengths, pre, norm, chunks):
     """Forward sweep: fills ``pre`` (B, v, c) and ``norm`` (B, v) as ``chain.chain_forward``
     does, over the transpose (``t_indptr``, ``t_rows``, ``t_values``: the entries of each column)
-    with ``e``, ``cmax`` of :func:`shifted_exp` on it. ``chunks`` of rows (``chunk_of``) run in
+    with ``e``, ``cmax`` of :func:`sparse_chain_shifted_exp` on it. ``chunks`` of rows (``chunk_of``) run in
     parallel, each one step at a time for all its rows. O(B * v * (c + nnz)), O(c * B) scratch."""
     rows, v, c = x.shape
     like = np.zeros(1, x.dtype)[0]
@@ -218,17 +218,17 @@ def _values_grad(indptr, indices, t_indptr, t_rows, t_values, order, cmax, a, gm
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
-def backward(x, indptr, indices, values, row_e, rmax, t_indptr, t_rows, t_values, order, e, cmax, lengths, pre,
-             norm, weight, grad_x, partial):
+def sparse_chain_backward_scaled(x, indptr, indices, values, row_e, rmax, t_indptr, t_rows, t_values, order, e, cmax,
+                                 lengths, pre, norm, weight, grad_x, partial):
     """Backward sweep: fills ``grad_x`` (B, v, c) with ``weight[b]`` times the posterior
     marginals (each position renormalised to sum 1 where that sum is positive and finite, 0
     past each length), and ``partial`` (K, nnz) float64 with the value gradient of each of K
     chunks of rows (``chunk_of``; the gradient is ``partial.sum(0)``; (K, 0) to skip it).
 
     The matrix (``indptr``, ``indices``, ``values``, with ``row_e``, ``rmax`` of
-    :func:`shifted_exp` on it) for the backward messages, its transpose (``t_*``; entry ``qq``
+    :func:`sparse_chain_shifted_exp` on it) for the backward messages, its transpose (``t_*``; entry ``qq``
     of it is entry ``order[qq]`` of the matrix) with ``e`` (in CSR order) and ``cmax`` for the
-    value gradient; ``pre``, ``norm`` from :func:`forward`. O(B * v * (c + nnz)) time.
+    value gradient; ``pre``, ``norm`` from :func:`sparse_chain_forward_scaled`. O(B * v * (c + nnz)) time.
     """
     rows, v, c = x.shape
     like = np.zeros(1, x.dtype)[0]

@@ -13,11 +13,16 @@ from . import config
 
 
 @cuda.jit
-def spmm_kernel(indptr, indices, slots, data, b, bias, out):
+def blocksparse_spmm_kernel(indptr, indices, slots, data, b, bias, out):
     """``out[row, col] = bias[row] + sum(data[slots[p]][r, c] * b[indices[p] * C + c, col])`` over
     the blocks ``p`` of ``row``'s block row (``r = row % R``).
 
-    Grid-stride over the M * n outputs, accumulated in the dtype of ``out``. Overwrites ``out`` (M, n).
+    Accumulated in the dtype of ``out``.
+
+    Inputs: ``indptr``, ``indices``, ``slots`` of the block grid, ``data`` (nnzb, R, C), ``b`` (N, n), ``bias``
+    (M,). Output: ``out`` (M, n), overwritten.
+    Launch: grid ``blocks_for(M * n)`` blocks of ``THREADS_PER_BLOCK`` threads, a thread an output entry
+    (grid-stride).
     """
     rows, cols = data.shape[1], data.shape[2]
     n = out.shape[1]
@@ -32,18 +37,22 @@ def spmm_kernel(indptr, indices, slots, data, b, bias, out):
         out[row, col] = bias[row] + acc
 
 
-def launch_spmm(indptr, indices, slots, data, b, bias, out, stream=0):
-    """Launch :func:`spmm_kernel` on ``stream`` over ``out``'s values (at least one)."""
-    spmm_kernel[config.blocks_for(out.size), config.THREADS_PER_BLOCK, stream](indptr, indices, slots, data, b,
-                                                                               bias, out)
+def launch_blocksparse_spmm(indptr, indices, slots, data, b, bias, out, stream=0):
+    """Launch :func:`blocksparse_spmm_kernel` on ``stream`` over ``out``'s values (at least one)."""
+    blocksparse_spmm_kernel[config.blocks_for(out.size), config.THREADS_PER_BLOCK, stream](
+        indptr, indices, slots, data, b, bias, out)
 
 
 @cuda.jit
-def sddmm_kernel(indptr, indices, a, b, out):
+def blocksparse_sddmm_kernel(indptr, indices, a, b, out):
     """``out[p, r, c] = a[i * R + r, :] . b[indices[p] * C + c, :]`` for block ``p`` of block row ``i``.
 
     Grid-stride over the nnzb * R * C outputs; each finds its block row by binary search in
     ``indptr`` (empty block rows included) and accumulates in the dtype of ``out``. Overwrites ``out``.
+
+    Inputs: ``indptr``, ``indices`` of the block grid, ``a`` (M, k), ``b`` (N, k). Output: ``out`` (nnzb, R, C).
+    Launch: grid ``blocks_for(nnzb * R * C)`` blocks of ``THREADS_PER_BLOCK`` threads, a thread an output entry
+    (grid-stride).
     """
     rows, cols = out.shape[1], out.shape[2]
     n_rows = indptr.shape[0] - 1
@@ -64,6 +73,6 @@ def sddmm_kernel(indptr, indices, a, b, out):
         out[p, r, c] = acc
 
 
-def launch_sddmm(indptr, indices, a, b, out, stream=0):
-    """Launch :func:`sddmm_kernel` on ``stream`` over ``out``'s values (at least one)."""
-    sddmm_kernel[config.blocks_for(out.size), config.THREADS_PER_BLOCK, stream](indptr, indices, a, b, out)
+def launch_blocksparse_sddmm(indptr, indices, a, b, out, stream=0):
+    """Launch :func:`blocksparse_sddmm_kernel` on ``stream`` over ``out``'s values (at least one)."""
+    blocksparse_sddmm_kernel[config.blocks_for(out.size), config.THREADS_PER_BLOCK, stream](indptr, indices, a, b, out)

@@ -16,7 +16,7 @@ import numpy as np
 from numba import cuda
 
 from . import config
-from ..logspace import like
+from ..rules import like
 from .logspace import lse_merge, lse_push, lse_value
 
 
@@ -50,6 +50,12 @@ def _forward_kernel(dtype):
 
     @cuda.jit
     def chain_forward_kernel(x, trans, group, chunk, init, lengths, pre, norm):
+        """Forward sweep, the twin of ``kernels.cpu.chain.chain_forward``.
+
+        Inputs: ``x`` (B, v, c), ``trans`` (G, S, c, c), ``group``, ``chunk`` (states staged in shared memory at
+        a time), ``init`` (B, c), ``lengths`` (B,). Outputs: ``pre`` (B, v, c) and ``norm`` (B, v), overwritten.
+        Launch: grid ``blocks_for(B, 1)`` blocks, one row of the batch each (grid-stride over rows); block
+        ``THREADS_PER_BLOCK`` threads over the states; dynamic shared memory ``chunk + 2 * threads`` values."""
         rows, v, c = x.shape
         per_step = trans.shape[1] > 1
         tid = cuda.threadIdx.x
@@ -109,6 +115,12 @@ def _backward_kernel(dtype):
 
     @cuda.jit
     def chain_backward_kernel(x, trans, group, chunk, lengths, norm, beta):
+        """Backward sweep, the twin of ``kernels.cpu.chain.chain_backward``.
+
+        Inputs: ``x`` (B, v, c), ``trans`` (G, S, c, c), ``group``, ``chunk``, ``lengths`` (B,), ``norm`` (B, v)
+        of the forward sweep. Output: ``beta`` (B, v, c), overwritten.
+        Launch: grid ``blocks_for(B, 1)`` blocks, one row of the batch each (grid-stride over rows); block
+        ``THREADS_PER_BLOCK`` threads over the states; dynamic shared memory ``chunk`` values."""
         rows, v, c = x.shape
         per_step = trans.shape[1] > 1
         tid = cuda.threadIdx.x
@@ -169,6 +181,12 @@ def _transition_count(x, trans, group, lengths, pre, norm, marg, weight, g, s, i
 
 @cuda.jit
 def chain_transition_grad_kernel(x, trans, group, lengths, pre, norm, marg, weight, grad):
+    """Expected transition counts, the twin of ``kernels.cpu.chain.chain_transition_grad``.
+
+    Inputs: ``x``, ``pre``, ``marg`` (B, v, c), ``trans`` (G, S, c, c), ``group``, ``lengths`` (B,), ``norm``
+    (B, v), ``weight`` (B,). Output: ``grad`` (G, S, c, c), overwritten.
+    Launch: grid ``blocks_for(G * S * c, 1)`` blocks, one row ``(g, s, i)`` of ``grad`` each (grid-stride);
+    block ``THREADS_PER_BLOCK`` threads over its columns ``j``."""
     groups, steps, c, _ = trans.shape
     for gsi in range(cuda.blockIdx.x, groups * steps * c, cuda.gridDim.x):
         g = gsi // (steps * c)
@@ -183,7 +201,11 @@ def chain_transition_grad_masked_kernel(x, trans, group, lengths, pre, norm, mar
     """:func:`chain_transition_grad_kernel` for the matrices ``(g, s)`` where ``ok[g, s]`` is
     False only; the others keep their ``grad`` (the batched-GEMM counts). Reading ``ok`` here,
     on the device, spares the host a synchronisation: where every matrix is ok, each block
-    only reads its flags."""
+    only reads its flags.
+
+    Inputs as :func:`chain_transition_grad_kernel`, and ``ok`` (G, S) bool. Output: ``grad`` (G, S, c, c), its
+    matrices with ``ok`` False overwritten.
+    Launch: as :func:`chain_transition_grad_kernel`."""
     groups, steps, c, _ = trans.shape
     for gsi in range(cuda.blockIdx.x, groups * steps * c, cuda.gridDim.x):
         g = gsi // (steps * c)
@@ -200,7 +222,14 @@ def _viterbi_kernel(dtype):
     dtype = numba.from_dtype(dtype)
 
     @cuda.jit
-    def viterbi_kernel(x, trans, group, chunk, init, lengths, work, backptr, score, path):
+    def chain_viterbi_kernel(x, trans, group, chunk, init, lengths, work, backptr, score, path):
+        """Best paths, the twin of ``kernels.cpu.chain.chain_viterbi``.
+
+        Inputs: ``x`` (B, v, c), ``trans`` (G, S, c, c), ``group``, ``chunk``, ``init`` (B, c), ``lengths``
+        (B,); scratch ``work`` (B, 2, c) and ``backptr`` (B, v, c, int32). Outputs: ``score`` (B,) and ``path``
+        (B, v, int64), overwritten.
+        Launch: grid ``blocks_for(B, 1)`` blocks, one row of the batch each (grid-stride over rows); block
+        ``THREADS_PER_BLOCK`` threads over the states; dynamic shared memory ``chunk`` values."""
         rows, v, c = x.shape
         per_step = trans.shape[1] > 1
         tid = cuda.threadIdx.x
@@ -251,7 +280,7 @@ def _viterbi_kernel(dtype):
                         path[b, t - 1] = backptr[b, t, path[b, t]]
             cuda.syncthreads()
 
-    return viterbi_kernel
+    return chain_viterbi_kernel
 
 
 def _shared_bytes(dtype, chunk: int, threads: int) -> int:
@@ -298,8 +327,8 @@ def launch_chain_transition_grad_masked(x, trans, group, lengths, pre, norm, mar
         x, trans, group, lengths, pre, norm, marg, weight, ok, grad)
 
 
-def launch_viterbi(x, trans, group, init, lengths, work, backptr, score, path, stream=0):
-    """Best paths; overwrites ``score`` and ``path`` (see ``kernels.cpu.chain.viterbi``)."""
+def launch_chain_viterbi(x, trans, group, init, lengths, work, backptr, score, path, stream=0):
+    """Best paths; overwrites ``score`` and ``path`` (see ``kernels.cpu.chain.chain_viterbi``)."""
     if x.shape[0] == 0:
         return
     threads, chunk = config.THREADS_PER_BLOCK, config.STATE_CHUNK

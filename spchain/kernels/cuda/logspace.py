@@ -1,28 +1,32 @@
-"""The guarded log-space helpers of ``kernels.logspace`` as CUDA device functions, and the
+"""The guarded log-space helpers of ``kernels.rules`` as CUDA device functions, and the
 device-side fix-up of a scaled log-space product."""
 
 import math
 
 from numba import cuda
 
-from .. import logspace
+from .. import rules
 from . import config
 
-log_add_exp = cuda.jit(device=True)(logspace.log_add_exp)
-lse_push = cuda.jit(device=True)(logspace.lse_push)
-lse_merge = cuda.jit(device=True)(logspace.lse_merge)
-lse_value = cuda.jit(device=True)(logspace.lse_value)
+log_add_exp = cuda.jit(device=True)(rules.log_add_exp)
+lse_push = cuda.jit(device=True)(rules.lse_push)
+lse_merge = cuda.jit(device=True)(rules.lse_merge)
+lse_value = cuda.jit(device=True)(rules.lse_value)
 
 
 @cuda.jit
 def log_product_fixup_kernel(a, b, a_index, b_index, lost, out):
     """``out[p, i, j] = log sum_k exp(a[a_index[p], i, k] + b[b_index[p], k, j])`` where
-    ``lost[p, i, j]`` is set (one thread an entry, grid-stride); elsewhere ``out`` is left as
-    it is. ``a`` (Ba, m, k), ``b`` (Bb, k, n), ``lost`` (P, m, n) uint8, ``out`` (P, m, n).
+    ``lost[p, i, j]`` is set; elsewhere ``out`` is left as it is.
 
     The twin of ``spchain._logspace._recompute_lost`` (its NumPy form), without a
     synchronisation: the flags are read on the device, so a product that lost nothing costs
     one pass over them.
+
+    Inputs: ``a`` (Ba, m, k), ``b`` (Bb, k, n), ``a_index``, ``b_index`` (P,), ``lost`` (P, m, n) uint8.
+    Output: ``out`` (P, m, n), updated in place.
+    Launch: grid ``blocks_for(P * m * n)`` blocks of ``THREADS_PER_BLOCK`` threads, a thread an output entry
+    (grid-stride).
     """
     batch, m, n = out.shape
     k = a.shape[2]
@@ -47,11 +51,16 @@ def launch_log_product_fixup(a, b, a_index, b_index, lost, out, stream=0):
 
 
 @cuda.jit
-def posinf_fixup_kernel(a, b, a_index, b_index, found, out):
+def log_product_posinf_fixup_kernel(a, b, a_index, b_index, found, out):
     """``out[p, i, j] = +inf`` where a term ``a[a_index[p], i, k] + b[b_index[p], k, j]`` has a
     ``+inf`` side and its other side is not ``-inf`` (nor NaN), unless ``out`` is NaN: the
     ``+inf`` rule of ``spchain._logspace.PosInf``. Returns at once unless ``found[0]`` (read on
-    the device: whether the operands hold any ``+inf``)."""
+    the device: whether the operands hold any ``+inf``).
+
+    Inputs: ``a`` (Ba, m, k), ``b`` (Bb, k, n), ``a_index``, ``b_index`` (P,), ``found`` (1,). Output: ``out``
+    (P, m, n), updated in place.
+    Launch: grid ``blocks_for(P * m * n)`` blocks of ``THREADS_PER_BLOCK`` threads, a thread an output entry
+    (grid-stride)."""
     if not found[0]:
         return
     batch, m, n = out.shape
@@ -80,6 +89,11 @@ def log_product_grads_kernel(a, b, a_index, b_index, found, out, grad, flags, gr
       ``grad · exp(a + b - out)``, to both sides (a term with a ``+inf`` side is a zero one here);
     - if ``found[0]`` (the operands hold ``+inf``), where ``out`` is ``+inf``: ``grad`` in equal
       shares to the ``+inf`` terms, each share to both sides (``spchain._logspace.PosInf``).
+
+    Inputs: ``a`` (Ba, m, k), ``b`` (Bb, k, n), ``a_index``, ``b_index`` (P,), ``found`` (1,), ``out``, ``grad``
+    and ``flags`` (P, m, n). Outputs: ``grad_a``, ``grad_b``, added to.
+    Launch: grid ``blocks_for(P * m * n)`` blocks of ``THREADS_PER_BLOCK`` threads, a thread an output entry
+    (grid-stride).
     """
     batch, m, n = out.shape
     k = a.shape[2]
@@ -117,11 +131,11 @@ def log_product_grads_kernel(a, b, a_index, b_index, found, out, grad, flags, gr
                         cuda.atomic.add(grad_b, (p, q, j), share)
 
 
-def launch_posinf_fixup(a, b, a_index, b_index, found, out, stream=0):
-    """Launch :func:`posinf_fixup_kernel` on ``stream`` (nothing for an empty ``out``)."""
+def launch_log_product_posinf_fixup(a, b, a_index, b_index, found, out, stream=0):
+    """Launch :func:`log_product_posinf_fixup_kernel` on ``stream`` (nothing for an empty ``out``)."""
     if out.size == 0:
         return
-    posinf_fixup_kernel[config.blocks_for(out.size), config.THREADS_PER_BLOCK, stream](
+    log_product_posinf_fixup_kernel[config.blocks_for(out.size), config.THREADS_PER_BLOCK, stream](
         a, b, a_index, b_index, found, out)
 
 

@@ -7,10 +7,8 @@ import math
 
 from numba import cuda
 
+from ..rules import WALK_CHUNK
 from . import config
-
-WALK_CHUNK = 16
-"""As in ``spchain/kernels/cpu/paths.py`` (the same sums, so the same draws)."""
 
 
 @cuda.jit(device=True)
@@ -71,6 +69,12 @@ def _draw(alpha, probs, b, t, trans_t, trans_probs, g, s, state, u, tiny, total)
 
 @cuda.jit
 def chain_sample_kernel(alpha, probs, trans_t, trans_probs, totals, tiny, group, lengths, possible, uniforms, paths):
+    """Backward sampling, the twin of ``kernels.cpu.paths.chain_sample`` (same arguments, same draws).
+
+    Inputs: ``alpha``, ``probs`` (B, v, c), ``trans_t``, ``trans_probs`` (G, S, c, c), ``totals`` (B, v - 1, c),
+    ``tiny``, ``group``, ``lengths`` (B,), ``possible`` (B,), ``uniforms`` (N, B, v). Output: ``paths`` (N, B,
+    v, int64), overwritten.
+    Launch: grid ``blocks_for(N * B)`` blocks of ``THREADS_PER_BLOCK`` threads, a thread a path (grid-stride)."""
     samples, rows, v = paths.shape
     per_step = trans_t.shape[1] > 1
     for bn in range(cuda.grid(1), samples * rows, cuda.gridsize(1)):
@@ -149,6 +153,12 @@ def _insert(score, count, index, k, val, n, idx):
 
 @cuda.jit
 def chain_kbest_kernel(x, trans, group, init, lengths, work, counts, backptr, scores, paths):
+    """Exact k-best Viterbi, the twin of ``kernels.cpu.paths.chain_kbest`` (same arguments).
+
+    Inputs: ``x`` (B, v, c), ``trans`` (G, S, c, c), ``group``, ``init`` (B, c), ``lengths`` (B,); scratch
+    ``work``, ``counts`` and ``backptr``. Outputs: ``scores`` (k, B) and ``paths`` (k, B, v), overwritten.
+    Launch: grid ``blocks_for(B)`` blocks of ``THREADS_PER_BLOCK`` threads, a thread a row of the batch
+    (grid-stride)."""
     rows, v, c = x.shape
     k = scores.shape[0]
     per_step = trans.shape[1] > 1

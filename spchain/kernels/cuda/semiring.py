@@ -9,6 +9,13 @@ from . import config
 
 @cuda.jit
 def max_matmul_kernel(a, b, a_index, b_index, values, argmax):
+    """Max-plus product, the twin of ``kernels.cpu.semiring.max_matmul``: ``values[p, i, j] = max_k a[a_index[p],
+    i, k] + b[b_index[p], k, j]`` and its ``argmax`` (NaN wins, ``-inf`` beside anything but NaN is ``-inf``).
+
+    Inputs: ``a`` (Ba, m, k), ``b`` (Bb, k, n), ``a_index``, ``b_index`` (P,). Outputs: ``values`` (P, m, n) and
+    ``argmax`` (P, m, n, int64), overwritten.
+    Launch: grid ``blocks_for(P * m * n)`` blocks of ``THREADS_PER_BLOCK`` threads, a thread an output entry
+    (grid-stride)."""
     batches, m, n = values.shape
     k = a.shape[2]
     start, step = cuda.grid(1), cuda.gridsize(1)

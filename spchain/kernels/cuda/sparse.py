@@ -1,7 +1,7 @@
 """``@cuda.jit`` sampled dense-dense product (SDDMM) and its launcher.
 
 The CSR times dense product runs in cuSPARSE (through cupyx); SDDMM has no library routine,
-so it is here. Like its CPU twin ``kernels.cpu.sparse.sddmm``, it trusts a validated structure.
+so it is here. Like its CPU twin ``kernels.cpu.sparse.sparse_sddmm``, it trusts a validated structure.
 """
 
 import functools
@@ -14,11 +14,15 @@ from . import config
 
 
 @cuda.jit
-def sddmm_kernel(indptr, indices, a, b, out):
+def sparse_sddmm_kernel(indptr, indices, a, b, out):
     """``out[p] = a[i, :] . b[indices[p], :]`` for entry ``p`` of row ``i``, one thread an entry.
 
     Grid-stride over entries; each finds its row by binary search in ``indptr`` (empty rows
     included) and accumulates its dot product in the dtype of ``out``. Overwrites ``out`` (nnz).
+
+    Inputs: ``indptr`` (m + 1), ``indices`` (nnz), ``a`` (m, k), ``b`` (n, k). Output: ``out`` (nnz).
+    Launch: grid ``blocks_for(nnz)`` blocks of ``THREADS_PER_BLOCK`` threads, a thread an entry (grid-stride).
+    For fewer than ``WARP_FROM`` columns.
     """
     n_rows = indptr.shape[0] - 1
     for p in range(cuda.grid(1), out.shape[0], cuda.gridsize(1)):
@@ -39,7 +43,7 @@ def sddmm_kernel(indptr, indices, a, b, out):
 WARP = 32
 
 WARP_FROM = 16
-"""Columns from which an entry gets a warp of its own (:func:`sddmm_warp_kernel`)."""
+"""Columns from which an entry gets a warp of its own (:func:`sparse_sddmm_warp_kernel`)."""
 
 
 @functools.cache
@@ -47,11 +51,16 @@ def _sddmm_warp_kernel(dtype):
     dtype = numba.from_dtype(dtype)
 
     @cuda.jit
-    def sddmm_warp_kernel(indptr, indices, a, b, out):
-        """:func:`sddmm_kernel` with a warp an entry: its 32 lanes read consecutive columns of
+    def sparse_sddmm_warp_kernel(indptr, indices, a, b, out):
+        """:func:`sparse_sddmm_kernel` with a warp an entry: its 32 lanes read consecutive columns of
         ``a[i, :]`` and ``b[j, :]`` (coalesced loads, where a thread an entry reads rows far
         apart), and sum their partial dot products in shared memory. Blocks are whole warps
-        and take their entries in rounds, so every thread reaches every barrier."""
+        and take their entries in rounds, so every thread reaches every barrier.
+
+        Inputs and Output as :func:`sparse_sddmm_kernel`.
+        Launch: grid ``blocks_for(nnz, threads // WARP)`` blocks of ``threads`` (``THREADS_PER_BLOCK`` rounded
+        down to whole warps, at least one) threads, a warp an entry (grid-stride); dynamic shared memory
+        ``threads`` values. From ``WARP_FROM`` columns on."""
         tid = cuda.threadIdx.x
         lane, w = tid % WARP, tid // WARP
         per_block = cuda.blockDim.x // WARP
@@ -83,10 +92,10 @@ def _sddmm_warp_kernel(dtype):
                 out[p] = red[tid]
             cuda.syncthreads()
 
-    return sddmm_warp_kernel
+    return sparse_sddmm_warp_kernel
 
 
-def launch_sddmm(indptr, indices, a, b, out, stream=0):
+def launch_sparse_sddmm(indptr, indices, a, b, out, stream=0):
     """Launch the SDDMM on ``stream`` over ``out``'s entries (at least one): a warp an entry
     from ``WARP_FROM`` columns on, else a thread an entry."""
     if a.shape[1] >= WARP_FROM:
@@ -95,4 +104,4 @@ def launch_sddmm(indptr, indices, a, b, out, stream=0):
         kernel = _sddmm_warp_kernel(np.dtype(out.dtype))
         kernel[blocks, threads, stream, threads * np.dtype(out.dtype).itemsize](indptr, indices, a, b, out)
         return
-    sddmm_kernel[config.blocks_for(out.shape[0]), config.THREADS_PER_BLOCK, stream](indptr, indices, a, b, out)
+    sparse_sddmm_kernel[config.blocks_for(out.shape[0]), config.THREADS_PER_BLOCK, stream](indptr, indices, a, b, out)

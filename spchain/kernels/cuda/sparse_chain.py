@@ -25,7 +25,13 @@ def _forward_kernel(dtype):
     dtype = numba.from_dtype(dtype)
 
     @cuda.jit
-    def forward_kernel(x, t_indptr, t_rows, t_values, init, lengths, pre, norm):
+    def sparse_chain_forward_kernel(x, t_indptr, t_rows, t_values, init, lengths, pre, norm):
+        """Forward sweep over the stored entries, the twin of ``kernels.cpu.sparse_chain.sparse_chain_forward``.
+
+        Inputs: ``x`` (B, v, c), the transpose's structure ``t_indptr`` (c + 1), ``t_rows`` and ``t_values``
+        (nnz), ``init`` (B, c), ``lengths`` (B,). Outputs: ``pre`` (B, v, c) and ``norm`` (B, v), overwritten.
+        Launch: grid ``blocks_for(B, 1)`` blocks, one row of the batch each (grid-stride over rows); block
+        ``THREADS_PER_BLOCK`` threads over the states; dynamic shared memory ``2 * threads`` values."""
         rows, v, c = x.shape
         tid = cuda.threadIdx.x
         threads = cuda.blockDim.x
@@ -56,13 +62,19 @@ def _forward_kernel(dtype):
                     norm[b, t] = zero
             cuda.syncthreads()
 
-    return forward_kernel
+    return sparse_chain_forward_kernel
 
 
 @functools.cache
 def _backward_kernel(dtype):
     @cuda.jit
-    def backward_kernel(x, indptr, indices, values, lengths, norm, beta):
+    def sparse_chain_backward_kernel(x, indptr, indices, values, lengths, norm, beta):
+        """Backward sweep over the stored entries, the twin of ``kernels.cpu.sparse_chain.sparse_chain_backward``.
+
+        Inputs: ``x`` (B, v, c), the structure ``indptr`` (c + 1), ``indices`` and ``values`` (nnz), ``lengths``
+        (B,), ``norm`` (B, v). Output: ``beta`` (B, v, c), overwritten.
+        Launch: grid ``blocks_for(B, 1)`` blocks, one row of the batch each (grid-stride over rows); block
+        ``THREADS_PER_BLOCK`` threads over the states."""
         rows, v, c = x.shape
         tid = cuda.threadIdx.x
         threads = cuda.blockDim.x
@@ -83,7 +95,7 @@ def _backward_kernel(dtype):
                     beta[b, t, i] = neg_inf if d == neg_inf else lse_value(m, s) - d
                 cuda.syncthreads()
 
-    return backward_kernel
+    return sparse_chain_backward_kernel
 
 
 @cuda.jit(device=True)
@@ -126,16 +138,26 @@ def _values_grad_chunk(x, indptr, indices, values, lengths, pre, norm, marg, wei
 
 
 @cuda.jit
-def values_grad_kernel(x, indptr, indices, values, lengths, pre, norm, marg, weight, partial):
+def sparse_chain_values_grad_kernel(x, indptr, indices, values, lengths, pre, norm, marg, weight, partial):
+    """Expected counts of the stored entries, the twin of ``kernels.cpu.sparse_chain.sparse_chain_values_grad``.
+
+    Inputs: ``x``, ``pre``, ``marg`` (B, v, c), ``indptr``, ``indices``, ``values``, ``lengths`` (B,), ``norm``
+    (B, v), ``weight`` (B,). Output: ``partial`` (K, nnz), overwritten.
+    Launch: grid ``blocks_for(K * c)`` blocks of ``THREADS_PER_BLOCK`` threads, a thread a (chunk of rows,
+    matrix row) pair (grid-stride)."""
     c = x.shape[2]
     for ki in range(cuda.grid(1), partial.shape[0] * c, cuda.gridsize(1)):
         _values_grad_chunk(x, indptr, indices, values, lengths, pre, norm, marg, weight, partial, ki // c, ki % c)
 
 
 @cuda.jit
-def values_grad_masked_kernel(x, indptr, indices, values, lengths, pre, norm, marg, weight, ok, partial):
-    """:func:`values_grad_kernel` unless ``ok[0]`` (read on the device: the scaled value
-    gradient needs no exact recomputation), which leaves ``partial`` as it is."""
+def sparse_chain_values_grad_masked_kernel(x, indptr, indices, values, lengths, pre, norm, marg, weight, ok, partial):
+    """:func:`sparse_chain_values_grad_kernel` unless ``ok[0]`` (read on the device: the scaled value
+    gradient needs no exact recomputation), which leaves ``partial`` as it is.
+
+    Inputs as :func:`sparse_chain_values_grad_kernel`, and ``ok`` (1,) bool. Output: ``partial`` (K, nnz),
+    overwritten unless ``ok[0]``.
+    Launch: as :func:`sparse_chain_values_grad_kernel`."""
     if ok[0]:
         return
     c = x.shape[2]
@@ -144,7 +166,14 @@ def values_grad_masked_kernel(x, indptr, indices, values, lengths, pre, norm, ma
 
 
 @cuda.jit
-def viterbi_kernel(x, t_indptr, t_rows, t_values, init, lengths, work, backptr, score, path):
+def sparse_chain_viterbi_kernel(x, t_indptr, t_rows, t_values, init, lengths, work, backptr, score, path):
+    """Best paths over the stored entries, the twin of ``kernels.cpu.sparse_chain.sparse_chain_viterbi``.
+
+    Inputs: ``x`` (B, v, c), ``t_indptr``, ``t_rows``, ``t_values``, ``init`` (B, c), ``lengths`` (B,); scratch
+    ``work`` (B, 2, c) and ``backptr`` (B, v, c, int32). Outputs: ``score`` (B,) and ``path`` (B, v, int64),
+    overwritten.
+    Launch: grid ``blocks_for(B, 1)`` blocks, one row of the batch each (grid-stride over rows); block
+    ``THREADS_PER_BLOCK`` threads over the states."""
     rows, v, c = x.shape
     tid = cuda.threadIdx.x
     threads = cuda.blockDim.x
@@ -187,8 +216,8 @@ def viterbi_kernel(x, t_indptr, t_rows, t_values, init, lengths, work, backptr, 
         cuda.syncthreads()
 
 
-def launch_forward(x, t_indptr, t_rows, t_values, init, lengths, pre, norm, stream=0):
-    """Forward sweep; fills ``pre`` and ``norm`` (see ``kernels.cpu.sparse_chain.forward``)."""
+def launch_sparse_chain_forward(x, t_indptr, t_rows, t_values, init, lengths, pre, norm, stream=0):
+    """Forward sweep; fills ``pre`` and ``norm`` (see ``kernels.cpu.sparse_chain.sparse_chain_forward``)."""
     if x.shape[0] == 0:
         return
     threads = config.THREADS_PER_BLOCK
@@ -197,38 +226,39 @@ def launch_forward(x, t_indptr, t_rows, t_values, init, lengths, pre, norm, stre
         x, t_indptr, t_rows, t_values, init, lengths, pre, norm)
 
 
-def launch_backward(x, indptr, indices, values, lengths, norm, beta, stream=0):
-    """Backward sweep; fills ``beta`` (see ``kernels.cpu.sparse_chain.backward``)."""
+def launch_sparse_chain_backward(x, indptr, indices, values, lengths, norm, beta, stream=0):
+    """Backward sweep; fills ``beta`` (see ``kernels.cpu.sparse_chain.sparse_chain_backward``)."""
     if x.shape[0] == 0:
         return
     _backward_kernel(np.dtype(x.dtype))[config.blocks_for(x.shape[0], 1), config.THREADS_PER_BLOCK, stream](
         x, indptr, indices, values, lengths, norm, beta)
 
 
-def launch_values_grad(x, indptr, indices, values, lengths, pre, norm, marg, weight, partial, stream=0):
+def launch_sparse_chain_values_grad(x, indptr, indices, values, lengths, pre, norm, marg, weight, partial, stream=0):
     """Expected counts of the stored entries; overwrites ``partial`` (see
-    ``kernels.cpu.sparse_chain.values_grad``)."""
+    ``kernels.cpu.sparse_chain.sparse_chain_values_grad``)."""
     work = partial.shape[0] * x.shape[2]
     if work == 0:
         return
-    values_grad_kernel[config.blocks_for(work), config.THREADS_PER_BLOCK, stream](
+    sparse_chain_values_grad_kernel[config.blocks_for(work), config.THREADS_PER_BLOCK, stream](
         x, indptr, indices, values, lengths, pre, norm, marg, weight, partial)
 
 
-def launch_values_grad_masked(x, indptr, indices, values, lengths, pre, norm, marg, weight, ok, partial, stream=0):
-    """:func:`launch_values_grad` where ``ok[0]`` is False (on the device); else nothing."""
+def launch_sparse_chain_values_grad_masked(x, indptr, indices, values, lengths, pre, norm, marg, weight, ok, partial,
+                                           stream=0):
+    """:func:`launch_sparse_chain_values_grad` where ``ok[0]`` is False (on the device); else nothing."""
     work = partial.shape[0] * x.shape[2]
     if work == 0:
         return
-    values_grad_masked_kernel[config.blocks_for(work), config.THREADS_PER_BLOCK, stream](
+    sparse_chain_values_grad_masked_kernel[config.blocks_for(work), config.THREADS_PER_BLOCK, stream](
         x, indptr, indices, values, lengths, pre, norm, marg, weight, ok, partial)
 
 
-def launch_viterbi(x, t_indptr, t_rows, t_values, init, lengths, work, backptr, score, path, stream=0):
-    """Best paths; overwrites ``score`` and ``path`` (see ``kernels.cpu.sparse_chain.viterbi``)."""
+def launch_sparse_chain_viterbi(x, t_indptr, t_rows, t_values, init, lengths, work, backptr, score, path, stream=0):
+    """Best paths; overwrites ``score`` and ``path`` (see ``kernels.cpu.sparse_chain.sparse_chain_viterbi``)."""
     if x.shape[0] == 0:
         return
-    viterbi_kernel[config.blocks_for(x.shape[0], 1), config.THREADS_PER_BLOCK, stream](
+    sparse_chain_viterbi_kernel[config.blocks_for(x.shape[0], 1), config.THREADS_PER_BLOCK, stream](
         x, t_indptr, t_rows, t_values, init, lengths, work, backptr, score, path)
 
 
@@ -236,10 +266,13 @@ def launch_viterbi(x, t_indptr, t_rows, t_values, init, lengths, work, backptr, 
 
 
 @cuda.jit
-def shifted_exp_kernel(indptr, values, top, e):
+def sparse_chain_shifted_exp_kernel(indptr, values, top, e):
     """For each segment ``r`` (a column of the transposed structure), one thread: ``top[r]`` =
     the maximum of its values (``-inf`` if empty or all ``-inf``, NaN if one is NaN) and
-    ``e[q] = exp(values[q] - top[r])`` in the values' dtype (NaN for a NaN segment)."""
+    ``e[q] = exp(values[q] - top[r])`` in the values' dtype (NaN for a NaN segment).
+
+    Inputs: ``indptr`` (r + 1), ``values`` (nnz). Outputs: ``top`` (r,) and ``e`` (nnz), overwritten.
+    Launch: grid ``blocks_for(r)`` blocks of ``THREADS_PER_BLOCK`` threads, a thread a segment (grid-stride)."""
     neg_inf, zero = values.dtype.type(-math.inf), values.dtype.type(0)
     for r in range(cuda.grid(1), indptr.shape[0] - 1, cuda.gridsize(1)):
         best = neg_inf
@@ -279,16 +312,21 @@ def _forward_scaled_kernel(dtype):
     dtype = numba.from_dtype(dtype)
 
     @cuda.jit
-    def forward_scaled_kernel(x, t_indptr, t_rows, t_values, t_e, cmax, tiny_over_eps, init, lengths, work, pre,
-                              norm):
-        """:func:`forward_kernel` by scaled SpMVs: per step and row, ``c`` exponentials, ``nnz``
+    def sparse_chain_forward_scaled_kernel(x, t_indptr, t_rows, t_values, t_e, cmax, tiny_over_eps, init, lengths,
+                                           work, pre, norm):
+        """:func:`sparse_chain_forward_kernel` by scaled SpMVs: per step and row, ``c`` exponentials, ``nnz``
         multiply-adds and ``c`` logarithms instead of an exponential per stored entry:
 
             pre[t + 1, j] = top + cmax[j] + log sum_q t_e[q] exp(â_t[t_rows[q]] - top)
 
         (``top`` the maximum of â_t, the row's exponentials in ``work[b]``). A column whose
         scaled sum is below ``count · tiny / eps`` (its ``count`` terms' underflow could matter)
-        or not a number is recomputed in log space, exactly as :func:`forward_kernel` does."""
+        or not a number is recomputed in log space, exactly as :func:`sparse_chain_forward_kernel` does.
+
+        Inputs: as :func:`sparse_chain_forward_kernel`, and ``t_e`` (nnz), ``cmax`` (c,), ``tiny_over_eps``; scratch
+        ``work`` (B, c). Outputs: ``pre`` (B, v, c) and ``norm`` (B, v), overwritten.
+        Launch: grid ``blocks_for(B, 1)`` blocks, one row of the batch each (grid-stride over rows); block
+        ``THREADS_PER_BLOCK`` threads over the states; dynamic shared memory ``2 * threads`` values."""
         rows, v, c = x.shape
         tid = cuda.threadIdx.x
         threads = cuda.blockDim.x
@@ -339,19 +377,22 @@ def _forward_scaled_kernel(dtype):
                     norm[b, t] = zero
             cuda.syncthreads()
 
-    return forward_scaled_kernel
+    return sparse_chain_forward_scaled_kernel
 
 
-def launch_shifted_exp(indptr, values, top, e, stream=0):
-    """Column maxima ``top`` and shifted exponentials ``e`` of the stored values (:func:`shifted_exp_kernel`)."""
+def launch_sparse_chain_shifted_exp(indptr, values, top, e, stream=0):
+    """Column maxima ``top`` and shifted exponentials ``e`` of the stored values
+    (:func:`sparse_chain_shifted_exp_kernel`)."""
     if top.shape[0] == 0:
         return
-    shifted_exp_kernel[config.blocks_for(top.shape[0]), config.THREADS_PER_BLOCK, stream](indptr, values, top, e)
+    sparse_chain_shifted_exp_kernel[config.blocks_for(top.shape[0]), config.THREADS_PER_BLOCK, stream](indptr, values,
+                                                                                                       top, e)
 
 
-def launch_forward_scaled(x, t_indptr, t_rows, t_values, t_e, cmax, init, lengths, work, pre, norm, stream=0):
-    """Forward sweep by scaled SpMVs; fills ``pre`` and ``norm`` as :func:`launch_forward` does.
-    ``t_e``, ``cmax`` from :func:`launch_shifted_exp` on the transpose's values; ``work`` (B, c)."""
+def launch_sparse_chain_forward_scaled(x, t_indptr, t_rows, t_values, t_e, cmax, init, lengths, work, pre, norm,
+                                       stream=0):
+    """Forward sweep by scaled SpMVs; fills ``pre`` and ``norm`` as :func:`launch_sparse_chain_forward` does.
+    ``t_e``, ``cmax`` from :func:`launch_sparse_chain_shifted_exp` on the transpose's values; ``work`` (B, c)."""
     if x.shape[0] == 0:
         return
     info = np.finfo(np.dtype(x.dtype))
@@ -367,14 +408,20 @@ def _backward_scaled_kernel(dtype):
     dtype = numba.from_dtype(dtype)
 
     @cuda.jit
-    def backward_scaled_kernel(x, indptr, indices, values, row_e, rmax, tiny_over_eps, lengths, norm, work, beta):
-        """:func:`backward_kernel` by scaled SpMVs over the rows of the matrix (``row_e``,
-        ``rmax`` of :func:`shifted_exp_kernel` on the matrix itself):
+    def sparse_chain_backward_scaled_kernel(x, indptr, indices, values, row_e, rmax, tiny_over_eps, lengths, norm,
+                                            work, beta):
+        """:func:`sparse_chain_backward_kernel` by scaled SpMVs over the rows of the matrix (``row_e``,
+        ``rmax`` of :func:`sparse_chain_shifted_exp_kernel` on the matrix itself):
 
             beta[t, i] = top + rmax[i] + log sum_q row_e[q] exp(y[indices[q]] - top) - norm[t + 1]
 
         with ``y = x[t + 1] + beta[t + 1]`` and ``top`` its maximum; log space where a scaled
-        sum is below ``count · tiny / eps`` or not a number, as in :func:`forward_scaled_kernel`."""
+        sum is below ``count · tiny / eps`` or not a number, as in :func:`sparse_chain_forward_scaled_kernel`.
+
+        Inputs: as :func:`sparse_chain_backward_kernel`, and ``row_e`` (nnz), ``rmax`` (c,), ``tiny_over_eps``; scratch
+        ``work`` (B, c). Output: ``beta`` (B, v, c), overwritten.
+        Launch: grid ``blocks_for(B, 1)`` blocks, one row of the batch each (grid-stride over rows); block
+        ``THREADS_PER_BLOCK`` threads over the states; dynamic shared memory ``threads`` values."""
         rows, v, c = x.shape
         tid = cuda.threadIdx.x
         threads = cuda.blockDim.x
@@ -416,12 +463,12 @@ def _backward_scaled_kernel(dtype):
                     beta[b, t, i] = neg_inf if d == neg_inf else val - d
                 cuda.syncthreads()
 
-    return backward_scaled_kernel
+    return sparse_chain_backward_scaled_kernel
 
 
-def launch_backward_scaled(x, indptr, indices, values, row_e, rmax, lengths, norm, work, beta, stream=0):
-    """Backward sweep by scaled SpMVs; fills ``beta`` as :func:`launch_backward` does. ``row_e``,
-    ``rmax`` from :func:`launch_shifted_exp` on the matrix's own values; ``work`` (B, c)."""
+def launch_sparse_chain_backward_scaled(x, indptr, indices, values, row_e, rmax, lengths, norm, work, beta, stream=0):
+    """Backward sweep by scaled SpMVs; fills ``beta`` as :func:`launch_sparse_chain_backward` does. ``row_e``,
+    ``rmax`` from :func:`launch_sparse_chain_shifted_exp` on the matrix's own values; ``work`` (B, c)."""
     if x.shape[0] == 0:
         return
     info = np.finfo(np.dtype(x.dtype))

@@ -1,24 +1,46 @@
-"""Guarded scalar log-space helpers, one Python source compiled for both targets.
-
-``kernels.cpu.logspace`` compiles them with ``@njit`` and ``kernels.cuda.logspace`` as CUDA
-device functions, so the CPU and CUDA kernels share exactly the same arithmetic.
+"""The arithmetic rules that the CPU and CUDA kernels share, in one place: the scaled sums'
+thresholds, the chunk sizes both targets use, and the guarded scalar log-space helpers, one
+Python source compiled for both targets (``kernels.cuda.logspace`` compiles them as CUDA device
+functions; the tests compile them with ``@njit`` too, so both targets run the same arithmetic).
 
 Rules (see docs/design.rst): ``-inf`` is log-space zero and is legal everywhere, an all ``-inf``
-reduction gives ``-inf`` (never NaN), NaN in gives NaN out, and no finite stand-in for
-``-inf`` is ever used.
+reduction gives ``-inf`` (never NaN), NaN in gives NaN out (NaN wins over every other value,
+``+inf`` included), and no finite stand-in for ``-inf`` is ever used.
+
+Scaled sums (the CPU chain kernels, the sampling kernels of both targets, and the host code
+that prepares their factors) hold ``exp(a - max)`` in float64, 0 below :data:`FLUSH` (so no
+product is subnormal, which is slow). Every dropped term is then below 1e-154; where a scaled
+sum is below :data:`TINY` (so dropped terms could matter: they are under ``c · FLUSH``, below
+1e-20 of the sum for c up to 10⁴) or not a number, that entry is recomputed in log space.
 
 A running log-sum-exp is held as a pair ``(m, s)``: the largest value folded in so far and
 the sum of ``exp(x - m)`` over the values folded in. The empty sum is ``(-inf, 0.0)``.
 
-Every constant takes the float type of the value it meets (:func:`like`), so float32 inputs
-are computed in float32 (float32 ``exp``/``log``, no float64 on a GPU) and float64 inputs
-exactly as before.
+Every constant in the helpers takes the float type of the value it meets (:func:`like`), so
+float32 inputs are computed in float32 (float32 ``exp``/``log``, no float64 on a GPU) and
+float64 inputs exactly as before.
+
+This module imports Numba (for :func:`like`): host code reads it inside the functions that
+launch a kernel, never at import.
 """
 
 import math
 
 from numba.extending import overload
 from numba.np.numpy_support import as_dtype
+
+FLUSH = 1e-154
+"""Scaled factors below this are set to 0."""
+
+TINY = 1e-130
+"""A scaled sum below this is recomputed in log space."""
+
+LIMIT = 299.0
+"""``-log(TINY)``: the transition gradient's scale factors stay below ``exp(LIMIT)``."""
+
+WALK_CHUNK = 16
+"""States whose weights a draw sums at a time before walking through them one by one (both
+targets: the same sums, so the same draws)."""
 
 
 def like(x, value):
