@@ -21,7 +21,6 @@ from torch.nn.utils import parametrize
 from .. import _backend, _csr, _selection
 from . import _block_layer
 from ._bridge import on_device, to_array, to_tensor
-from .blocksparse import block_sparse_linear
 from .linear import sparse_linear
 from .sparse import as_array, csr_tensor, prune
 
@@ -326,8 +325,7 @@ class SparseLinear(torch.nn.Module):
             if norms:
                 raise ValueError(f"SparseLinear: {norms[0]} on weight_values would normalise the stored values, not "
                                  "each output row as on nn.Linear; it is not supported (remove it)")
-        product = sparse_linear if self.block is None else block_sparse_linear
-        y = product(x, self.weight_values, self.indptr, self.indices, (self.out_features, self.in_features), self.bias)
+        y = sparse_linear(x, self.weight_values, self.indptr, self.indices, (self.out_features, self.in_features), self.bias)
         if self.training and y.requires_grad and not torch.compiler.is_compiling():  # a hook would break the graph
             self._last_batch = _Batch(x.detach())
             y.register_hook(self._last_batch.record)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
