@@ -46,9 +46,7 @@ class Csr:
     @property
     def nbytes(self) -> int:
         """The bytes of the index arrays, and of the transpose once :meth:`transposed` built it."""
-        t = self.__dict__.get("_transposed")
-        return sum(a.nbytes for a in (self.indptr, self.indices, *(() if t is None else (t[0].indptr, t[0].indices,
-                                                                                          t[1]))))
+        return structure_nbytes(self)
 
     def transposed(self, backend: Backend) -> tuple[Csr, Array]:
         """``(csr_t, order)``: the CSR structure of the transpose, and ``order`` (nnz) such that
@@ -110,6 +108,14 @@ class Csr:
             backend.kernel("sparse", _threads(backend, "sddmm", self.nnz * a.shape[1]))(self.indptr, self.indices, a,
                                                                                        b, out)
         return out
+
+
+def structure_nbytes(structure: Any) -> int:
+    """The bytes of a :class:`Csr`'s or :class:`~spchain.blocksparse.Bsr`'s index arrays, and of
+    its transpose once its ``transposed`` built it (values are not counted)."""
+    t = structure.__dict__.get("_transposed")
+    arrays = (structure.indptr, structure.indices, *(() if t is None else (t[0].indptr, t[0].indices, t[1])))
+    return sum(int(a.nbytes) for a in arrays)
 
 
 # --- validation and conversion -------------------------------------------------------------

@@ -38,7 +38,8 @@ class Bsr:
 
     ``indptr`` (M / R + 1) and ``indices`` (nnzb) share one integer dtype; ``data`` is
     (nnzb, R, C) or ``None`` for a pattern. Blocks may be unsorted within a block row, repeat
-    (duplicates add up) or hold zeros.
+    (duplicates add up) or hold zeros. Its products have the method set of
+    :class:`spchain._csr.Csr` (``values`` are blocks here).
     """
 
     indptr: Array
@@ -59,9 +60,7 @@ class Bsr:
     @property
     def nbytes(self) -> int:
         """The bytes of the index arrays, and of the transpose once :meth:`transposed` built it."""
-        t = self.__dict__.get("_transposed")
-        return sum(a.nbytes for a in (self.indptr, self.indices, *(() if t is None else (t[0].indptr, t[0].indices,
-                                                                                          t[1]))))
+        return _csr.structure_nbytes(self)
 
     def transposed(self, backend: Backend) -> tuple[_csr.Csr, Array]:
         """``(grid_t, order)``: the block structure of the transpose (a CSR pattern over the

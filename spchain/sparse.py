@@ -23,11 +23,10 @@ from __future__ import annotations
 from typing import Any, Literal, Protocol
 
 import numpy as np
-import scipy.sparse
 
 from . import _backend, _checks, blocksparse
 from ._backend import Backend
-from ._csr import Csr, _operand, check_dense, check_fraction, contiguous, new_csr, sparse_parts, to_csr
+from ._csr import Csr, _operand, check_dense, check_fraction, new_csr, sparse_parts, to_csr
 from ._dask import scales_out
 from ._selection import largest, positions_to_csr, random_positions
 from ._typing import Array, Seed, Shape, Sparse
@@ -241,15 +240,6 @@ def prune_parts(backend: Backend, w: Array, sparsity: float, method: str, seed: 
 class Structure(Protocol):
     """What :func:`linear` needs of a sparse weight's structure: the method set that
     :class:`~spchain._csr.Csr` and :class:`~spchain.blocksparse.Bsr` share."""
-
-    indptr: Array
-    indices: Array
-    shape: tuple[int, int]
-
-    @property
-    def nbytes(self) -> int: ...
-
-    def prepare(self, backend: Backend) -> None: ...
 
     def laid_out(self, backend: Backend, b: Array) -> Array: ...
 
