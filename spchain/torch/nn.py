@@ -1,7 +1,7 @@
 """The sparse torch layer of spchain: :class:`SparseLinear`, a CSR or block-sparse (BSR) weight
-with dynamic sparsity, built on the operators ``spchain::sparse_linear`` and
-``spchain::block_sparse_linear`` (so it compiles with ``fullgraph=True``, exports and runs
-under ``torch.func``, in float16/bfloat16 too). The block layers
+with dynamic sparsity, built on the one operator ``spchain::sparse_linear`` of both formats
+(so it compiles with ``fullgraph=True``, exports and runs under ``torch.func``, in
+float16/bfloat16 too). The block layers
 (:class:`BlockDiagonalLinear`, :class:`GroupedLinear`) live beside their operators in
 ``spchain.torch.blockdiag``.
 
