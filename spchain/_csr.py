@@ -150,6 +150,15 @@ def check_size(caller: str, name: str, value: Any) -> int:
     return size
 
 
+def check_block(caller: str, block: Any) -> tuple[int, int]:
+    """``block`` as a pair of ints ``(R, C)``: ``TypeError`` for anything else (a single int,
+    floats, bools); whether a shape is a whole number of such blocks is the caller's check."""
+    if (not isinstance(block, (tuple, list)) or len(block) != 2
+            or any(isinstance(s, (bool, np.bool_)) or not isinstance(s, (int, np.integer)) for s in block)):
+        raise TypeError(f"{caller}: block must be a pair of ints (R, C), got {block!r}")
+    return int(block[0]), int(block[1])
+
+
 def check_shape(caller: str, shape: Any) -> tuple[int, int]:
     """``shape`` as a pair of non-negative ints: ``ValueError`` for anything but a pair or for a
     negative size, ``TypeError`` for a size that is not an int (2.5, True)."""
@@ -291,6 +300,8 @@ def _operand(backend: Backend, a: Array, caller: str, name: str, ndims: tuple[in
         a = np.asarray(a)
     if backend.sparse.issparse(a):
         raise TypeError(f"{caller}: {name} must be a dense array, not a sparse matrix; convert with .toarray()")
+    if isinstance(a, tuple):  # a BSR operand ((data, indices, indptr), shape) where a dense one belongs
+        raise TypeError(f"{caller}: {name} must be a dense array, not a tuple")
     if a.ndim not in ndims:
         want = " or ".join(f"{d}-D" for d in ndims)
         raise ValueError(f"{caller}: {name} must be {want}, got shape {a.shape}")

@@ -17,7 +17,6 @@ array([1., 1., 5., 5.])
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeAlias, Union
 
@@ -158,14 +157,6 @@ def to_bsr(backend: Backend, shape: Shape, data: Array | None, indptr: Array, in
     return Bsr(grid.indptr, grid.indices, data, (m, n), (r, c))
 
 
-def _operand(backend: Backend, a: Array, caller: str, name: str, ndims: Sequence[int]) -> Array:
-    if backend.sparse.issparse(a) or isinstance(a, tuple):
-        raise TypeError(f"{caller}: {name} must be a dense array, not {type(a).__name__}")
-    if a.ndim not in ndims:
-        raise ValueError(f"{caller}: {name} must be {' or '.join(f'{d}-D' for d in ndims)}, got shape {a.shape}")
-    return a
-
-
 def _like(a: object, backend: Backend, data: Array, indices: Array, indptr: Array, shape: Shape) -> BsrOperand:
     """A BSR result of ``a``'s kind: a SciPy object of its class, else a tuple."""
     if isinstance(a, tuple) or backend.on_gpu:
@@ -195,7 +186,7 @@ def spmm(a: BsrOperand, b: Array) -> Array:
     caller = "spchain.spmm"
     data, indices, indptr, shape = bsr_parts(a, caller)
     backend = _backend.backend_of(data, indices, indptr, b, caller=caller)
-    b = _operand(backend, b, caller, "b", (1, 2))
+    b = _csr._operand(backend, b, caller, "b", (1, 2))
     if shape[1] != b.shape[0]:
         raise ValueError(f"{caller}: shapes {tuple(shape)} and {b.shape} do not match ({shape[1]} != {b.shape[0]})")
     dtype = _checks.float_dtype(caller, a=data, b=b)
@@ -221,8 +212,8 @@ def sddmm(pattern: BsrOperand, a: Array, b: Array) -> BsrOperand:
     caller = "spchain.sddmm"
     data, indices, indptr, shape = bsr_parts(pattern, caller)
     backend = _backend.backend_of(data, indices, indptr, a, b, caller=caller)
-    a = _operand(backend, a, caller, "a", (2,))
-    b = _operand(backend, b, caller, "b", (2,))
+    a = _csr._operand(backend, a, caller, "a", (2,))
+    b = _csr._operand(backend, b, caller, "b", (2,))
     if a.shape[0] != shape[0] or b.shape[0] != shape[1] or a.shape[1] != b.shape[1]:
         raise ValueError(f"{caller}: pattern {tuple(shape)}, a {a.shape} and b {b.shape} do not match "
                          "(an (m, n) pattern needs a of shape (m, k) and b of shape (n, k))")
@@ -263,7 +254,7 @@ def prune(w: Array, sparsity: float | None = None, *, method: Literal["magnitude
     """
     caller = "spchain.prune"
     backend = _backend.backend_of(w, caller=caller)
-    w = _operand(backend, w, caller, "w", (2,))
+    w = _csr._operand(backend, w, caller, "w", (2,))
     _checks.float_dtype(caller, w=w)
     if method == "n:m":
         if block is not None:
@@ -274,17 +265,11 @@ def prune(w: Array, sparsity: float | None = None, *, method: Literal["magnitude
     return _like(None, backend, data, indices, indptr, w.shape)
 
 
-def _check_count(caller: str, name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{caller}: {name} must be an int, not {type(value).__name__}")
-    return int(value)
-
-
 def n_m_parts(backend: Backend, w: Array, sparsity: float | None, n: int | None, m: int | None,
               caller: str) -> tuple[Array, Array, Array]:
     """:func:`prune` with ``method="n:m"`` as raw CSR arrays ``(indptr, indices, data)``."""
     xp = backend.xp
-    n, m = _check_count(caller, "n", n), _check_count(caller, "m", m)
+    n, m = _csr.check_size(caller, "n", n), _csr.check_size(caller, "m", m)
     if m < 1 or not 0 <= n <= m:
         raise ValueError(f"{caller}: n:m needs 0 <= n <= m and m >= 1, got {n}:{m}")
     if sparsity is not None and abs(_csr.check_fraction(caller, "sparsity", sparsity) - (1 - n / m)) > 1e-12:
@@ -307,10 +292,7 @@ def block_parts(backend: Backend, w: Array, sparsity: float | None, method: str,
     """:func:`prune` with ``block=(R, C)`` as raw BSR arrays ``(data, indices, indptr)``; ``block``
     is the caller's, checked here (hence ``Any``)."""
     xp = backend.xp
-    try:
-        r, c = (_check_count(caller, "block", s) for s in block)
-    except (TypeError, ValueError):
-        raise TypeError(f"{caller}: block must be a pair of ints (R, C), got {block!r}") from None
+    r, c = _csr.check_block(caller, block)
     (mw, nw), shape = w.shape, (w.shape[0] // max(r, 1), w.shape[1] // max(c, 1))
     if r < 1 or c < 1 or mw % r or nw % c:
         raise ValueError(f"{caller}: shape {w.shape} is not a whole number of {(r, c)} blocks")

@@ -18,10 +18,7 @@ from .sparse import as_array
 
 def check_block(caller: str, block: object, shape: Sequence[int]) -> tuple[int, int]:
     """``block`` as ``(R, C)``; ``ValueError`` unless ``shape`` (out, in) is a whole number of blocks."""
-    if (not isinstance(block, (tuple, list)) or len(block) != 2
-            or any(isinstance(s, bool) or not isinstance(s, (int, np.integer)) for s in block)):
-        raise TypeError(f"{caller}: block must be a pair of ints (R, C), got {block!r}")
-    r, c = int(block[0]), int(block[1])
+    r, c = _csr.check_block(caller, block)
     if r < 1 or c < 1 or shape[0] % r or shape[1] % c:
         raise ValueError(f"{caller}: block={(r, c)} needs out_features ({shape[0]}) a multiple of R and "
                          f"in_features ({shape[1]}) a multiple of C, both >= 1")
