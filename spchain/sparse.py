@@ -7,10 +7,13 @@ every structure goes through one validation and conversion step (:func:`to_csr`)
 ``spchain.kernels.cuda.sparse``) and cuSPARSE (through cupyx) consume. The caller's arrays are
 never written to: conversions build new arrays, and nothing here sorts or sums in place.
 
-The functions without a leading underscore that are not in ``__all__`` (:func:`linear`,
-:func:`linear_backward`, ...) are the array-level dispatchers of ``spchain.torch.sparse``;
-structures and their validation live in ``spchain._csr`` (:func:`to_csr`), entry selection
-and drop-and-grow in ``spchain._selection``.
+The functions without a leading underscore that are not in ``__all__`` are the array
+level of ``spchain.torch.sparse`` (``spmm_parts``, ...) and of ``spchain.torch.linear``:
+:func:`linear` and :func:`linear_backward`, one body for CSR and BSR weights, on the method
+set the two structure types share (:class:`Structure`). The structures, their validation and
+their products live in ``spchain._csr`` (:class:`Csr`, :func:`to_csr`) and
+``spchain.blocksparse`` (``Bsr``), their cache in ``spchain._structures``, entry selection and
+drop-and-grow in ``spchain._selection``.
 
 >>> import numpy as np, scipy.sparse, spchain as sc
 >>> a = scipy.sparse.csr_array(np.array([[1.0, 0.0], [0.0, 2.0]]))
