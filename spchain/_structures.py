@@ -1,7 +1,9 @@
 """The structure cache of the sparse layers: each sparse weight's structure (CSR or BSR) is
 validated and prepared once (its transpose built) and then served to every product on it, the
 forward and the backward of :func:`spchain.torch.sparse_linear` (CSR and block layers alike),
-and to any other caller that multiplies by one structure many times (a sparse ``log_trans``).
+and to any other caller that multiplies by one structure many times (a sparse ``log_trans``:
+``STRUCTURES.lookup(backend, (indptr, indices), shape, caller, check=...)`` gives its
+validated :class:`~spchain._csr.Csr`, whose ``transposed(backend)`` is built once).
 
 The cache keys a structure by its index arrays' addresses, dtypes and lengths, the shape, the
 block size and the device, not by the arrays' identity: the torch operators see new array
@@ -19,7 +21,7 @@ True
 from __future__ import annotations
 
 import collections
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 import numpy as np
 
@@ -64,19 +66,21 @@ class StructureCache:
             self._versions.popitem(last=False)
 
     def lookup(self, backend: Backend, arrays: tuple[Array, Array], shape: Shape, caller: str, *,
-               blocksize: Shape | None = None,
-               key_arrays: tuple[Array, Array] | None = None) -> tuple[Csr | Bsr, Array | None]:
+               blocksize: Shape | None = None, key_arrays: tuple[Array, Array] | None = None,
+               check: Callable[[Csr | Bsr], None] | None = None) -> tuple[Csr | Bsr, Array | None]:
         """``(structure, same)`` for ``arrays = (indptr, indices)``: a :class:`Csr` (or with
         ``blocksize``, a :class:`Bsr` pattern) on private validated copies, prepared.
 
         The entry is the one of ``key_arrays`` (default ``arrays``): a backward looks up its
         forward's structure under the caller's arrays. ``same`` is ``None`` where ``arrays``
         were compared on the host (the CPU, a new entry, or ``arrays`` that are the entry's
-        own), else the device's 0-d flag that they equal the entry's.
+        own), else the device's 0-d flag that they equal the entry's. ``check`` is a further
+        check of a new structure (e.g. that no entry repeats: it raises ``ValueError``), run
+        once per structure; entries checked by different ``check`` functions are apart.
         """
         first, second = key_arrays or arrays
         key = (address(first), address(second), first.dtype, second.dtype, first.shape, second.shape, tuple(shape),
-               None if blocksize is None else tuple(blocksize), backend.device)
+               None if blocksize is None else tuple(blocksize), backend.device, check)
         entry = self._entries.get(key, (None, 0))[0]
         if entry is not None and entry.indices.shape == arrays[1].shape and entry.indptr.shape == arrays[0].shape:
             if backend.on_gpu:
@@ -91,6 +95,8 @@ class StructureCache:
             structure = _csr.to_csr(backend, "csr", shape, None, *copies, caller)
         else:
             structure = blocksparse.to_bsr(backend, shape, None, *copies, caller, blocksize=blocksize)
+        if check is not None:
+            check(structure)
         structure.prepare(backend)
         self._forget(key)
         self._entries[key] = structure, structure.nbytes

@@ -2,12 +2,13 @@
 validate the weight's structure once and prepare (transpose) it once, for CSR and BSR weights
 alike, from the one array-level structure cache (spchain/_structures.py)."""
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
 import spchain.torch as st  # noqa: E402
-from spchain import _csr  # noqa: E402
+from spchain import _backend, _csr, _structures  # noqa: E402
 
 
 def weights(kind):
@@ -55,3 +56,21 @@ def test_sparse_linear_takes_csr_and_bsr_weights(kind):
     torch.nn.Module.__init__(dense)
     dense._setup(shape[1], shape[0], indptr, indices, values.detach(), None)
     torch.testing.assert_close(y, x @ dense.weight.T)
+
+
+def test_a_further_check_runs_once_per_structure_and_keeps_its_entries_apart():
+    cache, seen = _structures.StructureCache(), []
+
+    def no_repeats(structure):
+        seen.append(structure)
+        if structure.indices.shape[0] > np.unique(structure.indices).shape[0]:
+            raise ValueError("repeated")
+
+    arrays = (np.array([0, 1, 2]), np.array([1, 0]))
+    plain, _ = cache.lookup(_backend.NUMPY, arrays, (2, 2), "t")
+    checked, _ = cache.lookup(_backend.NUMPY, arrays, (2, 2), "t", check=no_repeats)
+    assert cache.lookup(_backend.NUMPY, arrays, (2, 2), "t", check=no_repeats)[0] is checked
+    assert seen == [checked] and checked is not plain and len(cache) == 2
+    with pytest.raises(ValueError, match="repeated"):
+        cache.lookup(_backend.NUMPY, (np.array([0, 2, 2]), np.array([1, 1])), (2, 2), "t", check=no_repeats)
+    assert len(cache) == 2, "a structure that fails the check is not kept"
