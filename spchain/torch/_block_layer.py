@@ -88,8 +88,9 @@ def drop_and_grow(values: torch.Tensor, indptr: torch.Tensor, indices: torch.Ten
         grid = _csr.to_csr(backend, "csr", (shape[0] // r, shape[1] // c), None, to_array(indptr), to_array(indices),
                            caller)
         grad_y, x = (None, None) if gradient is None else (as_array(selectable(t)) for t in gradient)
-        return tuple(to_tensor(a) for a in _selection.drop_and_grow(  # type: ignore[return-value]
-            backend, grid, weights, n_move, grad_y=grad_y, x=x, seed=seed, caller=caller))
+        new_indptr, new_indices, old_slots, new_slots = _selection.drop_and_grow(
+            backend, grid, weights, n_move, grad_y=grad_y, x=x, seed=seed, caller=caller)
+        return to_tensor(new_indptr), to_tensor(new_indices), to_tensor(old_slots), to_tensor(new_slots)
 
 
 def selectable(t: torch.Tensor) -> torch.Tensor:
