@@ -5,7 +5,10 @@ The caller's arrays are never written to: conversions build new arrays."""
 
 from __future__ import annotations
 
+import importlib
 import operator
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,7 +17,7 @@ import scipy.sparse
 
 from ._backend import Backend
 from ._typing import Array, Shape, Sparse
-from .kernels import cpu
+from .kernels import cpu, cuda
 
 FORMATS = ("csr", "csc", "coo")
 _INT32_MAX = np.iinfo(np.int32).max
@@ -27,6 +30,10 @@ class Csr:
     ``indptr`` (m + 1) and ``indices`` (nnz) share one integer dtype (int32, or int64 when
     mixed or large); ``data`` (nnz) is ``None`` for a pattern. Entries may be unsorted within a
     row, repeat, or hold zeros.
+
+    It shares its products with :class:`spchain.blocksparse.Bsr` (:meth:`matmul`,
+    :meth:`sampled`, :meth:`transposed`, :meth:`laid_out`), so that one body
+    (:func:`spchain.sparse.linear`) runs on either format.
     """
 
     indptr: Array
@@ -37,6 +44,81 @@ class Csr:
     @property
     def nnz(self) -> int:
         return int(self.indices.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of the index arrays, and of the transpose once :meth:`transposed` built it."""
+        return structure_nbytes(self)
+
+    def transposed(self, backend: Backend) -> tuple[Csr, Array]:
+        """``(csr_t, order)``: the CSR structure of the transpose, and ``order`` (nnz) such that
+        entry ``q`` of ``csr_t`` is entry ``order[q]`` of this one (its data, if any, is
+        gathered). Built once and kept with the structure."""
+        cached: tuple[Csr, Array] | None = self.__dict__.get("_transposed")
+        if cached is None:
+            indptr, order = _group(backend, self.indices, self.shape[1])
+            rows = row_of_entries(backend, self)[order]
+            data = None if self.data is None else self.data[order]
+            cached = Csr(indptr, rows, data, (self.shape[1], self.shape[0])), order
+            object.__setattr__(self, "_transposed", cached)  # a cache of a frozen value, not a change of it
+        return cached
+
+    def prepare(self, backend: Backend) -> None:
+        """Build what this structure's products need: its transpose on the CPU (on the GPU
+        cuSPARSE multiplies by the transpose itself)."""
+        if not backend.on_gpu:
+            self.transposed(backend)
+
+    def laid_out(self, backend: Backend, b: Array) -> Array:
+        """``b`` in the layout :meth:`matmul` and :meth:`sampled` read without a copy:
+        C-contiguous on the CPU; on the GPU as it is (cuSPARSE reads either order)."""
+        return b if backend.on_gpu else contiguous(backend, b)
+
+    def matmul(self, backend: Backend, values: Array, b: Array, dtype: np.dtype[Any], bias: Array | None = None, *,
+               transpose: bool = False) -> Array:
+        """``W @ b`` (plus ``bias[:, None]``), ``W`` this structure with ``values`` (nnz), for a
+        dense (k, n) ``b``; ``W.T @ b`` with ``transpose``. C-contiguous on the CPU (the
+        parallel Numba kernel), column-major on the GPU (cuSPARSE).
+        """
+        values = values.astype(dtype, copy=False)
+        b = b.astype(dtype, copy=False)
+        if bias is not None:
+            bias = bias.astype(dtype, copy=False)
+        if backend.on_gpu:
+            return _gpu_spmm(backend, self, values, b, dtype, bias, transpose)
+        csr = self
+        if transpose:
+            csr, order = self.transposed(backend)
+            values = values[order]
+        m, n = csr.shape[0], b.shape[1]
+        out = np.empty((m, n), dtype)
+        if out.size:
+            _threads(cpu.sparse.sparse_spmm, cpu.sparse.sparse_spmm_serial, csr.nnz * n)(
+                csr.indptr, csr.indices, values, contiguous(backend, b), np.zeros(m, dtype) if bias is None else bias,
+                out)
+        return out
+
+    def sampled(self, backend: Backend, a: Array, b: Array, dtype: np.dtype[Any]) -> Array:
+        """``out[p] = a[row_p, :] . b[col_p, :]`` for every stored entry ``p`` (SDDMM): (nnz,)."""
+        xp = backend.xp
+        if self.nnz == 0 or a.shape[1] == 0:
+            return xp.zeros(self.nnz, dtype)
+        a = contiguous(backend, a.astype(dtype, copy=False))
+        b = contiguous(backend, b.astype(dtype, copy=False))
+        out = xp.empty(self.nnz, dtype)
+        with backend.use():
+            kernel = (_threads(cpu.sparse.sparse_sddmm, cpu.sparse.sparse_sddmm_serial, self.nnz * a.shape[1])
+                      if not backend.on_gpu else backend.launcher(cuda.sparse.launch_sparse_sddmm))
+            kernel(self.indptr, self.indices, a, b, out)
+        return out
+
+
+def structure_nbytes(structure: Any) -> int:
+    """The bytes of a :class:`Csr`'s or :class:`~spchain.blocksparse.Bsr`'s index arrays, and of
+    its transpose once its ``transposed`` built it (values are not counted)."""
+    t = structure.__dict__.get("_transposed")
+    arrays = (structure.indptr, structure.indices, *(() if t is None else (t[0].indptr, t[0].indices, t[1])))
+    return sum(int(a.nbytes) for a in arrays)
 
 
 # --- validation and conversion -------------------------------------------------------------
@@ -69,6 +151,15 @@ def check_size(caller: str, name: str, value: Any) -> int:
     if size < 0:
         raise ValueError(f"{caller}: {name} must be non-negative, got {size}")
     return size
+
+
+def check_block(caller: str, block: Any) -> tuple[int, int]:
+    """``block`` as a pair of ints ``(R, C)``: ``TypeError`` for anything else (a single int,
+    floats, bools); whether a shape is a whole number of such blocks is the caller's check."""
+    if (not isinstance(block, (tuple, list)) or len(block) != 2
+            or any(isinstance(s, (bool, np.bool_)) or not isinstance(s, (int, np.integer)) for s in block)):
+        raise TypeError(f"{caller}: block must be a pair of ints (R, C), got {block!r}")
+    return int(block[0]), int(block[1])
 
 
 def check_shape(caller: str, shape: Any) -> tuple[int, int]:
@@ -152,7 +243,7 @@ def to_csr(backend: Backend, fmt: str, shape: Shape, data: Array | None, first: 
     _check_indptr(caller, indptr, major, "rows" if fmt == "csr" else "columns", nnz)
     _check_bounds(caller, "indices", indices, minor)
     csr = Csr(indptr, indices, data, (major, minor))
-    return csr if fmt == "csr" else transposed(backend, csr)[0]
+    return csr if fmt == "csr" else csr.transposed(backend)[0]
 
 
 def _group(backend: Backend, keys: Array, n_groups: int) -> tuple[Array, Array]:
@@ -185,15 +276,6 @@ def row_of_entries(backend: Backend, csr: Csr) -> Array:
     return xp.repeat(xp.arange(csr.shape[0], dtype=csr.indices.dtype), xp.diff(csr.indptr))
 
 
-def transposed(backend: Backend, csr: Csr) -> tuple[Csr, Array]:
-    """``(csr_t, order)``: the CSR structure of the transpose, and ``order`` (nnz) such that
-    entry ``q`` of ``csr_t`` is entry ``order[q]`` of ``csr`` (its data, if any, is gathered)."""
-    indptr, order = _group(backend, csr.indices, csr.shape[1])
-    rows = row_of_entries(backend, csr)[order]
-    data = None if csr.data is None else csr.data[order]
-    return Csr(indptr, rows, data, csr.shape[::-1]), order
-
-
 def check_fraction(caller: str, name: str, value: object) -> float:
     """``value`` as a float in [0, 1]: ``TypeError`` if it is not a real number, else ``ValueError``."""
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
@@ -221,6 +303,8 @@ def _operand(backend: Backend, a: Array, caller: str, name: str, ndims: tuple[in
         a = np.asarray(a)
     if backend.sparse.issparse(a):
         raise TypeError(f"{caller}: {name} must be a dense array, not a sparse matrix; convert with .toarray()")
+    if isinstance(a, tuple):  # a BSR operand ((data, indices, indptr), shape) where a dense one belongs
+        raise TypeError(f"{caller}: {name} must be a dense array, not a tuple")
     if a.ndim not in ndims:
         want = " or ".join(f"{d}-D" for d in ndims)
         raise ValueError(f"{caller}: {name} must be {want}, got shape {a.shape}")
@@ -240,3 +324,93 @@ def contiguous(backend: Backend, a: Array) -> Array:
         cpu.sparse.transpose(a.T, out)
         return out
     return backend.xp.ascontiguousarray(a)
+
+
+# --- products: the kernels and cuSPARSE behind Csr.matmul and Csr.sampled ------------------
+
+
+def _cupyx_csr(backend: Backend, csr: Csr, data: Array) -> Sparse:
+    """A cupyx CSR matrix of ``csr``'s structure and ``data``, safe to hand to cupyx.
+
+    cupyx sorts and sums a non-canonical matrix in place before multiplying; so a
+    non-canonical structure is canonicalised on a copy, never on the caller's arrays. Whether
+    the structure is canonical is found once per structure (:class:`_GpuStructure`), and a
+    canonical one is wrapped around ``data`` with no copy, no validation kernel and no
+    synchronisation.
+    """
+    structure = _GpuStructure.of(backend, csr)
+    if structure.canonical:
+        return structure.matrix(backend, data)
+    matrix = backend.sparse.csr_matrix((data, structure.indices, structure.indptr), shape=csr.shape)
+    matrix = matrix.copy()
+    matrix.sum_duplicates()
+    return matrix
+
+
+class _GpuStructure:
+    """What cuSPARSE needs of a structure, worked out once while the :class:`Csr` lives: its
+    index arrays in cupyx's int32 and whether it is canonical (sorted, no duplicates: one
+    check, which synchronises once per structure, never per product)."""
+
+    _cache: dict[int, tuple[weakref.ref[Csr], _GpuStructure]] = {}
+
+    def __init__(self, backend: Backend, csr: Csr) -> None:
+        self.indptr = csr.indptr.astype(np.int32, copy=False)
+        self.indices = csr.indices.astype(np.int32, copy=False)
+        self.shape = csr.shape
+        probe = backend.sparse.csr_matrix((backend.xp.empty(csr.nnz, np.float32), self.indices, self.indptr),
+                                          shape=csr.shape)
+        self.canonical = bool(probe.has_canonical_format)
+
+    @classmethod
+    def of(cls, backend: Backend, csr: Csr) -> _GpuStructure:
+        """The structure of ``csr``, from the cache while ``csr`` lives."""
+        key = id(csr)
+        entry = cls._cache.get(key)
+        if entry is not None and entry[0]() is csr:
+            return entry[1]
+        structure = cls(backend, csr)
+        cls._cache[key] = (weakref.ref(csr, lambda _: cls._cache.pop(key, None)), structure)
+        return structure
+
+    def matrix(self, backend: Backend, data: Array) -> Sparse:
+        """A canonical cupyx CSR matrix of this structure around ``data`` (no copy)."""
+        matrix = backend.sparse.csr_matrix((data, self.indices, self.indptr), shape=self.shape, copy=False)
+        matrix.has_canonical_format = True  # known: spares cupyx's check (a kernel and a synchronisation)
+        return matrix
+
+
+def _cusparse() -> Any:
+    """``cupyx.cusparse``: the cuSPARSE products with an output and a transpose flag."""
+    return importlib.import_module("cupyx.cusparse")
+
+
+def _gpu_spmm(backend: Backend, csr: Csr, data: Array, b: Array, dtype: np.dtype[Any], bias: Array | None,
+              transpose: bool = False) -> Array:
+    """``op(csr) @ b (+ bias[:, None])`` by one cuSPARSE SpMM into a new column-major array:
+    the bias is written first and folded in (``beta = 1``), ``b`` read in column-major order
+    (a copy only if it is not), the transpose taken by cuSPARSE (no transposed matrix built)."""
+    xp = backend.xp
+    m = csr.shape[1] if transpose else csr.shape[0]
+    n = b.shape[1]
+    out = xp.empty((n, m), dtype).T
+    if csr.nnz == 0 or m == 0 or n == 0 or b.shape[0] == 0:
+        out[...] = 0 if bias is None else bias[:, None]
+        return out
+    with backend.use():
+        matrix = _cupyx_csr(backend, csr, data)
+        if bias is not None:
+            out[...] = bias[:, None]
+        _cusparse().spmm(matrix, xp.asfortranarray(b), c=out, alpha=1.0, beta=0.0 if bias is None else 1.0,
+                         transa=transpose)
+    return out
+
+
+_SERIAL_WORK = 2**17
+"""Multiply-adds below which a CPU product runs on one thread (its ``_serial`` kernel, the same
+arithmetic): starting the threads would cost about as much as such a product."""
+
+
+def _threads(parallel: Callable[..., Any], serial: Callable[..., Any], work: int) -> Callable[..., Any]:
+    """``serial``, the one-thread version of the CPU kernel ``parallel``, for small products."""
+    return serial if work < _SERIAL_WORK else parallel

@@ -68,14 +68,16 @@ def positions_to_csr(backend: Backend, positions: Array, shape: Shape) -> tuple[
 
 def drop_and_grow(backend: Backend, csr: Csr, values: Array, n_move: int, *, grad_y: Array | None = None,
                   x: Array | None = None, seed: Seed = None, caller: str) -> tuple[Array, Array, Array, Array]:
-    """A new structure of the same size with ``n_move`` entries moved.
+    """A new structure of the same size with ``n_move`` entries (or blocks) moved.
 
-    Drops the ``n_move`` stored entries of smallest ``|values|`` (among equal magnitudes the
-    later ones) and grows as many at positions not stored after the drop: where
-    ``|grad_y.T @ x|``, the dense weight gradient of one batch, is largest (RigL; ``grad_y``
-    (batch, out), ``x`` (batch, in); scored in row blocks, so it never holds the dense
-    gradient), or uniformly at random (``seed``) if ``grad_y`` is None. A just-dropped position
-    may be grown again.
+    ``values`` are a CSR weight's (nnz,) or a BSR weight's blocks (nnzb, R, C), ``csr`` its
+    structure (over the block grid for blocks). Drops the ``n_move`` stored entries of smallest
+    magnitude (``|value|``, a block's Frobenius norm; among equal magnitudes the later ones)
+    and grows as many at positions not stored after the drop: where ``|grad_y.T @ x|``, the
+    dense weight gradient of one batch, is largest (its block norms for blocks; RigL;
+    ``grad_y`` (batch, out), ``x`` (batch, in); scored in row blocks, so it never holds the
+    dense gradient), or uniformly at random (``seed``) if ``grad_y`` is None. A just-dropped
+    position may be grown again.
 
     Returns ``(indptr, indices, old_slots, new_slots)``: the surviving entry in slot
     ``old_slots[t]`` sits in slot ``new_slots[t]`` of the new structure; the other new slots
@@ -83,29 +85,47 @@ def drop_and_grow(backend: Backend, csr: Csr, values: Array, n_move: int, *, gra
     """
     xp = backend.xp
     m, n = csr.shape
+    block = (1, 1) if values.ndim == 1 else values.shape[1:]
     positions = row_of_entries(backend, csr).astype(np.int64) * n + csr.indices
     if positions.shape[0] > 1 and bool((positions[1:] <= positions[:-1]).any()):
         raise ValueError(f"{caller} needs a canonical structure: indices sorted within rows, no duplicates")
-    old_slots = largest(backend, xp.abs(values), csr.nnz - n_move)
+    old_slots = largest(backend, magnitudes(backend, values), csr.nnz - n_move)
     kept = positions[old_slots]
     if grad_y is None:
         grown = random_positions(backend, m * n, n_move, taken=kept, seed=seed)
     else:
-        grown = _largest_gradients(backend, grad_y, x, n_move, kept)
+        grown = _largest_gradients(backend, grad_y, x, block, n_move, kept)
     new_positions = xp.sort(xp.concatenate([kept, grown]))
     indptr, indices = positions_to_csr(backend, new_positions, (m, n))
     return indptr, indices, old_slots, xp.searchsorted(new_positions, kept)
 
 
-def _largest_gradients(backend: Backend, grad_y: Array, x: Array, count: int, taken: Array) -> Array:
-    """Sorted positions of the ``count`` largest ``|grad_y.T @ x|`` outside ``taken`` (sorted)."""
+def magnitudes(backend: Backend, values: Array) -> Array:
+    """The magnitude of each stored weight: ``|value|`` of (nnz,) values, the Frobenius norm
+    (in float64) of each block of (nnzb, R, C) ones."""
     xp = backend.xp
-    m, n = grad_y.shape[1], x.shape[1]
+    if values.ndim == 1:
+        return xp.abs(values)
+    return xp.sqrt(xp.square(values, dtype=np.float64).sum(axis=(1, 2)))
+
+
+def _largest_gradients(backend: Backend, grad_y: Array, x: Array, block: Shape, count: int, taken: Array) -> Array:
+    """Sorted grid positions of the ``count`` largest ``|grad_y.T @ x|`` (block norms, for
+    ``block`` other than (1, 1)) outside ``taken`` (sorted)."""
+    xp = backend.xp
+    r, c = block
+    m, n = grad_y.shape[1] // r, x.shape[1] // c
+    if block != (1, 1):
+        grad_y, x = grad_y.astype(np.float64), x.astype(np.float64)
     best_scores, best_positions = xp.empty(0, grad_y.dtype), xp.empty(0, np.int64)
-    rows = max(1, _SCORE_BLOCK // max(n, 1))
+    rows = max(1, _SCORE_BLOCK // max(r * x.shape[1], 1))
     for r0 in range(0, m, rows):
         r1 = min(m, r0 + rows)
-        scores = xp.abs(_backend.matmul(xp, grad_y[:, r0:r1].T, x)).ravel()
+        dense = _backend.matmul(xp, grad_y[:, r0 * r:r1 * r].T, x)
+        if block == (1, 1):
+            scores = xp.abs(dense).ravel()
+        else:
+            scores = xp.sqrt(xp.square(dense).reshape(r1 - r0, r, n, c).sum(axis=(1, 3))).ravel()
         free = xp.ones(scores.shape[0], bool)
         lo, hi = (int(i) for i in xp.searchsorted(taken, xp.asarray([r0 * n, r1 * n])))
         free[taken[lo:hi] - r0 * n] = False

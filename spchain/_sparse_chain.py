@@ -77,7 +77,7 @@ def split(backend: Backend, log_trans: Sparse, dtype: np.dtype[Any], caller: str
             i = int(np.searchsorted(host(csr.indptr), q, side="right") - 1)
             raise ValueError(f"{name} stores the entry ({i}, {int(host(csr.indices)[q])}) more than once; "
                              "combine repeated log-values first (their log-sum-exp)")
-    transpose, order = _csr.transposed(backend, csr)
+    transpose, order = csr.transposed(backend)
     structure = Structure(csr.indptr, csr.indices, transpose.indptr, transpose.indices, order, csr.shape)
     return structure, backend.xp.asarray(csr.data).astype(dtype, copy=False)
 

@@ -17,7 +17,6 @@ array([1., 1., 5., 5.])
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeAlias, Union
 
@@ -39,7 +38,8 @@ class Bsr:
 
     ``indptr`` (M / R + 1) and ``indices`` (nnzb) share one integer dtype; ``data`` is
     (nnzb, R, C) or ``None`` for a pattern. Blocks may be unsorted within a block row, repeat
-    (duplicates add up) or hold zeros.
+    (duplicates add up) or hold zeros. Its products have the method set of
+    :class:`spchain._csr.Csr` (``values`` are blocks here).
     """
 
     indptr: Array
@@ -56,6 +56,67 @@ class Bsr:
     def grid(self) -> tuple[int, int]:
         """The shape of the block grid, (M / R, N / C)."""
         return self.shape[0] // self.blocksize[0], self.shape[1] // self.blocksize[1]
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of the index arrays, and of the transpose once :meth:`transposed` built it."""
+        return _csr.structure_nbytes(self)
+
+    def transposed(self, backend: Backend) -> tuple[_csr.Csr, Array]:
+        """``(grid_t, order)``: the block structure of the transpose (a CSR pattern over the
+        transposed grid) and, for each of its blocks, the slot of this structure it transposes.
+        Built once and kept with the structure."""
+        cached: tuple[_csr.Csr, Array] | None = self.__dict__.get("_transposed")
+        if cached is None:
+            cached = _csr.Csr(self.indptr, self.indices, None, self.grid).transposed(backend)
+            object.__setattr__(self, "_transposed", cached)  # a cache of a frozen value, not a change of it
+        return cached
+
+    def prepare(self, backend: Backend) -> None:
+        """Build what this structure's products need: its transpose (the input gradient reads it)."""
+        self.transposed(backend)
+
+    def laid_out(self, backend: Backend, b: Array) -> Array:
+        """``b`` in the layout :meth:`matmul` and :meth:`sampled` read without a copy: C-contiguous."""
+        return _csr.contiguous(backend, b)
+
+    def matmul(self, backend: Backend, values: Array, b: Array, dtype: np.dtype[Any], bias: Array | None = None, *,
+               transpose: bool = False) -> Array:
+        """``W @ b`` (plus ``bias[:, None]``), ``W`` this structure with blocks ``values``
+        (nnzb, R, C), for a dense (N, n) ``b``: a C-contiguous (M, n) array. With ``transpose``
+        it is ``W.T @ b``, read from the same blocks through :meth:`transposed`."""
+        xp = backend.xp
+        data = values.astype(dtype, copy=False)
+        if transpose:
+            grid_t, slots = self.transposed(backend)
+            indptr, indices, m = grid_t.indptr, grid_t.indices, self.shape[1]
+            data = data.transpose(0, 2, 1)  # a view the CPU kernel reads as it is; CUDA takes a copy
+            if backend.on_gpu:
+                data = xp.ascontiguousarray(data)
+        else:
+            indptr, indices, slots, m = self.indptr, self.indices, xp.arange(self.nnzb, dtype=self.indices.dtype), \
+                self.shape[0]
+        out = xp.empty((m, b.shape[1]), dtype)
+        if out.size:
+            bias = xp.zeros(m, dtype) if bias is None else bias.astype(dtype, copy=False)
+            with backend.use():
+                kernel = (cpu.blocksparse.blocksparse_spmm if not backend.on_gpu
+                          else backend.launcher(cuda.blocksparse.launch_blocksparse_spmm))
+                kernel(indptr, indices, slots, data, _csr.contiguous(backend, b.astype(dtype, copy=False)), bias, out)
+        return out
+
+    def sampled(self, backend: Backend, a: Array, b: Array, dtype: np.dtype[Any]) -> Array:
+        """``out[p] = a[rows of block p] @ b[cols of block p].T`` for every stored block: (nnzb, R, C)."""
+        xp = backend.xp
+        out = xp.zeros((self.nnzb, *self.blocksize), dtype)
+        if out.size and a.shape[1]:
+            a = _csr.contiguous(backend, a.astype(dtype, copy=False))
+            b = _csr.contiguous(backend, b.astype(dtype, copy=False))
+            with backend.use():
+                kernel = (cpu.blocksparse.blocksparse_sddmm if not backend.on_gpu
+                          else backend.launcher(cuda.blocksparse.launch_blocksparse_sddmm))
+                kernel(self.indptr, self.indices, a, b, out)
+        return out
 
 
 # --- validation ----------------------------------------------------------------------------
@@ -100,14 +161,6 @@ def to_bsr(backend: Backend, shape: Shape, data: Array | None, indptr: Array, in
     return Bsr(grid.indptr, grid.indices, data, (m, n), (r, c))
 
 
-def _operand(backend: Backend, a: Array, caller: str, name: str, ndims: Sequence[int]) -> Array:
-    if backend.sparse.issparse(a) or isinstance(a, tuple):
-        raise TypeError(f"{caller}: {name} must be a dense array, not {type(a).__name__}")
-    if a.ndim not in ndims:
-        raise ValueError(f"{caller}: {name} must be {' or '.join(f'{d}-D' for d in ndims)}, got shape {a.shape}")
-    return a
-
-
 def _like(a: object, backend: Backend, data: Array, indices: Array, indptr: Array, shape: Shape) -> BsrOperand:
     """A BSR result of ``a``'s kind: a SciPy object of its class, else a tuple."""
     if isinstance(a, tuple) or backend.on_gpu:
@@ -117,55 +170,6 @@ def _like(a: object, backend: Backend, data: Array, indices: Array, indptr: Arra
 
 
 # --- products ------------------------------------------------------------------------------
-
-
-def matmul(backend: Backend, bsr: Bsr, b: Array, dtype: np.dtype[Any], bias: Array | None = None, *,
-           transpose: tuple[tuple[Array, Array], Array] | None = None) -> Array:
-    """``bsr @ b`` (plus ``bias[:, None]``) for a dense (N, n) ``b``: a C-contiguous (M, n) array.
-
-    With ``transpose=(t_grid, order)`` (from :func:`transposed`) it is ``bsr.T @ b`` instead,
-    read from the same blocks.
-    """
-    xp = backend.xp
-    assert bsr.data is not None, "matmul multiplies by a structure with values"
-    data = bsr.data.astype(dtype, copy=False)
-    if transpose is None:
-        indptr, indices, slots, m = bsr.indptr, bsr.indices, xp.arange(bsr.nnzb, dtype=bsr.indices.dtype), bsr.shape[0]
-    else:
-        (indptr, indices), slots = transpose
-        m = bsr.shape[1]
-        data = data.transpose(0, 2, 1)  # a view the CPU kernel reads as it is; CUDA takes a copy
-        if backend.on_gpu:
-            data = xp.ascontiguousarray(data)
-    out = xp.empty((m, b.shape[1]), dtype)
-    if out.size:
-        bias = xp.zeros(m, dtype) if bias is None else bias.astype(dtype, copy=False)
-        with backend.use():
-            kernel = (cpu.blocksparse.blocksparse_spmm if not backend.on_gpu
-                      else backend.launcher(cuda.blocksparse.launch_blocksparse_spmm))
-            kernel(indptr, indices, slots, data, _csr.contiguous(backend, b.astype(dtype, copy=False)), bias, out)
-    return out
-
-
-def transposed(backend: Backend, bsr: Bsr) -> tuple[tuple[Array, Array], Array]:
-    """``((indptr, indices), order)``: the block structure of ``bsr.T`` and, for each of its
-    blocks, the slot of ``bsr`` it transposes."""
-    t_grid, order = _csr.transposed(backend, _csr.Csr(bsr.indptr, bsr.indices, None, bsr.grid))
-    return (t_grid.indptr, t_grid.indices), order
-
-
-def sampled(backend: Backend, bsr: Bsr, a: Array, b: Array, dtype: np.dtype[Any]) -> Array:
-    """``out[p] = a[rows of block p] @ b[cols of block p].T`` for every stored block: (nnzb, R, C)."""
-    xp = backend.xp
-    out = xp.zeros((bsr.nnzb, *bsr.blocksize), dtype)
-    if out.size and a.shape[1]:
-        a = _csr.contiguous(backend, a.astype(dtype, copy=False))
-        b = _csr.contiguous(backend, b.astype(dtype, copy=False))
-        with backend.use():
-            kernel = (cpu.blocksparse.blocksparse_sddmm if not backend.on_gpu
-                      else backend.launcher(cuda.blocksparse.launch_blocksparse_sddmm))
-            kernel(bsr.indptr, bsr.indices, a, b, out)
-    return out
 
 
 def spmm(a: BsrOperand, b: Array) -> Array:
@@ -186,12 +190,13 @@ def spmm(a: BsrOperand, b: Array) -> Array:
     caller = "spchain.spmm"
     data, indices, indptr, shape = bsr_parts(a, caller)
     backend = _backend.backend_of(data, indices, indptr, b, caller=caller)
-    b = _operand(backend, b, caller, "b", (1, 2))
+    b = _csr._operand(backend, b, caller, "b", (1, 2))
     if shape[1] != b.shape[0]:
         raise ValueError(f"{caller}: shapes {tuple(shape)} and {b.shape} do not match ({shape[1]} != {b.shape[0]})")
     dtype = _checks.float_dtype(caller, a=data, b=b)
     bsr = to_bsr(backend, shape, data, indptr, indices, caller)
-    out = matmul(backend, bsr, b[:, None] if b.ndim == 1 else b, dtype)
+    assert bsr.data is not None, "spmm multiplies by a structure with values"
+    out = bsr.matmul(backend, bsr.data, b[:, None] if b.ndim == 1 else b, dtype)
     return out[:, 0] if b.ndim == 1 else out
 
 
@@ -211,14 +216,14 @@ def sddmm(pattern: BsrOperand, a: Array, b: Array) -> BsrOperand:
     caller = "spchain.sddmm"
     data, indices, indptr, shape = bsr_parts(pattern, caller)
     backend = _backend.backend_of(data, indices, indptr, a, b, caller=caller)
-    a = _operand(backend, a, caller, "a", (2,))
-    b = _operand(backend, b, caller, "b", (2,))
+    a = _csr._operand(backend, a, caller, "a", (2,))
+    b = _csr._operand(backend, b, caller, "b", (2,))
     if a.shape[0] != shape[0] or b.shape[0] != shape[1] or a.shape[1] != b.shape[1]:
         raise ValueError(f"{caller}: pattern {tuple(shape)}, a {a.shape} and b {b.shape} do not match "
                          "(an (m, n) pattern needs a of shape (m, k) and b of shape (n, k))")
     dtype = _checks.float_dtype(caller, a=a, b=b)
     bsr = to_bsr(backend, shape, data, indptr, indices, caller)
-    out = sampled(backend, bsr, a, b, dtype)
+    out = bsr.sampled(backend, a, b, dtype)
     return _like(pattern, backend, out, bsr.indices.copy(), bsr.indptr.copy(), shape)
 
 
@@ -253,7 +258,7 @@ def prune(w: Array, sparsity: float | None = None, *, method: Literal["magnitude
     """
     caller = "spchain.prune"
     backend = _backend.backend_of(w, caller=caller)
-    w = _operand(backend, w, caller, "w", (2,))
+    w = _csr._operand(backend, w, caller, "w", (2,))
     _checks.float_dtype(caller, w=w)
     if method == "n:m":
         if block is not None:
@@ -264,17 +269,11 @@ def prune(w: Array, sparsity: float | None = None, *, method: Literal["magnitude
     return _like(None, backend, data, indices, indptr, w.shape)
 
 
-def _check_count(caller: str, name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{caller}: {name} must be an int, not {type(value).__name__}")
-    return int(value)
-
-
 def n_m_parts(backend: Backend, w: Array, sparsity: float | None, n: int | None, m: int | None,
               caller: str) -> tuple[Array, Array, Array]:
     """:func:`prune` with ``method="n:m"`` as raw CSR arrays ``(indptr, indices, data)``."""
     xp = backend.xp
-    n, m = _check_count(caller, "n", n), _check_count(caller, "m", m)
+    n, m = _csr.check_size(caller, "n", n), _csr.check_size(caller, "m", m)
     if m < 1 or not 0 <= n <= m:
         raise ValueError(f"{caller}: n:m needs 0 <= n <= m and m >= 1, got {n}:{m}")
     if sparsity is not None and abs(_csr.check_fraction(caller, "sparsity", sparsity) - (1 - n / m)) > 1e-12:
@@ -297,10 +296,7 @@ def block_parts(backend: Backend, w: Array, sparsity: float | None, method: str,
     """:func:`prune` with ``block=(R, C)`` as raw BSR arrays ``(data, indices, indptr)``; ``block``
     is the caller's, checked here (hence ``Any``)."""
     xp = backend.xp
-    try:
-        r, c = (_check_count(caller, "block", s) for s in block)
-    except (TypeError, ValueError):
-        raise TypeError(f"{caller}: block must be a pair of ints (R, C), got {block!r}") from None
+    r, c = _csr.check_block(caller, block)
     (mw, nw), shape = w.shape, (w.shape[0] // max(r, 1), w.shape[1] // max(c, 1))
     if r < 1 or c < 1 or mw % r or nw % c:
         raise ValueError(f"{caller}: shape {w.shape} is not a whole number of {(r, c)} blocks")
@@ -318,40 +314,3 @@ def block_parts(backend: Backend, w: Array, sparsity: float | None, method: str,
         raise ValueError(f"{caller}: method must be 'magnitude', 'random' or 'n:m', not {method!r}")
     indptr, indices = _selection.positions_to_csr(backend, positions, shape)
     return tiles.reshape(total, r, c)[positions], indices, indptr
-
-
-# --- block-sparse linear layers (the array level of spchain.torch.block_sparse_linear) ------
-
-
-def linear(backend: Backend, bsr: Bsr, values: Array, x: Array, bias: Array | None,
-           dtype: np.dtype[Any]) -> tuple[Array, Array]:
-    """``y.T`` for ``y = x @ W.T + bias``, the BSR weight ``W`` being ``bsr``'s structure with ``values``.
-
-    ``x`` is (batch, in) in any layout. Returns ``(yt, xt)``: ``yt`` (out, batch), the kernel's
-    feature-major output, and ``xt`` = ``x.T``, both C-contiguous; :func:`linear_backward`
-    reads ``xt``.
-    """
-    xt = _csr.contiguous(backend, x.T.astype(dtype, copy=False))
-    weight = Bsr(bsr.indptr, bsr.indices, values, bsr.shape, bsr.blocksize)
-    return matmul(backend, weight, xt, dtype, bias), xt
-
-
-def linear_backward(backend: Backend, bsr: Bsr, transpose: tuple[tuple[Array, Array], Array] | None, values: Array,
-                    grad_yt: Array, xt: Array, dtype: np.dtype[Any], need_x: bool,
-                    need_values: bool) -> tuple[Array | None, Array | None]:
-    """Gradients of :func:`linear` for ``x`` (batch, in) and ``values`` (nnzb, R, C), when needed,
-    from the gradient ``grad_yt`` (out, batch) of its output.
-
-    ``transpose`` is :func:`transposed` of ``bsr`` (the input gradient multiplies by ``W.T``,
-    reading the same blocks); the value gradient is the block SDDMM of ``grad_yt`` and ``xt``.
-    """
-    grad_yt = _csr.contiguous(backend, grad_yt.astype(dtype, copy=False))
-    grad_x = grad_values = None
-    if need_x:
-        weight = Bsr(bsr.indptr, bsr.indices, values, bsr.shape, bsr.blocksize)
-        grad_x = matmul(backend, weight, grad_yt, dtype, transpose=transpose).T
-        if not backend.on_gpu:  # rows for torch by the parallel transpose kernel, not a one-thread copy
-            grad_x = _csr.contiguous(backend, grad_x)
-    if need_values:
-        grad_values = sampled(backend, bsr, grad_yt, xt, dtype)
-    return grad_x, grad_values

@@ -7,10 +7,13 @@ every structure goes through one validation and conversion step (:func:`to_csr`)
 ``spchain.kernels.cuda.sparse``) and cuSPARSE (through cupyx) consume. The caller's arrays are
 never written to: conversions build new arrays, and nothing here sorts or sums in place.
 
-The functions without a leading underscore that are not in ``__all__`` (:func:`linear`,
-:func:`linear_backward`, ...) are the array-level dispatchers of ``spchain.torch.sparse``;
-structures and their validation live in ``spchain._csr`` (:func:`to_csr`), entry selection
-and drop-and-grow in ``spchain._selection``.
+The functions without a leading underscore that are not in ``__all__`` are the array
+level of ``spchain.torch.sparse`` (``spmm_parts``, ...) and of ``spchain.torch.linear``:
+:func:`linear` and :func:`linear_backward`, one body for CSR and BSR weights, on the method
+set the two structure types share (:class:`Structure`). The structures, their validation and
+their products live in ``spchain._csr`` (:class:`Csr`, :func:`to_csr`) and
+``spchain.blocksparse`` (``Bsr``), their cache in ``spchain._structures``, entry selection and
+drop-and-grow in ``spchain._selection``.
 
 >>> import numpy as np, scipy.sparse, spchain as sc
 >>> a = scipy.sparse.csr_array(np.array([[1.0, 0.0], [0.0, 2.0]]))
@@ -20,149 +23,18 @@ array([3., 8.])
 
 from __future__ import annotations
 
-import importlib
-import weakref
-from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import numpy as np
-import scipy.sparse
 
 from . import _backend, _checks, blocksparse
-from .kernels import cpu, cuda
 from ._backend import Backend
-from ._csr import Csr, _operand, check_dense, check_fraction, contiguous, new_csr, sparse_parts, to_csr
+from ._csr import Csr, _operand, check_dense, check_fraction, new_csr, sparse_parts, to_csr
 from ._dask import scales_out
 from ._selection import largest, positions_to_csr, random_positions
 from ._typing import Array, Seed, Shape, Sparse
 
 __all__ = ["spmm", "sddmm", "prune"]
-
-
-def _cupyx_csr(backend: Backend, csr: Csr, data: Array) -> Sparse:
-    """A cupyx CSR matrix of ``csr``'s structure and ``data``, safe to hand to cupyx.
-
-    cupyx sorts and sums a non-canonical matrix in place before multiplying; so a
-    non-canonical structure is canonicalised on a copy, never on the caller's arrays. Whether
-    the structure is canonical is found once per structure (:class:`_GpuStructure`), and a
-    canonical one is wrapped around ``data`` with no copy, no validation kernel and no
-    synchronisation.
-    """
-    structure = _GpuStructure.of(backend, csr)
-    if structure.canonical:
-        return structure.matrix(backend, data)
-    matrix = backend.sparse.csr_matrix((data, structure.indices, structure.indptr), shape=csr.shape)
-    matrix = matrix.copy()
-    matrix.sum_duplicates()
-    return matrix
-
-
-class _GpuStructure:
-    """What cuSPARSE needs of a structure, worked out once while the :class:`Csr` lives: its
-    index arrays in cupyx's int32 and whether it is canonical (sorted, no duplicates: one
-    check, which synchronises once per structure, never per product)."""
-
-    _cache: dict[int, tuple[weakref.ref[Csr], _GpuStructure]] = {}
-
-    def __init__(self, backend: Backend, csr: Csr) -> None:
-        self.indptr = csr.indptr.astype(np.int32, copy=False)
-        self.indices = csr.indices.astype(np.int32, copy=False)
-        self.shape = csr.shape
-        probe = backend.sparse.csr_matrix((backend.xp.empty(csr.nnz, np.float32), self.indices, self.indptr),
-                                          shape=csr.shape)
-        self.canonical = bool(probe.has_canonical_format)
-
-    @classmethod
-    def of(cls, backend: Backend, csr: Csr) -> _GpuStructure:
-        """The structure of ``csr``, from the cache while ``csr`` lives."""
-        key = id(csr)
-        entry = cls._cache.get(key)
-        if entry is not None and entry[0]() is csr:
-            return entry[1]
-        structure = cls(backend, csr)
-        cls._cache[key] = (weakref.ref(csr, lambda _: cls._cache.pop(key, None)), structure)
-        return structure
-
-    def matrix(self, backend: Backend, data: Array) -> Sparse:
-        """A canonical cupyx CSR matrix of this structure around ``data`` (no copy)."""
-        matrix = backend.sparse.csr_matrix((data, self.indices, self.indptr), shape=self.shape, copy=False)
-        matrix.has_canonical_format = True  # known: spares cupyx's check (a kernel and a synchronisation)
-        return matrix
-
-
-def _cusparse() -> Any:
-    """``cupyx.cusparse``: the cuSPARSE products with an output and a transpose flag."""
-    return importlib.import_module("cupyx.cusparse")
-
-
-def _gpu_spmm(backend: Backend, csr: Csr, data: Array, b: Array, dtype: np.dtype[Any], bias: Array | None,
-              transpose: bool = False) -> Array:
-    """``op(csr) @ b (+ bias[:, None])`` by one cuSPARSE SpMM into a new column-major array:
-    the bias is written first and folded in (``beta = 1``), ``b`` read in column-major order
-    (a copy only if it is not), the transpose taken by cuSPARSE (no transposed matrix built)."""
-    xp = backend.xp
-    m = csr.shape[1] if transpose else csr.shape[0]
-    n = b.shape[1]
-    out = xp.empty((n, m), dtype).T
-    if csr.nnz == 0 or m == 0 or n == 0 or b.shape[0] == 0:
-        out[...] = 0 if bias is None else bias[:, None]
-        return out
-    with backend.use():
-        matrix = _cupyx_csr(backend, csr, data)
-        if bias is not None:
-            out[...] = bias[:, None]
-        _cusparse().spmm(matrix, xp.asfortranarray(b), c=out, alpha=1.0, beta=0.0 if bias is None else 1.0,
-                         transa=transpose)
-    return out
-
-
-# --- products ------------------------------------------------------------------------------
-
-_SERIAL_WORK = 2**17
-"""Multiply-adds below which a CPU product runs on one thread (its ``_serial`` kernel, the same
-arithmetic): starting the threads would cost about as much as such a product."""
-
-
-def _threads(parallel: Callable[..., Any], serial: Callable[..., Any], work: int) -> Callable[..., Any]:
-    """``serial``, the one-thread version of the CPU kernel ``parallel``, for small products."""
-    return serial if work < _SERIAL_WORK else parallel
-
-
-def matmul(backend: Backend, csr: Csr, b: Array, dtype: np.dtype[Any], bias: Array | None = None) -> Array:
-    """``csr @ b`` (plus ``bias[:, None]``) for a dense (k, n) ``b``: an (m, n) array.
-
-    C-contiguous on the CPU (the parallel Numba kernel); on the GPU, cuSPARSE's layout.
-    """
-    xp = backend.xp
-    m, n = csr.shape[0], b.shape[1]
-    assert csr.data is not None, "matmul multiplies by a structure with values"
-    data = csr.data.astype(dtype, copy=False)
-    b = b.astype(dtype, copy=False)
-    if bias is not None:
-        bias = bias.astype(dtype, copy=False)
-    if backend.on_gpu:
-        return _gpu_spmm(backend, csr, data, b, dtype, bias)
-    out = np.empty((m, n), dtype)
-    if out.size:
-        _threads(cpu.sparse.sparse_spmm, cpu.sparse.sparse_spmm_serial, csr.nnz * n)(
-            csr.indptr, csr.indices, data, contiguous(backend, b), np.zeros(m, dtype) if bias is None else bias, out)
-    return out
-
-
-def sampled(backend: Backend, csr: Csr, a: Array, b: Array, dtype: np.dtype[Any]) -> Array:
-    """``data[p] = a[row_p, :] . b[col_p, :]`` for every stored entry ``p`` of ``csr`` (SDDMM)."""
-    xp = backend.xp
-    if csr.nnz == 0 or a.shape[1] == 0:
-        return xp.zeros(csr.nnz, dtype)
-    a = contiguous(backend, a.astype(dtype, copy=False))
-    b = contiguous(backend, b.astype(dtype, copy=False))
-    out = xp.empty(csr.nnz, dtype)
-    with backend.use():
-        kernel = (_threads(cpu.sparse.sparse_sddmm, cpu.sparse.sparse_sddmm_serial,
-                           csr.nnz * a.shape[1]) if not backend.on_gpu
-                  else backend.launcher(cuda.sparse.launch_sparse_sddmm))
-        kernel(csr.indptr, csr.indices, a, b, out)
-    return out
 
 
 @scales_out
@@ -223,7 +95,8 @@ def spmm_parts(backend: Backend, fmt: str, shape: Shape, data: Array, index: tup
         raise ValueError(f"{caller}: shapes {tuple(shape)} and {b.shape} do not match ({shape[1]} != {b.shape[0]})")
     dtype = _checks.float_dtype(caller, a=data, b=b)
     csr = to_csr(backend, fmt, shape, data, *index, caller=caller)
-    out = matmul(backend, csr, b[:, None] if b.ndim == 1 else b, dtype)
+    assert csr.data is not None, "spmm multiplies by a structure with values"
+    out = csr.matmul(backend, csr.data, b[:, None] if b.ndim == 1 else b, dtype)
     return csr, out[:, 0] if b.ndim == 1 else out
 
 
@@ -285,7 +158,7 @@ def sddmm_parts(backend: Backend, fmt: str, shape: Shape, index: tuple[Array, Ar
                          "(an (m, n) pattern needs a of shape (m, k) and b of shape (n, k))")
     dtype = _checks.float_dtype(caller, a=a, b=b)
     csr = to_csr(backend, fmt, shape, None, *index, caller=caller)
-    return csr, sampled(backend, csr, a, b, dtype)
+    return csr, csr.sampled(backend, a, b, dtype)
 
 
 # --- selecting entries ---------------------------------------------------------------------
@@ -366,41 +239,42 @@ def prune_parts(backend: Backend, w: Array, sparsity: float, method: str, seed: 
 # --- sparse linear layers (the array level of spchain.torch.sparse_linear) -----------------
 
 
-def linear(backend: Backend, csr: Csr, values: Array, x: Array, bias: Array | None,
+
+class Structure(Protocol):
+    """What :func:`linear` needs of a sparse weight's structure: the method set that
+    :class:`~spchain._csr.Csr` and :class:`~spchain.blocksparse.Bsr` share."""
+
+    def laid_out(self, backend: Backend, b: Array) -> Array: ...
+
+    def matmul(self, backend: Backend, values: Array, b: Array, dtype: np.dtype[Any], bias: Array | None = None, *,
+               transpose: bool = False) -> Array: ...
+
+    def sampled(self, backend: Backend, a: Array, b: Array, dtype: np.dtype[Any]) -> Array: ...
+
+
+def linear(backend: Backend, structure: Structure, values: Array, x: Array, bias: Array | None,
            dtype: np.dtype[Any]) -> tuple[Array, Array]:
-    """``y = x @ W.T + bias`` for the CSR weight ``W`` (``csr``'s structure, ``values``).
+    """``y.T`` for ``y = x @ W.T + bias``, ``W`` the sparse weight of ``structure`` (CSR or BSR)
+    and ``values`` ((nnz,) or (nnzb, R, C)).
 
-    ``x`` is (batch, in) in any layout. Returns ``(y, x_saved)``: ``y`` (batch, out) and ``x``
-    in the layout :func:`linear_backward` reads without a copy. On the CPU the kernel needs
-    x feature-major: ``x_saved`` is that transposed copy, and ``y`` is the transpose of the
-    kernel's feature-major output (no copy; free to feed into the next sparse layer). On the
-    GPU cuSPARSE reads ``x`` as it is.
+    ``x`` is (batch, in) in any layout. Returns ``(yt, xt)``: ``yt`` (out, batch), the layout
+    the products write (so ``y`` is its transposed view, free to feed into the next sparse
+    layer), and ``xt`` = ``x.T`` in the layout :func:`linear_backward` reads without a copy
+    (on the CPU a C-contiguous copy unless ``x`` is column-major).
     """
-    weight = Csr(csr.indptr, csr.indices, values, csr.shape)
-    xt = x.T if backend.on_gpu else contiguous(backend, x.T.astype(dtype, copy=False))
-    return matmul(backend, weight, xt, dtype, bias).T, xt.T
+    xt = structure.laid_out(backend, x.T.astype(dtype, copy=False))
+    return structure.matmul(backend, values, xt, dtype, bias), xt
 
 
-def linear_backward(backend: Backend, csr: Csr, transpose: tuple[Csr, Array] | None, values: Array, grad_y: Array,
-                    x: Array, dtype: np.dtype[Any], need_x: bool,
-                    need_values: bool) -> tuple[Array | None, Array | None]:
-    """Gradients of :func:`linear` for ``x`` (batch, in) and for ``values`` (nnz), when needed.
-
-    ``transpose`` is ``transposed(backend, csr)`` on the CPU (cached by the caller: the input
-    gradient runs the transposed product on it, gathering ``values`` through its order) and
-    ``None`` on the GPU (cuSPARSE multiplies by the transpose itself). The value gradient is
-    the SDDMM of ``grad_y.T`` and ``x.T`` at the stored entries.
-    """
-    grad_yt = grad_y.T if backend.on_gpu else contiguous(backend, grad_y.T.astype(dtype, copy=False))
+def linear_backward(backend: Backend, structure: Structure, values: Array, grad_yt: Array, xt: Array,
+                    dtype: np.dtype[Any], need_x: bool, need_values: bool) -> tuple[Array | None, Array | None]:
+    """Gradients of :func:`linear` for ``x`` (batch, in) and for ``values``, when needed, from
+    the gradient ``grad_yt`` (out, batch) of its output: the input gradient by the transposed
+    product, the value gradient by the SDDMM of ``grad_yt`` and ``xt`` at the stored entries."""
+    grad_yt = structure.laid_out(backend, grad_yt.astype(dtype, copy=False))
     grad_x = grad_values = None
     if need_x:
-        if backend.on_gpu:
-            grad_x = _gpu_spmm(backend, csr, values.astype(dtype, copy=False), grad_yt.astype(dtype, copy=False),
-                               dtype, None, transpose=True).T
-        else:
-            assert transpose is not None, "the CPU path multiplies by the cached transpose"
-            t_csr, order = transpose
-            grad_x = matmul(backend, Csr(t_csr.indptr, t_csr.indices, values[order], t_csr.shape), grad_yt, dtype).T
+        grad_x = structure.matmul(backend, values, grad_yt, dtype, transpose=True).T
     if need_values:
-        grad_values = sampled(backend, csr, grad_yt, x.T, dtype)
+        grad_values = structure.sampled(backend, grad_yt, xt, dtype)
     return grad_x, grad_values

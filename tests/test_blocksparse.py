@@ -229,8 +229,7 @@ def test_transposed_structure_reads_the_same_blocks(rng):
     (data, indices, indptr), shape = a
     structure = blocksparse.to_bsr(sc._backend.NUMPY, shape, data, indptr, indices, "t")
     b = rng.standard_normal((10, 4))
-    out = blocksparse.matmul(sc._backend.NUMPY, structure, b, np.float64,
-                             transpose=blocksparse.transposed(sc._backend.NUMPY, structure))
+    out = structure.matmul(sc._backend.NUMPY, data, b, np.float64, transpose=True)
     np.testing.assert_allclose(out, dense(a).T @ b, rtol=1e-12, atol=1e-12)
 
 

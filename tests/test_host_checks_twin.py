@@ -9,8 +9,7 @@ import pytest
 import scipy.sparse
 import torch
 
-from spchain import _backend, _csr, _logspace, semiring
-from spchain.torch import linear as torch_linear
+from spchain import _backend, _csr, _logspace, _structures, semiring
 
 
 @contextlib.contextmanager
@@ -42,21 +41,21 @@ def test_structure_cache_compares_on_the_device_and_rebuilds_on_a_version_bump(m
         built.append(shape)
         return _csr.Csr(indptr, indices, None, shape)
 
-    monkeypatch.setattr(torch_linear._csr, "to_csr", to_csr)
+    monkeypatch.setattr(_structures._csr, "to_csr", to_csr)
     gpu = _backend.Backend(np, scipy.sparse, 0)
-    cache = torch_linear._StructureCache()
+    cache = _structures.StructureCache()
     indptr, indices = torch.tensor([0, 1, 3]), torch.tensor([2, 0, 1])
     arrays = (indptr.numpy(), indices.numpy())
-    (csr, _), same = cache.lookup(gpu, arrays, (2, 3), "t")
+    csr, same = cache.lookup(gpu, arrays, (2, 3), "t")
     assert same is None and len(built) == 1
-    (_, _), same = cache.lookup(gpu, arrays, (2, 3), "t")
+    _, same = cache.lookup(gpu, arrays, (2, 3), "t")
     assert bool(same) and len(built) == 1, "a hit compares on the device, builds nothing"
-    assert cache.lookup(gpu, (csr.indptr, csr.indices), (2, 3), "t", arrays)[1] is None  # its own arrays
+    assert cache.lookup(gpu, (csr.indptr, csr.indices), (2, 3), "t", key_arrays=arrays)[1] is None  # its own arrays
     indices.numpy()[0] = 1  # a write no version counter sees
-    cache.note_versions(indptr, indices)
-    (_, _), same = cache.lookup(gpu, arrays, (2, 3), "t")
+    cache.note_versions((indptr.data_ptr(), indices.data_ptr()), (indptr._version, indices._version))
+    _, same = cache.lookup(gpu, arrays, (2, 3), "t")
     assert not bool(same) and len(built) == 1, "the flag says changed: the forward makes its result NaN"
     indices[0] = 2  # an in-place torch write bumps the version: the entry is dropped and rebuilt
-    cache.note_versions(indptr, indices)
-    (csr, _), same = cache.lookup(gpu, arrays, (2, 3), "t")
+    cache.note_versions((indptr.data_ptr(), indices.data_ptr()), (indptr._version, indices._version))
+    csr, same = cache.lookup(gpu, arrays, (2, 3), "t")
     assert same is None and len(built) == 2 and csr.indices.tolist() == [2, 0, 1]

@@ -22,7 +22,7 @@ class FakeCusparse:
         assert a.has_canonical_format, "cupyx raises for a non-canonical matrix"
         self.calls.append((transa, beta))
         op = a.T if transa else a
-        c[...] = alpha * (op @ b) + beta * c
+        c[...] = alpha * (op @ b) + (beta * c if beta else 0)  # cuSPARSE never reads c when beta is 0
         return c
 
 
@@ -30,7 +30,7 @@ class FakeCusparse:
 def gpu_twin(monkeypatch):
     """A backend that takes the GPU branches, on NumPy arrays."""
     fake = FakeCusparse()
-    monkeypatch.setattr(S, "_cusparse", lambda: fake)
+    monkeypatch.setattr(_csr, "_cusparse", lambda: fake)
     monkeypatch.setattr(_backend.Backend, "use", lambda self: contextlib.nullcontext())
     return _backend.Backend(np, scipy.sparse, 0), fake
 
@@ -55,15 +55,14 @@ def test_gpu_linear_matches_cpu(rng, gpu_twin, canonical, bias, dtype):
     values = rng.normal(size=csr.nnz).astype(dtype)
     x = rng.normal(size=(6, 5)).astype(dtype)
     b = rng.normal(size=7).astype(dtype) if bias else None
-    want_y, _ = S.linear(_backend.NUMPY, csr, values, x, b, np.dtype(dtype))
-    got_y, saved = S.linear(backend, csr, values, x, b, np.dtype(dtype))
+    want_yt, want_xt = S.linear(_backend.NUMPY, csr, values, x, b, np.dtype(dtype))
+    got_yt, saved = S.linear(backend, csr, values, x, b, np.dtype(dtype))
     tol = 1e-5 if dtype == np.float32 else 1e-12
-    np.testing.assert_allclose(got_y, want_y, rtol=tol, atol=tol)
-    assert got_y.flags.c_contiguous and np.shares_memory(saved, x), "y row-major from a column-major product; x not copied"
-    grad_y = rng.normal(size=got_y.shape).astype(dtype)
-    transpose = _csr.transposed(_backend.NUMPY, csr)
-    want_x, _ = S.linear_backward(_backend.NUMPY, csr, transpose, values, grad_y, x, np.dtype(dtype), True, False)
-    got_x, _ = S.linear_backward(backend, csr, None, values, grad_y, x, np.dtype(dtype), True, False)
+    np.testing.assert_allclose(got_yt, want_yt, rtol=tol, atol=tol)
+    assert got_yt.T.flags.c_contiguous and np.shares_memory(saved, x), "y row-major from a column-major product; x not copied"
+    grad_yt = rng.normal(size=got_yt.shape).astype(dtype)
+    want_x, _ = S.linear_backward(_backend.NUMPY, csr, values, grad_yt, want_xt, np.dtype(dtype), True, False)
+    got_x, _ = S.linear_backward(backend, csr, values, grad_yt, saved, np.dtype(dtype), True, False)
     np.testing.assert_allclose(got_x, want_x, rtol=tol, atol=tol)
     assert fake.calls == [(False, 1.0 if bias else 0.0), (True, 0.0)], "bias folded; cuSPARSE transposes"
 
@@ -71,17 +70,17 @@ def test_gpu_linear_matches_cpu(rng, gpu_twin, canonical, bias, dtype):
 def test_gpu_structure_is_checked_once_and_forgotten_with_it(rng, gpu_twin):
     backend, _ = gpu_twin
     csr = structure(rng, 4, 4, 0.5)
-    first = S._GpuStructure.of(backend, csr)
-    assert S._GpuStructure.of(backend, csr) is first and first.canonical
+    first = _csr._GpuStructure.of(backend, csr)
+    assert _csr._GpuStructure.of(backend, csr) is first and first.canonical
     assert first.indices.dtype == np.int32
     key = id(csr)
     del csr
-    assert key not in S._GpuStructure._cache
+    assert key not in _csr._GpuStructure._cache
 
 
 def test_gpu_empty_products(gpu_twin):
     backend, fake = gpu_twin
     csr = _csr.to_csr(_backend.NUMPY, "csr", (3, 2), None, np.zeros(4, np.int64), np.zeros(0, np.int64), "t")
-    y, _ = S.linear(backend, csr, np.zeros(0), np.ones((5, 2)), np.arange(3.0), np.dtype(np.float64))
-    np.testing.assert_array_equal(y, np.broadcast_to(np.arange(3.0), (5, 3)))
+    yt, _ = S.linear(backend, csr, np.zeros(0), np.ones((5, 2)), np.arange(3.0), np.dtype(np.float64))
+    np.testing.assert_array_equal(yt.T, np.broadcast_to(np.arange(3.0), (5, 3)))
     assert fake.calls == []

@@ -67,11 +67,12 @@ SAMPLES = {
     "grouped_matmul": lambda d: (randn(5, 4, dtype=d), randn(3, 4, 2, dtype=d, seed=1), torch.tensor([2, 0, 3])),
     "spmm": lambda d: (randn(3, 2, dtype=d), randn(3, dtype=d, seed=1), *SPARSE),
     "sddmm": lambda d: (*SPARSE[:2], randn(2, 4, dtype=d), randn(3, 4, dtype=d, seed=1), *SPARSE[2:]),
-    "sparse_linear": lambda d: (randn(3, 5, dtype=d), randn(3, dtype=d, seed=1), *SPARSE[:2], [2, 3],
+    "sparse_linear": lambda d: (randn(5, 3, dtype=d), randn(3, dtype=d, seed=1), *SPARSE[:2], [2, 3],
                                 randn(2, dtype=d, seed=2)),
-    "block_sparse_linear": lambda d: (randn(5, 4, dtype=d), randn(2, 2, 2, dtype=d, seed=1), *BLOCKS,
-                                      randn(4, dtype=d, seed=2)),
 }
+# spchain::sparse_linear with a block-sparse (BSR) weight: values (nnzb, R, C)
+BLOCK_SAMPLE = lambda d: (randn(5, 4, dtype=d), randn(2, 2, 2, dtype=d, seed=1), *BLOCKS,  # noqa: E731
+                          randn(4, dtype=d, seed=2))
 # made only by the doctest of Operator, when the doctests run in the same process
 DOCTEST_ONLY = {"doc_double"}
 
@@ -114,8 +115,17 @@ def test_every_operator_has_samples():
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("name", _registered())
 def test_opcheck(name, dtype):
+    _opcheck(name, SAMPLES[name.removesuffix("_backward")](dtype), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", ["sparse_linear", "sparse_linear_backward"])
+def test_opcheck_sparse_linear_with_block_values(name, dtype):
+    _opcheck(name, BLOCK_SAMPLE(dtype), dtype)
+
+
+def _opcheck(name, args, dtype):
     operator = _operator(name)
-    args = SAMPLES[name.removesuffix("_backward")](dtype)
     if name.endswith("_backward"):
         overload = getattr(torch.ops.spchain, name).default
         args = _backward_args(operator, args)

@@ -11,6 +11,7 @@ torch = pytest.importorskip("torch")
 
 import reference  # noqa: E402
 import spchain.torch as st  # noqa: E402
+from spchain import _csr, _structures  # noqa: E402
 from spchain.torch import linear as torch_linear  # noqa: E402
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -180,8 +181,8 @@ def test_the_transpose_is_built_once_per_structure_and_rebuilt_after_in_place_ch
     indptr, indices = random_structure(rng, 6, 5, 0.5)
     values = torch.randn(indices.numel(), requires_grad=True)
     built = []
-    real = torch_linear._csr.transposed
-    monkeypatch.setattr(torch_linear._csr, "transposed", lambda *a: built.append(1) or real(*a))
+    real = _csr._group  # sorts the entries by column: the transpose's one build step
+    monkeypatch.setattr(_csr, "_group", lambda *a: built.append(1) or real(*a))
     x = torch.randn(2, 5, requires_grad=True)
     for _ in range(3):
         st.sparse_linear(x, values, indptr, indices, (6, 5)).sum().backward()
@@ -274,42 +275,42 @@ def test_double_backward_raises_instead_of_a_silent_first_order_gradient(rng):
 
 
 def test_the_cache_holds_the_most_recently_used_structures_only(rng, monkeypatch):
-    monkeypatch.setattr(torch_linear, "_STRUCTURES", torch_linear._StructureCache(size=2))
+    monkeypatch.setattr(torch_linear, "STRUCTURES", _structures.StructureCache(size=2))
     structures = [random_structure(rng, 4, 4, 0.5) for _ in range(3)]
     for indptr, indices in structures:
         st.sparse_linear(torch.randn(2, 4), torch.randn(indices.numel()), indptr, indices, (4, 4))
-    assert len(torch_linear._STRUCTURES) == 2
+    assert len(torch_linear.STRUCTURES) == 2
     built = []
-    real = torch_linear._csr.transposed
-    monkeypatch.setattr(torch_linear._csr, "transposed", lambda *a: built.append(1) or real(*a))
+    real = _csr._group  # sorts the entries by column: the transpose's one build step
+    monkeypatch.setattr(_csr, "_group", lambda *a: built.append(1) or real(*a))
     for indptr, indices in (structures[2], structures[1], structures[0]):  # the first was dropped
         st.sparse_linear(torch.randn(2, 4), torch.randn(indices.numel()), indptr, indices, (4, 4))
-    assert len(built) == 1 and len(torch_linear._STRUCTURES) == 2
+    assert len(built) == 1 and len(torch_linear.STRUCTURES) == 2
 
 
 def test_structure_cache_is_bounded_by_bytes_and_keeps_the_latest(rng, monkeypatch):
     structures = [random_structure(rng, 8, 8, 0.5) for _ in range(3)]
 
     def call(cache, indptr, indices):
-        monkeypatch.setattr(torch_linear, "_STRUCTURES", cache)
+        monkeypatch.setattr(torch_linear, "STRUCTURES", cache)
         x = torch.randn(2, 8, requires_grad=True)
         st.sparse_linear(x, torch.randn(indices.numel()), indptr, indices, (8, 8)).sum().backward()
 
-    one = torch_linear._StructureCache()
+    one = _structures.StructureCache()
     call(one, *structures[0])
     entry = one.nbytes
     assert entry >= 3 * structures[0][1].numel() * structures[0][1].element_size()  # indices, transpose, order
-    two = torch_linear._StructureCache(budget=2 * entry + entry // 2)  # room for two of about that size
+    two = _structures.StructureCache(budget=2 * entry + entry // 2)  # room for two of about that size
     for indptr, indices in structures:
         call(two, indptr, indices)
     assert len(two) == 2 and two.nbytes <= 2 * entry + entry // 2
-    tiny = torch_linear._StructureCache(budget=0)  # the most recent one stays, whatever its size
+    tiny = _structures.StructureCache(budget=0)  # the most recent one stays, whatever its size
     for indptr, indices in structures:
         call(tiny, indptr, indices)
     assert len(tiny) == 1 and tiny.nbytes > 0
     built = []
-    real = torch_linear._csr.transposed
-    monkeypatch.setattr(torch_linear._csr, "transposed", lambda *a: built.append(1) or real(*a))
+    real = _csr._group  # sorts the entries by column: the transpose's one build step
+    monkeypatch.setattr(_csr, "_group", lambda *a: built.append(1) or real(*a))
     call(tiny, *structures[2])
     assert not built
 
@@ -326,7 +327,7 @@ def test_a_new_structure_at_a_reused_address_is_validated_not_taken_from_the_cac
 
 
 def test_many_forward_backward_calls_keep_memory_bounded(rss_growth, monkeypatch):
-    monkeypatch.setattr(torch_linear, "_STRUCTURES", torch_linear._StructureCache())
+    monkeypatch.setattr(torch_linear, "STRUCTURES", _structures.StructureCache())
     layer = st.SparseLinear(256, 256, sparsity=0.9)
     x = torch.randn(64, 256, requires_grad=True)
 
@@ -335,7 +336,7 @@ def test_many_forward_backward_calls_keep_memory_bounded(rss_growth, monkeypatch
         layer(x).square().mean().backward()
 
     assert rss_growth(step, 300) < 16 * 2**20  # 300 steps would leak far more than this if anything stayed
-    assert len(torch_linear._STRUCTURES) == 1
+    assert len(torch_linear.STRUCTURES) == 1
 
 
 # --- bad input (docs/design.rst) -------------------------------------------------------------------

@@ -1,9 +1,10 @@
-"""The block (BSR) and N:M parts of :class:`spchain.torch.SparseLinear`: block-size checks, the
-random block structure, the dense view, block and N:M pruning of a dense weight, and the
-drop-and-grow step of dynamic sparsity at block granularity."""
+"""The structure parts of :class:`spchain.torch.SparseLinear`: block-size checks, the random
+(block) structure, the dense view of blocks, block and N:M pruning of a dense weight, and the
+drop-and-grow step of dynamic sparsity, for CSR and block layers alike."""
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -13,13 +14,11 @@ from .. import _backend, _csr, _selection
 from .. import blocksparse as _blocksparse
 from .._typing import Shape
 from ._bridge import on_device, to_array, to_tensor
+from .sparse import as_array
 
 def check_block(caller: str, block: object, shape: Sequence[int]) -> tuple[int, int]:
     """``block`` as ``(R, C)``; ``ValueError`` unless ``shape`` (out, in) is a whole number of blocks."""
-    if (not isinstance(block, (tuple, list)) or len(block) != 2
-            or any(isinstance(s, bool) or not isinstance(s, (int, np.integer)) for s in block)):
-        raise TypeError(f"{caller}: block must be a pair of ints (R, C), got {block!r}")
-    r, c = int(block[0]), int(block[1])
+    r, c = _csr.check_block(caller, block)
     if r < 1 or c < 1 or shape[0] % r or shape[1] % c:
         raise ValueError(f"{caller}: block={(r, c)} needs out_features ({shape[0]}) a multiple of R and "
                          f"in_features ({shape[1]}) a multiple of C, both >= 1")
@@ -76,54 +75,66 @@ def parse_pattern(caller: str, pattern: object) -> tuple[int, int]:
     return int(parts[0]), int(parts[1])
 
 
-def norms(values: torch.Tensor) -> torch.Tensor:
-    """The Frobenius norm of each block, in float64."""
-    out: torch.Tensor = torch.linalg.vector_norm(values.double().flatten(1), dim=1)
-    return out
-
-
-def _gradient_norms(grad_y: torch.Tensor, x: torch.Tensor, block: Sequence[int]) -> torch.Tensor:
-    """Flat (row-major) block-grid norms of the dense gradient ``grad_y.T @ x``, in row blocks."""
-    r, c = block
-    m, n = grad_y.shape[1], x.shape[1]
-    step = max(1, _selection._SCORE_BLOCK // max(r * n, 1))  # bounds the dense gradient held
-    parts = [grad_y.new_zeros(0, dtype=torch.float64)]
-    for b0 in range(0, m // r, step):
-        b1 = min(m // r, b0 + step)
-        g = grad_y[:, b0 * r:b1 * r].double().T @ x.double()
-        parts.append(g.reshape(b1 - b0, r, n // c, c).square().sum((1, 3)).sqrt().reshape(-1))
-    return torch.cat(parts)
-
-
 def drop_and_grow(values: torch.Tensor, indptr: torch.Tensor, indices: torch.Tensor, shape: Shape, n_move: int, *,
                   gradient: tuple[torch.Tensor, torch.Tensor] | None, seed: int,
                   caller: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`spchain._selection.drop_and_grow` at block granularity, on tensors.
-
-    Drops the ``n_move`` blocks of smallest Frobenius norm (ties drop the later block) and grows
-    as many blocks not stored after the drop: where the block norms of the dense gradient
-    ``grad_y.T @ x`` (``gradient = (grad_y, x)``) are largest, or uniformly at random
-    (``seed``) if ``gradient`` is None. Returns ``(indptr, indices, old_slots, new_slots)``.
-    """
-    block = tuple(values.shape[1:])
-    grid = (shape[0] // block[0], shape[1] // block[1])
+    """:func:`spchain._selection.drop_and_grow` on tensors, for CSR values (nnz,) and BSR
+    blocks (nnzb, R, C) alike: ``gradient = (grad_y, x)`` of the last batch, or None for a
+    random regrowth (``seed``). Returns ``(indptr, indices, old_slots, new_slots)``."""
+    r, c = (1, 1) if values.dim() == 1 else values.shape[1:]
     with on_device(values.device):
-        magnitudes = to_array(norms(values))
-        scores = None if gradient is None else to_array(_gradient_norms(*gradient, block))
-        backend = _backend.backend_of(magnitudes, caller=caller)
-        xp = backend.xp
-        structure = _csr.to_csr(backend, "csr", grid, None, to_array(indptr), to_array(indices), caller)
-        positions = _csr.row_of_entries(backend, structure).astype(np.int64) * grid[1] + structure.indices
-        if positions.shape[0] > 1 and bool((positions[1:] <= positions[:-1]).any()):
-            raise ValueError(f"{caller} needs a canonical structure: blocks sorted within block rows, no duplicates")
-        old_slots = _selection.largest(backend, magnitudes, structure.nnz - n_move)
-        kept = positions[old_slots]
-        if scores is None:
-            grown = _selection.random_positions(backend, grid[0] * grid[1], n_move, taken=kept, seed=seed)
-        else:
-            scores[kept] = -np.inf  # n_move <= the free blocks, so no stored block is chosen
-            grown = _selection.largest(backend, scores, n_move)
-        new_positions = xp.sort(xp.concatenate([kept, grown]))
-        new_indptr, new_indices = _selection.positions_to_csr(backend, new_positions, grid)
-        new_slots = xp.searchsorted(new_positions, kept)
+        weights = to_array(selectable(values))
+        backend = _backend.backend_of(weights, caller=caller)
+        grid = _csr.to_csr(backend, "csr", (shape[0] // r, shape[1] // c), None, to_array(indptr), to_array(indices),
+                           caller)
+        grad_y, x = (None, None) if gradient is None else (as_array(selectable(t)) for t in gradient)
+        new_indptr, new_indices, old_slots, new_slots = _selection.drop_and_grow(
+            backend, grid, weights, n_move, grad_y=grad_y, x=x, seed=seed, caller=caller)
         return to_tensor(new_indptr), to_tensor(new_indices), to_tensor(old_slots), to_tensor(new_slots)
+
+
+def selectable(t: torch.Tensor) -> torch.Tensor:
+    """``t`` for choosing entries by magnitude on the array level: bfloat16 (which NumPy and
+    CuPy lack) widened to float32, exactly."""
+    return t.float() if t.dtype == torch.bfloat16 else t
+
+
+def following(state: Mapping[str, Any], weights: torch.Tensor) -> list[str]:
+    """The keys of the optimizer ``state`` that follow each stored weight: its tensors shaped
+    like ``weights`` (Adam's moments; not scalar state such as ``step``)."""
+    return [k for k, v in state.items() if torch.is_tensor(v) and v.shape == weights.shape]
+
+
+def carry(weights: torch.Tensor, optimizer: torch.optim.Optimizer | None,
+          move: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Make the stored ``weights`` (a parameter, kept the same object, which optimizers hold),
+    its gradient and ``optimizer``'s state that :func:`following` names follow a change of
+    structure: each becomes ``move(t)``, in place where the number of stored weights stays."""
+    state = {} if optimizer is None else optimizer.state.get(weights, {})
+    keys = following(state, weights)
+    grad = weights.grad
+    data = move(weights.data)
+    if data.shape == weights.shape:
+        weights.data.copy_(data)
+        for t in ([] if grad is None else [grad]) + [state[k] for k in keys]:
+            t.copy_(move(t))
+        return
+    _resize(weights, data)
+    if grad is not None:
+        weights.grad = move(grad)
+    for k in keys:
+        state[k] = move(state[k])
+
+
+def _resize(parameter: torch.Tensor, data: torch.Tensor) -> None:
+    """Give ``parameter`` (the same object, which optimizers hold) ``data`` of another shape.
+
+    Autograd keeps one gradient accumulator per leaf for as long as a graph holds it, with the
+    shape the leaf had when it was made; assigning ``.data`` renews it only on a change of dtype or
+    device. Passing through another dtype renews it, so that the next backward accumulates into
+    the new shape even while a graph of an earlier step (the previous ``loss``) is alive; the
+    version bump makes a backward through such an old graph raise autograd's error.
+    """
+    parameter.data = data.new_empty(0, dtype=torch.float64 if data.dtype != torch.float64 else torch.float32)
+    parameter.data = data
+    torch.autograd.graph.increment_version(parameter)

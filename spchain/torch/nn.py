@@ -1,7 +1,7 @@
 """The sparse torch layer of spchain: :class:`SparseLinear`, a CSR or block-sparse (BSR) weight
-with dynamic sparsity, built on the operators ``spchain::sparse_linear`` and
-``spchain::block_sparse_linear`` (so it compiles with ``fullgraph=True``, exports and runs
-under ``torch.func``, in float16/bfloat16 too). The block layers
+with dynamic sparsity, built on the one operator ``spchain::sparse_linear`` of both formats
+(so it compiles with ``fullgraph=True``, exports and runs under ``torch.func``, in
+float16/bfloat16 too). The block layers
 (:class:`BlockDiagonalLinear`, :class:`GroupedLinear`) live beside their operators in
 ``spchain.torch.blockdiag``.
 
@@ -18,12 +18,10 @@ from typing import Any, Literal
 import torch
 from torch.nn.utils import parametrize
 
-from .. import _backend, _csr, _selection
+from .. import _csr
 from . import _block_layer
-from ._bridge import on_device, to_array, to_tensor
-from .blocksparse import block_sparse_linear
 from .linear import sparse_linear
-from .sparse import as_array, csr_tensor, prune
+from .sparse import csr_tensor, prune
 
 __all__ = ["SparseLinear"]
 
@@ -57,12 +55,6 @@ def _moved(t: torch.Tensor, old_slots: torch.Tensor, new_slots: torch.Tensor) ->
     out = torch.zeros_like(t)
     out[new_slots] = t[old_slots]
     return out
-
-
-def selectable(t: torch.Tensor) -> torch.Tensor:
-    """``t`` for choosing entries by magnitude on the array level: bfloat16 (which NumPy and
-    CuPy lack) widened to float32, exactly."""
-    return t.float() if t.dtype == torch.bfloat16 else t
 
 
 class DenseCopy(torch.Tensor):
@@ -326,8 +318,7 @@ class SparseLinear(torch.nn.Module):
             if norms:
                 raise ValueError(f"SparseLinear: {norms[0]} on weight_values would normalise the stored values, not "
                                  "each output row as on nn.Linear; it is not supported (remove it)")
-        product = sparse_linear if self.block is None else block_sparse_linear
-        y = product(x, self.weight_values, self.indptr, self.indices, (self.out_features, self.in_features), self.bias)
+        y = sparse_linear(x, self.weight_values, self.indptr, self.indices, (self.out_features, self.in_features), self.bias)
         if self.training and y.requires_grad and not torch.compiler.is_compiling():  # a hook would break the graph
             self._last_batch = _Batch(x.detach())
             y.register_hook(self._last_batch.record)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
@@ -401,29 +392,15 @@ class SparseLinear(torch.nn.Module):
             gradient = (_rows(batch.grad_y), _rows(batch.x))
         seed = _torch_seed()
         shape = (self.out_features, self.in_features)
-        with torch.no_grad(), on_device(self.weight_values.device):
-            if self.block is not None:
-                indptr, indices, old_slots, new_slots = _block_layer.drop_and_grow(
-                    self.weight_values, self.indptr, self.indices, shape, n_move, gradient=gradient, seed=seed,
-                    caller=caller)
-            else:
-                ia, ja, va = to_array(self.indptr), to_array(self.indices), to_array(selectable(self.weight_values))
-                backend = _backend.backend_of(ia, ja, va, caller=caller)
-                csr = _csr.to_csr(backend, "csr", shape, None, ia, ja, caller)
-                grad_y, x = (None, None) if gradient is None else (as_array(selectable(t)) for t in gradient)
-                indptr, indices, old_slots, new_slots = (to_tensor(a) for a in _selection.drop_and_grow(
-                    backend, csr, va, n_move, grad_y=grad_y, x=x, seed=seed, caller=caller))
+        with torch.no_grad():
+            indptr, indices, old_slots, new_slots = _block_layer.drop_and_grow(
+                self.weight_values, self.indptr, self.indices, shape, n_move, gradient=gradient, seed=seed, caller=caller)
             replicated = torch.distributed.is_available() and torch.distributed.is_initialized()
             if replicated:  # rank 0 decides, so that every replica moves the same connections
                 indptr, indices, old_slots, new_slots = (t.clone() for t in (indptr, indices, old_slots, new_slots))
                 for t in (indptr, indices, old_slots, new_slots):
                     torch.distributed.broadcast(t, src=0)
-            moving = [self.weight_values] + ([self.weight_values.grad] if self.weight_values.grad is not None else [])
-            if optimizer is not None:
-                state = optimizer.state.get(self.weight_values, {})
-                moving += [v for v in state.values() if torch.is_tensor(v) and v.shape == self.weight_values.shape]
-            for t in moving:
-                t.copy_(_moved(t, old_slots, new_slots))
+            _block_layer.carry(self.weight_values, optimizer, lambda t: _moved(t, old_slots, new_slots))
             self.indptr.copy_(indptr)
             self.indices.copy_(indices)
             if replicated:

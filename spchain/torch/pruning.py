@@ -22,7 +22,7 @@ import torch
 from .. import _backend, _csr, _selection
 from . import _block_layer
 from ._bridge import to_array, to_tensor
-from .nn import SparseLinear, check_no_utilities, selectable
+from .nn import SparseLinear, check_no_utilities
 
 __all__ = ["sparsify", "erk_densities", "GradualPruning", "CosineDropFraction"]
 
@@ -177,8 +177,8 @@ def _swap(optimizer: torch.optim.Optimizer, weight: torch.Tensor, layer: SparseL
             return t.reshape(-1)[positions].clone()
         return t.reshape(gm, r, gn, c).transpose(1, 2).reshape(gm * gn, r, c)[positions].clone()
 
-    optimizer.state[layer.weight_values] = {k: kept(v) if torch.is_tensor(v) and v.shape == weight.shape else v
-                                            for k, v in state.items()}
+    moved = _block_layer.following(state, weight)
+    optimizer.state[layer.weight_values] = {k: kept(v) if k in moved else v for k, v in state.items()}
 
 
 def _units(layer: SparseLinear) -> int:
@@ -206,34 +206,14 @@ def prune_to(layer: SparseLinear, nnz: int, optimizer: torch.optim.Optimizer | N
         return
     indptr, indices = layer.get_buffer("indptr"), layer.get_buffer("indices")
     with torch.no_grad():
-        scores = to_array(selectable(weights.abs()) if layer.block is None else _block_layer.norms(weights))
-        kept = to_tensor(_selection.largest(_backend.backend_of(scores), scores, count)).to(weights.device)
+        scores = to_array(_block_layer.selectable(weights))
+        backend = _backend.backend_of(scores)
+        kept = to_tensor(_selection.largest(backend, _selection.magnitudes(backend, scores), count)).to(weights.device)
         rows = torch.repeat_interleave(torch.arange(block_rows, device=weights.device), indptr.diff())
         counts = torch.bincount(rows[kept], minlength=block_rows)
-        moving = [weights.grad] if weights.grad is not None else []
-        state = {} if optimizer is None else optimizer.state.get(weights, {})
-        moving_state = {k: v for k, v in state.items() if torch.is_tensor(v) and v.shape == weights.shape}
-        _resize(weights, weights.data[kept])
-        if moving:
-            weights.grad = moving[0][kept]
-        for key, value in moving_state.items():
-            state[key] = value[kept]
+        _block_layer.carry(weights, optimizer, lambda t: t[kept])
         layer.indices = indices[kept]
         indptr[1:] = torch.cumsum(counts, 0).to(indptr.dtype)
-
-
-def _resize(parameter: torch.Tensor, data: torch.Tensor) -> None:
-    """Give ``parameter`` (the same object, which optimizers hold) ``data`` of another shape.
-
-    Autograd keeps one gradient accumulator per leaf for as long as a graph holds it, with the
-    shape the leaf had when it was made; assigning ``.data`` renews it only on a change of dtype or
-    device. Passing through another dtype renews it, so that the next backward accumulates into
-    the new shape even while a graph of an earlier step (the previous ``loss``) is alive; the
-    version bump makes a backward through such an old graph raise autograd's error.
-    """
-    parameter.data = data.new_empty(0, dtype=torch.float64 if data.dtype != torch.float64 else torch.float32)
-    parameter.data = data
-    torch.autograd.graph.increment_version(parameter)
 
 
 class GradualPruning:

@@ -103,8 +103,7 @@ def _spmm_backward(args: Sequence[Any], results: Sequence[Array], grads: Sequenc
     _, indptr, indices, data = results
     grad = grads[0] if grads[0].ndim == 2 else grads[0][:, None]
     backend = _backend.backend_of(grad, indices)
-    t_csr = _csr.transposed(backend, _csr.Csr(indptr, indices, data, tuple(args[5])))[0]
-    grad_b = _sparse.matmul(backend, t_csr, grad, grad.dtype)
+    grad_b = _csr.Csr(indptr, indices, data, tuple(args[5])).matmul(backend, data, grad, grad.dtype, transpose=True)
     return (grad_b if grads[0].ndim == 2 else grad_b[:, 0],)
 
 

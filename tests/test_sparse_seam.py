@@ -1,0 +1,76 @@
+"""One prepared problem per call for ``sparse_linear`` (issue 21): a forward and its backward
+validate the weight's structure once and prepare (transpose) it once, for CSR and BSR weights
+alike, from the one array-level structure cache (spchain/_structures.py)."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import spchain.torch as st  # noqa: E402
+from spchain import _backend, _csr, _structures  # noqa: E402
+
+
+def weights(kind):
+    """``(values, indptr, indices, shape)`` of a small CSR or BSR weight, new index tensors
+    (new to the structure cache: a reused address holds other contents, which it compares)."""
+    indptr, indices = torch.tensor([0, 2, 2, 3]), torch.tensor([0, 2, 1 + torch.randint(0, 2, ()).item()])
+    values = torch.randn(3, requires_grad=True) if kind == "csr" else torch.randn(3, 2, 2, requires_grad=True)
+    r = 1 if kind == "csr" else 2
+    return values, indptr, indices, (3 * r, 3 * r)
+
+
+@pytest.fixture
+def counts(monkeypatch):
+    """Calls of the structure validation (``to_csr``, which ``to_bsr`` runs on the block grid)
+    and of the transpose's build (``_group``)."""
+    found = {"validated": 0, "transposed": 0}
+    for name, key in (("to_csr", "validated"), ("_group", "transposed")):
+        real = getattr(_csr, name)
+
+        def counted(*args, real=real, key=key, **kwargs):
+            found[key] += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(_csr, name, counted)
+    return found
+
+
+@pytest.mark.parametrize("layer, kind", [(st.sparse_linear, "csr"), (st.sparse_linear, "bsr"),
+                                         (st.block_sparse_linear, "bsr")], ids=["csr", "bsr", "block_sparse_linear"])
+def test_one_structure_validation_per_forward_and_backward(counts, layer, kind):
+    values, indptr, indices, shape = weights(kind)
+    x = torch.randn(4, shape[1], requires_grad=True)
+    layer(x, values, indptr, indices, shape).square().sum().backward()
+    assert counts == {"validated": 1, "transposed": 1}
+    layer(x, values, indptr, indices, shape).square().sum().backward()
+    assert counts == {"validated": 1, "transposed": 1}, "a second call reuses the prepared structure"
+
+
+@pytest.mark.parametrize("kind", ["csr", "bsr"])
+def test_sparse_linear_takes_csr_and_bsr_weights(kind):
+    values, indptr, indices, shape = weights(kind)
+    x = torch.randn(2, 5, shape[1])
+    y = st.sparse_linear(x, values, indptr, indices, shape)
+    dense = st.SparseLinear.__new__(st.SparseLinear)  # the dense weight, through the layer's own helper
+    torch.nn.Module.__init__(dense)
+    dense._setup(shape[1], shape[0], indptr, indices, values.detach(), None)
+    torch.testing.assert_close(y, x @ dense.weight.T)
+
+
+def test_a_further_check_runs_once_per_structure_and_keeps_its_entries_apart():
+    cache, seen = _structures.StructureCache(), []
+
+    def no_repeats(structure):
+        seen.append(structure)
+        if structure.indices.shape[0] > np.unique(structure.indices).shape[0]:
+            raise ValueError("repeated")
+
+    arrays = (np.array([0, 1, 2]), np.array([1, 0]))
+    plain, _ = cache.lookup(_backend.NUMPY, arrays, (2, 2), "t")
+    checked, _ = cache.lookup(_backend.NUMPY, arrays, (2, 2), "t", check=no_repeats)
+    assert cache.lookup(_backend.NUMPY, arrays, (2, 2), "t", check=no_repeats)[0] is checked
+    assert seen == [checked] and checked is not plain and len(cache) == 2
+    with pytest.raises(ValueError, match="repeated"):
+        cache.lookup(_backend.NUMPY, (np.array([0, 2, 2]), np.array([1, 1])), (2, 2), "t", check=no_repeats)
+    assert len(cache) == 2, "a structure that fails the check is not kept"
