@@ -19,6 +19,7 @@ from ._logspace import finite_or_zero
 from ._typing import Array
 
 if TYPE_CHECKING:
+    from ._backend import Backend
     from ._chain_layout import Chain
 
 REUSE = 4
@@ -164,3 +165,33 @@ def _exact_where_not(chain: Chain, pre: Array, norm: Array, marg: Array, weight:
         exact = np.empty_like(grad_trans)
         chain.backend.kernel("chain", "chain_transition_grad")(*args, exact)
         grad_trans[...] = np.where(ok[..., None, None], grad_trans, exact)
+
+
+def hmm_posteriors(backend: Backend, x: Array, starts: Array, startprob: Array, transmat: Array,
+                   transitions: bool) -> tuple[Array, Array, Array | None]:
+    """The E-step of a dense HMM on the CPU, in probability space (Rabiner's scaling).
+
+    ``x`` (n, c) float64 holds the emission log-likelihoods of the concatenated sequences
+    ``b`` at rows ``starts[b]:starts[b + 1]``; ``startprob`` (c,) and ``transmat`` (c, c) are
+    probabilities. One forward and one backward sweep per sequence (``c²`` multiply-adds a
+    step for each, and for the counts; ``c`` exponentials a step, no logarithms).
+
+    Returns
+    -------
+    log_prob : array (B,)
+        Each sequence's log-likelihood; NaN where the scaled sweep could lose precision (a
+        scale factor below ``1e-130``, a backward message above ``1e130``): the caller computes
+        those sequences in log space. Their posteriors and counts are left out.
+    posteriors : array (n, c)
+        The state posteriors.
+    counts : array (c, c) or None
+        The expected transition counts (``None`` unless ``transitions``).
+    """
+    rows, c = len(starts) - 1, transmat.shape[0]
+    parts = max(1, min(PARTS, rows))
+    posteriors = np.empty_like(x)
+    log_prob = np.empty(rows)
+    sums = np.empty((parts, c, c)) if transitions else None
+    backend.kernel("chain_scaled", "hmm_posteriors_scaled")(x, starts, startprob, transmat, parts, posteriors,
+                                                            log_prob, sums)
+    return log_prob, posteriors, None if sums is None else transmat * sums.sum(axis=0)

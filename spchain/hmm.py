@@ -33,8 +33,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
-from . import _backend, _csr, _sparse_chain
+from . import _backend, _chain_scaled, _csr, _sparse_chain
 from .chain import chain_logsumexp_backward, chain_logsumexp_forward, viterbi_forward
 from ._typing import Array, Sparse
 
@@ -128,6 +129,7 @@ class _Sequences:
     max_len: int
     lengths: Array | None  # (n_seq,) on the device; None where all have the same length
     index: Array | None  # the padded row of each sample; None where all have the same length
+    starts: NDArray[np.int64]  # (n_seq + 1,) on the host: sequence b is samples starts[b]:starts[b + 1]
 
     def pad(self, xp: Any, a: Array) -> Array:
         """(n, k) samples → (n_seq, max_len, k), zero past each length."""
@@ -146,7 +148,7 @@ class _Sequences:
 def _sequences(xp: Any, n: int, lengths: Any) -> _Sequences:
     """The layout of ``n`` samples cut into sequences of ``lengths`` (hmmlearn's errors)."""
     if lengths is None:
-        return _Sequences(1, n, None, None)
+        return _Sequences(1, n, None, None, np.array([0, n]))
     if hasattr(lengths, "get"):
         lengths = lengths.get()
     host = np.asarray(lengths)
@@ -160,11 +162,11 @@ def _sequences(xp: Any, n: int, lengths: Any) -> _Sequences:
     if ends[-1] != n:
         raise ValueError(f"lengths array {host} doesn't sum to {n} samples")
     n_seq, max_len = len(host), int(host.max())
-    starts = ends - host
+    starts = np.concatenate([[0], ends])
     if (host == max_len).all():
-        return _Sequences(n_seq, max_len, None, None)
-    index = np.arange(n) - np.repeat(starts, host) + np.repeat(np.arange(n_seq) * max_len, host)
-    return _Sequences(n_seq, max_len, xp.asarray(host.astype(np.int64)), xp.asarray(index))
+        return _Sequences(n_seq, max_len, None, None, starts)
+    index = np.arange(n) - np.repeat(starts[:-1], host) + np.repeat(np.arange(n_seq) * max_len, host)
+    return _Sequences(n_seq, max_len, xp.asarray(host.astype(np.int64)), xp.asarray(index), starts)
 
 
 class _BaseHMM:
@@ -281,7 +283,30 @@ class _BaseHMM:
     def _posteriors(self, backend: _backend.Backend, frame: Array, seqs: _Sequences,
                     transitions: bool) -> tuple[float, Array, Array, Any]:
         """The E-step over all sequences at once: ``(log-likelihood, posteriors (n, c),
-        first-position posteriors summed (c,), expected transition counts or None)``."""
+        first-position posteriors summed (c,), expected transition counts or None)``.
+
+        A dense model on the CPU runs the scaled (probability-space) sweeps, and the log-space
+        chain for the sequences where those could lose precision; otherwise the log-space chain
+        runs (:meth:`_posteriors_log`)."""
+        if backend.on_gpu or _sparse_chain.is_sparse(self.transmat_):
+            return self._posteriors_log(backend, frame, seqs, transitions)
+        log_prob, posteriors, counts = _chain_scaled.hmm_posteriors(backend, frame, seqs.starts, self.startprob_,
+                                                                    self.transmat_, transitions)
+        redo = np.flatnonzero(np.isnan(log_prob))
+        total = float(log_prob.sum()) if not redo.size else float(np.delete(log_prob, redo).sum())
+        if redo.size:
+            starts = seqs.starts
+            lengths = starts[redo + 1] - starts[redo]
+            index = np.concatenate([np.arange(starts[b], starts[b + 1]) for b in redo])
+            part, posteriors[index], _, more = self._posteriors_log(backend, frame[index],
+                                                                    _sequences(np, index.size, lengths), transitions)
+            total += part
+            counts = None if counts is None else counts + more
+        return total, posteriors, posteriors[seqs.starts[:-1]].sum(axis=0), counts
+
+    def _posteriors_log(self, backend: _backend.Backend, frame: Array, seqs: _Sequences,
+                        transitions: bool) -> tuple[float, Array, Array, Any]:
+        """:meth:`_posteriors` by the log-space chain functions."""
         xp = backend.xp
         log_start, log_trans = self._log_start_trans(backend)
         inputs = (seqs.pad(xp, frame), log_trans, log_start, seqs.lengths)

@@ -246,3 +246,126 @@ def chain_transition_grad_scaled(x, cmax, group, lengths, pre, norm, marg, weigh
                     if pi != 0.0:
                         for j in range(c):
                             out[i, j] += pi * r[j]
+
+
+@njit(cache=True)
+def _hmm_forward(x, start, trans, first, length, alpha, e, s):
+    """The scaled forward sweep of one sequence ``x[first:first + length]`` in probability
+    space: ``alpha[first + t] = P(state | x[:t + 1])``, ``e[t] = exp(x[t] - max x[t])`` and ``s[t]``
+    the ``t``-th scale factor. Returns its log-likelihood, or NaN where a scale factor is below
+    ``TINY`` or not a number (then the outputs are incomplete)."""
+    c = x.shape[1]
+    log_prob = 0.0
+    for t in range(length):
+        row = first + t
+        top = -np.inf
+        for j in range(c):
+            if x[row, j] > top:
+                top = x[row, j]
+        if not math.isfinite(top):
+            return np.nan
+        for j in range(c):
+            e[t, j] = exp_nonpositive(x[row, j] - top)
+        a = alpha[row]
+        if t == 0:
+            for j in range(c):
+                a[j] = start[j] * e[0, j]
+        else:
+            a[:] = 0.0
+            before = alpha[row - 1]
+            for i in range(c):
+                bi = before[i]
+                if bi != 0.0:
+                    for j in range(c):
+                        a[j] += bi * trans[i, j]
+            for j in range(c):
+                a[j] *= e[t, j]
+        total = 0.0
+        for j in range(c):
+            total += a[j]
+        if not total >= TINY:
+            return np.nan
+        s[t] = total
+        for j in range(c):
+            a[j] /= total
+        log_prob += math.log(total) + top
+    return log_prob
+
+
+@njit(cache=True)
+def _hmm_backward(trans_t, first, length, post, e, s, counts, with_counts):
+    """The scaled backward sweep of one sequence after :func:`_hmm_forward`: turns ``alpha`` (in
+    ``post``) into the posteriors, each position renormalised to sum 1, and sets ``counts`` to
+    ``sum_t alpha_t[i] * r_t+1[j]`` with ``r_t = e[t] * beta_t / s[t]`` (the expected transition
+    counts are ``trans * counts``). Returns False where a backward message exceeds ``1 / TINY``
+    or is not a number: a forward probability lost below float64's range might then matter."""
+    c = post.shape[1]
+    beta = np.ones(c)
+    r = np.empty(c)
+    if with_counts:
+        counts[:] = 0.0
+    for t in range(length - 1, -1, -1):
+        a = post[first + t]
+        total = 0.0
+        for i in range(c):
+            a[i] *= beta[i]
+            total += a[i]
+        if total > 0.0:
+            for i in range(c):
+                a[i] /= total
+        if t == 0:
+            break
+        before = post[first + t - 1]
+        for j in range(c):
+            r[j] = e[t, j] * beta[j] / s[t]
+        beta[:] = 0.0
+        for j in range(c):
+            rj = r[j]
+            if rj != 0.0:
+                for i in range(c):
+                    beta[i] += rj * trans_t[j, i]
+        for i in range(c):
+            if not beta[i] <= 1.0 / TINY:
+                return False
+            bi = before[i]
+            if with_counts and bi != 0.0:
+                for j in range(c):
+                    counts[i, j] += bi * r[j]
+    return True
+
+
+@njit(parallel=True, cache=True)
+def hmm_posteriors_scaled(x, starts, start, trans, parts, post, log_prob, counts):
+    """The E-step of an HMM in probability space (Rabiner's scaling), the sequences in parallel.
+
+    ``x`` (n, c) float64 holds the emission log-likelihoods of sequences ``b`` at rows
+    ``starts[b]:starts[b + 1]``; ``start`` (c,) and ``trans`` (c, c) the start and transition
+    probabilities. Fills ``post`` (n, c) with the state posteriors, ``log_prob`` (B,) with each
+    sequence's log-likelihood, NaN where the scaled sweep is not exact (a scale factor below
+    ``TINY``, a backward message above ``1 / TINY``: the caller recomputes that sequence in log
+    space), and ``counts`` (parts, c, c) with sums whose total times ``trans`` is the expected
+    transition counts of the other sequences (``counts`` is None: no counts). Every probability
+    lost below float64's range weighs below 1e-170 of its sequence's likelihood. O(n * c²).
+    """
+    n, c = x.shape
+    rows = starts.shape[0] - 1
+    trans_t = np.ascontiguousarray(trans.T)
+    longest = 0
+    for b in range(rows):
+        longest = max(longest, starts[b + 1] - starts[b])
+    chunk = -(-rows // parts)
+    for k in prange(parts):
+        e = np.empty((longest, c))
+        s = np.empty(longest)
+        mine = np.empty((c, c))
+        if counts is not None:
+            counts[k] = 0.0
+        for b in range(k * chunk, min(rows, (k + 1) * chunk)):
+            first, length = starts[b], starts[b + 1] - starts[b]
+            log_prob[b] = _hmm_forward(x, start, trans, first, length, post, e, s)
+            if log_prob[b] != log_prob[b]:
+                continue
+            if not _hmm_backward(trans_t, first, length, post, e, s, mine, counts is not None):
+                log_prob[b] = np.nan
+            elif counts is not None:
+                counts[k] += mine
