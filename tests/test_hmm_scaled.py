@@ -1,0 +1,88 @@
+"""The dense CPU E-step of spchain.hmm in probability space (``_chain_scaled.hmm_posteriors``)
+against the log-space chain functions in float64, and its fallback to them."""
+
+import numpy as np
+import pytest
+
+from spchain import _backend, _chain_scaled, hmm
+from spchain.hmm import _sequences
+
+LENGTHS = [np.array([1]), np.array([7]), np.array([7, 12, 1, 9, 5, 2]), np.array([1, 1, 3])]
+
+
+def model(start, trans):
+    m = hmm.CategoricalHMM(len(start))
+    m.startprob_, m.transmat_, m.emissionprob_ = start, trans, np.ones((len(start), 1))
+    m._check(_backend.NUMPY)
+    return m
+
+
+def reference(m, frame, lengths):
+    """The log-space E-step, the float64 reference."""
+    return m._posteriors_log(_backend.NUMPY, frame, _sequences(np, frame.shape[0], lengths), True)
+
+
+def scaled(m, frame, lengths):
+    seqs = _sequences(np, frame.shape[0], lengths)
+    return _chain_scaled.hmm_posteriors(_backend.NUMPY, frame, seqs.starts, m.startprob_, m.transmat_, True)
+
+
+def problem(rng, lengths, c=5, zeros=True):
+    start = rng.dirichlet(np.ones(c))
+    trans = rng.dirichlet(np.ones(c), size=c)
+    frame = 3 * rng.normal(size=(int(lengths.sum()), c))
+    if zeros:  # forbidden moves and starts, impossible emissions
+        trans[0, 1] = trans[2, :2] = 0
+        trans /= trans.sum(axis=1, keepdims=True)
+        start[3] = 0
+        start /= start.sum()
+        frame[::4, 2] = -np.inf
+    return model(start, trans), frame
+
+
+@pytest.mark.parametrize("zeros", [False, True])
+@pytest.mark.parametrize("lengths", LENGTHS, ids=str)
+def test_scaled_estep_matches_log_space(rng, lengths, zeros):
+    m, frame = problem(rng, lengths, zeros=zeros)
+    log_prob, posteriors, counts = scaled(m, frame, lengths)
+    total, expected, _, expected_counts = reference(m, frame, lengths)
+    assert not np.isnan(log_prob).any()
+    np.testing.assert_allclose(log_prob.sum(), total, rtol=1e-12)
+    np.testing.assert_allclose(posteriors, expected, rtol=1e-10, atol=1e-13)
+    np.testing.assert_allclose(counts, expected_counts, rtol=1e-10, atol=1e-13)
+    if zeros:
+        assert counts[0, 1] == 0
+
+
+def test_scaled_estep_leaves_out_sequences_it_cannot_do(rng):
+    """A scale factor below float64's safe range (the only state that explains a sample is
+    unreachable but for a path of probability e-400) marks its sequence NaN; ``_posteriors``
+    computes it in log space, the others in probability space, and the result is the log-space one."""
+    lengths = np.array([6, 4, 5])
+    m, frame = problem(rng, lengths, c=3, zeros=False)
+    m = model(np.array([0.5, 0.5, 0.0]),
+              np.array([[0.5, 0.5, 0.0], [0.5, 0.5 - np.exp(-400), np.exp(-400)], [0.0, 0.0, 1.0]]))
+    frame[7, :2] -= 1000.0  # the second sequence's second sample: only state 2 explains it
+    log_prob, _, _ = scaled(m, frame, lengths)
+    assert np.isnan(log_prob).tolist() == [False, True, False]
+    seqs = _sequences(np, frame.shape[0], lengths)
+    got = m._posteriors(_backend.NUMPY, frame, seqs, True)
+    expected = reference(m, frame, lengths)
+    np.testing.assert_allclose(got[0], expected[0], rtol=1e-12)
+    for a, b in zip(got[1:], expected[1:]):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-13)
+
+
+def test_dead_sequence_falls_back(rng):
+    """A sequence with no path (an impossible sample) gets the log-space chain's answer."""
+    lengths = np.array([3, 4])
+    m, frame = problem(rng, lengths, c=3, zeros=False)
+    frame[4] = -np.inf
+    log_prob, _, _ = scaled(m, frame, lengths)
+    assert np.isnan(log_prob).tolist() == [False, True]
+    got = m._posteriors(_backend.NUMPY, frame, _sequences(np, frame.shape[0], lengths), True)
+    expected = reference(m, frame, lengths)
+    assert got[0] == expected[0] == -np.inf
+    for a, b in zip(got[1:], expected[1:]):
+        np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-13)
