@@ -167,31 +167,40 @@ def _exact_where_not(chain: Chain, pre: Array, norm: Array, marg: Array, weight:
         grad_trans[...] = np.where(ok[..., None, None], grad_trans, exact)
 
 
-def hmm_posteriors(backend: Backend, x: Array, starts: Array, startprob: Array, transmat: Array,
-                   transitions: bool) -> tuple[Array, Array, Array | None]:
+def hmm_posteriors(backend: Backend, x: Array, weights: Array | None, starts: Array, startprob: Array,
+                   transmat: Array, transitions: bool, sums: bool) -> tuple[Array, Array, Array | None, Array | None]:
     """The E-step of a dense HMM on the CPU, in probability space (Rabiner's scaling).
 
-    ``x`` (n, c) float64 holds the emission log-likelihoods of the concatenated sequences
-    ``b`` at rows ``starts[b]:starts[b + 1]``; ``startprob`` (c,) and ``transmat`` (c, c) are
-    probabilities. One forward and one backward sweep per sequence (``c²`` multiply-adds a
-    step for each, and for the counts; ``c`` exponentials a step, no logarithms).
+    Sequence ``b`` is rows ``starts[b]:starts[b + 1]`` of ``x`` (n, k) float64: its emission
+    log-likelihoods (``weights`` None), or features whose product with ``weights`` (k, c) they
+    are (a Gaussian's with diagonal covariances: no (n, c) array of them is made);
+    ``startprob`` (c,) and ``transmat`` (c, c) are probabilities. One forward and one backward
+    sweep per sequence, ``c²`` multiply-adds a step for each and for the counts, ``c``
+    exponentials a step and no logarithms.
 
     Returns
     -------
     log_prob : array (B,)
         Each sequence's log-likelihood; NaN where the scaled sweep could lose precision (a
         scale factor below ``1e-130``, a backward message above ``1e130``): the caller computes
-        those sequences in log space. Their posteriors and counts are left out.
+        those sequences in log space. They are left out of ``counts`` and ``sums``.
     posteriors : array (n, c)
         The state posteriors.
     counts : array (c, c) or None
         The expected transition counts (``None`` unless ``transitions``).
+    sums : array (c, k) or None
+        ``posteriors.T @ x`` (``None`` unless ``sums``).
     """
     rows, c = len(starts) - 1, transmat.shape[0]
     parts = max(1, min(PARTS, rows))
-    posteriors = np.empty_like(x)
+    x = np.ascontiguousarray(x, dtype=np.float64)
+    posteriors = np.empty((x.shape[0], c))
     log_prob = np.empty(rows)
-    sums = np.empty((parts, c, c)) if transitions else None
-    backend.kernel("chain_scaled", "hmm_posteriors_scaled")(x, starts, startprob, transmat, parts, posteriors,
-                                                            log_prob, sums)
-    return log_prob, posteriors, None if sums is None else transmat * sums.sum(axis=0)
+    counts = np.empty((parts, c, c)) if transitions else None
+    totals = np.empty((parts, c, x.shape[1])) if sums else None
+    backend.kernel("chain_scaled", "hmm_posteriors_scaled")(
+        x, None if weights is None else np.ascontiguousarray(weights, dtype=np.float64), starts,
+        np.ascontiguousarray(startprob, dtype=np.float64), np.ascontiguousarray(transmat, dtype=np.float64), parts,
+        posteriors, log_prob, counts, totals)
+    return (log_prob, posteriors, None if counts is None else transmat * counts.sum(axis=0),
+            None if totals is None else totals.sum(axis=0))

@@ -280,29 +280,34 @@ class _BaseHMM:
                 log_trans = xp.log(self.transmat_)
         return log_start, log_trans
 
-    def _posteriors(self, backend: _backend.Backend, frame: Array, seqs: _Sequences,
-                    transitions: bool) -> tuple[float, Array, Array, Any]:
+    def _posteriors(self, backend: _backend.Backend, data: Any, seqs: _Sequences, transitions: bool,
+                    sums: bool = False) -> tuple[float, Array, Array, Any, Array | None]:
         """The E-step over all sequences at once: ``(log-likelihood, posteriors (n, c),
-        first-position posteriors summed (c,), expected transition counts or None)``.
+        first-position posteriors summed (c,), expected transition counts or None, the M-step's
+        sums or None)``; the sums (``posteriors.T @ features``) where ``sums`` and the
+        emissions have the form of :meth:`_emission_product`.
 
         A dense model on the CPU runs the scaled (probability-space) sweeps, and the log-space
         chain for the sequences where those could lose precision; otherwise the log-space chain
         runs (:meth:`_posteriors_log`)."""
         if backend.on_gpu or _sparse_chain.is_sparse(self.transmat_):
-            return self._posteriors_log(backend, frame, seqs, transitions)
-        log_prob, posteriors, counts = _chain_scaled.hmm_posteriors(backend, frame, seqs.starts, self.startprob_,
-                                                                    self.transmat_, transitions)
+            return *self._posteriors_log(backend, self._log_likelihood(backend, data), seqs, transitions), None
+        product = self._emission_product(backend, data)
+        x, weights = product if product is not None else (self._log_likelihood(backend, data), None)
+        log_prob, posteriors, counts, totals = _chain_scaled.hmm_posteriors(
+            backend, x, weights, seqs.starts, self.startprob_, self.transmat_, transitions, sums and product is not None)
         redo = np.flatnonzero(np.isnan(log_prob))
-        total = float(log_prob.sum()) if not redo.size else float(np.delete(log_prob, redo).sum())
+        total = float(np.delete(log_prob, redo).sum())
         if redo.size:
             starts = seqs.starts
-            lengths = starts[redo + 1] - starts[redo]
             index = np.concatenate([np.arange(starts[b], starts[b + 1]) for b in redo])
-            part, posteriors[index], _, more = self._posteriors_log(backend, frame[index],
-                                                                    _sequences(np, index.size, lengths), transitions)
+            frame = x[index] if product is None else self._log_likelihood(backend, data)[index]
+            part, posteriors[index], _, more = self._posteriors_log(
+                backend, frame, _sequences(np, index.size, starts[redo + 1] - starts[redo]), transitions)
             total += part
             counts = None if counts is None else counts + more
-        return total, posteriors, posteriors[seqs.starts[:-1]].sum(axis=0), counts
+            totals = None if totals is None else totals + posteriors[index].T @ x[index]
+        return total, posteriors, posteriors[seqs.starts[:-1]].sum(axis=0), counts, totals
 
     def _posteriors_log(self, backend: _backend.Backend, frame: Array, seqs: _Sequences,
                         transitions: bool) -> tuple[float, Array, Array, Any]:
@@ -346,7 +351,16 @@ class _BaseHMM:
         """The (n, c) emission log-likelihoods."""
         raise NotImplementedError
 
-    def _mstep_emissions(self, backend: _backend.Backend, data: Any, posteriors: Array) -> None:
+    def _emission_product(self, backend: _backend.Backend, data: Any) -> tuple[Array, Array] | None:
+        """``(features (n, k), weights (k, c))`` whose product is the emission log-likelihoods
+        and whose ``posteriors.T @ features`` are the M-step's sums, where the emissions have
+        that form; else None."""
+        return None
+
+    def _mstep_emissions(self, backend: _backend.Backend, data: Any, posteriors: Array,
+                         sums: Array | None = None) -> None:
+        """The M-step of the emissions; ``sums`` are ``posteriors.T @ features`` of
+        :meth:`_emission_product` where the E-step made them."""
         raise NotImplementedError
 
     def _init_emissions(self, backend: _backend.Backend, X: Array) -> None:
@@ -402,18 +416,18 @@ class _BaseHMM:
     def _em_step(self, backend: _backend.Backend, data: Any, seqs: _Sequences) -> float:
         """One EM iteration; returns the E-step's log-likelihood. Its (n, c) arrays are freed
         on return, so that one iteration's never meet the next one's."""
-        frame = self._log_likelihood(backend, data)
-        log_prob, posteriors, start, counts = self._posteriors(backend, frame, seqs, "t" in self.params)
+        log_prob, posteriors, start, counts, sums = self._posteriors(backend, data, seqs, "t" in self.params,
+                                                                     sums=True)
         self._mstep_start_trans(backend, start, counts)
-        self._mstep_emissions(backend, data, posteriors)
+        self._mstep_emissions(backend, data, posteriors, sums)
         return log_prob
 
     def _score(self, X: Any, lengths: Any) -> tuple[float, Array]:
         backend, X = self._data(X)
         self._check(backend)
         seqs = _sequences(backend.xp, X.shape[0], lengths)
-        frame = self._log_likelihood(backend, self._prepare(backend, X, fitting=False))
-        log_prob, posteriors, _, _ = self._posteriors(backend, frame, seqs, False)
+        log_prob, posteriors, _, _, _ = self._posteriors(backend, self._prepare(backend, X, fitting=False), seqs,
+                                                         False)
         return log_prob, posteriors
 
     def score_samples(self, X: Any, lengths: Any = None) -> tuple[float, Array]:
@@ -574,7 +588,8 @@ class CategoricalHMM(_BaseHMM):
         with np.errstate(divide="ignore"):
             return backend.xp.log(self.emissionprob_).T[data]
 
-    def _mstep_emissions(self, backend: _backend.Backend, data: Any, posteriors: Array) -> None:
+    def _mstep_emissions(self, backend: _backend.Backend, data: Any, posteriors: Array,
+                         sums: Array | None = None) -> None:
         if "e" not in self.params:
             return
         xp = backend.xp
@@ -718,18 +733,29 @@ class GaussianHMM(_BaseHMM):
         if self._covars_.shape != shape:
             raise ValueError(f"{self.covariance_type!r} covars must have shape {shape}, got {self._covars_.shape}")
 
-    def _log_likelihood(self, backend: _backend.Backend, data: Any) -> Array:
+    def _emission_product(self, backend: _backend.Backend, data: Any) -> tuple[Array, Array] | None:
+        """For diagonal covariances, ``[x, x**2, 1]`` and the weights whose product with them is
+        the log-likelihoods."""
+        if data.features is None:
+            return None
         xp = backend.xp
         f = self.n_features
         means = self.means_ - data.shift
+        cov = self._covars_[:, None] * xp.ones(f) if self.covariance_type == "spherical" else self._covars_
+        var = xp.maximum(cov, np.finfo(float).tiny)
+        precision = 1 / var
+        offset = f * np.log(2 * np.pi) + xp.log(var).sum(axis=1) + (means**2 * precision).sum(axis=1)
+        weights = xp.concatenate([means * precision, -0.5 * precision, -0.5 * offset[:, None]], axis=1)
+        return data.features, weights.T
+
+    def _log_likelihood(self, backend: _backend.Backend, data: Any) -> Array:
+        xp = backend.xp
+        product = self._emission_product(backend, data)
+        if product is not None:
+            return _backend.matmul(xp, *product)
+        f = self.n_features
+        means = self.means_ - data.shift
         const = f * np.log(2 * np.pi)
-        if data.features is not None:
-            cov = self._covars_[:, None] * xp.ones(f) if self.covariance_type == "spherical" else self._covars_
-            var = xp.maximum(cov, np.finfo(float).tiny)
-            precision = 1 / var
-            offset = const + xp.log(var).sum(axis=1) + (means**2 * precision).sum(axis=1)
-            weights = xp.concatenate([means * precision, -0.5 * precision, -0.5 * offset[:, None]], axis=1)
-            return _backend.matmul(xp, data.features, weights.T)
         chol = _cholesky(xp, self._covars_)
         log_det = 2 * xp.log(xp.diagonal(chol, axis1=-2, axis2=-1)).sum(axis=-1)
         inverse = xp.linalg.inv(chol)
@@ -746,14 +772,16 @@ class GaussianHMM(_BaseHMM):
             out[:, k] = (y * y).sum(axis=1)
         return -0.5 * (out + const + log_det)
 
-    def _mstep_emissions(self, backend: _backend.Backend, data: Any, posteriors: Array) -> None:
+    def _mstep_emissions(self, backend: _backend.Backend, data: Any, posteriors: Array,
+                         sums: Array | None = None) -> None:
         need_means, need_covars = "m" in self.params, "c" in self.params
         if not (need_means or need_covars):
             return
         xp = backend.xp
         f = self.n_features
         X = data.centered
-        sums = _backend.matmul(xp, posteriors.T, X if data.features is None else data.features)
+        if sums is None:
+            sums = _backend.matmul(xp, posteriors.T, X if data.features is None else data.features)
         totals = posteriors.sum(axis=0) if data.features is None else sums[:, -1]
         prior = _to(backend, self.means_prior) - data.shift
         weight = _to(backend, self.means_weight)

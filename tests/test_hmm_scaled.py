@@ -14,6 +14,7 @@ def model(start, trans):
     m = hmm.CategoricalHMM(len(start))
     m.startprob_, m.transmat_, m.emissionprob_ = start, trans, np.ones((len(start), 1))
     m._check(_backend.NUMPY)
+    m._log_likelihood = lambda backend, frame: frame  # the data are the emission log-likelihoods
     return m
 
 
@@ -22,9 +23,10 @@ def reference(m, frame, lengths):
     return m._posteriors_log(_backend.NUMPY, frame, _sequences(np, frame.shape[0], lengths), True)
 
 
-def scaled(m, frame, lengths):
+def scaled(m, frame, lengths, weights=None):
     seqs = _sequences(np, frame.shape[0], lengths)
-    return _chain_scaled.hmm_posteriors(_backend.NUMPY, frame, seqs.starts, m.startprob_, m.transmat_, True)
+    return _chain_scaled.hmm_posteriors(_backend.NUMPY, frame, weights, seqs.starts, m.startprob_, m.transmat_,
+                                        True, True)
 
 
 def problem(rng, lengths, c=5, zeros=True):
@@ -44,7 +46,7 @@ def problem(rng, lengths, c=5, zeros=True):
 @pytest.mark.parametrize("lengths", LENGTHS, ids=str)
 def test_scaled_estep_matches_log_space(rng, lengths, zeros):
     m, frame = problem(rng, lengths, zeros=zeros)
-    log_prob, posteriors, counts = scaled(m, frame, lengths)
+    log_prob, posteriors, counts, sums = scaled(m, frame, lengths)
     total, expected, _, expected_counts = reference(m, frame, lengths)
     assert not np.isnan(log_prob).any()
     np.testing.assert_allclose(log_prob.sum(), total, rtol=1e-12)
@@ -52,6 +54,23 @@ def test_scaled_estep_matches_log_space(rng, lengths, zeros):
     np.testing.assert_allclose(counts, expected_counts, rtol=1e-10, atol=1e-13)
     if zeros:
         assert counts[0, 1] == 0
+    else:  # the M-step's sums (of features, which are finite)
+        np.testing.assert_allclose(sums, expected.T @ frame, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("lengths", LENGTHS[2:], ids=str)
+def test_scaled_estep_of_a_product(rng, lengths):
+    """Emission log-likelihoods given as ``features @ weights`` (a Gaussian's with diagonal
+    covariances): the same E-step, and the M-step's sums ``posteriors.T @ features``."""
+    m, _ = problem(rng, lengths, zeros=True)
+    features = rng.normal(size=(int(lengths.sum()), 4))
+    weights = rng.normal(size=(4, 5))
+    log_prob, posteriors, counts, sums = scaled(m, features, lengths, weights)
+    expected = scaled(m, features @ weights, lengths)
+    np.testing.assert_allclose(log_prob, expected[0], rtol=1e-12)
+    np.testing.assert_allclose(posteriors, expected[1], rtol=1e-10, atol=1e-13)
+    np.testing.assert_allclose(counts, expected[2], rtol=1e-10, atol=1e-13)
+    np.testing.assert_allclose(sums, posteriors.T @ features, rtol=1e-10, atol=1e-10)
 
 
 def test_scaled_estep_leaves_out_sequences_it_cannot_do(rng):
@@ -63,13 +82,13 @@ def test_scaled_estep_leaves_out_sequences_it_cannot_do(rng):
     m = model(np.array([0.5, 0.5, 0.0]),
               np.array([[0.5, 0.5, 0.0], [0.5, 0.5 - np.exp(-400), np.exp(-400)], [0.0, 0.0, 1.0]]))
     frame[7, :2] -= 1000.0  # the second sequence's second sample: only state 2 explains it
-    log_prob, _, _ = scaled(m, frame, lengths)
+    log_prob = scaled(m, frame, lengths)[0]
     assert np.isnan(log_prob).tolist() == [False, True, False]
     seqs = _sequences(np, frame.shape[0], lengths)
     got = m._posteriors(_backend.NUMPY, frame, seqs, True)
     expected = reference(m, frame, lengths)
     np.testing.assert_allclose(got[0], expected[0], rtol=1e-12)
-    for a, b in zip(got[1:], expected[1:]):
+    for a, b in zip(got[1:4], expected[1:]):
         np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-13)
 
 
@@ -78,11 +97,11 @@ def test_dead_sequence_falls_back(rng):
     lengths = np.array([3, 4])
     m, frame = problem(rng, lengths, c=3, zeros=False)
     frame[4] = -np.inf
-    log_prob, _, _ = scaled(m, frame, lengths)
+    log_prob = scaled(m, frame, lengths)[0]
     assert np.isnan(log_prob).tolist() == [False, True]
     got = m._posteriors(_backend.NUMPY, frame, _sequences(np, frame.shape[0], lengths), True)
     expected = reference(m, frame, lengths)
     assert got[0] == expected[0] == -np.inf
-    for a, b in zip(got[1:], expected[1:]):
+    for a, b in zip(got[1:4], expected[1:]):
         np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
         np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-13)

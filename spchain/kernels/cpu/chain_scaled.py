@@ -248,38 +248,54 @@ def chain_transition_grad_scaled(x, cmax, group, lengths, pre, norm, marg, weigh
                             out[i, j] += pi * r[j]
 
 
+@njit(cache=True, fastmath={"contract"})
+def _add_vecmat(acc, w, m):
+    """``acc += w @ m``: ``acc`` (c,), ``w`` (k,), ``m`` (k, c); four rows of ``m`` a pass over ``acc``."""
+    k, c = m.shape
+    i = 0
+    while i + 4 <= k:
+        w0, w1, w2, w3 = w[i], w[i + 1], w[i + 2], w[i + 3]
+        m0, m1, m2, m3 = m[i], m[i + 1], m[i + 2], m[i + 3]
+        for j in range(c):
+            acc[j] += w0 * m0[j] + w1 * m1[j] + w2 * m2[j] + w3 * m3[j]
+        i += 4
+    for r in range(i, k):
+        wr, mr = w[r], m[r]
+        for j in range(c):
+            acc[j] += wr * mr[j]
+
+
 @njit(cache=True)
-def _hmm_forward(x, start, trans, first, length, alpha, e, s):
-    """The scaled forward sweep of one sequence ``x[first:first + length]`` in probability
-    space: ``alpha[first + t] = P(state | x[:t + 1])``, ``e[t] = exp(x[t] - max x[t])`` and ``s[t]``
-    the ``t``-th scale factor. Returns its log-likelihood, or NaN where a scale factor is below
-    ``TINY`` or not a number (then the outputs are incomplete)."""
-    c = x.shape[1]
+def _hmm_forward(x, weights, start, trans, first, length, alpha, e, s):
+    """The scaled forward sweep of one sequence in probability space: ``alpha[t] = P(state |
+    samples first..first + t)``, ``e[t] = exp(l[t] - max l[t])`` of its emission
+    log-likelihoods ``l[t] = x[first + t]`` (``weights`` None) or ``x[first + t] @ weights``,
+    and ``s[t]`` the ``t``-th scale factor. Returns its log-likelihood, or NaN where a scale
+    factor is below ``TINY`` or not a number (then the outputs are incomplete)."""
+    c = alpha.shape[1]
     log_prob = 0.0
     for t in range(length):
-        row = first + t
+        et, a = e[t], alpha[t]
+        if weights is None:
+            et[:] = x[first + t]
+        else:
+            et[:] = 0.0
+            _add_vecmat(et, x[first + t], weights)
         top = -np.inf
         for j in range(c):
-            if x[row, j] > top:
-                top = x[row, j]
+            top = max(top, et[j])
         if not math.isfinite(top):
             return np.nan
         for j in range(c):
-            e[t, j] = exp_nonpositive(x[row, j] - top)
-        a = alpha[row]
+            et[j] = exp_nonpositive(et[j] - top)
         if t == 0:
             for j in range(c):
-                a[j] = start[j] * e[0, j]
+                a[j] = start[j] * et[j]
         else:
             a[:] = 0.0
-            before = alpha[row - 1]
-            for i in range(c):
-                bi = before[i]
-                if bi != 0.0:
-                    for j in range(c):
-                        a[j] += bi * trans[i, j]
+            _add_vecmat(a, alpha[t - 1], trans)
             for j in range(c):
-                a[j] *= e[t, j]
+                a[j] *= et[j]
         total = 0.0
         for j in range(c):
             total += a[j]
@@ -293,79 +309,79 @@ def _hmm_forward(x, start, trans, first, length, alpha, e, s):
 
 
 @njit(cache=True)
-def _hmm_backward(trans_t, first, length, post, e, s, counts, with_counts):
-    """The scaled backward sweep of one sequence after :func:`_hmm_forward`: turns ``alpha`` (in
-    ``post``) into the posteriors, each position renormalised to sum 1, and sets ``counts`` to
-    ``sum_t alpha_t[i] * r_t+1[j]`` with ``r_t = e[t] * beta_t / s[t]`` (the expected transition
-    counts are ``trans * counts``). Returns False where a backward message exceeds ``1 / TINY``
-    or is not a number: a forward probability lost below float64's range might then matter."""
-    c = post.shape[1]
+def _hmm_backward(trans_t, length, alpha, e, s, post):
+    """The scaled backward sweep of one sequence after :func:`_hmm_forward`: fills ``post``
+    (length, c) with the posteriors, each position renormalised to sum 1, and overwrites
+    ``e[t]`` (t >= 1) with ``r[t] = e[t] * beta[t] / s[t]``, so that ``sum_t alpha[t, i] *
+    r[t + 1, j] * trans[i, j]`` are the expected transition counts. Returns False where a
+    backward message exceeds ``1 / TINY`` or is not a number: a forward probability lost below
+    float64's range might then matter."""
+    c = alpha.shape[1]
     beta = np.ones(c)
-    r = np.empty(c)
-    if with_counts:
-        counts[:] = 0.0
     for t in range(length - 1, -1, -1):
-        a = post[first + t]
+        g = post[t]
         total = 0.0
         for i in range(c):
-            a[i] *= beta[i]
-            total += a[i]
+            g[i] = alpha[t, i] * beta[i]
+            total += g[i]
         if total > 0.0:
             for i in range(c):
-                a[i] /= total
+                g[i] /= total
         if t == 0:
             break
-        before = post[first + t - 1]
+        r = e[t]
         for j in range(c):
-            r[j] = e[t, j] * beta[j] / s[t]
+            r[j] *= beta[j] / s[t]
         beta[:] = 0.0
-        for j in range(c):
-            rj = r[j]
-            if rj != 0.0:
-                for i in range(c):
-                    beta[i] += rj * trans_t[j, i]
+        _add_vecmat(beta, r, trans_t)
         for i in range(c):
             if not beta[i] <= 1.0 / TINY:
                 return False
-            bi = before[i]
-            if with_counts and bi != 0.0:
-                for j in range(c):
-                    counts[i, j] += bi * r[j]
     return True
 
 
 @njit(parallel=True, cache=True)
-def hmm_posteriors_scaled(x, starts, start, trans, parts, post, log_prob, counts):
+def hmm_posteriors_scaled(x, weights, starts, start, trans, parts, post, log_prob, counts, sums):
     """The E-step of an HMM in probability space (Rabiner's scaling), the sequences in parallel.
 
-    ``x`` (n, c) float64 holds the emission log-likelihoods of sequences ``b`` at rows
-    ``starts[b]:starts[b + 1]``; ``start`` (c,) and ``trans`` (c, c) the start and transition
-    probabilities. Fills ``post`` (n, c) with the state posteriors, ``log_prob`` (B,) with each
-    sequence's log-likelihood, NaN where the scaled sweep is not exact (a scale factor below
-    ``TINY``, a backward message above ``1 / TINY``: the caller recomputes that sequence in log
-    space), and ``counts`` (parts, c, c) with sums whose total times ``trans`` is the expected
-    transition counts of the other sequences (``counts`` is None: no counts). Every probability
-    lost below float64's range weighs below 1e-170 of its sequence's likelihood. O(n * c²).
+    Sequence ``b`` is rows ``starts[b]:starts[b + 1]`` of ``x`` (n, k) float64, its emission
+    log-likelihoods (``weights`` None) or the features whose product with ``weights`` (k, c) they
+    are; ``start`` (c,) and ``trans`` (c, c) hold the start and transition probabilities. Fills
+    ``post`` (n, c) with the state posteriors and ``log_prob`` (B,) with each sequence's
+    log-likelihood, NaN where the scaled sweep is not exact (a scale factor below ``TINY``, a
+    backward message above ``1 / TINY``: the caller recomputes that sequence in log space).
+    Sets ``counts`` (parts, c, c) to sums whose total times ``trans`` is the expected transition
+    counts, and ``sums`` (parts, c, k) to sums whose total is ``post.T @ x``, both over the
+    sequences not NaN (either None: not computed). Every probability lost below float64's range
+    weighs below 1e-170 of its sequence's likelihood. O(n * c * (c + k)).
     """
-    n, c = x.shape
+    n, k = x.shape
+    c = trans.shape[0]
     rows = starts.shape[0] - 1
     trans_t = np.ascontiguousarray(trans.T)
     longest = 0
     for b in range(rows):
         longest = max(longest, starts[b + 1] - starts[b])
     chunk = -(-rows // parts)
-    for k in prange(parts):
+    for part in prange(parts):
+        alpha = np.empty((longest, c))
         e = np.empty((longest, c))
         s = np.empty(longest)
-        mine = np.empty((c, c))
         if counts is not None:
-            counts[k] = 0.0
-        for b in range(k * chunk, min(rows, (k + 1) * chunk)):
+            counts[part] = 0.0
+        if sums is not None:
+            sums[part] = 0.0
+        for b in range(part * chunk, min(rows, (part + 1) * chunk)):
             first, length = starts[b], starts[b + 1] - starts[b]
-            log_prob[b] = _hmm_forward(x, start, trans, first, length, post, e, s)
+            log_prob[b] = _hmm_forward(x, weights, start, trans, first, length, alpha, e, s)
             if log_prob[b] != log_prob[b]:
                 continue
-            if not _hmm_backward(trans_t, first, length, post, e, s, mine, counts is not None):
+            if not _hmm_backward(trans_t, length, alpha, e, s, post[first:first + length]):
                 log_prob[b] = np.nan
-            elif counts is not None:
-                counts[k] += mine
+                continue
+            if counts is not None:
+                for i in range(c):
+                    _add_vecmat(counts[part, i], alpha[:length - 1, i], e[1:length])
+            if sums is not None:
+                for i in range(c):
+                    _add_vecmat(sums[part, i], post[first:first + length, i], x[first:first + length])
