@@ -6,6 +6,8 @@
 - On the GPU: the expected transition counts as batched GEMMs (:func:`transition_grad_gemm`,
   array-API code that the CPU tests run on NumPy arrays), instead of a serial kernel walking
   the batch rows of each matrix entry.
+- An HMM's whole E-step on the CPU (:func:`hmm_posteriors`): forward and backward in
+  probability space, the posteriors and transition counts from one backward sweep.
 """
 
 from __future__ import annotations

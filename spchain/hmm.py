@@ -2,11 +2,21 @@
 
 The estimators take hmmlearn's constructor parameters, fitted attributes and methods, so
 that code written for ``hmmlearn.hmm`` changes one import. Underneath, every E-step is one
-batched, ragged chain call over all sequences (the sequences padded to ``(n_seq, max_len, c)``
-with their lengths): :func:`spchain.chain.chain_logsumexp_forward` and its backward give the
-log-likelihoods, the state posteriors (the gradient with respect to the emission scores) and
-the expected transition counts (the gradient with respect to ``log_trans``). Emission
-log-likelihoods and the M-step sums are matrix products over all samples at once.
+batched call over all sequences:
+
+- a dense ``transmat_`` on the CPU: one forward and one backward sweep per sequence in
+  probability space (Rabiner's scaling; :func:`spchain._chain_scaled.hmm_posteriors`, the
+  sequences in parallel), which give the log-likelihoods, the state posteriors and the
+  expected transition counts together, and for diagonal covariances compute the emission
+  log-likelihoods and gather the M-step's sums as they go. A sequence whose scaled sweep could
+  lose precision (probabilities beyond float64's range) is computed in log space instead, so
+  the results are the log-space ones;
+- otherwise (a sparse ``transmat_``, the GPU) a ragged chain call (the sequences padded to
+  ``(n_seq, max_len, c)`` with their lengths): :func:`spchain.chain.chain_logsumexp_forward`
+  and its backward give the log-likelihoods, the state posteriors (the gradient with respect
+  to the emission scores) and the expected transition counts (the gradient with respect to
+  ``log_trans``), and the emission log-likelihoods and M-step sums are matrix products over
+  all samples at once.
 
 NumPy ``X`` computes with NumPy (and SciPy), CuPy ``X`` on its device; the parameters follow
 ``X``. ``transmat_`` may be a SciPy or cupyx sparse matrix whose stored entries are the

@@ -353,17 +353,18 @@ def hmm_posteriors_scaled(x, weights, starts, start, trans, parts, post, log_pro
     Sets ``counts`` (parts, c, c) to sums whose total times ``trans`` is the expected transition
     counts, and ``sums`` (parts, c, k) to sums whose total is ``post.T @ x``, both over the
     sequences not NaN (either None: not computed). Every probability lost below float64's range
-    weighs below 1e-170 of its sequence's likelihood. O(n * c * (c + k)).
+    weighs below 1e-170 of its sequence's likelihood. O(n * c * (c + k)) operations, scratch
+    memory at most 2n * c plus the (parts, c, c + k) sums.
     """
     n, k = x.shape
     c = trans.shape[0]
     rows = starts.shape[0] - 1
     trans_t = np.ascontiguousarray(trans.T)
-    longest = 0
-    for b in range(rows):
-        longest = max(longest, starts[b + 1] - starts[b])
     chunk = -(-rows // parts)
     for part in prange(parts):
+        longest = 0
+        for b in range(part * chunk, min(rows, (part + 1) * chunk)):
+            longest = max(longest, starts[b + 1] - starts[b])
         alpha = np.empty((longest, c))
         e = np.empty((longest, c))
         s = np.empty(longest)
