@@ -250,9 +250,16 @@ def chain_transition_grad_scaled(x, cmax, group, lengths, pre, norm, marg, weigh
 
 @njit(cache=True, fastmath={"contract"})
 def _add_vecmat(acc, w, m):
-    """``acc += w @ m``: ``acc`` (c,), ``w`` (k,), ``m`` (k, c); four rows of ``m`` a pass over ``acc``."""
+    """``acc += w @ m``: ``acc`` (c,), ``w`` (k,), ``m`` (k, c); eight rows of ``m`` a pass over ``acc``."""
     k, c = m.shape
     i = 0
+    while i + 8 <= k:
+        w0, w1, w2, w3, w4, w5, w6, w7 = w[i], w[i + 1], w[i + 2], w[i + 3], w[i + 4], w[i + 5], w[i + 6], w[i + 7]
+        m0, m1, m2, m3, m4, m5, m6, m7 = m[i], m[i + 1], m[i + 2], m[i + 3], m[i + 4], m[i + 5], m[i + 6], m[i + 7]
+        for j in range(c):
+            low = w0 * m0[j] + w1 * m1[j] + w2 * m2[j] + w3 * m3[j]
+            acc[j] += low + (w4 * m4[j] + w5 * m5[j] + w6 * m6[j] + w7 * m7[j])
+        i += 8
     while i + 4 <= k:
         w0, w1, w2, w3 = w[i], w[i + 1], w[i + 2], w[i + 3]
         m0, m1, m2, m3 = m[i], m[i + 1], m[i + 2], m[i + 3]
