@@ -105,3 +105,21 @@ def test_dead_sequence_falls_back(rng):
     for a, b in zip(got[1:4], expected[1:]):
         np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
         np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-13)
+
+
+def test_large_backward_message_falls_back(rng):
+    """A start state of probability e-400, kept (no moves), that the later samples favour by
+    e40 a step: its backward message passes 1e130, the scaled sweep gives that sequence up, and
+    ``_posteriors`` gives the log-space result (the state's posterior is 1/2)."""
+    lengths = np.array([12, 3])
+    m = model(np.array([1.0 - np.exp(-400.0), np.exp(-400.0)]), np.eye(2))
+    frame = np.zeros((15, 2))
+    frame[2:12, 0] = -40.0
+    log_prob = scaled(m, frame, lengths)[0]
+    assert np.isnan(log_prob).tolist() == [True, False]
+    got = m._posteriors(_backend.NUMPY, frame, _sequences(np, frame.shape[0], lengths), True)
+    expected = reference(m, frame, lengths)
+    np.testing.assert_allclose(expected[1][:12, 1], 0.5)
+    np.testing.assert_allclose(got[0], expected[0], rtol=1e-12)
+    for a, b in zip(got[1:4], expected[1:]):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-13)
