@@ -170,7 +170,8 @@ def _exact_where_not(chain: Chain, pre: Array, norm: Array, marg: Array, weight:
 
 
 def hmm_posteriors(backend: Backend, x: Array, weights: Array | None, starts: Array, startprob: Array,
-                   transmat: Array, transitions: bool, sums: bool) -> tuple[Array, Array, Array | None, Array | None]:
+                   transmat: Array, transitions: bool, sums: bool,
+                   posteriors: bool = True) -> tuple[Array, Array | None, Array, Array | None, Array | None]:
     """The E-step of a dense HMM on the CPU, in probability space (Rabiner's scaling).
 
     Sequence ``b`` is rows ``starts[b]:starts[b + 1]`` of ``x`` (n, k) float64: its emission
@@ -185,9 +186,11 @@ def hmm_posteriors(backend: Backend, x: Array, weights: Array | None, starts: Ar
     log_prob : array (B,)
         Each sequence's log-likelihood; NaN where the scaled sweep could lose precision (a
         scale factor below ``1e-130``, a backward message above ``1e130``): the caller computes
-        those sequences in log space. They are left out of ``counts`` and ``sums``.
-    posteriors : array (n, c)
-        The state posteriors.
+        those sequences in log space. They are left out of the sums below.
+    posteriors : array (n, c) or None
+        The state posteriors (``None`` unless ``posteriors``).
+    first : array (c,)
+        The posteriors of the sequences' first positions, summed.
     counts : array (c, c) or None
         The expected transition counts (``None`` unless ``transitions``).
     sums : array (c, k) or None
@@ -196,13 +199,14 @@ def hmm_posteriors(backend: Backend, x: Array, weights: Array | None, starts: Ar
     rows, c = len(starts) - 1, transmat.shape[0]
     parts = max(1, min(PARTS, rows))
     x = np.ascontiguousarray(x, dtype=np.float64)
-    posteriors = np.empty((x.shape[0], c))
+    post = np.empty((x.shape[0], c)) if posteriors else None
     log_prob = np.empty(rows)
+    first = np.empty((parts, c))
     counts = np.empty((parts, c, c)) if transitions else None
     totals = np.empty((parts, c, x.shape[1])) if sums else None
     backend.kernel("chain_scaled", "hmm_posteriors_scaled")(
         x, None if weights is None else np.ascontiguousarray(weights, dtype=np.float64), starts,
         np.ascontiguousarray(startprob, dtype=np.float64), np.ascontiguousarray(transmat, dtype=np.float64), parts,
-        posteriors, log_prob, counts, totals)
-    return (log_prob, posteriors, None if counts is None else transmat * counts.sum(axis=0),
+        post, log_prob, first, counts, totals)
+    return (log_prob, post, first.sum(axis=0), None if counts is None else transmat * counts.sum(axis=0),
             None if totals is None else totals.sum(axis=0))

@@ -291,11 +291,12 @@ class _BaseHMM:
         return log_start, log_trans
 
     def _posteriors(self, backend: _backend.Backend, data: Any, seqs: _Sequences, transitions: bool,
-                    sums: bool = False) -> tuple[float, Array, Array, Any, Array | None]:
+                    fitting: bool = False) -> tuple[float, Array | None, Array, Any, Array | None]:
         """The E-step over all sequences at once: ``(log-likelihood, posteriors (n, c),
         first-position posteriors summed (c,), expected transition counts or None, the M-step's
-        sums or None)``; the sums (``posteriors.T @ features``) where ``sums`` and the
-        emissions have the form of :meth:`_emission_product`.
+        sums or None)``. Where ``fitting`` and the emissions have the form of
+        :meth:`_emission_product`, the sums (``posteriors.T @ features``) come instead of the
+        posteriors (None).
 
         A dense model on the CPU runs the scaled (probability-space) sweeps, and the log-space
         chain for the sequences where those could lose precision; otherwise the log-space chain
@@ -304,20 +305,25 @@ class _BaseHMM:
             return *self._posteriors_log(backend, self._log_likelihood(backend, data), seqs, transitions), None
         product = self._emission_product(backend, data)
         x, weights = product if product is not None else (self._log_likelihood(backend, data), None)
-        log_prob, posteriors, counts, totals = _chain_scaled.hmm_posteriors(
-            backend, x, weights, seqs.starts, self.startprob_, self.transmat_, transitions, sums and product is not None)
+        sums = fitting and product is not None
+        log_prob, posteriors, start, counts, totals = _chain_scaled.hmm_posteriors(
+            backend, x, weights, seqs.starts, self.startprob_, self.transmat_, transitions, sums, not sums)
         redo = np.flatnonzero(np.isnan(log_prob))
         total = float(np.delete(log_prob, redo).sum())
         if redo.size:
             starts = seqs.starts
             index = np.concatenate([np.arange(starts[b], starts[b + 1]) for b in redo])
             frame = x[index] if product is None else self._log_likelihood(backend, data)[index]
-            part, posteriors[index], _, more = self._posteriors_log(
+            part, more, first, more_counts = self._posteriors_log(
                 backend, frame, _sequences(np, index.size, starts[redo + 1] - starts[redo]), transitions)
             total += part
-            counts = None if counts is None else counts + more
-            totals = None if totals is None else totals + posteriors[index].T @ x[index]
-        return total, posteriors, posteriors[seqs.starts[:-1]].sum(axis=0), counts, totals
+            start = start + first
+            counts = None if counts is None else counts + more_counts
+            if posteriors is not None:
+                posteriors[index] = more
+            if totals is not None:
+                totals = totals + more.T @ x[index]
+        return total, posteriors, start, counts, totals
 
     def _posteriors_log(self, backend: _backend.Backend, frame: Array, seqs: _Sequences,
                         transitions: bool) -> tuple[float, Array, Array, Any]:
@@ -367,10 +373,10 @@ class _BaseHMM:
         that form; else None."""
         return None
 
-    def _mstep_emissions(self, backend: _backend.Backend, data: Any, posteriors: Array,
+    def _mstep_emissions(self, backend: _backend.Backend, data: Any, posteriors: Array | None,
                          sums: Array | None = None) -> None:
-        """The M-step of the emissions; ``sums`` are ``posteriors.T @ features`` of
-        :meth:`_emission_product` where the E-step made them."""
+        """The M-step of the emissions, from the posteriors or, where the E-step made them
+        instead, ``sums``: ``posteriors.T @ features`` of :meth:`_emission_product`."""
         raise NotImplementedError
 
     def _init_emissions(self, backend: _backend.Backend, X: Array) -> None:
@@ -427,7 +433,7 @@ class _BaseHMM:
         """One EM iteration; returns the E-step's log-likelihood. Its (n, c) arrays are freed
         on return, so that one iteration's never meet the next one's."""
         log_prob, posteriors, start, counts, sums = self._posteriors(backend, data, seqs, "t" in self.params,
-                                                                     sums=True)
+                                                                     fitting=True)
         self._mstep_start_trans(backend, start, counts)
         self._mstep_emissions(backend, data, posteriors, sums)
         return log_prob
@@ -438,6 +444,7 @@ class _BaseHMM:
         seqs = _sequences(backend.xp, X.shape[0], lengths)
         log_prob, posteriors, _, _, _ = self._posteriors(backend, self._prepare(backend, X, fitting=False), seqs,
                                                          False)
+        assert posteriors is not None  # not fitting
         return log_prob, posteriors
 
     def score_samples(self, X: Any, lengths: Any = None) -> tuple[float, Array]:
@@ -598,11 +605,12 @@ class CategoricalHMM(_BaseHMM):
         with np.errstate(divide="ignore"):
             return backend.xp.log(self.emissionprob_).T[data]
 
-    def _mstep_emissions(self, backend: _backend.Backend, data: Any, posteriors: Array,
+    def _mstep_emissions(self, backend: _backend.Backend, data: Any, posteriors: Array | None,
                          sums: Array | None = None) -> None:
         if "e" not in self.params:
             return
         xp = backend.xp
+        assert posteriors is not None  # categorical emissions have no product form: the E-step keeps them
         n = data.shape[0]
         indicator = backend.sparse.coo_matrix((xp.ones(n), (data, xp.arange(n))), shape=(self.n_features, n))
         counts = (indicator @ posteriors).T
@@ -782,7 +790,7 @@ class GaussianHMM(_BaseHMM):
             out[:, k] = (y * y).sum(axis=1)
         return -0.5 * (out + const + log_det)
 
-    def _mstep_emissions(self, backend: _backend.Backend, data: Any, posteriors: Array,
+    def _mstep_emissions(self, backend: _backend.Backend, data: Any, posteriors: Array | None,
                          sums: Array | None = None) -> None:
         need_means, need_covars = "m" in self.params, "c" in self.params
         if not (need_means or need_covars):
@@ -791,8 +799,13 @@ class GaussianHMM(_BaseHMM):
         f = self.n_features
         X = data.centered
         if sums is None:
+            assert posteriors is not None  # the E-step gives one of them
             sums = _backend.matmul(xp, posteriors.T, X if data.features is None else data.features)
-        totals = posteriors.sum(axis=0) if data.features is None else sums[:, -1]
+        if data.features is not None:
+            totals = sums[:, -1]
+        else:
+            assert posteriors is not None  # full and tied covariances: the E-step keeps them
+            totals = posteriors.sum(axis=0)
         prior = _to(backend, self.means_prior) - data.shift
         weight = _to(backend, self.means_weight)
         means = self.means_ - data.shift
@@ -812,6 +825,7 @@ class GaussianHMM(_BaseHMM):
             covars = (covars_prior + c_n) / xp.maximum(c_d, 1e-5)
             self._covars_ = covars.mean(axis=1) if self.covariance_type == "spherical" else covars
             return
+        assert posteriors is not None  # full and tied covariances: the E-step keeps them
         cvweight = xp.maximum(covars_weight - f, 0)
         if self.covariance_type == "tied":
             second = _backend.matmul(xp, X.T, posteriors.sum(axis=1)[:, None] * X)

@@ -23,10 +23,10 @@ def reference(m, frame, lengths):
     return m._posteriors_log(_backend.NUMPY, frame, _sequences(np, frame.shape[0], lengths), True)
 
 
-def scaled(m, frame, lengths, weights=None):
+def scaled(m, frame, lengths, weights=None, posteriors=True):
     seqs = _sequences(np, frame.shape[0], lengths)
     return _chain_scaled.hmm_posteriors(_backend.NUMPY, frame, weights, seqs.starts, m.startprob_, m.transmat_,
-                                        True, True)
+                                        True, True, posteriors)
 
 
 def problem(rng, lengths, c=5, zeros=True):
@@ -46,11 +46,12 @@ def problem(rng, lengths, c=5, zeros=True):
 @pytest.mark.parametrize("lengths", LENGTHS, ids=str)
 def test_scaled_estep_matches_log_space(rng, lengths, zeros):
     m, frame = problem(rng, lengths, zeros=zeros)
-    log_prob, posteriors, counts, sums = scaled(m, frame, lengths)
-    total, expected, _, expected_counts = reference(m, frame, lengths)
+    log_prob, posteriors, first, counts, sums = scaled(m, frame, lengths)
+    total, expected, expected_first, expected_counts = reference(m, frame, lengths)
     assert not np.isnan(log_prob).any()
     np.testing.assert_allclose(log_prob.sum(), total, rtol=1e-12)
     np.testing.assert_allclose(posteriors, expected, rtol=1e-10, atol=1e-13)
+    np.testing.assert_allclose(first, expected_first, rtol=1e-10, atol=1e-13)
     np.testing.assert_allclose(counts, expected_counts, rtol=1e-10, atol=1e-13)
     if zeros:
         assert counts[0, 1] == 0
@@ -65,12 +66,17 @@ def test_scaled_estep_of_a_product(rng, lengths):
     m, _ = problem(rng, lengths, zeros=True)
     features = rng.normal(size=(int(lengths.sum()), 4))
     weights = rng.normal(size=(4, 5))
-    log_prob, posteriors, counts, sums = scaled(m, features, lengths, weights)
+    log_prob, posteriors, first, counts, sums = scaled(m, features, lengths, weights)
     expected = scaled(m, features @ weights, lengths)
     np.testing.assert_allclose(log_prob, expected[0], rtol=1e-12)
     np.testing.assert_allclose(posteriors, expected[1], rtol=1e-10, atol=1e-13)
-    np.testing.assert_allclose(counts, expected[2], rtol=1e-10, atol=1e-13)
+    for a, b in zip((first, counts), expected[2:4]):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-13)
     np.testing.assert_allclose(sums, posteriors.T @ features, rtol=1e-10, atol=1e-10)
+    unkept = scaled(m, features, lengths, weights, posteriors=False)  # what a fit needs
+    assert unkept[1] is None
+    for a, b in zip(unkept[2:], (first, counts, sums)):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_scaled_estep_leaves_out_sequences_it_cannot_do(rng):
@@ -123,3 +129,28 @@ def test_large_backward_message_falls_back(rng):
     np.testing.assert_allclose(got[0], expected[0], rtol=1e-12)
     for a, b in zip(got[1:4], expected[1:]):
         np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-13)
+
+
+def test_fit_estep_falls_back_with_sums(rng):
+    """A diagonal Gaussian's E-step in a fit (the M-step's sums instead of the posteriors), one
+    sequence computed in log space: the sums, counts and first posteriors are the log-space ones."""
+    lengths = np.array([5, 4, 6])
+    m = hmm.GaussianHMM(3, init_params="")
+    m.startprob_ = np.array([0.5, 0.5, 0.0])
+    m.transmat_ = np.array([[0.5, 0.5, 0.0], [0.5, 0.5 - np.exp(-400), np.exp(-400)], [0.0, 0.0, 1.0]])
+    m.means_ = np.array([[0.0, 0.0], [1.0, 1.0], [40.0, 40.0]])
+    m.covars_ = rng.uniform(0.5, 2.0, (3, 2))
+    X = rng.normal(size=(15, 2))
+    X[6:9] += 40.0  # the second sequence moves to state 2 at its second sample
+    m._check(_backend.NUMPY)
+    seqs = _sequences(np, 15, lengths)
+    data = m._prepare(_backend.NUMPY, X, fitting=True)
+    log_prob = _chain_scaled.hmm_posteriors(_backend.NUMPY, *m._emission_product(_backend.NUMPY, data), seqs.starts,
+                                            m.startprob_, m.transmat_, True, True)[0]
+    assert np.isnan(log_prob).tolist() == [False, True, False]
+    total, posteriors, first, counts, sums = m._posteriors(_backend.NUMPY, data, seqs, True, fitting=True)
+    expected = m._posteriors_log(_backend.NUMPY, m._log_likelihood(_backend.NUMPY, data), seqs, True)
+    assert posteriors is None
+    np.testing.assert_allclose(total, expected[0], rtol=1e-12)
+    for a, b in zip((first, counts, sums), expected[2:] + (expected[1].T @ data.features,)):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)

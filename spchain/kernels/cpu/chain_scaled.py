@@ -348,20 +348,21 @@ def _hmm_backward(trans_t, length, alpha, e, s, post):
 
 
 @njit(parallel=True, cache=True)
-def hmm_posteriors_scaled(x, weights, starts, start, trans, parts, post, log_prob, counts, sums):
+def hmm_posteriors_scaled(x, weights, starts, start, trans, parts, post, log_prob, first, counts, sums):
     """The E-step of an HMM in probability space (Rabiner's scaling), the sequences in parallel.
 
     Sequence ``b`` is rows ``starts[b]:starts[b + 1]`` of ``x`` (n, k) float64, its emission
     log-likelihoods (``weights`` None) or the features whose product with ``weights`` (k, c) they
     are; ``start`` (c,) and ``trans`` (c, c) hold the start and transition probabilities. Fills
-    ``post`` (n, c) with the state posteriors and ``log_prob`` (B,) with each sequence's
-    log-likelihood, NaN where the scaled sweep is not exact (a scale factor below ``TINY``, a
-    backward message above ``1 / TINY``: the caller recomputes that sequence in log space).
-    Sets ``counts`` (parts, c, c) to sums whose total times ``trans`` is the expected transition
-    counts, and ``sums`` (parts, c, k) to sums whose total is ``post.T @ x``, both over the
-    sequences not NaN (either None: not computed). Every probability lost below float64's range
-    weighs below 1e-170 of its sequence's likelihood. O(n * c * (c + k)) operations, scratch
-    memory at most 2n * c plus the (parts, c, c + k) sums.
+    ``post`` (n, c) with the state posteriors (None: not kept) and ``log_prob`` (B,) with each
+    sequence's log-likelihood, NaN where the scaled sweep is not exact (a scale factor below
+    ``TINY``, a backward message above ``1 / TINY``: the caller recomputes that sequence in log
+    space). Over the other sequences, by part of them: sets ``first`` (parts, c) to the sums of
+    their first positions' posteriors, ``counts`` (parts, c, c) to sums whose total times
+    ``trans`` is the expected transition counts, and ``sums`` (parts, c, k) to sums whose total is
+    ``posteriors.T @ x`` (either None: not computed). Every probability lost below float64's
+    range weighs below 1e-170 of its sequence's likelihood. O(n * c * (c + k)) operations,
+    scratch memory at most 3n * c plus the sums.
     """
     n, k = x.shape
     c = trans.shape[0]
@@ -375,21 +376,28 @@ def hmm_posteriors_scaled(x, weights, starts, start, trans, parts, post, log_pro
         alpha = np.empty((longest, c))
         e = np.empty((longest, c))
         s = np.empty(longest)
+        g = np.empty((longest if post is None else 0, c))
+        first[part] = 0.0
         if counts is not None:
             counts[part] = 0.0
         if sums is not None:
             sums[part] = 0.0
         for b in range(part * chunk, min(rows, (part + 1) * chunk)):
-            first, length = starts[b], starts[b + 1] - starts[b]
-            log_prob[b] = _hmm_forward(x, weights, start, trans, first, length, alpha, e, s)
+            begin, length = starts[b], starts[b + 1] - starts[b]
+            if post is None:
+                gamma = g[:length]
+            else:
+                gamma = post[begin:begin + length]
+            log_prob[b] = _hmm_forward(x, weights, start, trans, begin, length, alpha, e, s)
             if log_prob[b] != log_prob[b]:
                 continue
-            if not _hmm_backward(trans_t, length, alpha, e, s, post[first:first + length]):
+            if not _hmm_backward(trans_t, length, alpha, e, s, gamma):
                 log_prob[b] = np.nan
                 continue
+            first[part] += gamma[0]
             if counts is not None:
                 for i in range(c):
                     _add_vecmat(counts[part, i], alpha[:length - 1, i], e[1:length])
             if sums is not None:
                 for i in range(c):
-                    _add_vecmat(sums[part, i], post[first:first + length, i], x[first:first + length])
+                    _add_vecmat(sums[part, i], gamma[:, i], x[begin:begin + length])
