@@ -6,6 +6,8 @@
 - On the GPU: the expected transition counts as batched GEMMs (:func:`transition_grad_gemm`,
   array-API code that the CPU tests run on NumPy arrays), instead of a serial kernel walking
   the batch rows of each matrix entry.
+- An HMM's whole E-step on the CPU (:func:`hmm_posteriors`): forward and backward in
+  probability space, the posteriors and transition counts from one backward sweep.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from .kernels import cpu, cuda
 from ._typing import Array
 
 if TYPE_CHECKING:
+    from ._backend import Backend
     from ._chain_layout import Chain
 
 REUSE = 4
@@ -164,3 +167,46 @@ def _exact_where_not(chain: Chain, pre: Array, norm: Array, marg: Array, weight:
         exact = np.empty_like(grad_trans)
         cpu.chain.chain_transition_grad(*args, exact)
         grad_trans[...] = np.where(ok[..., None, None], grad_trans, exact)
+
+
+def hmm_posteriors(backend: Backend, x: Array, weights: Array | None, starts: Array, startprob: Array,
+                   transmat: Array, transitions: bool, sums: bool,
+                   posteriors: bool = True) -> tuple[Array, Array | None, Array, Array | None, Array | None]:
+    """The E-step of a dense HMM on the CPU, in probability space (Rabiner's scaling).
+
+    Sequence ``b`` is rows ``starts[b]:starts[b + 1]`` of ``x`` (n, k) float64: its emission
+    log-likelihoods (``weights`` None), or features whose product with ``weights`` (k, c) they
+    are (a Gaussian's with diagonal covariances: no (n, c) array of them is made);
+    ``startprob`` (c,) and ``transmat`` (c, c) are probabilities. One forward and one backward
+    sweep per sequence, ``c²`` multiply-adds a step for each and for the counts, ``c``
+    exponentials a step and no logarithms.
+
+    Returns
+    -------
+    log_prob : array (B,)
+        Each sequence's log-likelihood; NaN where the scaled sweep could lose precision (a
+        scale factor below ``1e-130``, a backward message above ``1e130``): the caller computes
+        those sequences in log space. They are left out of the sums below.
+    posteriors : array (n, c) or None
+        The state posteriors (``None`` unless ``posteriors``).
+    first : array (c,)
+        The posteriors of the sequences' first positions, summed.
+    counts : array (c, c) or None
+        The expected transition counts (``None`` unless ``transitions``).
+    sums : array (c, k) or None
+        ``posteriors.T @ x`` (``None`` unless ``sums``).
+    """
+    rows, c = len(starts) - 1, transmat.shape[0]
+    parts = max(1, min(PARTS, rows))
+    x = np.ascontiguousarray(x, dtype=np.float64)
+    post = np.empty((x.shape[0], c)) if posteriors else None
+    log_prob = np.empty(rows)
+    first = np.empty((parts, c))
+    counts = np.empty((parts, c, c)) if transitions else None
+    totals = np.empty((parts, c, x.shape[1])) if sums else None
+    backend.kernel("chain_scaled", "hmm_posteriors_scaled")(
+        x, None if weights is None else np.ascontiguousarray(weights, dtype=np.float64), starts,
+        np.ascontiguousarray(startprob, dtype=np.float64), np.ascontiguousarray(transmat, dtype=np.float64), parts,
+        post, log_prob, first, counts, totals)
+    return (log_prob, post, first.sum(axis=0), None if counts is None else transmat * counts.sum(axis=0),
+            None if totals is None else totals.sum(axis=0))

@@ -2,11 +2,21 @@
 
 The estimators take hmmlearn's constructor parameters, fitted attributes and methods, so
 that code written for ``hmmlearn.hmm`` changes one import. Underneath, every E-step is one
-batched, ragged chain call over all sequences (the sequences padded to ``(n_seq, max_len, c)``
-with their lengths): :func:`spchain.chain.chain_logsumexp_forward` and its backward give the
-log-likelihoods, the state posteriors (the gradient with respect to the emission scores) and
-the expected transition counts (the gradient with respect to ``log_trans``). Emission
-log-likelihoods and the M-step sums are matrix products over all samples at once.
+batched call over all sequences:
+
+- a dense ``transmat_`` on the CPU: one forward and one backward sweep per sequence in
+  probability space (Rabiner's scaling; :func:`spchain._chain_scaled.hmm_posteriors`, the
+  sequences in parallel), which give the log-likelihoods, the state posteriors and the
+  expected transition counts together, and for diagonal covariances compute the emission
+  log-likelihoods and gather the M-step's sums as they go. A sequence whose scaled sweep could
+  lose precision (probabilities beyond float64's range) is computed in log space instead, so
+  the results are the log-space ones;
+- otherwise (a sparse ``transmat_``, the GPU) a ragged chain call (the sequences padded to
+  ``(n_seq, max_len, c)`` with their lengths): :func:`spchain.chain.chain_logsumexp_forward`
+  and its backward give the log-likelihoods, the state posteriors (the gradient with respect
+  to the emission scores) and the expected transition counts (the gradient with respect to
+  ``log_trans``), and the emission log-likelihoods and M-step sums are matrix products over
+  all samples at once.
 
 NumPy ``X`` computes with NumPy (and SciPy), CuPy ``X`` on its device; the parameters follow
 ``X``. ``transmat_`` may be a SciPy or cupyx sparse matrix whose stored entries are the
@@ -33,8 +43,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
-from . import _backend, _csr, _sparse_chain
+from . import _backend, _chain_scaled, _csr, _sparse_chain
 from .chain import chain_logsumexp_backward, chain_logsumexp_forward, viterbi_forward
 from ._typing import Array, Sparse
 
@@ -128,6 +139,7 @@ class _Sequences:
     max_len: int
     lengths: Array | None  # (n_seq,) on the device; None where all have the same length
     index: Array | None  # the padded row of each sample; None where all have the same length
+    starts: NDArray[np.int64]  # (n_seq + 1,) on the host: sequence b is samples starts[b]:starts[b + 1]
 
     def pad(self, xp: Any, a: Array) -> Array:
         """(n, k) samples → (n_seq, max_len, k), zero past each length."""
@@ -146,7 +158,7 @@ class _Sequences:
 def _sequences(xp: Any, n: int, lengths: Any) -> _Sequences:
     """The layout of ``n`` samples cut into sequences of ``lengths`` (hmmlearn's errors)."""
     if lengths is None:
-        return _Sequences(1, n, None, None)
+        return _Sequences(1, n, None, None, np.array([0, n]))
     if hasattr(lengths, "get"):
         lengths = lengths.get()
     host = np.asarray(lengths)
@@ -160,11 +172,11 @@ def _sequences(xp: Any, n: int, lengths: Any) -> _Sequences:
     if ends[-1] != n:
         raise ValueError(f"lengths array {host} doesn't sum to {n} samples")
     n_seq, max_len = len(host), int(host.max())
-    starts = ends - host
+    starts = np.concatenate([[0], ends])
     if (host == max_len).all():
-        return _Sequences(n_seq, max_len, None, None)
-    index = np.arange(n) - np.repeat(starts, host) + np.repeat(np.arange(n_seq) * max_len, host)
-    return _Sequences(n_seq, max_len, xp.asarray(host.astype(np.int64)), xp.asarray(index))
+        return _Sequences(n_seq, max_len, None, None, starts)
+    index = np.arange(n) - np.repeat(starts[:-1], host) + np.repeat(np.arange(n_seq) * max_len, host)
+    return _Sequences(n_seq, max_len, xp.asarray(host.astype(np.int64)), xp.asarray(index), starts)
 
 
 class _BaseHMM:
@@ -278,10 +290,44 @@ class _BaseHMM:
                 log_trans = xp.log(self.transmat_)
         return log_start, log_trans
 
-    def _posteriors(self, backend: _backend.Backend, frame: Array, seqs: _Sequences,
-                    transitions: bool) -> tuple[float, Array, Array, Any]:
+    def _posteriors(self, backend: _backend.Backend, data: Any, seqs: _Sequences, transitions: bool,
+                    fitting: bool = False) -> tuple[float, Array | None, Array, Any, Array | None]:
         """The E-step over all sequences at once: ``(log-likelihood, posteriors (n, c),
-        first-position posteriors summed (c,), expected transition counts or None)``."""
+        first-position posteriors summed (c,), expected transition counts or None, the M-step's
+        sums or None)``. Where ``fitting`` and the emissions have the form of
+        :meth:`_emission_product`, the sums (``posteriors.T @ features``) come instead of the
+        posteriors (None).
+
+        A dense model on the CPU runs the scaled (probability-space) sweeps, and the log-space
+        chain for the sequences where those could lose precision; otherwise the log-space chain
+        runs (:meth:`_posteriors_log`)."""
+        if backend.on_gpu or _sparse_chain.is_sparse(self.transmat_):
+            return *self._posteriors_log(backend, self._log_likelihood(backend, data), seqs, transitions), None
+        product = self._emission_product(backend, data)
+        x, weights = product if product is not None else (self._log_likelihood(backend, data), None)
+        sums = fitting and product is not None
+        log_prob, posteriors, start, counts, totals = _chain_scaled.hmm_posteriors(
+            backend, x, weights, seqs.starts, self.startprob_, self.transmat_, transitions, sums, not sums)
+        redo = np.flatnonzero(np.isnan(log_prob))
+        total = float(np.delete(log_prob, redo).sum())
+        if redo.size:
+            starts = seqs.starts
+            index = np.concatenate([np.arange(starts[b], starts[b + 1]) for b in redo])
+            frame = x[index] if product is None else self._log_likelihood(backend, data)[index]
+            part, more, first, more_counts = self._posteriors_log(
+                backend, frame, _sequences(np, index.size, starts[redo + 1] - starts[redo]), transitions)
+            total += part
+            start = start + first
+            counts = None if counts is None else counts + more_counts
+            if posteriors is not None:
+                posteriors[index] = more
+            if totals is not None:
+                totals = totals + more.T @ x[index]
+        return total, posteriors, start, counts, totals
+
+    def _posteriors_log(self, backend: _backend.Backend, frame: Array, seqs: _Sequences,
+                        transitions: bool) -> tuple[float, Array, Array, Any]:
+        """:meth:`_posteriors` by the log-space chain functions."""
         xp = backend.xp
         log_start, log_trans = self._log_start_trans(backend)
         inputs = (seqs.pad(xp, frame), log_trans, log_start, seqs.lengths)
@@ -321,7 +367,16 @@ class _BaseHMM:
         """The (n, c) emission log-likelihoods."""
         raise NotImplementedError
 
-    def _mstep_emissions(self, backend: _backend.Backend, data: Any, posteriors: Array) -> None:
+    def _emission_product(self, backend: _backend.Backend, data: Any) -> tuple[Array, Array] | None:
+        """``(features (n, k), weights (k, c))`` whose product is the emission log-likelihoods
+        and whose ``posteriors.T @ features`` are the M-step's sums, where the emissions have
+        that form; else None."""
+        return None
+
+    def _mstep_emissions(self, backend: _backend.Backend, data: Any, posteriors: Array | None,
+                         sums: Array | None = None) -> None:
+        """The M-step of the emissions, from the posteriors or, where the E-step made them
+        instead, ``sums``: ``posteriors.T @ features`` of :meth:`_emission_product`."""
         raise NotImplementedError
 
     def _init_emissions(self, backend: _backend.Backend, X: Array) -> None:
@@ -377,18 +432,19 @@ class _BaseHMM:
     def _em_step(self, backend: _backend.Backend, data: Any, seqs: _Sequences) -> float:
         """One EM iteration; returns the E-step's log-likelihood. Its (n, c) arrays are freed
         on return, so that one iteration's never meet the next one's."""
-        frame = self._log_likelihood(backend, data)
-        log_prob, posteriors, start, counts = self._posteriors(backend, frame, seqs, "t" in self.params)
+        log_prob, posteriors, start, counts, sums = self._posteriors(backend, data, seqs, "t" in self.params,
+                                                                     fitting=True)
         self._mstep_start_trans(backend, start, counts)
-        self._mstep_emissions(backend, data, posteriors)
+        self._mstep_emissions(backend, data, posteriors, sums)
         return log_prob
 
     def _score(self, X: Any, lengths: Any) -> tuple[float, Array]:
         backend, X = self._data(X)
         self._check(backend)
         seqs = _sequences(backend.xp, X.shape[0], lengths)
-        frame = self._log_likelihood(backend, self._prepare(backend, X, fitting=False))
-        log_prob, posteriors, _, _ = self._posteriors(backend, frame, seqs, False)
+        log_prob, posteriors, _, _, _ = self._posteriors(backend, self._prepare(backend, X, fitting=False), seqs,
+                                                         False)
+        assert posteriors is not None  # not fitting
         return log_prob, posteriors
 
     def score_samples(self, X: Any, lengths: Any = None) -> tuple[float, Array]:
@@ -549,10 +605,12 @@ class CategoricalHMM(_BaseHMM):
         with np.errstate(divide="ignore"):
             return backend.xp.log(self.emissionprob_).T[data]
 
-    def _mstep_emissions(self, backend: _backend.Backend, data: Any, posteriors: Array) -> None:
+    def _mstep_emissions(self, backend: _backend.Backend, data: Any, posteriors: Array | None,
+                         sums: Array | None = None) -> None:
         if "e" not in self.params:
             return
         xp = backend.xp
+        assert posteriors is not None  # categorical emissions have no product form: the E-step keeps them
         n = data.shape[0]
         indicator = backend.sparse.coo_matrix((xp.ones(n), (data, xp.arange(n))), shape=(self.n_features, n))
         counts = (indicator @ posteriors).T
@@ -693,18 +751,29 @@ class GaussianHMM(_BaseHMM):
         if self._covars_.shape != shape:
             raise ValueError(f"{self.covariance_type!r} covars must have shape {shape}, got {self._covars_.shape}")
 
-    def _log_likelihood(self, backend: _backend.Backend, data: Any) -> Array:
+    def _emission_product(self, backend: _backend.Backend, data: Any) -> tuple[Array, Array] | None:
+        """For diagonal covariances, ``[x, x**2, 1]`` and the weights whose product with them is
+        the log-likelihoods."""
+        if data.features is None:
+            return None
         xp = backend.xp
         f = self.n_features
         means = self.means_ - data.shift
+        cov = self._covars_[:, None] * xp.ones(f) if self.covariance_type == "spherical" else self._covars_
+        var = xp.maximum(cov, np.finfo(float).tiny)
+        precision = 1 / var
+        offset = f * np.log(2 * np.pi) + xp.log(var).sum(axis=1) + (means**2 * precision).sum(axis=1)
+        weights = xp.concatenate([means * precision, -0.5 * precision, -0.5 * offset[:, None]], axis=1)
+        return data.features, weights.T
+
+    def _log_likelihood(self, backend: _backend.Backend, data: Any) -> Array:
+        xp = backend.xp
+        product = self._emission_product(backend, data)
+        if product is not None:
+            return _backend.matmul(xp, *product)
+        f = self.n_features
+        means = self.means_ - data.shift
         const = f * np.log(2 * np.pi)
-        if data.features is not None:
-            cov = self._covars_[:, None] * xp.ones(f) if self.covariance_type == "spherical" else self._covars_
-            var = xp.maximum(cov, np.finfo(float).tiny)
-            precision = 1 / var
-            offset = const + xp.log(var).sum(axis=1) + (means**2 * precision).sum(axis=1)
-            weights = xp.concatenate([means * precision, -0.5 * precision, -0.5 * offset[:, None]], axis=1)
-            return _backend.matmul(xp, data.features, weights.T)
         chol = _cholesky(xp, self._covars_)
         log_det = 2 * xp.log(xp.diagonal(chol, axis1=-2, axis2=-1)).sum(axis=-1)
         inverse = xp.linalg.inv(chol)
@@ -721,15 +790,22 @@ class GaussianHMM(_BaseHMM):
             out[:, k] = (y * y).sum(axis=1)
         return -0.5 * (out + const + log_det)
 
-    def _mstep_emissions(self, backend: _backend.Backend, data: Any, posteriors: Array) -> None:
+    def _mstep_emissions(self, backend: _backend.Backend, data: Any, posteriors: Array | None,
+                         sums: Array | None = None) -> None:
         need_means, need_covars = "m" in self.params, "c" in self.params
         if not (need_means or need_covars):
             return
         xp = backend.xp
         f = self.n_features
         X = data.centered
-        sums = _backend.matmul(xp, posteriors.T, X if data.features is None else data.features)
-        totals = posteriors.sum(axis=0) if data.features is None else sums[:, -1]
+        if sums is None:
+            assert posteriors is not None  # the E-step gives one of them
+            sums = _backend.matmul(xp, posteriors.T, X if data.features is None else data.features)
+        if data.features is not None:
+            totals = sums[:, -1]
+        else:
+            assert posteriors is not None  # full and tied covariances: the E-step keeps them
+            totals = posteriors.sum(axis=0)
         prior = _to(backend, self.means_prior) - data.shift
         weight = _to(backend, self.means_weight)
         means = self.means_ - data.shift
@@ -749,6 +825,7 @@ class GaussianHMM(_BaseHMM):
             covars = (covars_prior + c_n) / xp.maximum(c_d, 1e-5)
             self._covars_ = covars.mean(axis=1) if self.covariance_type == "spherical" else covars
             return
+        assert posteriors is not None  # full and tied covariances: the E-step keeps them
         cvweight = xp.maximum(covars_weight - f, 0)
         if self.covariance_type == "tied":
             second = _backend.matmul(xp, X.T, posteriors.sum(axis=1)[:, None] * X)

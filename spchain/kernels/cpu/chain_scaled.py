@@ -242,3 +242,158 @@ def chain_transition_grad_scaled(x, cmax, group, lengths, pre, norm, marg, weigh
                     if pi != 0.0:
                         for j in range(c):
                             out[i, j] += pi * r[j]
+
+
+@njit(cache=True, fastmath={"contract"})
+def _add_vecmat(acc, w, m):
+    """``acc += w @ m``: ``acc`` (c,), ``w`` (k,), ``m`` (k, c); eight rows of ``m`` a pass over ``acc``."""
+    k, c = m.shape
+    i = 0
+    while i + 8 <= k:
+        w0, w1, w2, w3, w4, w5, w6, w7 = w[i], w[i + 1], w[i + 2], w[i + 3], w[i + 4], w[i + 5], w[i + 6], w[i + 7]
+        m0, m1, m2, m3, m4, m5, m6, m7 = m[i], m[i + 1], m[i + 2], m[i + 3], m[i + 4], m[i + 5], m[i + 6], m[i + 7]
+        for j in range(c):
+            low = w0 * m0[j] + w1 * m1[j] + w2 * m2[j] + w3 * m3[j]
+            acc[j] += low + (w4 * m4[j] + w5 * m5[j] + w6 * m6[j] + w7 * m7[j])
+        i += 8
+    while i + 4 <= k:
+        w0, w1, w2, w3 = w[i], w[i + 1], w[i + 2], w[i + 3]
+        m0, m1, m2, m3 = m[i], m[i + 1], m[i + 2], m[i + 3]
+        for j in range(c):
+            acc[j] += w0 * m0[j] + w1 * m1[j] + w2 * m2[j] + w3 * m3[j]
+        i += 4
+    for r in range(i, k):
+        wr, mr = w[r], m[r]
+        for j in range(c):
+            acc[j] += wr * mr[j]
+
+
+@njit(cache=True)
+def _hmm_forward(x, weights, start, trans, first, length, alpha, e, s):
+    """The scaled forward sweep of one sequence in probability space: ``alpha[t] = P(state |
+    samples first..first + t)``, ``e[t] = exp(l[t] - max l[t])`` of its emission
+    log-likelihoods ``l[t] = x[first + t]`` (``weights`` None) or ``x[first + t] @ weights``,
+    and ``s[t]`` the ``t``-th scale factor. Returns its log-likelihood, or NaN where a scale
+    factor is below ``TINY`` or not a number (then the outputs are incomplete)."""
+    c = alpha.shape[1]
+    log_prob = 0.0
+    for t in range(length):
+        et, a = e[t], alpha[t]
+        if weights is None:
+            et[:] = x[first + t]
+        else:
+            et[:] = 0.0
+            _add_vecmat(et, x[first + t], weights)
+        top = -np.inf
+        for j in range(c):
+            top = max(top, et[j])
+        if not math.isfinite(top):
+            return np.nan
+        for j in range(c):
+            et[j] = exp_nonpositive(et[j] - top)
+        if t == 0:
+            for j in range(c):
+                a[j] = start[j] * et[j]
+        else:
+            a[:] = 0.0
+            _add_vecmat(a, alpha[t - 1], trans)
+            for j in range(c):
+                a[j] *= et[j]
+        total = 0.0
+        for j in range(c):
+            total += a[j]
+        if not total >= TINY:
+            return np.nan
+        s[t] = total
+        for j in range(c):
+            a[j] /= total
+        log_prob += math.log(total) + top
+    return log_prob
+
+
+@njit(cache=True)
+def _hmm_backward(trans_t, length, alpha, e, s, post):
+    """The scaled backward sweep of one sequence after :func:`_hmm_forward`: fills ``post``
+    (length, c) with the posteriors, each position renormalised to sum 1, and overwrites
+    ``e[t]`` (t >= 1) with ``r[t] = e[t] * beta[t] / s[t]``, so that ``sum_t alpha[t, i] *
+    r[t + 1, j] * trans[i, j]`` are the expected transition counts. Returns False where a
+    backward message exceeds ``1 / TINY`` or is not a number: a forward probability lost below
+    float64's range might then matter."""
+    c = alpha.shape[1]
+    beta = np.ones(c)
+    for t in range(length - 1, -1, -1):
+        g = post[t]
+        total = 0.0
+        for i in range(c):
+            g[i] = alpha[t, i] * beta[i]
+            total += g[i]
+        if total > 0.0:
+            for i in range(c):
+                g[i] /= total
+        if t == 0:
+            break
+        r = e[t]
+        for j in range(c):
+            r[j] *= beta[j] / s[t]
+        beta[:] = 0.0
+        _add_vecmat(beta, r, trans_t)
+        for i in range(c):
+            if not beta[i] <= 1.0 / TINY:
+                return False
+    return True
+
+
+@njit(parallel=True, cache=True)
+def hmm_posteriors_scaled(x, weights, starts, start, trans, parts, post, log_prob, first, counts, sums):
+    """The E-step of an HMM in probability space (Rabiner's scaling), the sequences in parallel.
+
+    Sequence ``b`` is rows ``starts[b]:starts[b + 1]`` of ``x`` (n, k) float64, its emission
+    log-likelihoods (``weights`` None) or the features whose product with ``weights`` (k, c) they
+    are; ``start`` (c,) and ``trans`` (c, c) hold the start and transition probabilities. Fills
+    ``post`` (n, c) with the state posteriors (None: not kept) and ``log_prob`` (B,) with each
+    sequence's log-likelihood, NaN where the scaled sweep is not exact (a scale factor below
+    ``TINY``, a backward message above ``1 / TINY``: the caller recomputes that sequence in log
+    space). Over the other sequences, by part of them: sets ``first`` (parts, c) to the sums of
+    their first positions' posteriors, ``counts`` (parts, c, c) to sums whose total times
+    ``trans`` is the expected transition counts, and ``sums`` (parts, c, k) to sums whose total is
+    ``posteriors.T @ x`` (either None: not computed). Every probability lost below float64's
+    range weighs below 1e-170 of its sequence's likelihood. O(n * c * (c + k)) operations,
+    scratch memory at most 3n * c plus the sums.
+    """
+    n, k = x.shape
+    c = trans.shape[0]
+    rows = starts.shape[0] - 1
+    trans_t = np.ascontiguousarray(trans.T)
+    chunk = -(-rows // parts)
+    for part in prange(parts):
+        longest = 0
+        for b in range(part * chunk, min(rows, (part + 1) * chunk)):
+            longest = max(longest, starts[b + 1] - starts[b])
+        alpha = np.empty((longest, c))
+        e = np.empty((longest, c))
+        s = np.empty(longest)
+        g = np.empty((longest if post is None else 0, c))
+        first[part] = 0.0
+        if counts is not None:
+            counts[part] = 0.0
+        if sums is not None:
+            sums[part] = 0.0
+        for b in range(part * chunk, min(rows, (part + 1) * chunk)):
+            begin, length = starts[b], starts[b + 1] - starts[b]
+            if post is None:
+                gamma = g[:length]
+            else:
+                gamma = post[begin:begin + length]
+            log_prob[b] = _hmm_forward(x, weights, start, trans, begin, length, alpha, e, s)
+            if log_prob[b] != log_prob[b]:
+                continue
+            if not _hmm_backward(trans_t, length, alpha, e, s, gamma):
+                log_prob[b] = np.nan
+                continue
+            first[part] += gamma[0]
+            if counts is not None:
+                for i in range(c):
+                    _add_vecmat(counts[part, i], alpha[:length - 1, i], e[1:length])
+            if sums is not None:
+                for i in range(c):
+                    _add_vecmat(sums[part, i], gamma[:, i], x[begin:begin + length])
