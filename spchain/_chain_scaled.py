@@ -204,7 +204,7 @@ def hmm_posteriors(backend: Backend, x: Array, weights: Array | None, starts: Ar
     first = np.empty((parts, c))
     counts = np.empty((parts, c, c)) if transitions else None
     totals = np.empty((parts, c, x.shape[1])) if sums else None
-    backend.kernel("chain_scaled", "hmm_posteriors_scaled")(
+    cpu.chain_scaled.hmm_posteriors_scaled(
         x, None if weights is None else np.ascontiguousarray(weights, dtype=np.float64), starts,
         np.ascontiguousarray(startprob, dtype=np.float64), np.ascontiguousarray(transmat, dtype=np.float64), parts,
         post, log_prob, first, counts, totals)

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import string
 import sys
 from collections import deque
 from collections.abc import Callable
@@ -47,7 +46,7 @@ from numpy.typing import NDArray
 
 from . import _backend, _chain_scaled, _csr, _sparse_chain
 from .chain import chain_logsumexp_backward, chain_logsumexp_forward, viterbi_forward
-from ._typing import Array, Sparse
+from ._typing import Array
 
 __all__ = ["CategoricalHMM", "GaussianHMM", "ConvergenceMonitor"]
 
