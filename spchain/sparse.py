@@ -116,16 +116,6 @@ def _gpu_spmm(backend: Backend, csr: Csr, data: Array, b: Array, dtype: np.dtype
 
 # --- products ------------------------------------------------------------------------------
 
-_SERIAL_WORK = 2**17
-"""Multiply-adds below which a CPU product runs on one thread (its ``_serial`` kernel, the same
-arithmetic): starting the threads would cost about as much as such a product."""
-
-
-def _threads(backend: Backend, kernel: str, work: int) -> str:
-    """The name of ``kernel``'s one-thread version for small products on the CPU, else ``kernel``."""
-    return f"{kernel}_serial" if work < _SERIAL_WORK and not backend.on_gpu else kernel
-
-
 def matmul(backend: Backend, csr: Csr, b: Array, dtype: np.dtype[Any], bias: Array | None = None) -> Array:
     """``csr @ b`` (plus ``bias[:, None]``) for a dense (k, n) ``b``: an (m, n) array.
 
@@ -142,8 +132,12 @@ def matmul(backend: Backend, csr: Csr, b: Array, dtype: np.dtype[Any], bias: Arr
         return _gpu_spmm(backend, csr, data, b, dtype, bias)
     out = np.empty((m, n), dtype)
     if out.size:
-        backend.kernel("sparse", _threads(backend, "spmm", csr.nnz * n))(
-            csr.indptr, csr.indices, data, contiguous(backend, b), np.zeros(m, dtype) if bias is None else bias, out)
+        args = (csr.indptr, csr.indices, data, contiguous(backend, b), np.zeros(m, dtype) if bias is None else bias, out)
+        threads = _backend.threads(csr.nnz * n)
+        if threads > 1:
+            backend.kernel("sparse", "spmm")(*args, threads)
+        else:
+            backend.kernel("sparse", "spmm_serial")(*args)
     return out
 
 
@@ -156,7 +150,8 @@ def sampled(backend: Backend, csr: Csr, a: Array, b: Array, dtype: np.dtype[Any]
     b = contiguous(backend, b.astype(dtype, copy=False))
     out = xp.empty(csr.nnz, dtype)
     with backend.use():
-        backend.kernel("sparse", _threads(backend, "sddmm", csr.nnz * a.shape[1]))(csr.indptr, csr.indices, a, b, out)
+        kernel = "sddmm" if backend.on_gpu or _backend.threads(csr.nnz * a.shape[1]) > 1 else "sddmm_serial"
+        backend.kernel("sparse", kernel)(csr.indptr, csr.indices, a, b, out)
     return out
 
 
