@@ -36,6 +36,24 @@ def test_spmm_matches_scipy_with_bias(rng, index_dtype, dtype, threads, n):
 
 
 @pytest.mark.parametrize("threads", [0, 2])
+@pytest.mark.parametrize("writeable", [True, False])
+def test_spmm_reads_a_wide_b_in_place(rng, threads, writeable):
+    """Fewer stored entries than rows of ``b`` (no tile of ``b`` copied: each row is read at
+    most about once), ``b`` read-only."""
+    indptr, indices, data = random_csr(rng, 5, 300, 0.02)
+    b = rng.standard_normal((300, 70))
+    b.setflags(write=writeable)
+    bias = rng.standard_normal(5)
+    out = np.full((5, 70), np.nan)
+    if threads:
+        cpu_sparse.spmm(indptr, indices, data, b, bias, out, threads)
+    else:
+        cpu_sparse.spmm_serial(indptr, indices, data, b, bias, out)
+    want = scipy.sparse.csr_matrix((data, indices, indptr), shape=(5, 300)) @ b + bias[:, None]
+    np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("threads", [0, 2])
 def test_spmm_without_entries_is_the_bias(threads):
     """nnz 0 (every row empty) and a single row: the bias alone."""
     for m in (5, 1):

@@ -21,6 +21,8 @@ _VECTOR = 64
 """Bytes in one vector register (AVX-512; LLVM splits the vectors on narrower targets)."""
 _TILE = 4
 """Registers of accumulators per pass over a row: 64 float32 or 32 float64 columns."""
+_PANEL = 2**22
+"""Bytes at most of a tile of ``b`` copied for :func:`spmm` (beyond, ``b`` is read in place)."""
 
 
 @njit(parallel=True, cache=True)
@@ -51,28 +53,26 @@ def spmm_serial(indptr, indices, data, b, bias, out):
 @njit(inline="always")
 def _spmm_rows(indptr, indices, data, b, bias, out, lo, hi):
     """Rows ``lo`` to ``hi`` of :func:`spmm`, one tile of ``_TILE`` vectors of columns at a
-    time: the tile of ``b`` is first copied into a buffer of its own (``k`` rows of 256 bytes,
-    which the core's cache holds, where ``b``'s power-of-two row strides would map its rows
-    onto a fraction of the cache's sets), then each row of the tile is summed in registers
-    (:func:`_row_tile`). The columns past the last whole vector go one by one."""
+    time, each row of a tile summed in registers (:func:`_row_tile`); the columns past the
+    last whole vector go one by one. Where the rows' entries outnumber ``b``'s rows (each row
+    of ``b`` read more than once) and the tile takes at most ``_PANEL`` bytes, the tile of
+    ``b`` is first copied into a buffer of its own: ``k`` rows of 256 bytes, which stay in the
+    core's cache, where ``b``'s power-of-two row strides would map them onto a fraction of the
+    cache's sets."""
     k, n = b.shape
     lanes = _VECTOR // out.itemsize
     width = _TILE * lanes
-    panel = np.empty((k, width), out.dtype)
+    packed = indptr[hi] - indptr[lo] >= k and k * width * out.itemsize <= _PANEL
+    panel = np.empty((k if packed else 0, width), out.dtype)
     c0 = 0
     while c0 < n - n % lanes:
         vectors = min(_TILE, (n - c0) // lanes)
-        for j in range(k):
-            _copy_vectors(b, j, c0, panel, vectors * lanes)
-        for i in range(lo, hi):
-            if vectors == 4:
-                _row_tile(indices, data, panel, indptr[i], indptr[i + 1], bias[i], out, i, c0, 4)
-            elif vectors == 3:
-                _row_tile(indices, data, panel, indptr[i], indptr[i + 1], bias[i], out, i, c0, 3)
-            elif vectors == 2:
-                _row_tile(indices, data, panel, indptr[i], indptr[i + 1], bias[i], out, i, c0, 2)
-            else:
-                _row_tile(indices, data, panel, indptr[i], indptr[i + 1], bias[i], out, i, c0, 1)
+        if packed:
+            for j in range(k):
+                _copy_vectors(b, j, c0, panel, vectors * lanes)
+            _tile_rows(indptr, indices, data, panel, 0, bias, out, lo, hi, c0, vectors)
+        else:
+            _tile_rows(indptr, indices, data, b, c0, bias, out, lo, hi, c0, vectors)
         c0 += vectors * lanes
     for i in range(lo, hi):
         for c in range(c0, n):
@@ -80,6 +80,21 @@ def _spmm_rows(indptr, indices, data, b, bias, out, lo, hi):
             for p in range(indptr[i], indptr[i + 1]):
                 total += data[p] * b[indices[p], c]
             out[i, c] = total
+
+
+@njit(inline="always")
+def _tile_rows(indptr, indices, data, b, b0, bias, out, lo, hi, c0, vectors):
+    """``out[i, c0:c0 + w] = bias[i] + sum(data[p] * b[indices[p], b0:b0 + w])`` for rows
+    ``lo`` to ``hi``, ``w`` the columns of ``vectors`` (1 to ``_TILE``) vectors."""
+    for i in range(lo, hi):
+        if vectors == 4:
+            _row_tile(indices, data, b, b0, indptr[i], indptr[i + 1], bias[i], out, i, c0, 4)
+        elif vectors == 3:
+            _row_tile(indices, data, b, b0, indptr[i], indptr[i + 1], bias[i], out, i, c0, 3)
+        elif vectors == 2:
+            _row_tile(indices, data, b, b0, indptr[i], indptr[i + 1], bias[i], out, i, c0, 2)
+        else:
+            _row_tile(indices, data, b, b0, indptr[i], indptr[i + 1], bias[i], out, i, c0, 1)
 
 
 @intrinsic
@@ -119,8 +134,8 @@ def _copy_vectors(typingctx, a, j, c0, out, width):
 
 
 @intrinsic
-def _row_tile(typingctx, indices, data, b, p0, p1, start, out, i, c0, vectors):
-    """``out[i, c0:c0 + w] = start + sum(data[p] * b[indices[p], :w] for p0 <= p < p1)``
+def _row_tile(typingctx, indices, data, b, b0, p0, p1, start, out, i, c0, vectors):
+    """``out[i, c0:c0 + w] = start + sum(data[p] * b[indices[p], b0:b0 + w] for p0 <= p < p1)``
     for ``w`` the columns of ``vectors`` (a literal, 1 to 4) 64-byte vectors: the sums in
     registers, two sets of them (entries taken two at a time, added at the end), each
     product fused into its sum (FMA). ``b`` and ``out`` C-contiguous, of one float dtype."""
@@ -129,11 +144,12 @@ def _row_tile(typingctx, indices, data, b, p0, p1, start, out, i, c0, vectors):
     count = vectors.literal_value
 
     def codegen(context, builder, signature, args):
-        indices_type, data_type, b_type, p0_type, p1_type, start_type, out_type, i_type, c0_type, _ = signature.args
+        (indices_type, data_type, b_type, b0_type, p0_type, p1_type, start_type, out_type, i_type, c0_type,
+         _) = signature.args
         index_array = context.make_array(indices_type)(context, builder, args[0])
         data_array = context.make_array(data_type)(context, builder, args[1])
         b_array = context.make_array(b_type)(context, builder, args[2])
-        out_array = context.make_array(out_type)(context, builder, args[6])
+        out_array = context.make_array(out_type)(context, builder, args[7])
         element = context.get_data_type(b_type.dtype)
         size = context.get_abi_sizeof(element)
         lanes = _VECTOR // size
@@ -151,11 +167,12 @@ def _row_tile(typingctx, indices, data, b, p0, p1, start, out, i, c0, vectors):
             offset = builder.add(builder.mul(row, stride), builder.mul(column, const(size)))
             return cgutils.pointer_add(builder, array.data, offset, return_type=vector.as_pointer())
 
-        p0 = context.cast(builder, args[3], p0_type, types.intp)
-        p1 = context.cast(builder, args[4], p1_type, types.intp)
-        start = context.cast(builder, args[5], start_type, b_type.dtype)
-        row = context.cast(builder, args[7], i_type, types.intp)
-        c0 = context.cast(builder, args[8], c0_type, types.intp)
+        b0 = context.cast(builder, args[3], b0_type, types.intp)
+        p0 = context.cast(builder, args[4], p0_type, types.intp)
+        p1 = context.cast(builder, args[5], p1_type, types.intp)
+        start = context.cast(builder, args[6], start_type, b_type.dtype)
+        row = context.cast(builder, args[8], i_type, types.intp)
+        c0 = context.cast(builder, args[9], c0_type, types.intp)
         b_stride = cgutils.unpack_tuple(builder, b_array.strides)[0]
         out_stride = cgutils.unpack_tuple(builder, out_array.strides)[0]
         sums = [[cgutils.alloca_once_value(builder, splat(start) if s == 0 else ir.Constant(vector, [0.0] * lanes))
@@ -169,7 +186,7 @@ def _row_tile(typingctx, indices, data, b, p0, p1, start, out, i, c0, vectors):
                                  b_type.dtype)
             weight = splat(value)
             for q in range(count):
-                load = builder.load(address(b_array, j, b_stride, const(q * lanes)))
+                load = builder.load(address(b_array, j, b_stride, builder.add(b0, const(q * lanes))))
                 load.align = size
                 product = builder.fmul(weight, load, flags=["contract"])
                 builder.store(builder.fadd(builder.load(sums[s][q]), product, flags=["contract"]), sums[s][q])
@@ -198,7 +215,7 @@ def _row_tile(typingctx, indices, data, b, p0, p1, start, out, i, c0, vectors):
             store.align = size
         return context.get_dummy_value()
 
-    return types.void(indices, data, b, p0, p1, start, out, i, c0, vectors), codegen
+    return types.void(indices, data, b, b0, p0, p1, start, out, i, c0, vectors), codegen
 
 
 @njit(parallel=True, cache=True, fastmath=_FAST)
