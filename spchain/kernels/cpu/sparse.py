@@ -4,8 +4,9 @@ Every kernel trusts its caller (``spchain.sparse``) to have validated the struct
 starts at 0, never decreases and ends at ``len(indices)``, and every index is in range. Stored
 entries may come in any order within a row, repeat (duplicates add up) or hold zeros.
 
-The products loop over a row's stored entries several at a time, so that each pass over a dense
-row loads and stores the accumulator once for several entries (an unroll-and-jam of the entry loop).
+``spmm`` sums each output row of a tile of columns in vector registers (:func:`_row_tile`, an
+LLVM intrinsic); ``sddmm`` takes a row's stored entries four at a time, so that each pass over
+the row of ``a`` serves four dot products.
 """
 
 import numpy as np
