@@ -101,6 +101,26 @@ def device_kernel(xp: ModuleType, launcher: Callable[..., Any]) -> Callable[...,
     return launch
 
 
+SERIAL_WORK = 2**17
+"""Multiply-adds below which a CPU kernel runs on the calling thread alone: starting the
+threads would cost about as much as such a product."""
+
+
+def threads(work: int) -> int:
+    """The number of threads for a parallel CPU kernel of ``work`` multiply-adds: 1 below
+    :data:`SERIAL_WORK` (the caller then runs the kernel's one-thread version), else Numba's
+    thread count (``numba.set_num_threads``; all cores unless the user lowered it).
+
+    The one place where spchain sizes its CPU parallelism; see docs/design.rst, "Threads".
+    """
+    if work < SERIAL_WORK:
+        return 1
+    threading_layer()
+    import numba
+
+    return int(numba.get_num_threads())
+
+
 class _NullContext:
     def __enter__(self) -> _NullContext:
         return self

@@ -8,13 +8,13 @@ from __future__ import annotations
 import importlib
 import operator
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import scipy.sparse
 
+from . import _backend
 from ._backend import Backend
 from ._typing import Array, Shape, Sparse
 from .kernels import cpu, cuda
@@ -93,9 +93,13 @@ class Csr:
         m, n = csr.shape[0], b.shape[1]
         out = np.empty((m, n), dtype)
         if out.size:
-            _threads(cpu.sparse.sparse_spmm, cpu.sparse.sparse_spmm_serial, csr.nnz * n)(
-                csr.indptr, csr.indices, values, contiguous(backend, b), np.zeros(m, dtype) if bias is None else bias,
-                out)
+            args = (csr.indptr, csr.indices, values, contiguous(backend, b),
+                    np.zeros(m, dtype) if bias is None else bias, out)
+            threads = _backend.threads(csr.nnz * n)
+            if threads > 1:
+                cpu.sparse.sparse_spmm(*args, threads)
+            else:
+                cpu.sparse.sparse_spmm_serial(*args)
         return out
 
     def sampled(self, backend: Backend, a: Array, b: Array, dtype: np.dtype[Any]) -> Array:
@@ -107,8 +111,9 @@ class Csr:
         b = contiguous(backend, b.astype(dtype, copy=False))
         out = xp.empty(self.nnz, dtype)
         with backend.use():
-            kernel = (_threads(cpu.sparse.sparse_sddmm, cpu.sparse.sparse_sddmm_serial, self.nnz * a.shape[1])
-                      if not backend.on_gpu else backend.launcher(cuda.sparse.launch_sparse_sddmm))
+            kernel = (backend.launcher(cuda.sparse.launch_sparse_sddmm) if backend.on_gpu
+                      else cpu.sparse.sparse_sddmm if _backend.threads(self.nnz * a.shape[1]) > 1
+                      else cpu.sparse.sparse_sddmm_serial)
             kernel(self.indptr, self.indices, a, b, out)
         return out
 
@@ -406,11 +411,3 @@ def _gpu_spmm(backend: Backend, csr: Csr, data: Array, b: Array, dtype: np.dtype
     return out
 
 
-_SERIAL_WORK = 2**17
-"""Multiply-adds below which a CPU product runs on one thread (its ``_serial`` kernel, the same
-arithmetic): starting the threads would cost about as much as such a product."""
-
-
-def _threads(parallel: Callable[..., Any], serial: Callable[..., Any], work: int) -> Callable[..., Any]:
-    """``serial``, the one-thread version of the CPU kernel ``parallel``, for small products."""
-    return serial if work < _SERIAL_WORK else parallel

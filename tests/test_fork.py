@@ -24,7 +24,7 @@ import numpy as np, scipy.sparse
 import spchain as sc
 
 a = scipy.sparse.random(300, 200, density=0.1, format="csr", random_state=0)
-b = np.random.default_rng(0).standard_normal((200, 64))  # above spchain.sparse._SERIAL_WORK
+b = np.random.default_rng(0).standard_normal((200, 64))  # above spchain._backend.SERIAL_WORK
 want = a @ b
 assert np.allclose(sc.spmm(a, b), want)  # the parent runs a parallel kernel first
 

@@ -4,10 +4,12 @@ Every kernel trusts its caller (``spchain.sparse``) to have validated the struct
 starts at 0, never decreases and ends at ``len(indices)``, and every index is in range. Stored
 entries may come in any order within a row, repeat (duplicates add up) or hold zeros.
 
-The products loop over a row's stored entries several at a time, so that each pass over a dense
-row loads and stores the accumulator once for several entries (an unroll-and-jam of the entry loop).
+:func:`sparse_spmm` sums each output row of a tile of columns in vector registers (:func:`_row_tile`, an
+LLVM intrinsic); :func:`sparse_sddmm` takes a row's stored entries four at a time, so that each pass over
+the row of ``a`` serves four dot products.
 """
 
+import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
@@ -16,55 +18,205 @@ from numba.extending import intrinsic
 _FAST = {"reassoc", "contract"}  # lets the dot products vectorise; never assumes no inf/NaN
 
 
-@njit(parallel=True, cache=True, fastmath=_FAST)
-def sparse_spmm(indptr, indices, data, b, bias, out):
+_VECTOR = 64
+"""Bytes in one vector register (AVX-512; LLVM splits the vectors on narrower targets)."""
+_TILE = 4
+"""Registers of accumulators per pass over a row: 64 float32 or 32 float64 columns."""
+_PANEL = 2**22
+"""Bytes at most of a tile of ``b`` copied for :func:`sparse_spmm` (beyond, ``b`` is read in place)."""
+
+
+@njit(parallel=True, cache=True)
+def sparse_spmm(indptr, indices, data, b, bias, out, threads):
     """CSR times dense: ``out[i, :] = bias[i] + sum(data[p] * b[indices[p], :])`` over row ``i``.
 
     Inputs: ``indptr`` (m + 1), ``indices`` and ``data`` (nnz), ``b`` (k, n) C-contiguous,
-    ``bias`` (m). Overwrites ``out`` (m, n), C-contiguous. Rows run in parallel; a row's
-    entries are taken eight at a time, then four, then one.
+    ``bias`` (m), ``threads`` >= 1. Overwrites ``out`` (m, n), C-contiguous. The rows are cut
+    into ``threads`` runs of about equal stored entries, which run in parallel; each run goes
+    over ``b`` one tile of columns at a time (see :func:`_spmm_rows`).
     Complexity: O(nnz * n) multiply-adds, O(m * n) writes.
     """
-    for i in prange(out.shape[0]):
-        _spmm_row(indptr, indices, data, b, bias, out, i)
+    m = out.shape[0]
+    nnz = indptr[m]
+    for r in prange(threads):
+        lo = np.searchsorted(indptr[:m], nnz * r // threads)
+        hi = m if r == threads - 1 else np.searchsorted(indptr[:m], nnz * (r + 1) // threads)
+        _spmm_rows(indptr, indices, data, b, bias, out, lo, hi)
 
 
-@njit(cache=True, fastmath=_FAST)
+@njit(cache=True)
 def sparse_spmm_serial(indptr, indices, data, b, bias, out):
-    """:func:`sparse_spmm` on one thread, row after row (the same arithmetic): for small products,
-    where starting the threads would cost more than the product."""
-    for i in range(out.shape[0]):
-        _spmm_row(indptr, indices, data, b, bias, out, i)
+    """:func:`sparse_spmm` on one thread (the same arithmetic): for small products, where starting
+    the threads would cost more than the product."""
+    _spmm_rows(indptr, indices, data, b, bias, out, 0, out.shape[0])
 
 
 @njit(inline="always")
-def _spmm_row(indptr, indices, data, b, bias, out, i):
-    n = b.shape[1]
-    o = out[i]
-    o[:] = bias[i]
-    p = indptr[i]
-    end = indptr[i + 1]
-    while p + 8 <= end:
-        v0, v1, v2, v3 = data[p], data[p + 1], data[p + 2], data[p + 3]
-        v4, v5, v6, v7 = data[p + 4], data[p + 5], data[p + 6], data[p + 7]
-        b0, b1, b2, b3 = b[indices[p]], b[indices[p + 1]], b[indices[p + 2]], b[indices[p + 3]]
-        b4, b5, b6, b7 = b[indices[p + 4]], b[indices[p + 5]], b[indices[p + 6]], b[indices[p + 7]]
-        for c in range(n):
-            o[c] += (v0 * b0[c] + v1 * b1[c] + v2 * b2[c] + v3 * b3[c]) + (
-                v4 * b4[c] + v5 * b5[c] + v6 * b6[c] + v7 * b7[c])
-        p += 8
-    if p + 4 <= end:
-        v0, v1, v2, v3 = data[p], data[p + 1], data[p + 2], data[p + 3]
-        b0, b1, b2, b3 = b[indices[p]], b[indices[p + 1]], b[indices[p + 2]], b[indices[p + 3]]
-        for c in range(n):
-            o[c] += v0 * b0[c] + v1 * b1[c] + v2 * b2[c] + v3 * b3[c]
-        p += 4
-    while p < end:
-        v0 = data[p]
-        b0 = b[indices[p]]
-        for c in range(n):
-            o[c] += v0 * b0[c]
-        p += 1
+def _spmm_rows(indptr, indices, data, b, bias, out, lo, hi):
+    """Rows ``lo`` to ``hi`` of :func:`sparse_spmm`, one tile of ``_TILE`` vectors of columns at a
+    time, each row of a tile summed in registers (:func:`_row_tile`); the columns past the
+    last whole vector go one by one. Where the rows' entries outnumber ``b``'s rows (each row
+    of ``b`` read more than once) and the tile takes at most ``_PANEL`` bytes, the tile of
+    ``b`` is first copied into a buffer of its own: ``k`` rows of 256 bytes, which stay in the
+    core's cache, where ``b``'s power-of-two row strides would map them onto a fraction of the
+    cache's sets."""
+    k, n = b.shape
+    lanes = _VECTOR // out.itemsize
+    width = _TILE * lanes
+    packed = indptr[hi] - indptr[lo] >= k and k * width * out.itemsize <= _PANEL
+    panel = np.empty((k if packed else 0, width), out.dtype)
+    c0 = 0
+    while c0 < n - n % lanes:
+        vectors = min(_TILE, (n - c0) // lanes)
+        if packed:
+            for j in range(k):
+                _copy_vectors(b, j, c0, panel, vectors * lanes)
+            _tile_rows(indptr, indices, data, panel, 0, bias, out, lo, hi, c0, vectors)
+        else:
+            _tile_rows(indptr, indices, data, b, c0, bias, out, lo, hi, c0, vectors)
+        c0 += vectors * lanes
+    for i in range(lo, hi):
+        for c in range(c0, n):
+            total = bias[i]
+            for p in range(indptr[i], indptr[i + 1]):
+                total += data[p] * b[indices[p], c]
+            out[i, c] = total
+
+
+@njit(inline="always")
+def _tile_rows(indptr, indices, data, b, b0, bias, out, lo, hi, c0, vectors):
+    """``out[i, c0:c0 + w] = bias[i] + sum(data[p] * b[indices[p], b0:b0 + w])`` for rows
+    ``lo`` to ``hi``, ``w`` the columns of ``vectors`` (1 to ``_TILE``) vectors."""
+    for i in range(lo, hi):
+        if vectors == 4:
+            _row_tile(indices, data, b, b0, indptr[i], indptr[i + 1], bias[i], out, i, c0, 4)
+        elif vectors == 3:
+            _row_tile(indices, data, b, b0, indptr[i], indptr[i + 1], bias[i], out, i, c0, 3)
+        elif vectors == 2:
+            _row_tile(indices, data, b, b0, indptr[i], indptr[i + 1], bias[i], out, i, c0, 2)
+        else:
+            _row_tile(indices, data, b, b0, indptr[i], indptr[i + 1], bias[i], out, i, c0, 1)
+
+
+@intrinsic
+def _copy_vectors(typingctx, a, j, c0, out, width):
+    """``out[j, :width] = a[j, c0:c0 + width]``, ``width`` a multiple of the vector's lanes up
+    to ``_TILE`` vectors, by vector loads and stores; ``a`` and ``out`` C-contiguous."""
+    if a.layout != "C" or out.layout != "C" or not isinstance(a.dtype, types.Float):
+        return None
+
+    def codegen(context, builder, signature, args):
+        a_type, j_type, c0_type, out_type, width_type = signature.args
+        a_array = context.make_array(a_type)(context, builder, args[0])
+        out_array = context.make_array(out_type)(context, builder, args[3])
+        element = context.get_data_type(a_type.dtype)
+        size = context.get_abi_sizeof(element)
+        lanes = _VECTOR // size
+        vector = ir.VectorType(element, lanes)
+        intp = context.get_value_type(types.intp)
+        j = context.cast(builder, args[1], j_type, types.intp)
+        c0 = context.cast(builder, args[2], c0_type, types.intp)
+        width = context.cast(builder, args[4], width_type, types.intp)
+        a_row = builder.mul(j, cgutils.unpack_tuple(builder, a_array.strides)[0])
+        out_row = builder.mul(j, cgutils.unpack_tuple(builder, out_array.strides)[0])
+        for q in range(_TILE):
+            column = ir.Constant(intp, q * lanes)
+            with builder.if_then(builder.icmp_signed("<", column, width), likely=True):
+                source = builder.add(a_row, builder.mul(builder.add(c0, column), ir.Constant(intp, size)))
+                target = builder.add(out_row, builder.mul(column, ir.Constant(intp, size)))
+                load = builder.load(cgutils.pointer_add(builder, a_array.data, source, return_type=vector.as_pointer()))
+                load.align = size
+                store = builder.store(load, cgutils.pointer_add(builder, out_array.data, target,
+                                                                return_type=vector.as_pointer()))
+                store.align = size
+        return context.get_dummy_value()
+
+    return types.void(a, j, c0, out, width), codegen
+
+
+@intrinsic
+def _row_tile(typingctx, indices, data, b, b0, p0, p1, start, out, i, c0, vectors):
+    """``out[i, c0:c0 + w] = start + sum(data[p] * b[indices[p], b0:b0 + w] for p0 <= p < p1)``
+    for ``w`` the columns of ``vectors`` (a literal, 1 to 4) 64-byte vectors: the sums in
+    registers, two sets of them (entries taken two at a time, added at the end), each
+    product fused into its sum (FMA). ``b`` and ``out`` C-contiguous, of one float dtype."""
+    if not isinstance(vectors, types.IntegerLiteral) or b.layout != "C" or out.layout != "C":
+        return None
+    count = vectors.literal_value
+
+    def codegen(context, builder, signature, args):
+        (indices_type, data_type, b_type, b0_type, p0_type, p1_type, start_type, out_type, i_type, c0_type,
+         _) = signature.args
+        index_array = context.make_array(indices_type)(context, builder, args[0])
+        data_array = context.make_array(data_type)(context, builder, args[1])
+        b_array = context.make_array(b_type)(context, builder, args[2])
+        out_array = context.make_array(out_type)(context, builder, args[7])
+        element = context.get_data_type(b_type.dtype)
+        size = context.get_abi_sizeof(element)
+        lanes = _VECTOR // size
+        vector = ir.VectorType(element, lanes)
+        intp = context.get_value_type(types.intp)
+
+        def const(v):
+            return ir.Constant(intp, v)
+
+        def splat(value):
+            one = builder.insert_element(ir.Constant(vector, ir.Undefined), value, ir.Constant(ir.IntType(32), 0))
+            return builder.shuffle_vector(one, one, ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes))
+
+        def address(array, row, stride, column):  # &array[row, column] as a vector pointer
+            offset = builder.add(builder.mul(row, stride), builder.mul(column, const(size)))
+            return cgutils.pointer_add(builder, array.data, offset, return_type=vector.as_pointer())
+
+        b0 = context.cast(builder, args[3], b0_type, types.intp)
+        p0 = context.cast(builder, args[4], p0_type, types.intp)
+        p1 = context.cast(builder, args[5], p1_type, types.intp)
+        start = context.cast(builder, args[6], start_type, b_type.dtype)
+        row = context.cast(builder, args[8], i_type, types.intp)
+        c0 = context.cast(builder, args[9], c0_type, types.intp)
+        b_stride = cgutils.unpack_tuple(builder, b_array.strides)[0]
+        out_stride = cgutils.unpack_tuple(builder, out_array.strides)[0]
+        sums = [[cgutils.alloca_once_value(builder, splat(start) if s == 0 else ir.Constant(vector, [0.0] * lanes))
+                 for _ in range(count)] for s in range(2)]
+        position = cgutils.alloca_once_value(builder, p0)
+
+        def add_entry(p, s):
+            j = context.cast(builder, builder.load(cgutils.gep(builder, index_array.data, p)), indices_type.dtype,
+                             types.intp)
+            value = context.cast(builder, builder.load(cgutils.gep(builder, data_array.data, p)), data_type.dtype,
+                                 b_type.dtype)
+            weight = splat(value)
+            for q in range(count):
+                load = builder.load(address(b_array, j, b_stride, builder.add(b0, const(q * lanes))))
+                load.align = size
+                product = builder.fmul(weight, load, flags=["contract"])
+                builder.store(builder.fadd(builder.load(sums[s][q]), product, flags=["contract"]), sums[s][q])
+
+        pairs, pair, single, one, done = (builder.append_basic_block(name) for name in
+                                          ("pairs", "pair", "single", "one", "done"))
+        builder.branch(pairs)
+        builder.position_at_end(pairs)
+        p = builder.load(position)
+        builder.cbranch(builder.icmp_signed("<=", builder.add(p, const(2)), p1), pair, single)
+        builder.position_at_end(pair)
+        add_entry(p, 0)
+        add_entry(builder.add(p, const(1)), 1)
+        builder.store(builder.add(p, const(2)), position)
+        builder.branch(pairs)
+        builder.position_at_end(single)
+        p = builder.load(position)
+        builder.cbranch(builder.icmp_signed("<", p, p1), one, done)
+        builder.position_at_end(one)
+        add_entry(p, 0)
+        builder.branch(done)
+        builder.position_at_end(done)
+        for q in range(count):
+            total = builder.fadd(builder.load(sums[0][q]), builder.load(sums[1][q]))
+            store = builder.store(total, address(out_array, row, out_stride, builder.add(c0, const(q * lanes))))
+            store.align = size
+        return context.get_dummy_value()
+
+    return types.void(indices, data, b, b0, p0, p1, start, out, i, c0, vectors), codegen
 
 
 @njit(parallel=True, cache=True, fastmath=_FAST)
