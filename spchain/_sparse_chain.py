@@ -285,10 +285,9 @@ def densified(chain: Chain) -> Chain:
     return dataclasses.replace(chain, trans=dense.reshape(1, 1, c, c), sparse=None)
 
 
-def trans_grad(backend: Backend, log_trans: Sparse, grad: Array, caller: str) -> Sparse:
-    """The gradient of a sparse ``log_trans`` from the sweeps' ``grad`` (its values, (1, 1, nnz),
-    or a dense (1, 1, c, c) one): a CSR matrix of the same structure (in CSR order)."""
-    structure, _ = split(backend, log_trans, grad.dtype, caller, check=False)
+def trans_grad(backend: Backend, structure: Structure, grad: Array) -> Sparse:
+    """The gradient of a sparse ``log_trans`` of this ``structure`` from the sweeps' ``grad`` (its
+    values, (1, 1, nnz), or a dense (1, 1, c, c) one): a CSR matrix of the structure (in CSR order)."""
     if grad.ndim == 4:
         rows = _csr.row_of_entries(backend, _csr.Csr(structure.indptr, structure.indices, None, structure.shape))
         grad = grad[0, 0][rows, structure.indices]
