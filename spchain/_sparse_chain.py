@@ -22,6 +22,7 @@ O(c²) memory).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
@@ -64,9 +65,28 @@ def is_sparse(a: object) -> bool:
 def split(backend: Backend, log_trans: Sparse, dtype: np.dtype[Any], caller: str,
           check: bool = True) -> tuple[Structure, Array]:
     """``(Structure, values (nnz,) of dtype)`` of a sparse ``log_trans``, in CSR order; a CSR
-    matrix keeps its own order. ``ValueError`` for a bad structure or a repeated entry."""
+    matrix keeps its own order. ``ValueError`` for a bad structure or a repeated entry.
+
+    The structure of a CSR matrix is validated and transposed once and cached (:class:`_Cache`):
+    a forward and its backward, or two operators on one structure, share it."""
     name = f"{caller}: log_trans"
     fmt, shape, data, index = _csr.sparse_parts(backend, log_trans, name)
+    if fmt != "csr":
+        structure, data = validated(backend, fmt, shape, data, index, name, check)
+        return structure, backend.xp.asarray(data).astype(dtype, copy=False)
+    structure = _STRUCTURES.get(backend, index, shape)
+    if structure is None or data.ndim != 1 or data.shape[0] != structure.indices.shape[0]:
+        index = (index[0].copy(), index[1].copy())  # private copies: the cache compares the caller's with them
+        structure, _ = validated(backend, fmt, shape, data, index, name, check)
+        if check:  # a structure enters the cache checked for repeated entries
+            _STRUCTURES.put(backend, index, shape, structure)
+    return structure, backend.xp.asarray(data).astype(dtype, copy=False)
+
+
+def validated(backend: Backend, fmt: str, shape: tuple[int, ...], data: Array | None, index: tuple[Array, Array],
+              name: str, check: bool = True) -> tuple[Structure, Array]:
+    """The :class:`Structure` of a CSR, CSC or COO matrix's parts, validated (and, with
+    ``check``, free of repeated entries) and transposed, and its data in CSR order."""
     csr = _csr.to_csr(backend, fmt, shape, data, *index, name)
     if check and csr.nnz:
         marks = np.full(shape[1], -1, np.int64)
@@ -77,8 +97,48 @@ def split(backend: Backend, log_trans: Sparse, dtype: np.dtype[Any], caller: str
             raise ValueError(f"{name} stores the entry ({i}, {int(host(csr.indices)[q])}) more than once; "
                              "combine repeated log-values first (their log-sum-exp)")
     transpose, order = _csr.transposed(backend, csr)
-    structure = Structure(csr.indptr, csr.indices, transpose.indptr, transpose.indices, order, csr.shape)
-    return structure, backend.xp.asarray(csr.data).astype(dtype, copy=False)
+    return Structure(csr.indptr, csr.indices, transpose.indptr, transpose.indices, order, csr.shape), csr.data
+
+
+class _Cache:
+    """The most recently used CSR structures (at most ``size``), keyed by the index arrays'
+    addresses, dtypes and lengths, the shape and the device. An entry holds the structure of
+    private copies of the index arrays, and every look-up compares the caller's arrays with them
+    (O(nnz), against the validation's and the transpose's O(nnz log nnz)): neither an address
+    that a new array may reuse nor an array written in place can reach a kernel unvalidated."""
+
+    def __init__(self, size: int = 16) -> None:
+        self._entries: collections.OrderedDict[tuple[Any, ...], Structure] = collections.OrderedDict()
+        self._size = size
+
+    @staticmethod
+    def _key(backend: Backend, index: tuple[Array, Array], shape: tuple[int, ...]) -> tuple[Any, ...]:
+        return (*(_address(a) for a in index), *(a.dtype for a in index), *(a.shape for a in index), shape,
+                backend.device)
+
+    def get(self, backend: Backend, index: tuple[Array, Array], shape: tuple[int, ...]) -> Structure | None:
+        key = self._key(backend, index, shape)
+        structure = self._entries.get(key)
+        if structure is None or not all(bool((a == b).all()) for a, b in zip(index, _indexes(structure))):
+            return None
+        self._entries.move_to_end(key)
+        return structure
+
+    def put(self, backend: Backend, index: tuple[Array, Array], shape: tuple[int, ...], structure: Structure) -> None:
+        self._entries[self._key(backend, index, shape)] = structure
+        while len(self._entries) > self._size:
+            self._entries.popitem(last=False)
+
+
+def _indexes(structure: Structure) -> tuple[Array, Array]:
+    return structure.indptr, structure.indices
+
+
+def _address(a: Array) -> int:
+    return int(a.__array_interface__["data"][0] if isinstance(a, np.ndarray) else a.data.ptr)
+
+
+_STRUCTURES = _Cache()
 
 
 def _first_duplicate(indptr: Array, indices: Array, marks: Array) -> int:
