@@ -91,12 +91,6 @@ class Op(Generic[P, S]):
         """:meth:`residuals`' inverse (``outputs`` for operations whose backward reads them)."""
         return self.saved(*residuals)
 
-    def __call__(self, *args: Any, caller: str | None = None) -> tuple[Array, ...]:
-        """The outputs of ``args`` (prepared with checks naming ``caller``, if given)."""
-        problem = self.prepare(*args) if caller is None else self.prepare(*args, caller=caller)
-        outputs, _ = self.forward(problem)
-        return outputs
-
 
 @dataclasses.dataclass(frozen=True)
 class Results(Saved):

@@ -74,12 +74,13 @@ def split(backend: Backend, log_trans: Sparse, dtype: np.dtype[Any], caller: str
     if fmt != "csr":
         structure, data = validated(backend, fmt, shape, data, index, name, check)
         return structure, backend.xp.asarray(data).astype(dtype, copy=False)
-    structure = _STRUCTURES.get(backend, index, shape)
-    if structure is None or data.ndim != 1 or data.shape[0] != structure.indices.shape[0]:
-        index = (index[0].copy(), index[1].copy())  # private copies: the cache compares the caller's with them
-        structure, _ = validated(backend, fmt, shape, data, index, name, check)
-        if check:  # a structure enters the cache checked for repeated entries
-            _STRUCTURES.put(backend, index, shape, structure)
+    cached = _STRUCTURES.get(backend, index, shape)
+    if cached is not None and data.ndim == 1 and data.shape[0] == cached.indices.shape[0]:
+        return cached, backend.xp.asarray(data).astype(dtype, copy=False)
+    index = (index[0].copy(), index[1].copy())  # private copies: the cache compares the caller's with them
+    structure, _ = validated(backend, fmt, shape, data, index, name, check)
+    if check:  # a structure enters the cache checked for repeated entries
+        _STRUCTURES.put(backend, index, shape, structure)
     return structure, backend.xp.asarray(data).astype(dtype, copy=False)
 
 

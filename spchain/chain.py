@@ -342,8 +342,8 @@ def viterbi_forward(x: ArrayLike, log_trans: ArrayLike | Sparse, log_init: Array
                     lengths: ArrayLike | None = None, caller: str = "spchain.viterbi") -> tuple[Array, Array]:
     """:func:`viterbi` with its checks naming ``caller``: ``(score, path)``, which is all that
     :func:`viterbi_backward` needs besides the inputs."""
-    outputs, _ = VITERBI.forward(prepare_chain(x, log_trans, log_init, lengths, caller=caller))
-    return outputs
+    (score, path), _ = VITERBI.forward(prepare_chain(x, log_trans, log_init, lengths, caller=caller))
+    return score, path
 
 
 def viterbi_backward(inputs: Sequence[Any], results: Sequence[Array], grads: Sequence[Array],

@@ -226,7 +226,8 @@ def chain_entropy_backward(inputs: Sequence[Any], results: Sequence[Array], grad
     ``grads = (grad,)`` (``None`` where ``needs`` is false): the exact Hessian-vector product
     ``-∇²A θ`` by the expectation-semiring backward pass. The inputs are trusted. With ``+inf``
     inputs the forward of the float64 limit chain is run again (``results`` hold it rounded)."""
-    problem = _prepare(*inputs, caller="spchain.chain_entropy", check=False)
+    x, log_trans, log_init, lengths = inputs
+    problem = _prepare(x, log_trans, log_init, lengths, "spchain.chain_entropy", check=False)
     chain = problem.chain
     _, v, c = chain.x.shape
     pre, norm, fwd, mean, possible = results[1:]
