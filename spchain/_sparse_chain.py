@@ -102,41 +102,34 @@ def validated(backend: Backend, fmt: str, shape: tuple[int, ...], data: Array | 
 
 
 class _Cache:
-    """The most recently used CSR structures (at most ``size``), keyed by the index arrays'
-    addresses, dtypes and lengths, the shape and the device. An entry holds the structure of
-    private copies of the index arrays, and every look-up compares the caller's arrays with them
-    (O(nnz), against the validation's and the transpose's O(nnz log nnz)): neither an address
-    that a new array may reuse nor an array written in place can reach a kernel unvalidated."""
+    """The most recently used CSR structures (at most ``size``), found by their contents: a
+    look-up compares the caller's index arrays with each entry's of the same sizes and device
+    (O(nnz), against the validation's and the transpose's O(nnz log nnz)). Each entry holds
+    private copies, so that neither an array written in place nor a new array at a reused
+    address reaches a kernel unvalidated, and SciPy's copies of the index arrays (a new
+    ``csr_matrix`` a call) still find their structure."""
 
     def __init__(self, size: int = 16) -> None:
-        self._entries: collections.OrderedDict[tuple[Any, ...], Structure] = collections.OrderedDict()
+        self._entries: list[tuple[tuple[Any, ...], Structure]] = []
         self._size = size
 
     @staticmethod
     def _key(backend: Backend, index: tuple[Array, Array], shape: tuple[int, ...]) -> tuple[Any, ...]:
-        return (*(_address(a) for a in index), *(a.dtype for a in index), *(a.shape for a in index), shape,
-                backend.device)
+        return (*(a.shape for a in index), shape, backend.device)
 
     def get(self, backend: Backend, index: tuple[Array, Array], shape: tuple[int, ...]) -> Structure | None:
         key = self._key(backend, index, shape)
-        structure = self._entries.get(key)
-        if structure is None or not all(bool((a == b).all()) for a, b in zip(index, _indexes(structure))):
-            return None
-        self._entries.move_to_end(key)
-        return structure
+        for k in range(len(self._entries) - 1, -1, -1):
+            entry_key, structure = self._entries[k]
+            if entry_key == key and bool((structure.indptr == index[0]).all()) and \
+                    bool((structure.indices == index[1]).all()):
+                self._entries.append(self._entries.pop(k))
+                return structure
+        return None
 
     def put(self, backend: Backend, index: tuple[Array, Array], shape: tuple[int, ...], structure: Structure) -> None:
-        self._entries[self._key(backend, index, shape)] = structure
-        while len(self._entries) > self._size:
-            self._entries.popitem(last=False)
-
-
-def _indexes(structure: Structure) -> tuple[Array, Array]:
-    return structure.indptr, structure.indices
-
-
-def _address(a: Array) -> int:
-    return int(a.__array_interface__["data"][0] if isinstance(a, np.ndarray) else a.data.ptr)
+        self._entries.append((self._key(backend, index, shape), structure))
+        del self._entries[:-self._size]
 
 
 _STRUCTURES = _Cache()

@@ -11,6 +11,7 @@ import spchain._csr
 import spchain._sparse_chain
 import spchain.chain
 import spchain.torch as st
+from spchain.torch.chain import SPARSE_CHAIN_LOGSUMEXP
 
 
 @pytest.fixture
@@ -51,18 +52,17 @@ def test_chain_logsumexp_prepares_once(calls, sparse):
     assert x.grad is not None and log_trans.grad is not None and log_init.grad is not None
 
 
-def test_a_transform_validates_a_sparse_structure_once(calls):
+def test_the_registered_operators_validate_a_sparse_structure_once(calls):
     x, log_trans, _ = _inputs(True)
-    crow, col, values = log_trans.crow_indices(), log_trans.col_indices(), log_trans.values().detach()
+    parts = log_trans.crow_indices(), log_trans.col_indices(), log_trans.values().detach()
 
-    def total(v):
-        return st.chain_logsumexp(x.detach(), torch.sparse_csr_tensor(crow, col, v)).sum()
+    def total(values):
+        return SPARSE_CHAIN_LOGSUMEXP(x.detach(), parts[0], parts[1], values, None, None)[0].sum()
 
-    leaf = values.clone().requires_grad_()
+    got = torch.func.grad(total)(parts[2])  # a transform: the registered forward and backward operators
+    assert calls["structure"] == 1  # the backward operator prepares again, its structure from the cache
+    leaf = parts[2].clone().requires_grad_()
     want, = torch.autograd.grad(total(leaf), leaf)
-    assert calls["structure"] == 1
-    got = torch.func.grad(total)(values)
-    assert calls["structure"] == 1  # the registered operators' forward and backward hit the cache
     torch.testing.assert_close(got, want)
 
 

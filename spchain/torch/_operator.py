@@ -189,6 +189,11 @@ class Operator(Generic[Public]):
         if self.array.backward is not None:
             op.register_autograd(self._transform.backward, setup_context=self._transform.setup_context)
 
+    @property
+    def backward(self) -> Any:
+        """The array-level backward (``None`` for an operator without a gradient)."""
+        return self.array.backward
+
     def __call__(self, *arguments: object) -> Public:
         args: Sequence[object] = arguments
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
@@ -205,9 +210,9 @@ class Operator(Generic[Public]):
         if _forward_mode() and not torch.compiler.is_compiling():  # tangents cross only through the Function
             results = self._tangent.apply(*args)  # type: ignore[no-untyped-call]
         else:
-            if self.array.backward is None and requires:  # results without a graph, also where compile traces the joint graph
+            if self.backward is None and requires:  # results without a graph, also where compile traces the joint graph
                 args = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
-            grad = requires and self.array.backward is not None and torch.is_grad_enabled()
+            grad = requires and self.backward is not None and torch.is_grad_enabled()
             if plain_eager(tensors):  # without a graph, only the public results become tensors
                 results = (self._eager.apply(*args) if grad  # type: ignore[no-untyped-call]
                            else self._run(args, self.outputs))
