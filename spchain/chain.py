@@ -214,10 +214,10 @@ def _input_grads(problem: ChainProblem, needs: Sequence[bool], grad_x: Array, gr
         trans = _sparse_chain.trans_grad(chain.backend, problem.structure, grad_trans)
     elif grad_trans is not None:
         trans = grad_trans.reshape(problem.trans_shape)
+    init_shape = problem.init_shape if problem.init_shape is not None else problem.x_shape[-1:]
     return ChainGrads(_logspace.reduce_to(chain.unrows(grad_x), problem.x_shape) if need_x else None,
                       trans if need_trans else None,
-                      _logspace.reduce_to(chain.unrows(grad_x[:, 0]), problem.init_shape if problem.init_shape is not None else (problem.x_shape[-1],))
-                      if need_init else None)
+                      _logspace.reduce_to(chain.unrows(grad_x[:, 0]), init_shape) if need_init else None)
 
 
 @scales_out
