@@ -139,9 +139,9 @@ class Operator(Generic[Public]):
     @overload
     def __init__(self: "Operator[torch.Tensor]", name: str, schema: str, forward: Forward | _op.Op[Any, Any],
                  fake: Fake, *, outputs: Literal[1] = ..., backward: Backward | None = ...,
-                 differentiable: Iterable[int] = ..., leading_batch: Sequence[int] = ..., backward_reads: Iterable[int] | None = ...,
-                 jvp: Jvp | None = ..., autocast: Literal["lower", "float32"] = ...,
-                 caller: str | None = ...) -> None: ...
+                 differentiable: Iterable[int] = ..., leading_batch: Sequence[int] = ...,
+                 backward_reads: Iterable[int] | None = ..., jvp: Jvp | None = ...,
+                 autocast: Literal["lower", "float32"] = ..., caller: str | None = ...) -> None: ...
 
     @overload
     def __init__(self: "Operator[tuple[torch.Tensor, torch.Tensor]]", name: str, schema: str,
