@@ -402,7 +402,8 @@ def _double_backward_error(name: str) -> RuntimeError:
 def _eager_function(op: Operator[Any]) -> type[torch.autograd.Function]:
     """The ``autograd.Function`` of the plain eager route: its context keeps the prepared
     problem and the residuals (arrays) for the backward, which prepares nothing again; the
-    tensor arguments are saved for autograd's check that none changed in between."""
+    tensor arguments and the outputs (which the arrays may share memory with) are saved for
+    autograd's check that none changed in between."""
     array, outputs, differentiable = op.array, op.outputs, op.differentiable
 
     class Eager(torch.autograd.Function):
@@ -413,7 +414,7 @@ def _eager_function(op: Operator[Any]) -> type[torch.autograd.Function]:
                 ctx.problem = array.prepare(*_arrays(args), caller=op.caller)
                 results, ctx.saved = array.forward(ctx.problem)
             public = tuple(to_tensor(r) for r in results[:outputs])
-            ctx.save_for_backward(*(a for a in args if isinstance(a, torch.Tensor)))
+            ctx.save_for_backward(*(a for a in args if isinstance(a, torch.Tensor)), *public)
             ctx.device, ctx.like = device, [(r.shape, r.dtype) for r in public]
             ctx.dtypes = [a.dtype if isinstance(a, torch.Tensor) else None for a in args]
             fixed = [r for r in public if not r.is_floating_point()]
@@ -426,7 +427,7 @@ def _eager_function(op: Operator[Any]) -> type[torch.autograd.Function]:
         def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
             if torch.is_grad_enabled():
                 raise _double_backward_error(op.name)
-            ctx.saved_tensors  # autograd's check that no argument changed since the forward
+            ctx.saved_tensors  # autograd's check that no argument or output changed since the forward
             assert array.backward is not None  # built only with a backward
             needs = [bool(ctx.needs_input_grad[k]) for k in differentiable]
             incoming = [torch.zeros(shape, dtype=dtype, device=ctx.device) if g is None else g
