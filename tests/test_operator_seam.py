@@ -30,7 +30,7 @@ def calls(monkeypatch):
     monkeypatch.setattr(spchain._chain_layout, "prepare", prepare)
     monkeypatch.setattr(spchain.chain, "prepare", prepare)
     monkeypatch.setattr(spchain._csr, "to_csr", counted("structure", spchain._csr.to_csr))
-    monkeypatch.setattr(spchain._sparse_chain, "_STRUCTURES", spchain._sparse_chain._Cache(), raising=False)
+    monkeypatch.setattr(spchain._sparse_chain, "_STRUCTURES", spchain._sparse_chain._Cache())
     return counts
 
 
