@@ -200,48 +200,77 @@ def chain_entropy(x: ArrayLike, log_trans: ArrayLike | Sparse, log_init: ArrayLi
     return chain_entropy_forward(x, log_trans, log_init, lengths)[0]
 
 
+@dataclasses.dataclass(frozen=True)
+class Expectations(Saved):
+    """What the entropy's backward reads (the entropy's batch shape leading): the forward
+    messages before each emission ``pre`` (v, c), their log normalisers ``norm`` (v,), the
+    expected scores carried forward ``fwd`` (v, c), each chain's expected score ``mean`` and
+    whether it has a path ``possible``."""
+
+    pre: Array
+    norm: Array
+    fwd: Array
+    mean: Array
+    possible: Array
+
+
+def prepare_entropy(x: Any, log_trans: Any, log_init: Any = None, lengths: Any = None, *,
+                    caller: str = "spchain.chain_entropy", check: bool = True) -> ChainProblem:
+    """The :class:`~spchain.chain.ChainProblem` of :func:`chain_entropy`'s arguments."""
+    return _prepare(x, log_trans, log_init, lengths, caller, check)
+
+
+def _entropy_forward(problem: ChainProblem) -> tuple[tuple[Array], Expectations]:
+    chain = problem.chain
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"), chain.backend.use():
+        entropy, saved = _entropy.entropy(_limit(chain))
+        entropy, *rest = (chain.unrows(a.astype(chain.x.dtype, copy=False) if a.dtype.kind == "f" else a)
+                          for a in (entropy, *saved))
+        return (entropy,), Expectations(*rest)
+
+
+def _entropy_backward(problem: ChainProblem, saved: Expectations, grads: Sequence[Array | None],
+                      needs: Sequence[bool]) -> ChainGrads:
+    """The exact Hessian-vector product ``-∇²A θ`` by the expectation-semiring backward pass.
+    With ``+inf`` inputs the forward of the float64 limit chain is run again (``saved`` holds it
+    rounded)."""
+    chain = problem.chain
+    _, v, c = chain.x.shape
+    assert grads[0] is not None  # the operator gives zeros for an unused output
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"), chain.backend.use():
+        limit = _limit(chain)
+        if limit is chain:
+            rows = [chain.rows(saved.pre, (v, c)), chain.rows(saved.norm, (v,)), chain.rows(saved.fwd, (v, c)),
+                    chain.rows(saved.mean), chain.rows(saved.possible)]
+        else:
+            rows = list(_entropy.entropy(limit)[1])
+        weight = chain.rows(grads[0].astype(limit.x.dtype, copy=False))
+        grad_x, grad_trans = _entropy.entropy_grads(limit, rows, weight, trans_grad=needs[1])
+        grad_trans = None if grad_trans is None else grad_trans.astype(chain.x.dtype, copy=False)
+        return _input_grads(problem, needs, grad_x.astype(chain.x.dtype, copy=False), grad_trans)
+
+
+ENTROPY: Op[ChainProblem, Expectations] = Op(prepare_entropy, _entropy_forward, Expectations, _entropy_backward)
+""":func:`chain_entropy` as an :class:`~spchain._op.Op`: outputs ``(entropy,)``, differentiable
+in ``(x, log_trans, log_init)``."""
+
+
 def chain_entropy_forward(x: ArrayLike, log_trans: ArrayLike | Sparse, log_init: ArrayLike | None = None,
                           lengths: ArrayLike | None = None,
                           caller: str = "spchain.chain_entropy") -> tuple[Array, ...]:
-    """:func:`chain_entropy` with its checks naming ``caller``, and what its gradient needs.
-
-    Returns
-    -------
-    entropy : array, the broadcast batch shape
-    pre, norm, fwd, mean, possible : arrays, batch shape + (v, c), (v,), (v, c), (), ()
-        The forward messages before each emission, their log normalisers, the expected scores
-        carried forward, the expected score of each chain and whether it has a path.
-    """
-    chain = _prepare(x, log_trans, log_init, lengths, caller).chain
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"), chain.backend.use():
-        entropy, saved = _entropy.entropy(_limit(chain))
-        return tuple(chain.unrows(a.astype(chain.x.dtype, copy=False) if a.dtype.kind == "f" else a)
-                     for a in (entropy, *saved))
+    """:func:`chain_entropy` with its checks naming ``caller``, and what its gradient needs:
+    ``(entropy, pre, norm, fwd, mean, possible)`` (see :class:`Expectations`)."""
+    (entropy,), saved = ENTROPY.forward(prepare_entropy(x, log_trans, log_init, lengths, caller=caller))
+    return (entropy, *saved.arrays())
 
 
 def chain_entropy_backward(inputs: Sequence[Any], results: Sequence[Array], grads: Sequence[Array],
                            needs: Sequence[bool]) -> tuple[Any, ...]:
     """Gradients ``(d x, d log_trans, d log_init)`` of ``sum(grad * entropy)`` from the inputs
     ``(x, log_trans, log_init, lengths)`` of :func:`chain_entropy_forward`, its results and
-    ``grads = (grad,)`` (``None`` where ``needs`` is false): the exact Hessian-vector product
-    ``-∇²A θ`` by the expectation-semiring backward pass. The inputs are trusted. With ``+inf``
-    inputs the forward of the float64 limit chain is run again (``results`` hold it rounded)."""
-    x, log_trans, log_init, lengths = inputs
-    problem = _prepare(x, log_trans, log_init, lengths, "spchain.chain_entropy", check=False)
-    chain = problem.chain
-    _, v, c = chain.x.shape
-    pre, norm, fwd, mean, possible = results[1:]
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"), chain.backend.use():
-        limit = _limit(chain)
-        if limit is chain:
-            saved = [chain.rows(pre, (v, c)), chain.rows(norm, (v,)), chain.rows(fwd, (v, c)), chain.rows(mean),
-                     chain.rows(possible)]
-        else:
-            saved = list(_entropy.entropy(limit)[1])
-        weight = chain.rows(grads[0].astype(limit.x.dtype, copy=False))
-        grad_x, grad_trans = _entropy.entropy_grads(limit, saved, weight, trans_grad=needs[1])
-        grad_trans = None if grad_trans is None else grad_trans.astype(chain.x.dtype, copy=False)
-        return _input_grads(problem, needs, grad_x.astype(chain.x.dtype, copy=False), grad_trans).ordered()
+    ``grads = (grad,)`` (``None`` where ``needs`` is false). The inputs are trusted."""
+    problem = prepare_entropy(*inputs, check=False)
+    return _entropy_backward(problem, Expectations(*results[1:]), grads, needs).ordered()
 
 
 def _kbest(chain: Chain, k: int) -> tuple[Array, Array]:

@@ -49,9 +49,8 @@ _SCHEMA = "Tensor x, Tensor log_trans, Tensor? log_init, Tensor? lengths"
 # Forward-mode AD: the entropy's by its exact reverse rule (batch_jvp), the path score's by linearity;
 # chain_kbest's scores raise NotImplementedError, chain_sample's paths are integers.
 _CHAIN_ENTROPY = Operator(
-    "chain_entropy", f"({_SCHEMA}) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
-    functools.partial(_paths.chain_entropy_forward, caller="spchain.torch.chain_entropy"), _entropy_fake,
-    backward=_paths.chain_entropy_backward, differentiable=(0, 1, 2), jvp=batch_jvp(), autocast="float32")
+    "chain_entropy", f"({_SCHEMA}) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)", _paths.ENTROPY,
+    _entropy_fake, differentiable=(0, 1, 2), jvp=batch_jvp(), autocast="float32")
 _CHAIN_SAMPLE = Operator(
     "chain_sample", f"({_SCHEMA}, int num_samples, int? seed) -> Tensor",
     functools.partial(_paths.chain_sample_forward, caller="spchain.torch.chain_sample"), _sample_fake,
@@ -64,7 +63,7 @@ _CHAIN_PATH_SCORE = Operator(
     "chain_path_score", "(Tensor x, Tensor log_trans, Tensor? log_init, Tensor path, Tensor? lengths) -> Tensor",
     _paths.PATH_SCORE, _path_score_fake, differentiable=(0, 1, 2), jvp=linear_jvp, autocast="float32")
 SPARSE_CHAIN_ENTROPY = _sparse_chain.operator(
-    "chain_entropy", _CHAIN_ENTROPY.array, _entropy_fake, schema_tail=_sparse_chain.LENGTHS,
+    "chain_entropy", _paths.ENTROPY, _entropy_fake, schema_tail=_sparse_chain.LENGTHS,
     returns="(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)", jvp=batch_jvp(3))
 SPARSE_CHAIN_SAMPLE = _sparse_chain.operator(
     "chain_sample", _CHAIN_SAMPLE.array, _sample_fake,
