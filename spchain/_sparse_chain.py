@@ -65,9 +65,29 @@ def is_sparse(a: object) -> bool:
 def split(backend: Backend, log_trans: Sparse, dtype: np.dtype[Any], caller: str,
           check: bool = True) -> tuple[Structure, Array]:
     """``(Structure, values (nnz,) of dtype)`` of a sparse ``log_trans``, in CSR order; a CSR
-    matrix keeps its own order. ``ValueError`` for a bad structure or a repeated entry."""
+    matrix keeps its own order. ``ValueError`` for a bad structure or a repeated entry.
+
+    The structure of a CSR matrix is validated and transposed once and cached (:class:`_Cache`):
+    a forward and its backward, or two operators on one structure, share it."""
     name = f"{caller}: log_trans"
     fmt, shape, data, index = _csr.sparse_parts(backend, log_trans, name)
+    if fmt != "csr":
+        structure, data = validated(backend, fmt, shape, data, index, name, check)
+        return structure, backend.xp.asarray(data).astype(dtype, copy=False)
+    cached = _STRUCTURES.get(backend, index, shape)
+    if cached is not None and data.ndim == 1 and data.shape[0] == cached.indices.shape[0]:
+        return cached, backend.xp.asarray(data).astype(dtype, copy=False)
+    index = (index[0].copy(), index[1].copy())  # private copies: the cache compares the caller's with them
+    structure, _ = validated(backend, fmt, shape, data, index, name, check)
+    if check:  # a structure enters the cache checked for repeated entries
+        _STRUCTURES.put(backend, index, shape, structure)
+    return structure, backend.xp.asarray(data).astype(dtype, copy=False)
+
+
+def validated(backend: Backend, fmt: str, shape: tuple[int, ...], data: Array | None, index: tuple[Array, Array],
+              name: str, check: bool = True) -> tuple[Structure, Array]:
+    """The :class:`Structure` of a CSR, CSC or COO matrix's parts, validated (and, with
+    ``check``, free of repeated entries) and transposed, and its data in CSR order."""
     csr = _csr.to_csr(backend, fmt, shape, data, *index, name)
     if check and csr.nnz:
         marks = np.full(shape[1], -1, np.int64)
@@ -78,8 +98,41 @@ def split(backend: Backend, log_trans: Sparse, dtype: np.dtype[Any], caller: str
             raise ValueError(f"{name} stores the entry ({i}, {int(host(csr.indices)[q])}) more than once; "
                              "combine repeated log-values first (their log-sum-exp)")
     transpose, order = csr.transposed(backend)
-    structure = Structure(csr.indptr, csr.indices, transpose.indptr, transpose.indices, order, csr.shape)
-    return structure, backend.xp.asarray(csr.data).astype(dtype, copy=False)
+    return Structure(csr.indptr, csr.indices, transpose.indptr, transpose.indices, order, csr.shape), csr.data
+
+
+class _Cache:
+    """The most recently used CSR structures (at most ``size``), found by their contents: a
+    look-up compares the caller's index arrays with each entry's of the same sizes and device
+    (O(nnz), against the validation's and the transpose's O(nnz log nnz)). Each entry holds
+    private copies, so that neither an array written in place nor a new array at a reused
+    address reaches a kernel unvalidated, and SciPy's copies of the index arrays (a new
+    ``csr_matrix`` a call) still find their structure."""
+
+    def __init__(self, size: int = 16) -> None:
+        self._entries: list[tuple[tuple[Any, ...], Structure]] = []
+        self._size = size
+
+    @staticmethod
+    def _key(backend: Backend, index: tuple[Array, Array], shape: tuple[int, ...]) -> tuple[Any, ...]:
+        return (*(a.shape for a in index), shape, backend.device)
+
+    def get(self, backend: Backend, index: tuple[Array, Array], shape: tuple[int, ...]) -> Structure | None:
+        key = self._key(backend, index, shape)
+        for k in range(len(self._entries) - 1, -1, -1):
+            entry_key, structure = self._entries[k]
+            if entry_key == key and bool((structure.indptr == index[0]).all()) and \
+                    bool((structure.indices == index[1]).all()):
+                self._entries.append(self._entries.pop(k))
+                return structure
+        return None
+
+    def put(self, backend: Backend, index: tuple[Array, Array], shape: tuple[int, ...], structure: Structure) -> None:
+        self._entries.append((self._key(backend, index, shape), structure))
+        del self._entries[:-self._size]
+
+
+_STRUCTURES = _Cache()
 
 
 def _first_duplicate(indptr: Array, indices: Array, marks: Array) -> int:
@@ -287,10 +340,9 @@ def densified(chain: Chain) -> Chain:
     return dataclasses.replace(chain, trans=dense.reshape(1, 1, c, c), sparse=None)
 
 
-def trans_grad(backend: Backend, log_trans: Sparse, grad: Array, caller: str) -> Sparse:
-    """The gradient of a sparse ``log_trans`` from the sweeps' ``grad`` (its values, (1, 1, nnz),
-    or a dense (1, 1, c, c) one): a CSR matrix of the same structure (in CSR order)."""
-    structure, _ = split(backend, log_trans, grad.dtype, caller, check=False)
+def trans_grad(backend: Backend, structure: Structure, grad: Array) -> Sparse:
+    """The gradient of a sparse ``log_trans`` of this ``structure`` from the sweeps' ``grad`` (its
+    values, (1, 1, nnz), or a dense (1, 1, c, c) one): a CSR matrix of the structure (in CSR order)."""
     if grad.ndim == 4:
         rows = _csr.row_of_entries(backend, _csr.Csr(structure.indptr, structure.indices, None, structure.shape))
         grad = grad[0, 0][rows, structure.indices]

@@ -7,12 +7,16 @@ forced by :func:`chain_sweep`) over the layout of ``spchain._chain_layout``; ``+
 are handled by ``spchain._chain_limits``.
 
 The gradient is the forward-backward algorithm: the backward sweep reuses the saved forward
-messages (O(batch · v · c)), never a (batch, v, c, c) tensor. Each differentiable function has
-an array-level pair ``<op>_forward`` / ``<op>_backward`` that ``spchain.torch`` runs.
+messages (O(batch · v · c)), never a (batch, v, c, c) tensor. Each function is an
+:class:`~spchain._op.Op` (:data:`LOGSUMEXP`, :data:`MARGINALS`, :data:`VITERBI`) that
+``spchain.torch`` runs: :func:`prepare_chain` validates and lays out the inputs once, the
+backward reuses that :class:`ChainProblem`. ``<op>_forward`` / ``<op>_backward`` give the same
+in positional form.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,14 +27,10 @@ from . import _backend, _chain_limits, _logspace, _sparse_chain
 from ._chain_layout import Chain, prepare
 from ._chain_sweep import chain_sweep
 from ._dask import scales_out
-from ._typing import Array, Sparse
+from ._op import Grads, Op, Saved
+from ._typing import Array, Shape, Sparse
 
 __all__ = ["chain_logsumexp", "chain_marginals", "viterbi", "chain_sweep"]
-
-Grads = tuple[Array | None, Array | Sparse | None, Array | None]
-"""The gradients ``(d x, d log_trans, d log_init)`` of a backward, ``None`` where not needed
-(``d log_trans`` a CSR matrix for a sparse ``log_trans``)."""
-
 
 def _viterbi_grads(chain: Chain, path: Array, weight: Array, trans_grad: bool = True) -> tuple[Array, Array | None]:
     """Sub-gradients of ``sum(weight * score)``: ``weight`` on every step of the best path.
@@ -105,10 +105,80 @@ def chain_logsumexp(x: ArrayLike, log_trans: ArrayLike | Sparse, log_init: Array
         return chain.unrows(log_partition)
 
 
+@dataclasses.dataclass(frozen=True)
+class ChainProblem:
+    """Chain inputs validated and laid out (:func:`prepare_chain`): the sweeps' :class:`Chain`,
+    and the shapes (and sparse structure) of the inputs that the gradients take."""
+
+    chain: Chain
+    x_shape: Shape
+    trans_shape: Shape
+    init_shape: Shape | None
+    structure: _sparse_chain.Structure | None  # of a sparse log_trans (the chain may hold it densified)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChainGrads(Grads):
+    """The gradients of a chain function's ``(x, log_trans, log_init)``, ``None`` where not needed;
+    ``log_trans`` a CSR matrix of its structure for a sparse ``log_trans``."""
+
+    x: Array | None
+    log_trans: Array | Sparse | None
+    log_init: Array | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Messages(Saved):
+    """What the forward-backward algorithm's backward sweep reads: the forward messages
+    ``pre`` (batch shape + (v, c)) before each position's emission and their log normalisers
+    ``norm`` (batch shape + (v,))."""
+
+    pre: Array
+    norm: Array
+
+
+def prepare_chain(x: Any, log_trans: Any, log_init: Any = None, lengths: Any = None, *,
+                  caller: str = "spchain.chain_logsumexp", check: bool = True) -> ChainProblem:
+    """The :class:`ChainProblem` of the arguments of :func:`chain_logsumexp` (checks naming
+    ``caller``; ``check=False`` for arguments that a ``prepare`` has validated)."""
+    chain = prepare(x, log_trans, log_init, lengths, caller, check)
+    trans_shape = chain.sparse.shape if chain.sparse is not None else tuple(np.shape(log_trans))
+    return ChainProblem(chain, chain.x_shape, trans_shape, None if log_init is None else tuple(np.shape(log_init)),
+                        chain.sparse)
+
+
+def _logsumexp_forward(problem: ChainProblem) -> tuple[tuple[Array], Messages]:
+    chain = problem.chain
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"), chain.backend.use():
+        log_partition, pre, norm = _chain_limits.forward(chain)
+        return (chain.unrows(log_partition),), Messages(chain.unrows(pre), chain.unrows(norm))
+
+
+def _logsumexp_backward(problem: ChainProblem, saved: Messages, grads: Sequence[Array | None],
+                        needs: Sequence[bool]) -> ChainGrads:
+    """The forward-backward algorithm's backward sweep over the saved messages: ``d x`` is
+    ``grad`` times the posterior marginals, ``d log_trans`` the expected transition counts,
+    ``d log_init`` the first marginals."""
+    chain = problem.chain
+    _, v, c = chain.x.shape
+    assert grads[0] is not None  # the operator gives zeros for an unused output
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"), chain.backend.use():
+        weight = chain.rows(grads[0].astype(chain.x.dtype, copy=False))
+        grad_x, grad_trans = _chain_limits.backward(chain, chain.rows(saved.pre, (v, c)), chain.rows(saved.norm, (v,)),
+                                                    weight, trans_grad=needs[1])
+        return _input_grads(problem, needs, grad_x, grad_trans)
+
+
+LOGSUMEXP: Op[ChainProblem, Messages] = Op(prepare_chain, _logsumexp_forward, Messages, _logsumexp_backward)
+""":func:`chain_logsumexp` as an :class:`~spchain._op.Op`: outputs ``(log_partition,)``,
+differentiable in ``(x, log_trans, log_init)``."""
+
+
 def chain_logsumexp_forward(x: ArrayLike, log_trans: ArrayLike | Sparse, log_init: ArrayLike | None = None,
                             lengths: ArrayLike | None = None,
                             caller: str = "spchain.chain_logsumexp") -> tuple[Array, Array, Array]:
-    """:func:`chain_logsumexp` with its checks naming ``caller``, and what its gradient needs.
+    """:func:`chain_logsumexp` with its checks naming ``caller``, and what its gradient needs
+    (:data:`LOGSUMEXP` in positional form).
 
     Returns
     -------
@@ -118,46 +188,36 @@ def chain_logsumexp_forward(x: ArrayLike, log_trans: ArrayLike | Sparse, log_ini
     norm : array, batch shape + (v,)
         The log normaliser of each position's message.
     """
-    chain = prepare(x, log_trans, log_init, lengths, caller)
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"), chain.backend.use():
-        log_partition, pre, norm = _chain_limits.forward(chain)
-        return chain.unrows(log_partition), chain.unrows(pre), chain.unrows(norm)
+    (log_partition,), saved = LOGSUMEXP.forward(prepare_chain(x, log_trans, log_init, lengths, caller=caller))
+    return log_partition, saved.pre, saved.norm
 
 
 def chain_logsumexp_backward(inputs: Sequence[Any], results: Sequence[Array], grads: Sequence[Array],
-                             needs: Sequence[bool]) -> Grads:
+                             needs: Sequence[bool]) -> tuple[Any, ...]:
     """Gradients ``(d x, d log_trans, d log_init)`` of ``sum(grad * log_partition)`` from the
     inputs ``(x, log_trans, log_init, lengths)`` of :func:`chain_logsumexp_forward`, its
     results ``(log_partition, pre, norm)`` and ``grads = (grad,)`` (``None`` where ``needs``
-    is false): the forward-backward algorithm's backward sweep over the saved messages.
-    ``d x`` is ``grad`` times the posterior marginals, ``d log_trans`` the expected transition
-    counts, ``d log_init`` the first marginals. The inputs are trusted (no second validation).
+    is false). The inputs are trusted (no second validation).
     """
-    x, log_trans, log_init, lengths = inputs
-    chain = prepare(x, log_trans, log_init, lengths, "spchain.chain_logsumexp", check=False)
-    _, v, c = chain.x.shape
-    _, pre, norm = results
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"), chain.backend.use():
-        weight = chain.rows(grads[0].astype(chain.x.dtype, copy=False))
-        grad_x, grad_trans = _chain_limits.backward(chain, chain.rows(pre, (v, c)), chain.rows(norm, (v,)), weight,
-                                                    trans_grad=needs[1])
-        return _input_grads(chain, needs, inputs, grad_x, grad_trans)
+    problem = prepare_chain(*inputs, check=False)
+    return _logsumexp_backward(problem, Messages(*results[1:]), grads, needs).ordered()
 
 
-def _input_grads(chain: Chain, needs: Sequence[bool], inputs: Sequence[Any], grad_x: Array,
-                 grad_trans: Array | None) -> Grads:
+def _input_grads(problem: ChainProblem, needs: Sequence[bool], grad_x: Array, grad_trans: Array | None) -> ChainGrads:
     """The gradients of ``(x, log_trans, log_init)`` where ``needs`` says, from the sweeps'
     (B, v, c) and (G, S, c, c) ones (``d log_init`` is ``d x`` at the first position)."""
-    x, log_trans, log_init, _ = inputs
+    chain = problem.chain
     need_x, need_trans, need_init = needs
+    trans: Array | Sparse | None = None
     # grad_trans is None unless need_trans (the sweeps computed it where trans_grad = need_trans)
-    if grad_trans is not None and _sparse_chain.is_sparse(log_trans):
-        grad_trans = _sparse_chain.trans_grad(chain.backend, log_trans, grad_trans, "spchain")
+    if grad_trans is not None and problem.structure is not None:
+        trans = _sparse_chain.trans_grad(chain.backend, problem.structure, grad_trans)
     elif grad_trans is not None:
-        grad_trans = grad_trans.reshape(log_trans.shape)
-    return (_logspace.reduce_to(chain.unrows(grad_x), x.shape) if need_x else None,
-            grad_trans if need_trans else None,
-            _logspace.reduce_to(chain.unrows(grad_x[:, 0]), log_init.shape) if need_init else None)
+        trans = grad_trans.reshape(problem.trans_shape)
+    init_shape = problem.init_shape if problem.init_shape is not None else problem.x_shape[-1:]
+    return ChainGrads(_logspace.reduce_to(chain.unrows(grad_x), problem.x_shape) if need_x else None,
+                      trans if need_trans else None,
+                      _logspace.reduce_to(chain.unrows(grad_x[:, 0]), init_shape) if need_init else None)
 
 
 @scales_out
@@ -184,16 +244,25 @@ def chain_marginals(x: ArrayLike, log_trans: ArrayLike | Sparse, log_init: Array
     return chain_marginals_forward(x, log_trans, log_init, lengths)
 
 
-def chain_marginals_forward(x: ArrayLike, log_trans: ArrayLike | Sparse, log_init: ArrayLike | None = None,
-                            lengths: ArrayLike | None = None, caller: str = "spchain.chain_marginals") -> Array:
-    """:func:`chain_marginals` with its checks naming ``caller`` (not differentiable: no backward)."""
-    chain = prepare(x, log_trans, log_init, lengths, caller)
+def _marginals_forward(problem: ChainProblem) -> tuple[tuple[Array], Saved]:
+    chain = problem.chain
     xp = chain.xp
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"), chain.backend.use():
         _, pre, norm = _chain_limits.forward(chain)
         grad_x, _ = _chain_limits.backward(chain, pre, norm, xp.ones(chain.x.shape[0], chain.x.dtype),
                                            trans_grad=False)
-        return _logspace.reduce_to(chain.unrows(grad_x), chain.x_shape)
+        return (_logspace.reduce_to(chain.unrows(grad_x), chain.x_shape),), Saved()
+
+
+MARGINALS: Op[ChainProblem, Saved] = Op(prepare_chain, _marginals_forward, Saved)
+""":func:`chain_marginals` as an :class:`~spchain._op.Op` (not differentiable: no backward)."""
+
+
+def chain_marginals_forward(x: ArrayLike, log_trans: ArrayLike | Sparse, log_init: ArrayLike | None = None,
+                            lengths: ArrayLike | None = None, caller: str = "spchain.chain_marginals") -> Array:
+    """:func:`chain_marginals` with its checks naming ``caller``."""
+    (marginals,), _ = MARGINALS.forward(prepare_chain(x, log_trans, log_init, lengths, caller=caller))
+    return marginals
 
 
 @scales_out
@@ -226,27 +295,63 @@ def viterbi(x: ArrayLike, log_trans: ArrayLike | Sparse, log_init: ArrayLike | N
     return viterbi_forward(x, log_trans, log_init, lengths)
 
 
+@dataclasses.dataclass(frozen=True)
+class BestPath(Saved):
+    """What Viterbi's backward reads: the best ``path`` (one of its outputs)."""
+
+    path: Array
+
+
+@dataclasses.dataclass(frozen=True)
+class _FromOutputs(Op[ChainProblem, BestPath]):
+    """An :class:`~spchain._op.Op` whose backward reads its second output only: no residuals."""
+
+    def residuals(self, saved: BestPath) -> tuple[Array, ...]:
+        return ()
+
+    def restore(self, outputs: Sequence[Array], residuals: Sequence[Array]) -> BestPath:
+        return BestPath(outputs[1])
+
+
+def _viterbi_forward(problem: ChainProblem) -> tuple[tuple[Array, Array], BestPath]:
+    chain = problem.chain
+    with chain.backend.use():
+        score, path = _chain_limits.viterbi(chain)
+        path = chain.unrows(path)
+        return (chain.unrows(score), path), BestPath(path)
+
+
+def _viterbi_backward(problem: ChainProblem, saved: BestPath, grads: Sequence[Array | None],
+                      needs: Sequence[bool]) -> ChainGrads:
+    """Sub-gradients of ``sum(grad * score)``: ``grad`` on every step of the best path."""
+    chain = problem.chain
+    v = chain.x.shape[1]
+    assert grads[0] is not None  # the operator gives zeros for an unused output
+    with chain.backend.use():
+        weight = chain.rows(grads[0].astype(chain.x.dtype, copy=False))
+        grad_x, grad_trans = _viterbi_grads(chain, chain.rows(saved.path, (v,)), weight, needs[1])
+        return _input_grads(problem, needs, grad_x, grad_trans)
+
+
+VITERBI: Op[ChainProblem, BestPath] = _FromOutputs(prepare_chain, _viterbi_forward, BestPath, _viterbi_backward)
+""":func:`viterbi` as an :class:`~spchain._op.Op`: outputs ``(score, path)``, ``score``
+differentiable in ``(x, log_trans, log_init)``."""
+
+
 def viterbi_forward(x: ArrayLike, log_trans: ArrayLike | Sparse, log_init: ArrayLike | None = None,
                     lengths: ArrayLike | None = None, caller: str = "spchain.viterbi") -> tuple[Array, Array]:
     """:func:`viterbi` with its checks naming ``caller``: ``(score, path)``, which is all that
     :func:`viterbi_backward` needs besides the inputs."""
-    chain = prepare(x, log_trans, log_init, lengths, caller)
-    with chain.backend.use():
-        score, path = _chain_limits.viterbi(chain)
-        return chain.unrows(score), chain.unrows(path)
+    (score, path), _ = VITERBI.forward(prepare_chain(x, log_trans, log_init, lengths, caller=caller))
+    return score, path
 
 
 def viterbi_backward(inputs: Sequence[Any], results: Sequence[Array], grads: Sequence[Array],
-                     needs: Sequence[bool]) -> Grads:
+                     needs: Sequence[bool]) -> tuple[Any, ...]:
     """Sub-gradients ``(d x, d log_trans, d log_init)`` of ``sum(grad * score)`` from the
     inputs ``(x, log_trans, log_init, lengths)`` of :func:`viterbi_forward`, its results
     ``(score, path)`` and ``grads = (grad, _)``: ``grad`` on every step of the best path
     (``None`` where ``needs`` is false). The inputs are trusted (no second validation).
     """
-    x, log_trans, log_init, lengths = inputs
-    chain = prepare(x, log_trans, log_init, lengths, "spchain.viterbi", check=False)
-    v = chain.x.shape[1]
-    with chain.backend.use():
-        weight = chain.rows(grads[0].astype(chain.x.dtype, copy=False))
-        grad_x, grad_trans = _viterbi_grads(chain, chain.rows(results[1], (v,)), weight, needs[1])
-        return _input_grads(chain, needs, inputs, grad_x, grad_trans)
+    problem = prepare_chain(*inputs, check=False)
+    return _viterbi_backward(problem, BestPath(results[1]), grads, needs).ordered()

@@ -20,6 +20,7 @@ the chain functions: the limit as the ``+inf`` terms grow together.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
@@ -27,8 +28,9 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike
 
-from . import _chain_layout, _chain_limits, _checks, _entropy, _sparse_chain
-from .chain import Grads, _input_grads, _viterbi_grads
+from . import _chain_limits, _checks, _entropy, _sparse_chain
+from ._op import Op, Saved
+from .chain import ChainGrads, ChainProblem, _input_grads, _viterbi_grads, prepare_chain
 from ._chain_layout import Chain
 from ._chain_limits import forward as _forward
 from ._dask import scales_out
@@ -38,11 +40,13 @@ from .kernels import cpu, cuda
 
 
 
-def _prepare(x: Any, log_trans: Any, log_init: Any, lengths: Any, caller: str, check: bool = True) -> Chain:
-    """``_chain_layout.prepare``; sparse transitions stay sparse on the CPU (the path functions
-    run on their stored entries) and become a dense matrix on the GPU (O(c²) memory)."""
-    chain = _chain_layout.prepare(x, log_trans, log_init, lengths, caller, check)
-    return _sparse_chain.densified(chain) if chain.backend.on_gpu else chain
+def _prepare(x: Any, log_trans: Any, log_init: Any, lengths: Any, caller: str, check: bool = True) -> ChainProblem:
+    """:func:`spchain.chain.prepare_chain`; sparse transitions stay sparse on the CPU (the path
+    functions run on their stored entries) and become a dense matrix on the GPU (O(c²) memory)."""
+    problem = prepare_chain(x, log_trans, log_init, lengths, caller=caller, check=check)
+    if not problem.chain.backend.on_gpu:
+        return problem
+    return dataclasses.replace(problem, chain=_sparse_chain.densified(problem.chain))
 
 
 def _limit(chain: Chain) -> Chain:
@@ -164,7 +168,7 @@ def chain_sample_forward(x: ArrayLike, log_trans: ArrayLike | Sparse, log_init: 
                          caller: str = "spchain.chain_sample") -> Array:
     """:func:`chain_sample` with its checks naming ``caller`` (not differentiable: no backward)."""
     num_samples = _count(caller, "num_samples", num_samples, 0)
-    chain = _prepare(x, log_trans, log_init, lengths, caller)
+    chain = _prepare(x, log_trans, log_init, lengths, caller).chain
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"), chain.backend.use():
         return _leading(chain, _sample(_limit(chain), num_samples, seed).transpose(1, 0, 2))
 
@@ -192,47 +196,77 @@ def chain_entropy(x: ArrayLike, log_trans: ArrayLike | Sparse, log_init: ArrayLi
     return chain_entropy_forward(x, log_trans, log_init, lengths)[0]
 
 
-def chain_entropy_forward(x: ArrayLike, log_trans: ArrayLike | Sparse, log_init: ArrayLike | None = None,
-                          lengths: ArrayLike | None = None,
-                          caller: str = "spchain.chain_entropy") -> tuple[Array, ...]:
-    """:func:`chain_entropy` with its checks naming ``caller``, and what its gradient needs.
+@dataclasses.dataclass(frozen=True)
+class Expectations(Saved):
+    """What the entropy's backward reads (the entropy's batch shape leading): the forward
+    messages before each emission ``pre`` (v, c), their log normalisers ``norm`` (v,), the
+    expected scores carried forward ``fwd`` (v, c), each chain's expected score ``mean`` and
+    whether it has a path ``possible``."""
 
-    Returns
-    -------
-    entropy : array, the broadcast batch shape
-    pre, norm, fwd, mean, possible : arrays, batch shape + (v, c), (v,), (v, c), (), ()
-        The forward messages before each emission, their log normalisers, the expected scores
-        carried forward, the expected score of each chain and whether it has a path.
-    """
-    chain = _prepare(x, log_trans, log_init, lengths, caller)
+    pre: Array
+    norm: Array
+    fwd: Array
+    mean: Array
+    possible: Array
+
+
+def prepare_entropy(x: Any, log_trans: Any, log_init: Any = None, lengths: Any = None, *,
+                    caller: str = "spchain.chain_entropy", check: bool = True) -> ChainProblem:
+    """The :class:`~spchain.chain.ChainProblem` of :func:`chain_entropy`'s arguments."""
+    return _prepare(x, log_trans, log_init, lengths, caller, check)
+
+
+def _entropy_forward(problem: ChainProblem) -> tuple[tuple[Array], Expectations]:
+    chain = problem.chain
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"), chain.backend.use():
         entropy, saved = _entropy.entropy(_limit(chain))
-        return tuple(chain.unrows(a.astype(chain.x.dtype, copy=False) if a.dtype.kind == "f" else a)
-                     for a in (entropy, *saved))
+        entropy, *rest = (chain.unrows(a.astype(chain.x.dtype, copy=False) if a.dtype.kind == "f" else a)
+                          for a in (entropy, *saved))
+        return (entropy,), Expectations(*rest)
 
 
-def chain_entropy_backward(inputs: Sequence[Any], results: Sequence[Array], grads: Sequence[Array],
-                           needs: Sequence[bool]) -> Grads:
-    """Gradients ``(d x, d log_trans, d log_init)`` of ``sum(grad * entropy)`` from the inputs
-    ``(x, log_trans, log_init, lengths)`` of :func:`chain_entropy_forward`, its results and
-    ``grads = (grad,)`` (``None`` where ``needs`` is false): the exact Hessian-vector product
-    ``-∇²A θ`` by the expectation-semiring backward pass. The inputs are trusted. With ``+inf``
-    inputs the forward of the float64 limit chain is run again (``results`` hold it rounded)."""
-    x, log_trans, log_init, lengths = inputs
-    chain = _prepare(x, log_trans, log_init, lengths, "spchain.chain_entropy", check=False)
+def _entropy_backward(problem: ChainProblem, saved: Expectations, grads: Sequence[Array | None],
+                      needs: Sequence[bool]) -> ChainGrads:
+    """The exact Hessian-vector product ``-∇²A θ`` by the expectation-semiring backward pass.
+    With ``+inf`` inputs the forward of the float64 limit chain is run again (``saved`` holds it
+    rounded)."""
+    chain = problem.chain
     _, v, c = chain.x.shape
-    pre, norm, fwd, mean, possible = results[1:]
+    assert grads[0] is not None  # the operator gives zeros for an unused output
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"), chain.backend.use():
         limit = _limit(chain)
         if limit is chain:
-            saved = [chain.rows(pre, (v, c)), chain.rows(norm, (v,)), chain.rows(fwd, (v, c)), chain.rows(mean),
-                     chain.rows(possible)]
+            rows = [chain.rows(saved.pre, (v, c)), chain.rows(saved.norm, (v,)), chain.rows(saved.fwd, (v, c)),
+                    chain.rows(saved.mean), chain.rows(saved.possible)]
         else:
-            saved = list(_entropy.entropy(limit)[1])
+            rows = list(_entropy.entropy(limit)[1])
         weight = chain.rows(grads[0].astype(limit.x.dtype, copy=False))
-        grad_x, grad_trans = _entropy.entropy_grads(limit, saved, weight, trans_grad=needs[1])
+        grad_x, grad_trans = _entropy.entropy_grads(limit, rows, weight, trans_grad=needs[1])
         grad_trans = None if grad_trans is None else grad_trans.astype(chain.x.dtype, copy=False)
-        return _input_grads(chain, needs, inputs, grad_x.astype(chain.x.dtype, copy=False), grad_trans)
+        return _input_grads(problem, needs, grad_x.astype(chain.x.dtype, copy=False), grad_trans)
+
+
+ENTROPY: Op[ChainProblem, Expectations] = Op(prepare_entropy, _entropy_forward, Expectations, _entropy_backward)
+""":func:`chain_entropy` as an :class:`~spchain._op.Op`: outputs ``(entropy,)``, differentiable
+in ``(x, log_trans, log_init)``."""
+
+
+def chain_entropy_forward(x: ArrayLike, log_trans: ArrayLike | Sparse, log_init: ArrayLike | None = None,
+                          lengths: ArrayLike | None = None,
+                          caller: str = "spchain.chain_entropy") -> tuple[Array, ...]:
+    """:func:`chain_entropy` with its checks naming ``caller``, and what its gradient needs:
+    ``(entropy, pre, norm, fwd, mean, possible)`` (see :class:`Expectations`)."""
+    (entropy,), saved = ENTROPY.forward(prepare_entropy(x, log_trans, log_init, lengths, caller=caller))
+    return (entropy, *saved.arrays())
+
+
+def chain_entropy_backward(inputs: Sequence[Any], results: Sequence[Array], grads: Sequence[Array],
+                           needs: Sequence[bool]) -> tuple[Any, ...]:
+    """Gradients ``(d x, d log_trans, d log_init)`` of ``sum(grad * entropy)`` from the inputs
+    ``(x, log_trans, log_init, lengths)`` of :func:`chain_entropy_forward`, its results and
+    ``grads = (grad,)`` (``None`` where ``needs`` is false). The inputs are trusted."""
+    problem = prepare_entropy(*inputs, check=False)
+    return _entropy_backward(problem, Expectations(*results[1:]), grads, needs).ordered()
 
 
 def _kbest(chain: Chain, k: int) -> tuple[Array, Array]:
@@ -303,7 +337,7 @@ def chain_kbest_forward(x: ArrayLike, log_trans: ArrayLike | Sparse, log_init: A
     """:func:`chain_kbest` with its checks naming ``caller``: ``(scores, paths)`` (no backward:
     :func:`chain_path_score` of a path gives a differentiable score)."""
     k = _count(caller, "k", k, 1)
-    chain = _prepare(x, log_trans, log_init, lengths, caller)
+    chain = _prepare(x, log_trans, log_init, lengths, caller).chain
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"), chain.backend.use():
         scores, paths = _kbest(chain, k)
         return _leading(chain, scores.T[..., None])[..., 0], _leading(chain, paths.transpose(1, 0, 2))
@@ -356,23 +390,35 @@ def path_layout(caller: str, x_shape: Shape, batch_shape: Shape, path_shape: Sha
                          f"chains' {batch_shape}") from None
 
 
-def _prepare_paths(x: Any, log_trans: Any, log_init: Any, path: Any, lengths: Any, caller: str,
-                   check: bool = True) -> tuple[Chain, Array]:
-    """The chain of ``x`` broadcast against ``path``'s batch axes, and the rows of ``path``
-    (``check=False``: inputs that a forward has validated)."""
+@dataclasses.dataclass(frozen=True)
+class PathProblem:
+    """Path-score inputs validated and laid out: the chains of ``x`` broadcast against the
+    paths' batch axes (``problem.x_shape`` that of ``x`` itself), and the rows of the paths."""
+
+    problem: ChainProblem
+    rows: Array
+
+
+def prepare_paths(x: Any, log_trans: Any, log_init: Any, path: Any, lengths: Any = None, *,
+                  caller: str = "spchain.chain_path_score", check: bool = True) -> PathProblem:
+    """The :class:`PathProblem` of the arguments of :func:`chain_path_score` (``check=False``:
+    inputs that a ``prepare`` has validated)."""
     if check and (not hasattr(path, "dtype") or not np.issubdtype(np.dtype(path.dtype), np.integer)):
         raise TypeError(f"{caller}: path must be an integer array, got {getattr(path, 'dtype', type(path).__name__)}")
     if check:
-        path_layout(caller, tuple(x.shape), (), tuple(path.shape))  # before the chain's checks, as always
-    chain = _prepare(x, log_trans, log_init, lengths, caller, check)
-    full = path_layout(caller, tuple(x.shape), chain.batch_shape, tuple(path.shape))
+        path_layout(caller, tuple(np.shape(x)), (), tuple(path.shape))  # before the chain's checks, as always
+    problem = _prepare(x, log_trans, log_init, lengths, caller, check)
+    chain = problem.chain
+    full = path_layout(caller, chain.x_shape, chain.batch_shape, tuple(path.shape))
     if chain.batch_shape != full:  # x takes the paths' extra axes (per-step transitions keep theirs)
+        x = chain.xp.asarray(x)
         added = len(full) + 2 - x.ndim
-        if log_trans.ndim == x.ndim + 1:
-            log_trans = log_trans.reshape((1,) * added + log_trans.shape)
-        x = chain.xp.broadcast_to(x, full + x.shape[-2:])
-        chain = _prepare(x, log_trans, log_init, lengths, caller, check)
-    return chain, _path_rows(chain, path, caller, check)
+        if not _sparse_chain.is_sparse(log_trans) and np.ndim(log_trans) == x.ndim + 1:
+            log_trans = chain.xp.asarray(log_trans).reshape((1,) * added + np.shape(log_trans))
+        broadcast = _prepare(chain.xp.broadcast_to(x, full + x.shape[-2:]), log_trans, log_init, lengths, caller,
+                             check)
+        problem = dataclasses.replace(broadcast, x_shape=problem.x_shape, trans_shape=problem.trans_shape)
+    return PathProblem(problem, _path_rows(problem.chain, path, caller, check))
 
 
 @scales_out
@@ -407,24 +453,41 @@ def chain_path_score(x: ArrayLike, log_trans: ArrayLike | Sparse, log_init: Arra
     return chain_path_score_forward(x, log_trans, log_init, path, lengths)
 
 
+def _path_score_forward(paths: PathProblem) -> tuple[tuple[Array], Saved]:
+    chain = paths.problem.chain
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"), chain.backend.use():
+        return (chain.unrows(_path_score(chain, paths.rows)),), Saved()
+
+
+def _path_score_backward(paths: PathProblem, saved: Saved, grads: Sequence[Array | None],
+                         needs: Sequence[bool]) -> ChainGrads:
+    """``grad`` on every potential the path uses."""
+    chain = paths.problem.chain
+    assert grads[0] is not None  # the operator gives zeros for an unused output
+    with chain.backend.use():
+        weight = chain.rows(grads[0].astype(chain.x.dtype, copy=False))
+        grad_x, grad_trans = _viterbi_grads(chain, paths.rows, weight, needs[1])
+        return _input_grads(paths.problem, needs, grad_x, grad_trans)
+
+
+PATH_SCORE: Op[PathProblem, Saved] = Op(prepare_paths, _path_score_forward, Saved, _path_score_backward)
+""":func:`chain_path_score` as an :class:`~spchain._op.Op`: outputs ``(score,)``, differentiable
+in ``(x, log_trans, log_init)``."""
+
+
 def chain_path_score_forward(x: ArrayLike, log_trans: ArrayLike | Sparse, log_init: ArrayLike | None, path: Array,
                              lengths: ArrayLike | None = None, caller: str = "spchain.chain_path_score") -> Array:
     """:func:`chain_path_score` with its checks naming ``caller``: the scores, which is all that
     :func:`chain_path_score_backward` needs besides the inputs."""
-    chain, rows = _prepare_paths(x, log_trans, log_init, path, lengths, caller)
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"), chain.backend.use():
-        return chain.unrows(_path_score(chain, rows))
+    (score,), _ = PATH_SCORE.forward(prepare_paths(x, log_trans, log_init, path, lengths, caller=caller))
+    return score
 
 
 def chain_path_score_backward(inputs: Sequence[Any], results: Sequence[Array], grads: Sequence[Array],
-                              needs: Sequence[bool]) -> Grads:
+                              needs: Sequence[bool]) -> tuple[Any, ...]:
     """Gradients ``(d x, d log_trans, d log_init)`` of ``sum(grad * score)`` from the inputs
     ``(x, log_trans, log_init, path, lengths)`` of :func:`chain_path_score_forward` and
     ``grads = (grad,)``: ``grad`` on every potential the path uses (``None`` where ``needs``
     is false). The inputs are trusted (no second validation)."""
-    x, log_trans, log_init, path, lengths = inputs
-    chain, rows = _prepare_paths(x, log_trans, log_init, path, lengths, "spchain.chain_path_score", check=False)
-    with chain.backend.use():
-        weight = chain.rows(grads[0].astype(chain.x.dtype, copy=False))
-        grad_x, grad_trans = _viterbi_grads(chain, rows, weight, needs[1])
-        return _input_grads(chain, needs, (x, log_trans, log_init, lengths), grad_x, grad_trans)
+    paths = prepare_paths(*inputs, check=False)
+    return _path_score_backward(paths, Saved(), grads, needs).ordered()

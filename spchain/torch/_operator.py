@@ -7,7 +7,9 @@ the public function. Each call takes one of three routes:
 
 - plain eager tensors (no compile, export, ``torch.func`` transform, dual level, tracer or fake
   tensor): the array-level functions run directly, inside an ``autograd.Function`` only when a
-  gradient is needed (an operator's dispatch would cost more than a small product itself);
+  gradient is needed (an operator's dispatch would cost more than a small product itself),
+  which keeps the forward's prepared problem and residuals on its context for the backward:
+  one ``prepare`` a forward and backward;
 - a ``torch.func`` transform or an eager ``torch.autograd.forward_ad`` dual level (outside
   ``torch.compile``): the registered operators inside an ``autograd.Function`` with
   ``setup_context`` and a ``jvp``;
@@ -15,7 +17,12 @@ the public function. Each call takes one of three routes:
   ``jvp`` (Dynamo refuses a custom one); ``torch.compile`` and ``torch.export`` see opaque
   operators with fake implementations.
 
-All routes run the same array-level code, so they give the same results. float16 and
+The array half is an :class:`spchain._op.Op` (``prepare`` / ``forward`` / ``backward``); an
+operator given in positional form (``forward(*args)`` returning its results, then residuals,
+and ``backward(args, results, grads, needs)``) is adapted by :func:`spchain._op.positional`.
+The registered operators pass tensors only, so ``spchain::<name>_backward`` prepares again
+from the saved arguments, without checks (``check=False``). All routes run the same
+array-level code, so they give the same results. float16 and
 bfloat16 inputs are cast to float32 before the operator and its results back after, so the
 operators see float32 and float64 only and what autograd saves stays in float32. Under
 ``torch.autocast`` an operator computes in float32 too and returns what torch's own operations
@@ -38,6 +45,7 @@ import torch
 from torch.autograd import forward_ad
 from torch.utils import _python_dispatch
 
+from .. import _op
 from .._typing import Array
 from ._bridge import bridge, to_array, to_tensor
 
@@ -129,30 +137,38 @@ class Operator(Generic[Public]):
     """
 
     @overload
-    def __init__(self: "Operator[torch.Tensor]", name: str, schema: str, forward: Forward, fake: Fake, *,
-                 outputs: Literal[1] = ..., backward: Backward | None = ..., differentiable: Iterable[int] = ...,
-                 leading_batch: Sequence[int] = ..., backward_reads: Iterable[int] | None = ...,
-                 jvp: Jvp | None = ..., autocast: Literal["lower", "float32"] = ...) -> None: ...
-
-    @overload
-    def __init__(self: "Operator[tuple[torch.Tensor, torch.Tensor]]", name: str, schema: str, forward: Forward,
-                 fake: Fake, *, outputs: Literal[2], backward: Backward | None = ...,
+    def __init__(self: "Operator[torch.Tensor]", name: str, schema: str, forward: Forward | _op.Op[Any, Any],
+                 fake: Fake, *, outputs: Literal[1] = ..., backward: Backward | None = ...,
                  differentiable: Iterable[int] = ..., leading_batch: Sequence[int] = ...,
                  backward_reads: Iterable[int] | None = ..., jvp: Jvp | None = ...,
-                 autocast: Literal["lower", "float32"] = ...) -> None: ...
+                 autocast: Literal["lower", "float32"] = ..., caller: str | None = ...) -> None: ...
 
     @overload
-    def __init__(self: "Operator[tuple[torch.Tensor, ...]]", name: str, schema: str, forward: Forward, fake: Fake, *,
+    def __init__(self: "Operator[tuple[torch.Tensor, torch.Tensor]]", name: str, schema: str,
+                 forward: Forward | _op.Op[Any, Any], fake: Fake, *, outputs: Literal[2],
+                 backward: Backward | None = ..., differentiable: Iterable[int] = ...,
+                 leading_batch: Sequence[int] = ..., backward_reads: Iterable[int] | None = ...,
+                 jvp: Jvp | None = ..., autocast: Literal["lower", "float32"] = ...,
+                 caller: str | None = ...) -> None: ...
+
+    @overload
+    def __init__(self: "Operator[tuple[torch.Tensor, ...]]", name: str, schema: str,
+                 forward: Forward | _op.Op[Any, Any], fake: Fake, *,
                  outputs: int, backward: Backward | None = ..., differentiable: Iterable[int] = ...,
                  leading_batch: Sequence[int] = ..., backward_reads: Iterable[int] | None = ...,
-                 jvp: Jvp | None = ..., autocast: Literal["lower", "float32"] = ...) -> None: ...
+                 jvp: Jvp | None = ..., autocast: Literal["lower", "float32"] = ...,
+                 caller: str | None = ...) -> None: ...
 
-    def __init__(self, name: str, schema: str, forward: Forward, fake: Fake, *, outputs: int = 1,
+    def __init__(self, name: str, schema: str, forward: Forward | _op.Op[Any, Any], fake: Fake, *,
+                 outputs: int = 1,
                  backward: Backward | None = None, differentiable: Iterable[int] = (),
                  leading_batch: Sequence[int] = (), backward_reads: Iterable[int] | None = None,
-                 jvp: Jvp | None = None, autocast: Literal["lower", "float32"] = "lower") -> None:
+                 jvp: Jvp | None = None, autocast: Literal["lower", "float32"] = "lower",
+                 caller: str | None = None) -> None:
         self.name = f"spchain.torch.{name}"
-        self.forward, self.backward, self.jvp, self.autocast = forward, backward, jvp, autocast
+        self.caller = caller or self.name
+        self.array = forward if isinstance(forward, _op.Op) else _op.positional(forward, outputs, backward)
+        self.jvp, self.autocast = jvp, autocast
         self._reads = None if backward_reads is None else frozenset(backward_reads)
         self.outputs, self.differentiable = outputs, tuple(differentiable)
         op = torch.library.custom_op(f"spchain::{name}", self._forward_op, mutates_args=(), schema=schema)
@@ -161,7 +177,7 @@ class Operator(Generic[Public]):
         self.op = op._opoverload
         OPERATORS[f"spchain::{name}"] = self
         backward_op = self._backward = None
-        if backward is not None:
+        if self.array.backward is not None:
             arguments = schema.split("->")[0].strip()[1:-1]
             backward_op = torch.library.custom_op(
                 f"spchain::{name}_backward", self._backward_op, mutates_args=(),
@@ -173,8 +189,13 @@ class Operator(Generic[Public]):
             self._eager = _eager_function(self)
             self._backward = backward_op._opoverload
         self._transform, self._tangent = _transform_functions(self, self._backward)
-        if backward is not None:
+        if self.array.backward is not None:
             op.register_autograd(self._transform.backward, setup_context=self._transform.setup_context)
+
+    @property
+    def backward(self) -> Any:
+        """The array-level backward (``None`` for an operator without a gradient)."""
+        return self.array.backward
 
     def __call__(self, *arguments: object) -> Public:
         args: Sequence[object] = arguments
@@ -224,10 +245,12 @@ class Operator(Generic[Public]):
         return out
 
     def _run(self, args: Sequence[object], count: int | None = None) -> tuple[torch.Tensor, ...]:
-        """The forward's results as tensors (the first ``count`` of them; default all)."""
+        """The forward's results as tensors: its outputs and residuals (the first ``count``)."""
         with bridge(_device(args)):
-            results = self.forward(*_arrays(args))
-        return tuple(to_tensor(r) for r in (results if isinstance(results, tuple) else (results,))[:count])
+            outputs, saved = self.array.forward(self.array.prepare(*_arrays(args), caller=self.caller))
+            results = outputs if count is not None and count <= len(outputs) else \
+                (*outputs, *self.array.residuals(saved))
+        return tuple(to_tensor(r) for r in results[:count])
 
     def _forward_op(self, *args: object) -> torch.Tensor | tuple[torch.Tensor, ...]:
         results = _own(self._run(args), args)
@@ -235,11 +258,15 @@ class Operator(Generic[Public]):
 
     def _gradients(self, args: Sequence[Any], results: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
                    needs: Sequence[bool]) -> list[torch.Tensor | None]:
-        assert self.backward is not None  # only operators with a backward register gradients
+        """The gradients from the arguments and results as tensors: prepared again, unchecked."""
+        backward = self.array.backward
+        assert backward is not None  # only operators with a backward register gradients
         read = args if self._reads is None else \
             [a if k in self._reads or not isinstance(a, torch.Tensor) else None for k, a in enumerate(args)]
         with bridge(_device(args)):
-            arrays = self.backward(_arrays(read), _arrays(results), _arrays(grads), needs)
+            problem = self.array.prepare(*_arrays(read), caller=self.caller, check=False)
+            saved = self.array.restore(_arrays(results[:self.outputs]), _arrays(results[self.outputs:]))
+            arrays = backward(problem, saved, _arrays(grads), needs).ordered()
         return [to_tensor(g).to(args[k].dtype) if need else None
                 for k, need, g in zip(self.differentiable, needs, arrays)]
 
@@ -373,21 +400,43 @@ def _double_backward_error(name: str) -> RuntimeError:
 
 
 def _eager_function(op: Operator[Any]) -> type[torch.autograd.Function]:
+    """The ``autograd.Function`` of the plain eager route: its context keeps the prepared
+    problem and the residuals (arrays) for the backward, which prepares nothing again; the
+    tensor arguments and the outputs (which the arrays may share memory with) are saved for
+    autograd's check that none changed in between."""
+    array, outputs, differentiable = op.array, op.outputs, op.differentiable
+
     class Eager(torch.autograd.Function):
         @staticmethod
         def forward(ctx: Any, *args: Any) -> tuple[torch.Tensor, ...]:
-            results = op._run(args)
-            _save(ctx, args, results, op.outputs)
-            return results
+            device = _device(args)
+            with bridge(device):
+                ctx.problem = array.prepare(*_arrays(args), caller=op.caller)
+                results, ctx.saved = array.forward(ctx.problem)
+            public = tuple(to_tensor(r) for r in results[:outputs])
+            ctx.save_for_backward(*(a for a in args if isinstance(a, torch.Tensor)), *public)
+            ctx.device, ctx.like = device, [(r.shape, r.dtype) for r in public]
+            ctx.dtypes = [a.dtype if isinstance(a, torch.Tensor) else None for a in args]
+            fixed = [r for r in public if not r.is_floating_point()]
+            if fixed:
+                ctx.mark_non_differentiable(*fixed)
+            ctx.set_materialize_grads(False)
+            return public
 
         @staticmethod
         def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
             if torch.is_grad_enabled():
                 raise _double_backward_error(op.name)
-            args, results = _restore(ctx)
-            needs = [bool(ctx.needs_input_grad[k]) for k in op.differentiable]
-            gradients = op._gradients(args, results, _public_grads(grads, results, op.outputs), needs)
-            return _place(len(args), op.differentiable, needs, gradients)
+            ctx.saved_tensors  # autograd's check that no argument or output changed since the forward
+            assert array.backward is not None  # built only with a backward
+            needs = [bool(ctx.needs_input_grad[k]) for k in differentiable]
+            incoming = [torch.zeros(shape, dtype=dtype, device=ctx.device) if g is None else g
+                        for g, (shape, dtype) in zip(grads, ctx.like)]
+            with bridge(ctx.device):
+                arrays = array.backward(ctx.problem, ctx.saved, _arrays(incoming), needs).ordered()
+            gradients = [to_tensor(g).to(ctx.dtypes[k]) if need else None
+                         for k, need, g in zip(differentiable, needs, arrays)]
+            return _place(len(ctx.dtypes), differentiable, needs, gradients)
 
     return Eager
 

@@ -8,14 +8,16 @@ functions. The gradient of ``values`` is that of the stored entries; autograd ta
 through ``log_trans.values()`` to a sparse CSR gradient of exactly ``log_trans``'s structure.
 """
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, TypeGuard, overload
 
 import torch
 
 from .. import _backend, _chain_layout
+from .._op import Grads, Op, Positional
 from .._typing import Array, Sparse
-from ._operator import Fake, Forward, Jvp, Operator, Public, run_eagerly
+from ._operator import Fake, Jvp, Operator, Public, run_eagerly
 
 if TYPE_CHECKING:
     from .chain import ChainTensors, TensorLike
@@ -71,54 +73,54 @@ def eagerly(operator: Operator[Public], caller: str, x: "TensorLike", log_trans:
     return operator(*tensors(caller, x, log_trans, log_init, lengths, dense_tensors), *extra)
 
 
-DenseBackward = Callable[[Sequence[Any], Sequence[Any], Sequence[Any], Sequence[bool]],
-                         Sequence[Array | Sparse | None]]
-"""The array-level backward of a chain or path function (the gradient of a sparse ``log_trans`` is sparse)."""
-
-
-def _dense_args(args: Sequence[Any]) -> tuple[Any, ...]:
-    """The array-level arguments: ``(x, crow, col, values, *rest)`` to ``(x, matrix, *rest)``."""
-    x, crow, col, values, *rest = args
+def _matrix(x: Array, crow: Array, col: Array, values: Array) -> Sparse:
+    """The (c, c) CSR matrix of a sparse operator's ``crow``, ``col`` and ``values``."""
     c = x.shape[-1]
-    matrix = _backend.backend_of(values).sparse.csr_matrix((values, col, crow), shape=(c, c))
-    return (x, matrix, *rest)
+    return _backend.backend_of(values).sparse.csr_matrix((values, col, crow), shape=(c, c))
+
+
+def sparse_op(dense: Op[Any, Any]) -> Op[Any, Any]:
+    """The array half of a sparse operator from that of its dense one: the arguments
+    ``(x, crow, col, values, *rest)`` prepared as ``(x, matrix, *rest)``, and the gradient of
+    ``values`` that of the matrix's stored entries."""
+    def prepare(x: Array, crow: Array, col: Array, values: Array, *rest: Any, caller: str | None = None,
+                check: bool = True) -> Any:
+        return dense.prepare(x, _matrix(x, crow, col, values), *rest, caller=caller, check=check)
+
+    def backward(problem: Any, saved: Any, grads: Sequence[Array | None], needs: Sequence[bool]) -> Grads:
+        assert dense.backward is not None  # used only with a backward
+        grad_x, grad_trans, grad_init = dense.backward(problem, saved, grads, needs).ordered()
+        return Positional((grad_x, None if grad_trans is None else grad_trans.data, grad_init))
+
+    return dataclasses.replace(dense, prepare=prepare, backward=None if dense.backward is None else backward)
 
 
 @overload
-def operator(name: str, forward: Forward, fake: Fake, *, schema_tail: str = ..., returns: str,
-             outputs: Literal[1] = ..., backward: DenseBackward | None = ..., jvp: Jvp | None = ...
-             ) -> Operator[torch.Tensor]: ...
+def operator(name: str, dense: Op[Any, Any], fake: Fake, *, schema_tail: str = ..., returns: str,
+             outputs: Literal[1] = ..., jvp: Jvp | None = ...) -> Operator[torch.Tensor]: ...
 
 
 @overload
-def operator(name: str, forward: Forward, fake: Fake, *, schema_tail: str = ..., returns: str,
-             outputs: Literal[2], backward: DenseBackward | None = ..., jvp: Jvp | None = ...
-             ) -> Operator[tuple[torch.Tensor, torch.Tensor]]: ...
+def operator(name: str, dense: Op[Any, Any], fake: Fake, *, schema_tail: str = ..., returns: str,
+             outputs: Literal[2], jvp: Jvp | None = ...) -> Operator[tuple[torch.Tensor, torch.Tensor]]: ...
 
 
-def operator(name: str, forward: Forward, fake: Fake, *, schema_tail: str = "", returns: str,
-             outputs: Literal[1, 2] = 1, backward: DenseBackward | None = None, jvp: Jvp | None = None
-             ) -> Operator[Any]:
-    """``Operator`` ``sparse_<name>`` over the array-level ``forward`` / ``backward`` of a chain
-    or path function whose ``log_trans`` is the second argument (``fake`` is the dense one);
-    forward-mode AD by ``jvp`` (e.g. :func:`spchain.torch.chain.batch_jvp`) where it has a
-    backward."""
+def operator(name: str, dense: Op[Any, Any], fake: Fake, *, schema_tail: str = "", returns: str,
+             outputs: Literal[1, 2] = 1, jvp: Jvp | None = None) -> Operator[Any]:
+    """``Operator`` ``sparse_<name>`` over the array half ``dense`` (its dense operator's
+    ``array``) of a chain or path function whose ``log_trans`` is the second argument (``fake``
+    is the dense one); forward-mode AD by ``jvp`` (e.g. :func:`spchain.torch.chain.batch_jvp`)
+    where it has a backward."""
     schema = f"(Tensor x, Tensor crow, Tensor col, Tensor values, Tensor? log_init{schema_tail}) -> {returns}"
 
     def sparse_fake(x: torch.Tensor, crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor,
                     *rest: object) -> torch.Tensor | tuple[torch.Tensor, ...]:
         return fake(x, values.new_empty((x.shape[-1], x.shape[-1])), *rest)
 
-    def sparse_backward(args: Sequence[Any], results: Sequence[Array], grads: Sequence[Array | None],
-                        needs: Sequence[bool]) -> tuple[Array | None, Array | None, Array | None]:
-        assert backward is not None  # used only with a backward
-        grad_x, grad_trans, grad_init = backward(_dense_args(args), results, grads, needs)
-        return grad_x, None if grad_trans is None else grad_trans.data, grad_init
-
-    return Operator(f"sparse_{name}", schema, lambda *args: forward(*_dense_args(args)), sparse_fake,
-                    outputs=outputs, backward=None if backward is None else sparse_backward,
-                    differentiable=(0, 3, 4) if backward is not None else (),
-                    jvp=None if backward is None else jvp, autocast="float32")
+    graded = dense.backward is not None
+    return Operator(f"sparse_{name}", schema, sparse_op(dense), sparse_fake, outputs=outputs,
+                    differentiable=(0, 3, 4) if graded else (), jvp=jvp if graded else None, autocast="float32",
+                    caller=f"spchain.torch.{name}")
 
 
 LENGTHS = ", Tensor? lengths"

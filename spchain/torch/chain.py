@@ -124,25 +124,21 @@ _SCHEMA = "(Tensor x, Tensor log_trans, Tensor? log_init, Tensor? lengths)"
 # vmap makes a call a slice: with the batch leading, x alone would gain an axis and turn
 # per-step transitions (one more axis than x) into shared ones.
 _CHAIN_LOGSUMEXP = Operator(
-    "chain_logsumexp", f"{_SCHEMA} -> (Tensor, Tensor, Tensor)",
-    functools.partial(_chain.chain_logsumexp_forward, caller="spchain.torch.chain_logsumexp"), _logsumexp_fake,
-    backward=_chain.chain_logsumexp_backward, differentiable=(0, 1, 2), jvp=batch_jvp(), autocast="float32")
-_CHAIN_MARGINALS = Operator(
-    "chain_marginals", f"{_SCHEMA} -> Tensor",
-    functools.partial(_chain.chain_marginals_forward, caller="spchain.torch.chain_marginals"), _marginals_fake,
-    autocast="float32")
+    "chain_logsumexp", f"{_SCHEMA} -> (Tensor, Tensor, Tensor)", _chain.LOGSUMEXP, _logsumexp_fake,
+    differentiable=(0, 1, 2), jvp=batch_jvp(), autocast="float32")
+_CHAIN_MARGINALS = Operator("chain_marginals", f"{_SCHEMA} -> Tensor", _chain.MARGINALS, _marginals_fake,
+                            autocast="float32")
 _VITERBI = Operator(
-    "viterbi", f"{_SCHEMA} -> (Tensor, Tensor)",
-    functools.partial(_chain.viterbi_forward, caller="spchain.torch.viterbi"), _viterbi_fake,
-    outputs=2, backward=_chain.viterbi_backward, differentiable=(0, 1, 2), jvp=batch_jvp(), autocast="float32")
+    "viterbi", f"{_SCHEMA} -> (Tensor, Tensor)", _chain.VITERBI, _viterbi_fake, outputs=2, differentiable=(0, 1, 2),
+    jvp=batch_jvp(), autocast="float32")
 SPARSE_CHAIN_LOGSUMEXP = _sparse_chain.operator(
-    "chain_logsumexp", _CHAIN_LOGSUMEXP.forward, _logsumexp_fake, schema_tail=_sparse_chain.LENGTHS,
-    returns="(Tensor, Tensor, Tensor)", backward=_chain.chain_logsumexp_backward, jvp=batch_jvp(3))
+    "chain_logsumexp", _chain.LOGSUMEXP, _logsumexp_fake, schema_tail=_sparse_chain.LENGTHS,
+    returns="(Tensor, Tensor, Tensor)", jvp=batch_jvp(3))
 SPARSE_CHAIN_MARGINALS = _sparse_chain.operator(
-    "chain_marginals", _CHAIN_MARGINALS.forward, _marginals_fake, schema_tail=_sparse_chain.LENGTHS, returns="Tensor")
+    "chain_marginals", _chain.MARGINALS, _marginals_fake, schema_tail=_sparse_chain.LENGTHS, returns="Tensor")
 SPARSE_VITERBI = _sparse_chain.operator(
-    "viterbi", _VITERBI.forward, _viterbi_fake, schema_tail=_sparse_chain.LENGTHS, returns="(Tensor, Tensor)",
-    outputs=2, backward=_chain.viterbi_backward, jvp=batch_jvp(3))
+    "viterbi", _chain.VITERBI, _viterbi_fake, schema_tail=_sparse_chain.LENGTHS, returns="(Tensor, Tensor)",
+    outputs=2, jvp=batch_jvp(3))
 
 
 def chain_logsumexp(x: TensorLike, log_trans: TensorLike, log_init: TensorLike | None = None, *,

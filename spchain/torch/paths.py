@@ -49,9 +49,8 @@ _SCHEMA = "Tensor x, Tensor log_trans, Tensor? log_init, Tensor? lengths"
 # Forward-mode AD: the entropy's by its exact reverse rule (batch_jvp), the path score's by linearity;
 # chain_kbest's scores raise NotImplementedError, chain_sample's paths are integers.
 _CHAIN_ENTROPY = Operator(
-    "chain_entropy", f"({_SCHEMA}) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
-    functools.partial(_paths.chain_entropy_forward, caller="spchain.torch.chain_entropy"), _entropy_fake,
-    backward=_paths.chain_entropy_backward, differentiable=(0, 1, 2), jvp=batch_jvp(), autocast="float32")
+    "chain_entropy", f"({_SCHEMA}) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)", _paths.ENTROPY,
+    _entropy_fake, differentiable=(0, 1, 2), jvp=batch_jvp(), autocast="float32")
 _CHAIN_SAMPLE = Operator(
     "chain_sample", f"({_SCHEMA}, int num_samples, int? seed) -> Tensor",
     functools.partial(_paths.chain_sample_forward, caller="spchain.torch.chain_sample"), _sample_fake,
@@ -62,22 +61,19 @@ _CHAIN_KBEST = Operator(
     autocast="float32")
 _CHAIN_PATH_SCORE = Operator(
     "chain_path_score", "(Tensor x, Tensor log_trans, Tensor? log_init, Tensor path, Tensor? lengths) -> Tensor",
-    functools.partial(_paths.chain_path_score_forward, caller="spchain.torch.chain_path_score"), _path_score_fake,
-    backward=_paths.chain_path_score_backward, differentiable=(0, 1, 2), jvp=linear_jvp, autocast="float32")
+    _paths.PATH_SCORE, _path_score_fake, differentiable=(0, 1, 2), jvp=linear_jvp, autocast="float32")
 SPARSE_CHAIN_ENTROPY = _sparse_chain.operator(
-    "chain_entropy", _CHAIN_ENTROPY.forward, _entropy_fake, schema_tail=_sparse_chain.LENGTHS,
-    returns="(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)", backward=_paths.chain_entropy_backward,
-    jvp=batch_jvp(3))
+    "chain_entropy", _paths.ENTROPY, _entropy_fake, schema_tail=_sparse_chain.LENGTHS,
+    returns="(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)", jvp=batch_jvp(3))
 SPARSE_CHAIN_SAMPLE = _sparse_chain.operator(
-    "chain_sample", _CHAIN_SAMPLE.forward, _sample_fake,
+    "chain_sample", _CHAIN_SAMPLE.array, _sample_fake,
     schema_tail=f"{_sparse_chain.LENGTHS}, int num_samples, int? seed", returns="Tensor")
 SPARSE_CHAIN_KBEST = _sparse_chain.operator(
-    "chain_kbest", _CHAIN_KBEST.forward, _kbest_fake, schema_tail=f"{_sparse_chain.LENGTHS}, int k",
+    "chain_kbest", _CHAIN_KBEST.array, _kbest_fake, schema_tail=f"{_sparse_chain.LENGTHS}, int k",
     returns="(Tensor, Tensor)", outputs=2)
 SPARSE_CHAIN_PATH_SCORE = _sparse_chain.operator(
-    "chain_path_score", _CHAIN_PATH_SCORE.forward, _path_score_fake,
-    schema_tail=f", Tensor path{_sparse_chain.LENGTHS}", returns="Tensor", backward=_paths.chain_path_score_backward,
-    jvp=linear_jvp)
+    "chain_path_score", _paths.PATH_SCORE, _path_score_fake, schema_tail=f", Tensor path{_sparse_chain.LENGTHS}",
+    returns="Tensor", jvp=linear_jvp)
 
 
 def chain_sample(x: TensorLike, log_trans: TensorLike, log_init: TensorLike | None = None, *,

@@ -1,0 +1,136 @@
+"""The array half of an operator: one prepared problem per call.
+
+An :class:`Op` is three functions on NumPy/CuPy arrays:
+
+- ``prepare(*args, caller=..., check=True) -> problem``: validates the arguments and lays
+  them out (a frozen dataclass, or any object the other two read); ``check=False`` rebuilds
+  the layout of arguments that a ``prepare`` has validated, without checks;
+- ``forward(problem) -> (outputs, saved)``: the public results (a tuple of arrays) and what
+  the backward needs besides the problem (a :class:`Saved`);
+- ``backward(problem, saved, grads, needs) -> Grads``: from the incoming gradients of the
+  outputs (``None`` where one is unused), the gradient of each differentiable argument whose
+  ``needs`` is true (a :class:`Grads`, ``None`` elsewhere).
+
+``spchain.torch``'s ``Operator`` prepares once a call: its backward reuses the forward's
+problem and saved residuals. Where a torch route only passes tensors from the forward to the
+backward (a registered operator's backward), :meth:`Op.residuals` flattens the residuals and
+:meth:`Op.restore` rebuilds them, and the backward prepares again with ``check=False``.
+
+>>> import numpy as np
+>>> @dataclasses.dataclass(frozen=True)
+... class Twice(Saved):
+...     pass
+>>> double = Op(lambda x, caller="f", check=True: np.asarray(x), lambda x: ((2 * x,), Twice()), Twice,
+...             backward=lambda x, saved, grads, needs: Positional((2 * grads[0],)))
+>>> problem = double.prepare([1.0, 2.0])
+>>> outputs, saved = double.forward(problem)
+>>> outputs, double.backward(problem, saved, (np.ones(2),), (True,)).ordered()
+((array([2., 4.]),), (array([2., 2.]),))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, TypeVar
+
+from ._typing import Array
+
+P = TypeVar("P")
+S = TypeVar("S", bound="Saved")
+
+
+@dataclasses.dataclass(frozen=True)
+class Saved:
+    """What a forward leaves for its backward: a frozen dataclass whose fields are arrays."""
+
+    def arrays(self) -> tuple[Array, ...]:
+        """The fields, in order (how a registered operator passes them as tensors)."""
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+
+
+@dataclasses.dataclass(frozen=True)
+class Grads:
+    """The gradients of a backward: one field per differentiable argument, in their order,
+    ``None`` where not needed."""
+
+    def ordered(self) -> tuple[Any, ...]:
+        """The fields, in the order of the differentiable arguments."""
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+
+
+@dataclasses.dataclass(frozen=True)
+class Positional(Grads):
+    """Gradients given as a sequence in the order of the differentiable arguments."""
+
+    grads: Sequence[Any]
+
+    def ordered(self) -> tuple[Any, ...]:
+        return tuple(self.grads)
+
+
+Forward = Callable[[P], tuple[tuple[Array, ...], S]]
+Backward = Callable[[P, S, Sequence[Array | None], Sequence[bool]], Grads]
+
+
+@dataclasses.dataclass(frozen=True)
+class Op(Generic[P, S]):
+    """An array-level operation as ``prepare`` / ``forward`` / ``backward`` (see the module);
+    ``saved`` is the type of its residuals, ``backward`` ``None`` where it has no gradient."""
+
+    prepare: Callable[..., P]
+    forward: Forward[P, S]
+    saved: Callable[..., S]
+    backward: Backward[P, S] | None = None
+
+    def residuals(self, saved: S) -> tuple[Array, ...]:
+        """The residuals as arrays (a registered operator's extra results)."""
+        return saved.arrays()
+
+    def restore(self, outputs: Sequence[Array], residuals: Sequence[Array]) -> S:
+        """:meth:`residuals`' inverse (``outputs`` for operations whose backward reads them)."""
+        return self.saved(*residuals)
+
+
+@dataclasses.dataclass(frozen=True)
+class Results(Saved):
+    """The residuals of a :func:`positional` operation: all its results."""
+
+    results: tuple[Array, ...]
+
+    def arrays(self) -> tuple[Array, ...]:
+        return self.results
+
+
+@dataclasses.dataclass(frozen=True)
+class _PositionalOp(Op[tuple[Any, ...], Results]):
+    outputs: int = 1
+
+    def residuals(self, saved: Results) -> tuple[Array, ...]:
+        return saved.results[self.outputs:]
+
+    def restore(self, outputs: Sequence[Array], residuals: Sequence[Array]) -> Results:
+        return Results((*outputs, *residuals))
+
+
+def positional(forward: Callable[..., Array | tuple[Array, ...]], outputs: int = 1,
+               backward: Callable[[Sequence[Any], Sequence[Any], Sequence[Any], Sequence[bool]],
+                                  Sequence[Array | None]] | None = None) -> Op[tuple[Any, ...], Results]:
+    """The :class:`Op` of an operation in positional form: ``forward(*args)`` returns its
+    results (``outputs`` public ones, then residuals) and validates on each call;
+    ``backward(args, results, grads, needs)`` returns a sequence of gradients. Its problem is
+    the arguments themselves."""
+    def prepare(*args: Any, caller: str | None = None, check: bool = True) -> tuple[Any, ...]:
+        return args
+
+    def run(args: tuple[Any, ...]) -> tuple[tuple[Array, ...], Results]:
+        results = forward(*args)
+        results = results if isinstance(results, tuple) else (results,)
+        return results[:outputs], Results(results)
+
+    def grads(args: tuple[Any, ...], saved: Results, incoming: Sequence[Array | None],
+              needs: Sequence[bool]) -> Grads:
+        assert backward is not None  # used only with a backward
+        return Positional(backward(args, saved.results, incoming, needs))
+
+    return _PositionalOp(prepare, run, Results, None if backward is None else grads, outputs)
