@@ -69,8 +69,9 @@ def _cores() -> int:
 def pytest_cmdline_main(config):
     option = config.option
     plain = not (config.args_source == pytest.Config.ArgsSource.ARGS or option.keyword or option.markexpr or option.all)
-    if (plain and config.pluginmanager.hasplugin("xdist") and option.numprocesses is None and not option.usepdb
-            and not option.collectonly and _cores() >= DEFAULT_WORKERS):
+    worker = hasattr(config, "workerinput")  # a worker's command line is the plain one too
+    if (plain and not worker and config.pluginmanager.hasplugin("xdist") and option.numprocesses is None
+            and not option.usepdb and not option.collectonly and _cores() >= DEFAULT_WORKERS):
         option.numprocesses, option.dist = DEFAULT_WORKERS, "loadfile"
 
 
