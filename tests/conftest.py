@@ -7,8 +7,9 @@
   and it counts as slow (``HYPOTHESIS_PROFILE=quick|full`` or ``--hypothesis-profile`` overrides).
 - Plain ``pytest`` (the default set, no paths, ``-k`` or ``-m``) runs on ``DEFAULT_WORKERS`` worker
   processes when pytest-xdist is installed and the machine has that many cores: Numba compiles
-  one kernel at a time in a process, so two workers nearly halve a first run; they share Numba's
-  on-disk cache. ``-n 0`` runs in this process, ``-n N`` on N workers.
+  one kernel at a time in a process, so two workers cut a first run by about 40 % on 2 cores; they
+  share Numba's on-disk cache, and take whole files (``loadfile``), so that a file's kernels are
+  mostly compiled once. ``-n 0`` runs in this process, ``-n N`` on N workers.
 - ``--max-default-seconds=S`` fails the run if a test of the default set (not ``slow``) takes
   longer than ``S`` seconds, setup and teardown included (wall time); CI passes 30.
 - ``gpu`` tests need CuPy and a real CUDA device; they are skipped without one.
