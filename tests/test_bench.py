@@ -171,6 +171,25 @@ def test_a_first_run_compiles_the_kernels_of_the_selected_workloads_first_and_on
     assert len(compiled) == 1
 
 
+def test_kernels_count_as_cached_once_most_of_them_are(monkeypatch, tmp_path):
+    indexes = [tmp_path / f"kernel{i}.nbi" for i in range(10)]
+    monkeypatch.setattr(bench, "kernel_indexes", lambda: indexes)
+    for index in indexes[:4]:  # a test run that compiled a few kernels
+        index.touch()
+    assert not bench.kernels_cached()
+    indexes[4].touch()
+    assert bench.kernels_cached()
+
+
+def test_every_cached_kernel_has_an_index_path():
+    from spchain.kernels.cpu import blocksparse, chain
+
+    indexes = bench.kernel_indexes()
+    assert len(set(indexes)) == len(indexes) > 40
+    assert {pathlib.Path(k._cache._cache_file._index_path) for k in (blocksparse.spmm, chain.viterbi)} <= set(indexes)
+    assert all(index.suffix == ".nbi" for index in indexes)
+
+
 def test_compiling_on_one_free_core_stays_in_this_process_and_shows_its_progress(monkeypatch, capsys):
     import torch
 

@@ -1,6 +1,7 @@
 """The test run's own options (tests/conftest.py): plain ``pytest`` deselects slow tests and tries
 few Hypothesis examples, ``--all`` and ``-m slow`` run slow tests and the full Hypothesis budget,
-and ``--max-default-seconds`` fails a run whose default set holds a longer test."""
+``--max-default-seconds`` fails a run whose default set holds a longer test, and plain ``pytest``
+runs on two pytest-xdist workers."""
 
 import os
 import pathlib
@@ -37,7 +38,7 @@ def test_property(n):
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """``run(*args)``: pytest on a copy of spchain's conftest and setup.cfg beside ``EXAMPLE``; (exit code, output)."""
+    """``run(*args, path=True)``: pytest on a copy of spchain's conftest and setup.cfg beside ``EXAMPLE``; (exit code, output)."""
     folder = tmp_path_factory.mktemp("suite")
     shutil.copy(ROOT / "tests/conftest.py", folder)
     shutil.copy(ROOT / "setup.cfg", folder)
@@ -45,8 +46,9 @@ def run(tmp_path_factory):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     env.pop("HYPOTHESIS_PROFILE", None)
 
-    def run(*args):
-        result = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-v", "-s", *args, str(folder)],
+    def run(*args, path=True):
+        result = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-v", "-s", *args,
+                                 *([str(folder)] if path else [])],
                                 cwd=folder, env=env, capture_output=True, text=True, timeout=300)
         return result.returncode, result.stdout + result.stderr
 
@@ -69,3 +71,14 @@ def test_plain_pytest_deselects_slow_tests_tries_few_examples_and_times_the_defa
 def test_all_and_m_slow_run_slow_tests_and_the_full_hypothesis_budget(run, args, tests):
     code, out = run(*args, "--max-default-seconds=60")
     assert code == 0 and ran(out) == tests and "examples 100\n" in out, out
+
+
+def test_plain_pytest_runs_on_two_workers_where_pytest_xdist_is_installed(run):
+    pytest.importorskip("xdist")
+    code, out = run("--max-default-seconds=0.2", path=False)
+    assert "2 workers" in out and sorted(re.findall(r"PASSED \S+::(\w+)", out)) == ["test_plain", "test_property"], out
+    assert code == 1 and re.search(r"over 0.2 s in the default set.*\n\s+0\.\d+s \S+::test_plain\n", out), out
+    code, out = run("-n", "0", path=False)
+    assert code == 0 and "workers" not in out and ran(out) == ["test_plain", "test_property"], out
+    code, out = run()  # given a path: one process
+    assert code == 0 and "workers" not in out, out

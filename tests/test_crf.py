@@ -334,6 +334,7 @@ def test_bad_masks_are_errors(mask, error, match):
         st.LinearChainCRF(4, batch_first=1)
 
 
+@pytest.mark.slow  # three torch.compile calls: the default set's slowest test; test_torch_transforms compiles the CRF
 def test_sparse_transitions_compile_with_fullgraph():
     # issue 26 item 7: the structure stays index buffers, no sparse tensor is traced
     torch._dynamo.reset()
