@@ -186,7 +186,7 @@ def test_every_cached_kernel_has_an_index_path():
 
     indexes = bench.kernel_indexes()
     assert len(set(indexes)) == len(indexes) > 40
-    assert {pathlib.Path(k._cache._cache_file._index_path) for k in (blocksparse.spmm, chain.viterbi)} <= set(indexes)
+    assert {pathlib.Path(k._cache._cache_file._index_path) for k in (blocksparse.blocksparse_spmm, chain.chain_viterbi)} <= set(indexes)
     assert all(index.suffix == ".nbi" for index in indexes)
 
 

@@ -171,13 +171,11 @@ ROOT = Path(__file__).resolve().parents[2]
 def kernel_indexes() -> list[Path]:
     """The index file that Numba's on-disk cache keeps for each of spchain's cached CPU kernels
     (where ``NUMBA_CACHE_DIR`` or the ``__pycache__`` beside the kernels puts it; it may not exist)."""
-    import pkgutil
-
     from numba.core.registry import CPUDispatcher
 
     from ..kernels import cpu
 
-    modules = [importlib.import_module(f"{cpu.__name__}.{m.name}") for m in pkgutil.iter_modules(cpu.__path__)]
+    modules = [getattr(cpu, name) for name in cpu.MODULES]  # through cpu: its threading layer first
     return [Path(kernel._cache._cache_file._index_path) for module in modules for kernel in vars(module).values()
             if isinstance(kernel, CPUDispatcher) and kernel.__module__ == module.__name__
             and hasattr(kernel._cache, "_cache_file")]  # a kernel without cache=True has a NullCache

@@ -119,7 +119,7 @@ def make_case(name: str, quick: bool, device: str = "cpu") -> Case:
         return Case("hmm-fit", name, {"spchain": run(hmm), "hmmlearn": run(hmmlearn.hmm)},
                     run(hmmlearn.hmm) if quick else None, device, slow=set() if quick else {"hmmlearn"})
     X, lengths, start = sparse_problem(quick)
-    n_iter = size["sparse iterations"]
+    n_iter, symbols = size["sparse iterations"], size["symbols"]
     if name == "sparse marginals":
         log_trans = start["transmat_"].copy()
         log_trans.data = np.log(log_trans.data)
@@ -140,11 +140,11 @@ def make_case(name: str, quick: bool, device: str = "cpu") -> Case:
     X_small = X[:small_seq * small_steps]
 
     def ours() -> object:
-        return _dense(fit(hmm, "CategoricalHMM", start, X, lengths, n_iter))
+        return _dense(fit(hmm, "CategoricalHMM", start, X, lengths, n_iter, n_features=symbols))
 
     def theirs() -> object:
         result = fit(hmmlearn.hmm, "CategoricalHMM", start, X_small, np.full(small_seq, small_steps), n_iter,
-                     dense=True)
+                     dense=True, n_features=symbols)
         return result if quick else None
 
     return Case("hmm-fit", name, {"spchain": ours, baseline: theirs}, theirs if quick else None, device)
