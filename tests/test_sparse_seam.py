@@ -74,3 +74,27 @@ def test_a_further_check_runs_once_per_structure_and_keeps_its_entries_apart():
     with pytest.raises(ValueError, match="repeated"):
         cache.lookup(_backend.NUMPY, (np.array([0, 2, 2]), np.array([1, 1])), (2, 2), "t", check=no_repeats)
     assert len(cache) == 2, "a structure that fails the check is not kept"
+
+
+def test_a_column_major_x_is_read_in_place_and_a_stack_of_layers_copies_no_activation(monkeypatch):
+    """``y`` of a sparse layer is the transposed view of what the kernel wrote: the next layer
+    takes it as it is (no contiguous copy at the seam, no transpose), with the same values and
+    gradients as a row-major ``x``."""
+    from spchain.kernels import cpu
+
+    torch.manual_seed(0)
+    first, second = st.SparseLinear(64, 48, sparsity=0.8), st.SparseLinear(48, 32, sparsity=0.8)
+    x = torch.randn(40, 64, requires_grad=True)
+    y = first(x)
+    assert not y.is_contiguous() and y.t().is_contiguous()  # the kernel's layout, transposed
+    transposes = []
+    real = cpu.sparse.transpose
+    monkeypatch.setattr(cpu.sparse, "transpose", lambda *a: (transposes.append(1), real(*a))[1])
+    z = second(y)
+    assert transposes == []
+    want = second(y.contiguous())
+    assert len(transposes) == 1  # a row-major x is transposed once
+    torch.testing.assert_close(z, want, rtol=0, atol=0)
+    (grad_in,) = torch.autograd.grad(z.square().sum(), y, retain_graph=True)
+    (grad_want,) = torch.autograd.grad(want.square().sum(), y)
+    torch.testing.assert_close(grad_in, grad_want)

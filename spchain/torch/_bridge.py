@@ -26,17 +26,21 @@ from .. import _backend
 from .._typing import Array
 
 
-def to_array(t: torch.Tensor) -> Array:
+def to_array(t: torch.Tensor, *, strided: bool = False) -> Array:
     """A NumPy (CPU) or CuPy (CUDA) array sharing ``t``'s memory.
 
     ``t`` is detached; a non-contiguous ``t`` is made contiguous first (one copy), so that
-    kernels and DLPack always see a dense row-major layout.
+    kernels and DLPack always see a dense row-major layout, unless ``strided``: then the array
+    is a view with ``t``'s strides, for a caller that reads any layout.
+
+    >>> to_array(torch.zeros(2, 3).t(), strided=True).flags.f_contiguous
+    True
     """
     if t.dtype == torch.bfloat16:
         raise TypeError("bfloat16 tensors have no NumPy/CuPy dtype; convert with t.float() first")
     if t.requires_grad:
         t = t.detach()
-    if not t.is_contiguous():
+    if not (strided or t.is_contiguous()):
         t = t.contiguous()
     if t.is_cpu:
         return t.numpy()  # the same view as np.from_dlpack, several times faster

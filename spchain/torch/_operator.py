@@ -125,6 +125,10 @@ class Operator(Generic[Public]):
     backward_reads
         Positions of the arguments that ``backward`` reads (default all); the others reach it
         as ``None``, so that no array is made of them (a non-contiguous one would be copied).
+    strided
+        Positions of the tensor arguments that cross in their own layout (a NumPy/CuPy view
+        with their strides) for an array-level function that reads any layout; the others are
+        made contiguous first.
 
     Examples
     --------
@@ -140,7 +144,7 @@ class Operator(Generic[Public]):
     def __init__(self: "Operator[torch.Tensor]", name: str, schema: str, forward: Forward | _op.Op[Any, Any],
                  fake: Fake, *, outputs: Literal[1] = ..., backward: Backward | None = ...,
                  differentiable: Iterable[int] = ..., leading_batch: Sequence[int] = ...,
-                 backward_reads: Iterable[int] | None = ..., jvp: Jvp | None = ...,
+                 backward_reads: Iterable[int] | None = ..., strided: Iterable[int] = ..., jvp: Jvp | None = ...,
                  autocast: Literal["lower", "float32"] = ..., caller: str | None = ...) -> None: ...
 
     @overload
@@ -148,6 +152,7 @@ class Operator(Generic[Public]):
                  forward: Forward | _op.Op[Any, Any], fake: Fake, *, outputs: Literal[2],
                  backward: Backward | None = ..., differentiable: Iterable[int] = ...,
                  leading_batch: Sequence[int] = ..., backward_reads: Iterable[int] | None = ...,
+                 strided: Iterable[int] = ...,
                  jvp: Jvp | None = ..., autocast: Literal["lower", "float32"] = ...,
                  caller: str | None = ...) -> None: ...
 
@@ -156,6 +161,7 @@ class Operator(Generic[Public]):
                  forward: Forward | _op.Op[Any, Any], fake: Fake, *,
                  outputs: int, backward: Backward | None = ..., differentiable: Iterable[int] = ...,
                  leading_batch: Sequence[int] = ..., backward_reads: Iterable[int] | None = ...,
+                 strided: Iterable[int] = ...,
                  jvp: Jvp | None = ..., autocast: Literal["lower", "float32"] = ...,
                  caller: str | None = ...) -> None: ...
 
@@ -163,13 +169,14 @@ class Operator(Generic[Public]):
                  outputs: int = 1,
                  backward: Backward | None = None, differentiable: Iterable[int] = (),
                  leading_batch: Sequence[int] = (), backward_reads: Iterable[int] | None = None,
-                 jvp: Jvp | None = None, autocast: Literal["lower", "float32"] = "lower",
+                 strided: Iterable[int] = (), jvp: Jvp | None = None, autocast: Literal["lower", "float32"] = "lower",
                  caller: str | None = None) -> None:
         self.name = f"spchain.torch.{name}"
         self.caller = caller or self.name
         self.array = forward if isinstance(forward, _op.Op) else _op.positional(forward, outputs, backward)
         self.jvp, self.autocast = jvp, autocast
         self._reads = None if backward_reads is None else frozenset(backward_reads)
+        self._strided = frozenset(strided)
         self.outputs, self.differentiable = outputs, tuple(differentiable)
         op = torch.library.custom_op(f"spchain::{name}", self._forward_op, mutates_args=(), schema=schema)
         op.register_fake(fake)
@@ -247,7 +254,7 @@ class Operator(Generic[Public]):
     def _run(self, args: Sequence[object], count: int | None = None) -> tuple[torch.Tensor, ...]:
         """The forward's results as tensors: its outputs and residuals (the first ``count``)."""
         with bridge(_device(args)):
-            outputs, saved = self.array.forward(self.array.prepare(*_arrays(args), caller=self.caller))
+            outputs, saved = self.array.forward(self.array.prepare(*_arrays(args, self._strided), caller=self.caller))
             results = outputs if count is not None and count <= len(outputs) else \
                 (*outputs, *self.array.residuals(saved))
         return tuple(to_tensor(r) for r in results[:count])
@@ -264,7 +271,7 @@ class Operator(Generic[Public]):
         read = args if self._reads is None else \
             [a if k in self._reads or not isinstance(a, torch.Tensor) else None for k, a in enumerate(args)]
         with bridge(_device(args)):
-            problem = self.array.prepare(*_arrays(read), caller=self.caller, check=False)
+            problem = self.array.prepare(*_arrays(read, self._strided), caller=self.caller, check=False)
             saved = self.array.restore(_arrays(results[:self.outputs]), _arrays(results[self.outputs:]))
             arrays = backward(problem, saved, _arrays(grads), needs).ordered()
         return [to_tensor(g).to(args[k].dtype) if need else None
@@ -323,15 +330,16 @@ def _flat_tensors(args: Iterable[object]) -> Iterator[torch.Tensor]:
             yield from (t for t in a if isinstance(t, torch.Tensor))
 
 
-def _arrays(args: Iterable[object]) -> list[Any]:
-    """Tensors, also inside lists, as arrays; everything else as it is."""
-    def convert(a: object) -> object:
+def _arrays(args: Iterable[object], strided: frozenset[int] = frozenset()) -> list[Any]:
+    """Tensors, also inside lists, as arrays (those at ``strided`` in their own layout);
+    everything else as it is."""
+    def convert(k: int, a: object) -> object:
         if isinstance(a, torch.Tensor):
-            return to_array(a)
+            return to_array(a, strided=k in strided)
         if isinstance(a, (list, tuple)) and any(isinstance(t, torch.Tensor) for t in a):
             return [None if t is None else to_array(t) for t in a]
         return a
-    return [convert(a) for a in args]
+    return [convert(k, a) for k, a in enumerate(args)]
 
 
 def _own(results: Iterable[torch.Tensor], args: Iterable[object]) -> tuple[torch.Tensor, ...]:
@@ -411,7 +419,7 @@ def _eager_function(op: Operator[Any]) -> type[torch.autograd.Function]:
         def forward(ctx: Any, *args: Any) -> tuple[torch.Tensor, ...]:
             device = _device(args)
             with bridge(device):
-                ctx.problem = array.prepare(*_arrays(args), caller=op.caller)
+                ctx.problem = array.prepare(*_arrays(args, op._strided), caller=op.caller)
                 results, ctx.saved = array.forward(ctx.problem)
             public = tuple(to_tensor(r) for r in results[:outputs])
             ctx.save_for_backward(*(a for a in args if isinstance(a, torch.Tensor)), *public)

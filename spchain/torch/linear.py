@@ -93,7 +93,8 @@ _OPERATOR = Operator(
     "sparse_linear",
     "(Tensor x, Tensor values, Tensor indptr, Tensor indices, int[] shape, Tensor? bias)"
     " -> (Tensor, Tensor, Tensor, Tensor)",
-    _forward, _fake, outputs=1, backward=_backward, differentiable=(0, 1, 5), backward_reads=(1, 2, 3))
+    _forward, _fake, outputs=1, backward=_backward, differentiable=(0, 1, 5), backward_reads=(1, 2, 3),
+    strided=(0,))
 
 
 def linear(caller: str, x: torch.Tensor, values: torch.Tensor, indptr: torch.Tensor, indices: torch.Tensor,
