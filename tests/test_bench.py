@@ -383,3 +383,10 @@ def test_sparse_training_trains_both_models_on_the_same_task_at_90_percent_erk()
     assert abs(result["sparse weights"] - 0.1 * result["dense weights"]) <= 3  # ERK over all 3 layers together
     assert 0.2 < result["dense accuracy"] <= 1 and 0.2 < result["sparse accuracy"] <= 1
     assert result["dense s/epoch"] > 0 and result["sparse s/epoch"] > 0
+
+
+def test_rst_labels_escape_a_trailing_underscore_outside_literals():
+    """``transmat_`` in a baseline's name would be a reference target in reStructuredText."""
+    assert report._code("hmmlearn (dense transmat_), `model.transmat_`, my_name", "rst") == \
+        "hmmlearn (dense transmat\\_), ``model.transmat_``, my_name"
+    assert report._code("dense transmat_", "md") == "dense transmat_"

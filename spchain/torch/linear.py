@@ -127,7 +127,7 @@ def sparse_linear(x: torch.Tensor, values: torch.Tensor, indptr: torch.Tensor, i
     x : torch.Tensor, shape (..., in_features)
         Any leading dimensions and layout; on the CPU the kernels read ``x.T`` row by row, a
         copy (by the parallel transpose kernel) unless ``x`` is column-major.
-    values : torch.Tensor, shape (nnz,), or (nnzb, R, C) for a block-sparse (BSR) weight
+    values : torch.Tensor, shape (nnz,), or (nnzb, R, C) for BSR
         The stored weights (or blocks); gradient by SDDMM at the stored entries only (O(nnz)).
     indptr : torch.Tensor, shape (out_features + 1,) (BSR: out_features / R + 1), int32 or int64
     indices : torch.Tensor, shape (nnz,) (BSR: (nnzb,)), int32 or int64
