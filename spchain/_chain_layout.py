@@ -204,4 +204,3 @@ def prepare(x: Any, log_trans: Any, log_init: Any, lengths: Any, caller: str, ch
                 raise ValueError(f"{caller}: lengths must lie in 1..v = 1..{v}, got values from {low} to {high}")
             max_length = high
     return Chain(backend, x_rows, trans, init, lengths, group, max_length, batch_shape, order, x.shape, structure)
-

@@ -28,14 +28,25 @@ def _with(chain: Chain, f: Callable[[Array], Array]) -> Chain:
     return dataclasses.replace(chain, x=f(chain.x), trans=f(chain.trans), init=f(chain.init))
 
 
+def has_plus_inf(chain: Chain) -> bool:
+    """Whether an input of ``chain`` holds ``+inf``."""
+    # a == inf: one pass, where isposinf takes three (isinf, signbit and their and); one flag, so
+    # one read of the device on the GPU, not three
+    return bool((chain.x == np.inf).any() | (chain.trans == np.inf).any() | (chain.init == np.inf).any())
+
+
+def limited(chain: Chain) -> Chain:
+    """``chain`` in float64 with ``+inf`` as :data:`LIMIT`: its posterior is the limit one as
+    the ``+inf`` terms grow together (the paths through the most ``+inf`` terms)."""
+    return _with(chain, lambda a: chain.xp.where(chain.xp.isposinf(a), LIMIT, a).astype(np.float64))
+
+
 def _plus_inf_rows(chain: Chain) -> tuple[Array, Array] | tuple[None, None]:
     """``(None, None)`` where no input holds ``+inf``; else ``(infinite (B,) bool, path (B, v))``:
     the rows whose log-partition is ``+inf`` (a path with no ``-inf`` or NaN term goes through
     a ``+inf`` one) and, for those, such a path (the most ``+inf`` terms; Viterbi's ties)."""
     xp = chain.xp
-    # a == inf: one pass, where isposinf takes three (isinf, signbit and their and); one flag, so
-    # one read of the device on the GPU, not three
-    if not bool((chain.x == np.inf).any() | (chain.trans == np.inf).any() | (chain.init == np.inf).any()):
+    if not has_plus_inf(chain):
         return None, None
     marks = _with(chain, lambda a: xp.where(xp.isposinf(a), 1, xp.where(xp.isfinite(a), 0, a)).astype(a.dtype))
     score, path = viterbi_finite(marks)
@@ -68,7 +79,7 @@ def backward(chain: Chain, pre: Array, norm: Array, weight: Array,
         return backward_finite(chain, pre, norm, weight, trans_grad)
     grad_x, grad_trans = backward_finite(_without_plus_inf(chain), pre, norm, xp.where(infinite, 0, weight),
                                          trans_grad)
-    limit = _with(chain, lambda a: xp.where(xp.isposinf(a), LIMIT, a).astype(np.float64))
+    limit = limited(chain)
     _, limit_pre, limit_norm = forward_finite(limit)
     limit_x, limit_trans = backward_finite(limit, limit_pre, limit_norm,
                                            xp.where(infinite, weight, 0).astype(np.float64), trans_grad)

@@ -100,7 +100,7 @@ def transition_grad_gemm(chain: Chain, pre: Array, norm: Array, marg: Array, wei
     in chunks, so the float64 scratch stays near ``CHUNK`` entries (a GEMM call a chunk).
     """
     xp = chain.xp
-    rows, v, c = chain.x.shape
+    v, c = chain.x.shape[1:]
     groups, steps = chain.trans.shape[:2]
     if v == 1 or c == 0:
         grad_trans[...] = 0

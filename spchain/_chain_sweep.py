@@ -22,7 +22,7 @@ import numpy as np
 from . import _chain_scaled, _logspace
 from ._chain_layout import Chain
 from .kernels import cpu, cuda
-from ._logspace import normalised, renormalise
+from ._logspace import normalised, renormalise, weighted
 from ._typing import Array
 
 SWEEPS = ("auto", "gemm", "kernel")
@@ -191,7 +191,7 @@ def backward_finite(chain: Chain, pre: Array, norm: Array, weight: Array,
     if use_gemm(chain):
         grad_x = _backward_gemm(chain, pre, norm, weight, grad_trans)
     elif _chain_scaled.applies(chain):
-        grad_x = _weighted(xp, _chain_scaled.backward(chain, pre, norm, weight, grad_trans), weight)
+        grad_x = weighted(xp, _chain_scaled.backward(chain, pre, norm, weight, grad_trans), weight)
     else:
         beta = xp.empty_like(chain.x)
         kernel = (cpu.chain.chain_backward if not chain.backend.on_gpu
@@ -205,17 +205,8 @@ def backward_finite(chain: Chain, pre: Array, norm: Array, weight: Array,
             kernel = (cpu.chain.chain_transition_grad if not chain.backend.on_gpu
                       else chain.backend.launcher(cuda.chain.launch_chain_transition_grad))
             kernel(chain.x, chain.trans, chain.group, chain.lengths, pre, norm, marginals, weight, grad_trans)
-        grad_x = _weighted(xp, marginals, weight)
+        grad_x = weighted(xp, marginals, weight)
     return grad_x, grad_trans
-
-
-def _weighted(xp: ModuleType, marginals: Array, weight: Array) -> Array:
-    """``marginals`` (B, v, c), a fresh array, times ``weight`` (B,) in place; on the CPU as is
-    where every weight is 1 (an HMM's E-step), which saves a pass over them (the GPU skips the
-    test: it would synchronise)."""
-    if xp is not np or not bool((weight == 1).all()):
-        marginals *= weight[:, None, None]
-    return marginals
 
 
 def batched_counts(chain: Chain) -> bool:

@@ -220,6 +220,15 @@ def on_device(xp: ModuleType) -> bool:
     return xp is not np
 
 
+def weighted(xp: ModuleType, marginals: Array, weight: Array) -> Array:
+    """``marginals`` (B, v, c), a fresh array, times ``weight`` (B,) in place; on the CPU as is
+    where every weight is 1 (an HMM's E-step), which saves a pass over them (the GPU skips the
+    test: it would synchronise)."""
+    if on_device(xp) or not bool((weight == 1).all()):
+        marginals *= weight[:, None, None]
+    return marginals
+
+
 def log_matmul_grads(xp: ModuleType, a: Array, b: Array, out: Array, grad: Array, need_a: bool = True,
                      need_b: bool = True) -> tuple[Array | None, Array | None]:
     """Gradients of ``sum(grad * log_matmul(a, b))``: ``(d a, d b)``, of the broadcast batch shape.

@@ -30,7 +30,7 @@ import scipy.sparse
 
 from . import _chain_scaled, _csr
 from ._backend import Backend
-from ._logspace import normalised, renormalise
+from ._logspace import normalised, renormalise, weighted
 from .kernels import cpu, cuda
 from ._typing import Array, Sparse
 
@@ -195,7 +195,7 @@ def backward(chain: Chain, pre: Array, norm: Array, weight: Array,
     marginals, _ = renormalise(xp, xp.where(inside, xp.exp(normalised(xp, pre, chain.x, norm) + beta), 0))
     if trans_grad and values.shape[0]:
         grad_trans = _values_grad_on_device(chain, values, pre, norm, marginals, weight).reshape(chain.trans.shape)
-    return marginals * weight[:, None, None], grad_trans
+    return weighted(xp, marginals, weight), grad_trans
 
 
 def _values_grad_on_device(chain: Chain, values: Array, pre: Array, norm: Array, marg: Array,

@@ -12,7 +12,7 @@ batched call over all sequences:
   lose precision (probabilities beyond float64's range) is computed in log space instead, so
   the results are the log-space ones;
 - otherwise (a sparse ``transmat_``, the GPU) a ragged chain call (the sequences padded to
-  ``(n_seq, max_len, c)`` with their lengths): :func:`spchain.chain.chain_logsumexp_forward`
+  ``(n_seq, max_len, c)`` with their lengths): :data:`spchain.chain.LOGSUMEXP`
   and its backward give the log-likelihoods, the state posteriors (the gradient with respect
   to the emission scores) and the expected transition counts (the gradient with respect to
   ``log_trans``), and the emission log-likelihoods and M-step sums are matrix products over
@@ -45,7 +45,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from . import _backend, _chain_scaled, _csr, _sparse_chain
-from .chain import chain_logsumexp_backward, chain_logsumexp_forward, viterbi_forward
+from .chain import LOGSUMEXP, prepare_chain, viterbi_forward
 from ._typing import Array
 
 __all__ = ["CategoricalHMM", "GaussianHMM", "ConvergenceMonitor"]
@@ -329,11 +329,13 @@ class _BaseHMM:
         """:meth:`_posteriors` by the log-space chain functions."""
         xp = backend.xp
         log_start, log_trans = self._log_start_trans(backend)
-        inputs = (seqs.pad(xp, frame), log_trans, log_start, seqs.lengths)
-        results = chain_logsumexp_forward(*inputs, caller=f"spchain.hmm.{type(self).__name__}")
-        grad_x, counts, start = chain_logsumexp_backward(inputs, results, (xp.ones(seqs.n_seq),),
-                                                         (True, transitions, True))
-        return float(results[0].sum()), seqs.unpad(grad_x), start, counts
+        problem = prepare_chain(seqs.pad(xp, frame), log_trans, log_start, seqs.lengths,
+                                caller=f"spchain.hmm.{type(self).__name__}")
+        (log_prob,), saved = LOGSUMEXP.forward(problem)  # prepared once for the forward and its gradient
+        assert LOGSUMEXP.backward is not None  # differentiable
+        grad_x, counts, start = LOGSUMEXP.backward(problem, saved, (xp.ones(seqs.n_seq),),
+                                                   (True, transitions, True)).ordered()
+        return float(log_prob.sum()), seqs.unpad(grad_x), start, counts
 
     def _mstep_start_trans(self, backend: _backend.Backend, start: Array, counts: Any) -> None:
         """hmmlearn's M-step of ``startprob_`` and ``transmat_``: the Dirichlet priors' MAP,

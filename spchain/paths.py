@@ -54,10 +54,7 @@ def _limit(chain: Chain) -> Chain:
     as ``_chain_limits.LIMIT``, whose posterior is the limit one as the ``+inf`` terms grow
     together (the paths through the most ``+inf`` terms, weighed by their finite terms), as
     for the gradients of the chain functions."""
-    xp = chain.xp
-    if not any(bool(xp.isposinf(a).any()) for a in (chain.x, chain.trans, chain.init)):
-        return chain
-    return _chain_limits._with(chain, lambda a: xp.where(xp.isposinf(a), _chain_limits.LIMIT, a).astype(np.float64))
+    return _chain_limits.limited(chain) if _chain_limits.has_plus_inf(chain) else chain
 
 
 def _count(caller: str, name: str, value: object, low: int) -> int:

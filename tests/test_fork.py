@@ -1,4 +1,4 @@
-"""Numba's threading layer (spchain/_backend.py ``threading_layer``): forked workers and threads.
+"""Numba's threading layer (spchain/kernels/cpu/__init__.py ``threading_layer``): forked workers and threads.
 
 Each fork scenario runs in a fresh interpreter, so that it starts the way a user's program does
 (``import spchain``, a parallel kernel in the parent, then a fork), whatever this test process ran.

@@ -78,3 +78,13 @@ def test_crf_training_step_prepares_each_operator_once(calls):
     assert crf.transitions.grad is not None
     crf.nll(emissions, tags, torch.tensor([6, 4, 5])).backward()
     assert calls["structure"] == 1  # and by the next step
+
+
+def test_an_operator_of_an_op_refuses_a_second_backward():
+    """An ``Op`` carries its backward; another passed beside it would be silently ignored."""
+    from spchain.chain import LOGSUMEXP
+    from spchain.torch._operator import Operator
+
+    with pytest.raises(TypeError, match="carries its own backward"):
+        Operator("doc_twice", "(Tensor x) -> Tensor", LOGSUMEXP, torch.empty_like,
+                 backward=lambda args, results, grads, needs: grads)

@@ -173,6 +173,8 @@ class Operator(Generic[Public]):
                  caller: str | None = None) -> None:
         self.name = f"spchain.torch.{name}"
         self.caller = caller or self.name
+        if isinstance(forward, _op.Op) and backward is not None:
+            raise TypeError(f"Operator {name!r}: an Op carries its own backward; pass no backward=")
         self.array = forward if isinstance(forward, _op.Op) else _op.positional(forward, outputs, backward)
         self.jvp, self.autocast = jvp, autocast
         self._reads = None if backward_reads is None else frozenset(backward_reads)
