@@ -10,6 +10,7 @@ shares each block value it reads.
 from numba import cuda
 
 from . import config
+from .sparse import row_of
 
 
 @cuda.jit
@@ -55,17 +56,10 @@ def blocksparse_sddmm_kernel(indptr, indices, a, b, out):
     (grid-stride).
     """
     rows, cols = out.shape[1], out.shape[2]
-    n_rows = indptr.shape[0] - 1
     for q in range(cuda.grid(1), out.shape[0] * rows * cols, cuda.gridsize(1)):
         p, rest = q // (rows * cols), q % (rows * cols)
         r, c = rest // cols, rest % cols
-        lo, hi = 0, n_rows  # invariant: indptr[lo] <= p < indptr[hi]
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if indptr[mid] <= p:
-                lo = mid
-            else:
-                hi = mid
+        lo = row_of(indptr, p)
         row, col = lo * rows + r, indices[p] * cols + c
         acc = out.dtype.type(0)
         for t in range(a.shape[1]):

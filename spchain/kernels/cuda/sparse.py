@@ -13,6 +13,20 @@ from numba import cuda
 from . import config
 
 
+@cuda.jit(device=True)
+def row_of(indptr, p):
+    """The row ``i`` of stored entry ``p``: ``indptr[i] <= p < indptr[i + 1]``, by binary search
+    (empty rows skipped)."""
+    lo, hi = 0, indptr.shape[0] - 1  # invariant: indptr[lo] <= p < indptr[hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if indptr[mid] <= p:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 @cuda.jit
 def sparse_sddmm_kernel(indptr, indices, a, b, out):
     """``out[p] = a[i, :] . b[indices[p], :]`` for entry ``p`` of row ``i``, one thread an entry.
@@ -24,15 +38,8 @@ def sparse_sddmm_kernel(indptr, indices, a, b, out):
     Launch: grid ``blocks_for(nnz)`` blocks of ``THREADS_PER_BLOCK`` threads, a thread an entry (grid-stride).
     For fewer than ``WARP_FROM`` columns.
     """
-    n_rows = indptr.shape[0] - 1
     for p in range(cuda.grid(1), out.shape[0], cuda.gridsize(1)):
-        lo, hi = 0, n_rows  # invariant: indptr[lo] <= p < indptr[hi]
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if indptr[mid] <= p:
-                lo = mid
-            else:
-                hi = mid
+        lo = row_of(indptr, p)
         j = indices[p]
         acc = out.dtype.type(0)
         for c in range(a.shape[1]):
@@ -65,18 +72,12 @@ def _sddmm_warp_kernel(dtype):
         lane, w = tid % WARP, tid // WARP
         per_block = cuda.blockDim.x // WARP
         red = cuda.shared.array(0, dtype)
-        n, n_rows = out.shape[0], indptr.shape[0] - 1
+        n = out.shape[0]
         for base in range(cuda.blockIdx.x * per_block, n, cuda.gridDim.x * per_block):
             p = base + w
             acc = out.dtype.type(0)
             if p < n:
-                lo, hi = 0, n_rows
-                while hi - lo > 1:
-                    mid = (lo + hi) // 2
-                    if indptr[mid] <= p:
-                        lo = mid
-                    else:
-                        hi = mid
+                lo = row_of(indptr, p)
                 j = indices[p]
                 for c in range(lane, a.shape[1], WARP):
                     acc += a[lo, c] * b[j, c]
