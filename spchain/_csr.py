@@ -110,11 +110,15 @@ class Csr:
         a = contiguous(backend, a.astype(dtype, copy=False))
         b = contiguous(backend, b.astype(dtype, copy=False))
         out = xp.empty(self.nnz, dtype)
-        with backend.use():
-            kernel = (backend.launcher(cuda.sparse.launch_sparse_sddmm) if backend.on_gpu
-                      else cpu.sparse.sparse_sddmm if _backend.threads(self.nnz * a.shape[1]) > 1
-                      else cpu.sparse.sparse_sddmm_serial)
-            kernel(self.indptr, self.indices, a, b, out)
+        if backend.on_gpu:
+            with backend.use():
+                backend.launcher(cuda.sparse.launch_sparse_sddmm)(self.indptr, self.indices, a, b, out)
+            return out
+        threads = _backend.threads(self.nnz * a.shape[1])
+        if threads > 1:
+            cpu.sparse.sparse_sddmm(self.indptr, self.indices, a, b, out, threads)
+        else:
+            cpu.sparse.sparse_sddmm_serial(self.indptr, self.indices, a, b, out)
         return out
 
 

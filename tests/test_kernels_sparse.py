@@ -93,9 +93,10 @@ TARGETS = ["cpu", "cpu serial", pytest.param("cuda", marks=pytest.mark.cuda_kern
 
 
 def sddmm(target, indptr, indices, a, b, out):
-    if target.startswith("cpu"):
-        (cpu_sparse.sparse_sddmm_serial if target == "cpu serial" else cpu_sparse.sparse_sddmm)(
-            indptr, indices, a, b, out)
+    if target == "cpu serial":
+        cpu_sparse.sparse_sddmm_serial(indptr, indices, a, b, out)
+    elif target == "cpu":
+        cpu_sparse.sparse_sddmm(indptr, indices, a, b, out, 2)
     else:
         from spchain.kernels.cuda import sparse as cuda_sparse
 
@@ -117,7 +118,7 @@ def test_sddmm_matches_dense_product_sampled_at_the_pattern(rng, small_launch, t
 
 @pytest.mark.parametrize("target", TARGETS)
 def test_float32_sddmm_over_a_long_inner_dimension_is_within_1e_5(rng, target):
-    """The CUDA kernel accumulates in float32 (the CPU one in float64): benchmark-like dot
+    """Both kernels accumulate in float32: benchmark-like dot
     products of 1024 terms, error relative to the sum of the terms' magnitudes."""
     indptr, indices, _ = random_csr(rng, 6, 5, 0.5)
     a = rng.standard_normal((6, 1024)).astype(np.float32)
@@ -138,3 +139,27 @@ def test_sddmm_finds_rows_past_empty_ones(small_launch, target):
     out = np.empty(3)
     sddmm(target, indptr, indices, a, b, out)
     np.testing.assert_array_equal(out, [a[1, 1], a[1, 0], a[4, 1]])
+
+
+@pytest.mark.parametrize("threads", [0, 1, 2, 3])
+@pytest.mark.parametrize("index_dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("k", [9, 16, 40, 64, 100, 257, 0])
+@pytest.mark.parametrize("n", [20, 300])
+def test_sddmm_slabs_match_float64(rng, index_dtype, dtype, threads, k, n):
+    """Whole slabs of 2 vectors, a last slab of 1 (k = 16, 40 in float32), columns past the last
+    vector (k = 9, 100, 257), groups of 8 entries and the rest one by one, empty rows and
+    duplicates; more entries than rows of ``b`` (its slab copied, n = 20) and fewer (read in
+    place, n = 300); ``sparse_sddmm_serial`` (threads 0) and ``sparse_sddmm`` with more runs of
+    rows than some rows have entries."""
+    indptr, indices, _ = random_csr(rng, 37, n, 0.6 if n == 20 else 0.01, index_dtype)
+    a = rng.standard_normal((37, k)).astype(dtype)
+    b = rng.standard_normal((n, k)).astype(dtype)
+    out = np.full(indices.size, np.nan, dtype)
+    if threads:
+        cpu_sparse.sparse_sddmm(indptr, indices, a, b, out, threads)
+    else:
+        cpu_sparse.sparse_sddmm_serial(indptr, indices, a, b, out)
+    rows, cols = reference.entries(indptr, indices)
+    want = reference.sampled_product(rows, cols, a.astype(np.float64), b.astype(np.float64))
+    np.testing.assert_allclose(out, want, rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-5)

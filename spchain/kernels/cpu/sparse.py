@@ -220,49 +220,175 @@ def _row_tile(typingctx, indices, data, b, b0, p0, p1, start, out, i, c0, vector
 
 
 @njit(parallel=True, cache=True, fastmath=_FAST)
-def sparse_sddmm(indptr, indices, a, b, out):
+def sparse_sddmm(indptr, indices, a, b, out, threads):
     """Sampled dense-dense product: ``out[p] = a[i, :] . b[indices[p], :]`` for entry ``p`` of row ``i``.
 
     Inputs: ``indptr`` (m + 1), ``indices`` (nnz), ``a`` (m, k) and ``b`` (n, k), both
-    C-contiguous. Overwrites ``out`` (nnz). Rows run in parallel.
+    C-contiguous, ``threads`` >= 1. Overwrites ``out`` (nnz). The rows are cut into
+    ``threads`` runs of about equal stored entries, which run in parallel; each run goes over
+    the columns one slab at a time (see :func:`_sddmm_rows`).
     Complexity: O(nnz * k) multiply-adds.
     """
-    for i in prange(a.shape[0]):
-        _sddmm_row(indptr, indices, a, b, out, i)
+    m = a.shape[0]
+    nnz = indptr[m]
+    for r in prange(threads):
+        lo = np.searchsorted(indptr[:m], nnz * r // threads)
+        hi = m if r == threads - 1 else np.searchsorted(indptr[:m], nnz * (r + 1) // threads)
+        _sddmm_rows(indptr, indices, a, b, out, lo, hi)
 
 
 @njit(cache=True, fastmath=_FAST)
 def sparse_sddmm_serial(indptr, indices, a, b, out):
-    """:func:`sparse_sddmm` on one thread, row after row (the same arithmetic), for small products."""
-    for i in range(a.shape[0]):
-        _sddmm_row(indptr, indices, a, b, out, i)
+    """:func:`sparse_sddmm` on one thread (the same arithmetic), for small products."""
+    _sddmm_rows(indptr, indices, a, b, out, 0, a.shape[0])
+
+
+_SLAB = 2
+"""Vector registers of columns per pass of :func:`sparse_sddmm` (32 float32 or 16 float64): a
+slab of 4096 rows of ``b`` takes 512 KiB, which stays in a core's cache."""
+_GROUP = 8
+"""Stored entries per pass over a slab of a row of ``a``: eight dot products at a time."""
 
 
 @njit(inline="always")
-def _sddmm_row(indptr, indices, a, b, out, i):
-    k = a.shape[1]
-    zero = out.dtype.type(0)
-    ai = a[i]
-    p = indptr[i]
-    end = indptr[i + 1]
-    while p + 4 <= end:
-        b0, b1, b2, b3 = b[indices[p]], b[indices[p + 1]], b[indices[p + 2]], b[indices[p + 3]]
-        s0 = s1 = s2 = s3 = zero
-        for c in range(k):
-            x = ai[c]
-            s0 += x * b0[c]
-            s1 += x * b1[c]
-            s2 += x * b2[c]
-            s3 += x * b3[c]
-        out[p], out[p + 1], out[p + 2], out[p + 3] = s0, s1, s2, s3
-        p += 4
-    while p < end:
-        b0 = b[indices[p]]
-        s0 = zero
-        for c in range(k):
-            s0 += ai[c] * b0[c]
-        out[p] = s0
-        p += 1
+def _sddmm_rows(indptr, indices, a, b, out, lo, hi):
+    """Rows ``lo`` to ``hi`` of :func:`sparse_sddmm`, one slab of ``_SLAB`` vectors of columns at
+    a time: each entry's dot product is the sum of its slabs' (:func:`_dot_entries`), the columns
+    past the last whole vector one by one. Where the rows' entries outnumber ``b``'s rows, the
+    slab of ``b`` is first copied into a buffer of its own (as in :func:`_spmm_rows`: ``b``'s
+    power-of-two row strides would map its rows onto a fraction of the cache's sets)."""
+    n, k = b.shape
+    lanes = _VECTOR // out.itemsize
+    width = _SLAB * lanes
+    p0, p1 = indptr[lo], indptr[hi]
+    out[p0:p1] = 0
+    packed = p1 - p0 >= n and n * width * out.itemsize <= _PANEL
+    panel = np.empty((n if packed else 0, width), out.dtype)
+    c0 = 0
+    while c0 < k - k % lanes:
+        vectors = min(_SLAB, (k - c0) // lanes)
+        if packed:
+            for j in range(n):
+                _copy_vectors(b, j, c0, panel, vectors * lanes)
+            _slab_rows(indptr, indices, a, c0, panel, 0, out, lo, hi, vectors)
+        else:
+            _slab_rows(indptr, indices, a, c0, b, c0, out, lo, hi, vectors)
+        c0 += vectors * lanes
+    if c0 < k:
+        for i in range(lo, hi):
+            for p in range(indptr[i], indptr[i + 1]):
+                j = indices[p]
+                total = out[p]
+                for c in range(c0, k):
+                    total += a[i, c] * b[j, c]
+                out[p] = total
+
+
+@njit(inline="always")
+def _slab_rows(indptr, indices, a, a0, b, b0, out, lo, hi, vectors):
+    """``out[p] += a[i, a0:a0 + w] . b[indices[p], b0:b0 + w]`` for the entries of rows ``lo`` to
+    ``hi``, ``w`` the columns of ``vectors`` (1 or 2) vectors: ``_GROUP`` entries at a time, then
+    one by one."""
+    for i in range(lo, hi):
+        p, end = indptr[i], indptr[i + 1]
+        while p + _GROUP <= end:
+            if vectors == 2:
+                _dot_entries(indices, b, b0, p, a, i, a0, out, 2, _GROUP)
+            else:
+                _dot_entries(indices, b, b0, p, a, i, a0, out, 1, _GROUP)
+            p += _GROUP
+        while p < end:
+            if vectors == 2:
+                _dot_entries(indices, b, b0, p, a, i, a0, out, 2, 1)
+            else:
+                _dot_entries(indices, b, b0, p, a, i, a0, out, 1, 1)
+            p += 1
+
+
+def _halving(builder, vectors, blocks, size):
+    """Pairwise sums that halve each block: ``vectors`` of ``blocks`` blocks of ``size`` lanes
+    (one entry's partial sums a block) become half as many vectors (or, for one vector, half
+    its lanes) of twice as many blocks of half the size, in the same entry order."""
+    lanes = blocks * size
+    half = [b * size + t for b in range(blocks) for t in range(size // 2)]
+    i32 = ir.IntType(32)
+    if len(vectors) == 1:
+        x = vectors[0]
+        lo = builder.shuffle_vector(x, x, ir.Constant(ir.VectorType(i32, lanes // 2), half))
+        hi = builder.shuffle_vector(x, x, ir.Constant(ir.VectorType(i32, lanes // 2), [h + size // 2 for h in half]))
+        return [builder.fadd(lo, hi)]
+    low = half + [lanes + h for h in half]
+    mask_lo = ir.Constant(ir.VectorType(i32, lanes), low)
+    mask_hi = ir.Constant(ir.VectorType(i32, lanes), [h + size // 2 for h in low])
+    return [builder.fadd(builder.shuffle_vector(x, y, mask_lo), builder.shuffle_vector(x, y, mask_hi))
+            for x, y in zip(vectors[::2], vectors[1::2])]
+
+
+@intrinsic
+def _dot_entries(typingctx, indices, b, b0, p, a, i, a0, out, vectors, entries):
+    """``out[p + e] += a[i, a0:a0 + w] . b[indices[p + e], b0:b0 + w]`` for ``e < entries``, ``w``
+    the columns of ``vectors`` (a literal, 1 or 2) 64-byte vectors and ``entries`` a literal power
+    of two up to the vector's lanes: the products summed lane by lane in registers (FMA), then
+    the entries' vectors reduced together by a tree of shuffles into one vector of ``entries``
+    sums. ``a``, ``b`` and ``out`` C-contiguous, of one float dtype."""
+    if (not isinstance(vectors, types.IntegerLiteral) or not isinstance(entries, types.IntegerLiteral)
+            or a.layout != "C" or b.layout != "C" or out.layout != "C"):
+        return None
+    count, group = vectors.literal_value, entries.literal_value
+
+    def codegen(context, builder, signature, args):
+        indices_type, b_type, b0_type, p_type, a_type, i_type, a0_type, out_type, _, _ = signature.args
+        index_array = context.make_array(indices_type)(context, builder, args[0])
+        b_array = context.make_array(b_type)(context, builder, args[1])
+        a_array = context.make_array(a_type)(context, builder, args[4])
+        out_array = context.make_array(out_type)(context, builder, args[7])
+        element = context.get_data_type(b_type.dtype)
+        size = context.get_abi_sizeof(element)
+        lanes = _VECTOR // size
+        vector = ir.VectorType(element, lanes)
+        intp = context.get_value_type(types.intp)
+
+        def const(v):
+            return ir.Constant(intp, v)
+
+        def load(array, row, column):  # array[row, column:column + lanes]
+            stride = cgutils.unpack_tuple(builder, array.strides)[0]
+            offset = builder.add(builder.mul(row, stride), builder.mul(column, const(size)))
+            value = builder.load(cgutils.pointer_add(builder, array.data, offset, return_type=vector.as_pointer()))
+            value.align = size
+            return value
+
+        b0 = context.cast(builder, args[2], b0_type, types.intp)
+        p = context.cast(builder, args[3], p_type, types.intp)
+        i = context.cast(builder, args[5], i_type, types.intp)
+        a0 = context.cast(builder, args[6], a0_type, types.intp)
+        row = [load(a_array, i, builder.add(a0, const(q * lanes))) for q in range(count)]
+        sums = []
+        for e in range(group):
+            j = context.cast(builder, builder.load(cgutils.gep(builder, index_array.data, builder.add(p, const(e)))),
+                             indices_type.dtype, types.intp)
+            total = None
+            for q in range(count):
+                product = builder.fmul(row[q], load(b_array, j, builder.add(b0, const(q * lanes))), flags=["contract"])
+                total = product if total is None else builder.fadd(total, product, flags=["contract"])
+            sums.append(total)
+        blocks, size_ = 1, lanes
+        while len(sums) > 1 or size_ > 1:
+            sums = _halving(builder, sums, blocks, size_)
+            blocks, size_ = blocks * 2, size_ // 2
+        total = sums[0]
+        target = cgutils.pointer_add(builder, out_array.data, builder.mul(p, const(size)),
+                                     return_type=ir.VectorType(element, group).as_pointer())
+        if group == 1:
+            target = cgutils.gep(builder, out_array.data, p)
+            total = builder.extract_element(total, ir.Constant(ir.IntType(32), 0))
+        old = builder.load(target)
+        old.align = size
+        store = builder.store(builder.fadd(old, total), target)
+        store.align = size
+        return context.get_dummy_value()
+
+    return types.void(indices, b, b0, p, a, i, a0, out, vectors, entries), codegen
 
 
 @njit(cache=True)
