@@ -98,3 +98,27 @@ def test_a_column_major_x_is_read_in_place_and_a_stack_of_layers_copies_no_activ
     (grad_in,) = torch.autograd.grad(z.square().sum(), y, retain_graph=True)
     (grad_want,) = torch.autograd.grad(want.square().sum(), y)
     torch.testing.assert_close(grad_in, grad_want)
+
+
+def test_the_forward_hands_its_backward_the_cached_structure_without_a_copy_or_a_comparison(monkeypatch):
+    """The forward returns the cache's private index arrays (no copy per call); the backward's
+    lookup of them recognises them by address and compares nothing (O(nnz) saved twice a step)."""
+    from spchain.torch import linear as torch_linear
+
+    cache = _structures.StructureCache()
+    monkeypatch.setattr(torch_linear, "STRUCTURES", cache)
+    values, indptr, indices, shape = weights("csr")
+    x = np.ones((4, shape[1]), np.float32)
+    _, _, ran_indptr, ran_indices = torch_linear._forward(x, values.detach().numpy(), indptr.numpy(),
+                                                          indices.numpy(), shape, None)
+    structure, _ = cache.lookup(_backend.NUMPY, (indptr.numpy(), indices.numpy()), shape, "t")
+    assert ran_indptr is structure.indptr and ran_indices is structure.indices
+
+    class Uncomparable(np.ndarray):
+        def __eq__(self, other):
+            raise AssertionError("compared")
+
+    own = (ran_indptr.view(Uncomparable), ran_indices.view(Uncomparable))
+    assert cache.lookup(_backend.NUMPY, own, shape, "t", key_arrays=(indptr.numpy(), indices.numpy()))[0] is structure
+    with pytest.raises(AssertionError, match="compared"):  # the caller's arrays are compared
+        cache.lookup(_backend.NUMPY, (indptr.numpy().view(Uncomparable), indices.numpy()), shape, "t")

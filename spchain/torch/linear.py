@@ -51,11 +51,11 @@ def _forward(x: Array, values: Array, indptr: Array, indices: Array, shape: Sequ
     structure, same = STRUCTURES.lookup(backend, (indptr, indices), tuple(shape), _CALLER,
                                         blocksize=_blocksize(values))
     yt, xt = _sparse.linear(backend, structure, values, x, bias, dtype)
-    if not backend.on_gpu:
-        return yt, xt, structure.indptr.copy(), structure.indices.copy()
     if same is not None:  # a structure changed since it was cached: NaN, never the old structure's product
         yt = backend.xp.where(same, yt, np.nan).astype(yt.dtype, copy=False)
-    return yt, xt, structure.indptr, structure.indices  # the cache's copies are never written: no copy per call
+    # the cache's private copies, never written: no copy per call, and the backward's lookup
+    # recognises them by address (no comparison)
+    return yt, xt, structure.indptr, structure.indices
 
 
 def _fake(x: torch.Tensor, values: torch.Tensor, indptr: torch.Tensor, indices: torch.Tensor, shape: Sequence[int],
