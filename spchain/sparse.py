@@ -29,7 +29,7 @@ import numpy as np
 
 from . import _backend, _checks, blocksparse
 from ._backend import Backend
-from ._csr import Csr, _operand, check_dense, check_fraction, new_csr, sparse_parts, to_csr
+from ._csr import Csr, _operand, check_dense, check_fraction, contiguous, new_csr, sparse_parts, to_csr
 from ._dask import scales_out
 from ._selection import largest, positions_to_csr, random_positions
 from ._typing import Array, Seed, Shape, Sparse
@@ -269,12 +269,15 @@ def linear(backend: Backend, structure: Structure, values: Array, x: Array, bias
 def linear_backward(backend: Backend, structure: Structure, values: Array, grad_yt: Array, xt: Array,
                     dtype: np.dtype[Any], need_x: bool, need_values: bool) -> tuple[Array | None, Array | None]:
     """Gradients of :func:`linear` for ``x`` (batch, in) and for ``values``, when needed, from
-    the gradient ``grad_yt`` (out, batch) of its output: the input gradient by the transposed
-    product, the value gradient by the SDDMM of ``grad_yt`` and ``xt`` at the stored entries."""
+    the gradient ``grad_yt`` (out, batch, any layout) of its output: the input gradient by the
+    transposed product (on the CPU turned into rows by the parallel transpose kernel), the value
+    gradient by the SDDMM of ``grad_yt`` and ``xt`` at the stored entries."""
     grad_yt = structure.laid_out(backend, grad_yt.astype(dtype, copy=False))
     grad_x = grad_values = None
     if need_x:
         grad_x = structure.matmul(backend, values, grad_yt, dtype, transpose=True).T
+        if not backend.on_gpu:
+            grad_x = contiguous(backend, grad_x)
     if need_values:
         grad_values = structure.sampled(backend, grad_yt, xt, dtype)
     return grad_x, grad_values
