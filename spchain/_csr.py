@@ -93,13 +93,16 @@ class Csr:
         m, n = csr.shape[0], b.shape[1]
         out = np.empty((m, n), dtype)
         if out.size:
-            args = (csr.indptr, csr.indices, values, contiguous(backend, b),
+            # a column-major b (x.T for a row-major x) is read as its transpose, each tile of it
+            # transposed into the kernel's buffer: no transposed copy of b
+            transposed = not b.flags.c_contiguous and b.flags.f_contiguous and cpu.sparse.packs_transposed(b.shape[0])
+            args = (csr.indptr, csr.indices, values, b.T if transposed else contiguous(backend, b),
                     np.zeros(m, dtype) if bias is None else bias, out)
             threads = _backend.threads(csr.nnz * n)
             if threads > 1:
-                cpu.sparse.sparse_spmm(*args, threads)
+                cpu.sparse.sparse_spmm(*args, threads, transposed)
             else:
-                cpu.sparse.sparse_spmm_serial(*args)
+                cpu.sparse.sparse_spmm_serial(*args, transposed)
         return out
 
     def sampled(self, backend: Backend, a: Array, b: Array, dtype: np.dtype[Any]) -> Array:

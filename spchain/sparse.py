@@ -253,25 +253,23 @@ class Structure(Protocol):
 
 
 def linear(backend: Backend, structure: Structure, values: Array, x: Array, bias: Array | None,
-           dtype: np.dtype[Any]) -> tuple[Array, Array]:
+           dtype: np.dtype[Any]) -> Array:
     """``y.T`` for ``y = x @ W.T + bias``, ``W`` the sparse weight of ``structure`` (CSR or BSR)
     and ``values`` ((nnz,) or (nnzb, R, C)).
 
-    ``x`` is (batch, in) in any layout. Returns ``(yt, xt)``: ``yt`` (out, batch), the layout
-    the products write (so ``y`` is its transposed view, free to feed into the next sparse
-    layer), and ``xt`` = ``x.T`` in the layout :func:`linear_backward` reads without a copy
-    (on the CPU a C-contiguous copy unless ``x`` is column-major).
+    ``x`` is (batch, in) in any layout (the CSR kernel reads a row-major ``x`` as it is, ``x.T``
+    transposed tile by tile into its buffer). Returns ``yt`` (out, batch), the layout the
+    products write (so ``y`` is its transposed view, free to feed into the next sparse layer).
     """
-    xt = structure.laid_out(backend, x.T.astype(dtype, copy=False))
-    return structure.matmul(backend, values, xt, dtype, bias), xt
+    return structure.matmul(backend, values, x.T.astype(dtype, copy=False), dtype, bias)
 
 
-def linear_backward(backend: Backend, structure: Structure, values: Array, grad_yt: Array, xt: Array,
+def linear_backward(backend: Backend, structure: Structure, values: Array, grad_yt: Array, x: Array,
                     dtype: np.dtype[Any], need_x: bool, need_values: bool) -> tuple[Array | None, Array | None]:
     """Gradients of :func:`linear` for ``x`` (batch, in) and for ``values``, when needed, from
-    the gradient ``grad_yt`` (out, batch, any layout) of its output: the input gradient by the
-    transposed product (on the CPU turned into rows by the parallel transpose kernel), the value
-    gradient by the SDDMM of ``grad_yt`` and ``xt`` at the stored entries."""
+    the gradient ``grad_yt`` (out, batch) of its output, both in any layout: the input gradient
+    by the transposed product (on the CPU turned into rows by the parallel transpose kernel), the
+    value gradient by the SDDMM of ``grad_yt`` and ``x.T`` at the stored entries."""
     grad_yt = structure.laid_out(backend, grad_yt.astype(dtype, copy=False))
     grad_x = grad_values = None
     if need_x:
@@ -279,5 +277,6 @@ def linear_backward(backend: Backend, structure: Structure, values: Array, grad_
         if not backend.on_gpu:
             grad_x = contiguous(backend, grad_x)
     if need_values:
+        xt = structure.laid_out(backend, x.T.astype(dtype, copy=False))
         grad_values = structure.sampled(backend, grad_yt, xt, dtype)
     return grad_x, grad_values

@@ -14,24 +14,33 @@ def random_csr(rng, m, n, density, index_dtype=np.int32):
     return indptr.astype(index_dtype), cols.astype(index_dtype), rng.standard_normal(cols.size)
 
 
+def spmm(threads, indptr, indices, data, b, bias, out, transposed=False):
+    """``sparse_spmm_serial`` (threads 0) or ``sparse_spmm``; ``b`` given as its transpose with ``transposed``."""
+    b = np.ascontiguousarray(b.T) if transposed else b
+    if threads:
+        cpu_sparse.sparse_spmm(indptr, indices, data, b, bias, out, threads, transposed)
+    else:
+        cpu_sparse.sparse_spmm_serial(indptr, indices, data, b, bias, out, transposed)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("threads", [0, 1, 2, 3])
 @pytest.mark.parametrize("index_dtype", [np.int32, np.int64])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("n", [9, 16, 40, 64, 100, 257, 0])
-def test_spmm_matches_scipy_with_bias(rng, index_dtype, dtype, threads, n):
+@pytest.mark.parametrize("k", [23, 37])
+def test_spmm_matches_scipy_with_bias(rng, index_dtype, dtype, threads, n, k, transposed):
     """Whole tiles of 4 vectors, partial ones (1 to 3 vectors) and columns past the last vector
     (n = 9, 100, 257), empty rows, duplicates; ``sparse_spmm_serial`` (threads 0) and ``sparse_spmm`` with more
-    runs of rows than some rows have entries."""
-    indptr, indices, data = random_csr(rng, 37, 23, 0.2, index_dtype)
+    runs of rows than some rows have entries; ``b`` as it is or ``transposed`` (its tiles
+    transposed into the buffer in 16 x 16 blocks and edges: k = 23, 37)."""
+    indptr, indices, data = random_csr(rng, 37, k, 0.2, index_dtype)
     data = data.astype(dtype)
-    b = rng.standard_normal((23, n)).astype(dtype)
+    b = rng.standard_normal((k, n)).astype(dtype)
     bias = rng.standard_normal(37).astype(dtype)
     out = np.full((37, n), np.nan, dtype)
-    if threads:
-        cpu_sparse.sparse_spmm(indptr, indices, data, b, bias, out, threads)
-    else:
-        cpu_sparse.sparse_spmm_serial(indptr, indices, data, b, bias, out)
-    want = scipy.sparse.csr_matrix((data.astype(np.float64), indices, indptr), shape=(37, 23)) @ b + bias[:, None]
+    spmm(threads, indptr, indices, data, b, bias, out, transposed)
+    want = scipy.sparse.csr_matrix((data.astype(np.float64), indices, indptr), shape=(37, k)) @ b + bias[:, None]
     np.testing.assert_allclose(out, want, rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-5)
 
 
@@ -45,10 +54,7 @@ def test_spmm_reads_a_wide_b_in_place(rng, threads, writeable):
     b.setflags(write=writeable)
     bias = rng.standard_normal(5)
     out = np.full((5, 70), np.nan)
-    if threads:
-        cpu_sparse.sparse_spmm(indptr, indices, data, b, bias, out, threads)
-    else:
-        cpu_sparse.sparse_spmm_serial(indptr, indices, data, b, bias, out)
+    spmm(threads, indptr, indices, data, b, bias, out)
     want = scipy.sparse.csr_matrix((data, indices, indptr), shape=(5, 300)) @ b + bias[:, None]
     np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-12)
 
@@ -60,11 +66,7 @@ def test_spmm_without_entries_is_the_bias(threads):
         indptr, indices = np.zeros(m + 1, np.int32), np.zeros(0, np.int32)
         bias = np.arange(m, dtype=np.float32)
         out = np.full((m, 70), np.nan, np.float32)
-        args = (indptr, indices, np.zeros(0, np.float32), np.ones((4, 70), np.float32), bias, out)
-        if threads:
-            cpu_sparse.sparse_spmm(*args, threads)
-        else:
-            cpu_sparse.sparse_spmm_serial(*args)
+        spmm(threads, indptr, indices, np.zeros(0, np.float32), np.ones((4, 70), np.float32), bias, out)
         np.testing.assert_array_equal(out, np.broadcast_to(bias[:, None], (m, 70)))
 
 

@@ -79,7 +79,7 @@ def test_a_further_check_runs_once_per_structure_and_keeps_its_entries_apart():
 def test_a_column_major_x_is_read_in_place_and_a_stack_of_layers_copies_no_activation(monkeypatch):
     """``y`` of a sparse layer is the transposed view of what the kernel wrote: the next layer
     takes it as it is (no contiguous copy at the seam, no transpose), with the same values and
-    gradients as a row-major ``x``."""
+    gradients as a row-major ``x`` (which the forward does not transpose either)."""
     from spchain.kernels import cpu
 
     torch.manual_seed(0)
@@ -93,7 +93,7 @@ def test_a_column_major_x_is_read_in_place_and_a_stack_of_layers_copies_no_activ
     z = second(y)
     assert transposes == []
     want = second(y.contiguous())
-    assert len(transposes) == 1  # a row-major x is transposed once
+    assert transposes == [], "a row-major x is read as it is, its tiles transposed into the kernel's buffer"
     torch.testing.assert_close(z, want, rtol=0, atol=0)
     (grad_in,) = torch.autograd.grad(z.square().sum(), y, retain_graph=True)
     (grad_want,) = torch.autograd.grad(want.square().sum(), y)
@@ -109,8 +109,8 @@ def test_the_forward_hands_its_backward_the_cached_structure_without_a_copy_or_a
     monkeypatch.setattr(torch_linear, "STRUCTURES", cache)
     values, indptr, indices, shape = weights("csr")
     x = np.ones((4, shape[1]), np.float32)
-    _, _, ran_indptr, ran_indices = torch_linear._forward(x, values.detach().numpy(), indptr.numpy(),
-                                                          indices.numpy(), shape, None)
+    _, ran_indptr, ran_indices = torch_linear._forward(x, values.detach().numpy(), indptr.numpy(),
+                                                        indices.numpy(), shape, None)
     structure, _ = cache.lookup(_backend.NUMPY, (indptr.numpy(), indices.numpy()), shape, "t")
     assert ran_indptr is structure.indptr and ran_indices is structure.indices
 

@@ -43,57 +43,57 @@ def _blocksize(values: Array | torch.Tensor) -> Shape | None:
 
 
 def _forward(x: Array, values: Array, indptr: Array, indices: Array, shape: Sequence[int],
-             bias: Array | None) -> tuple[Array, Array, Array, Array]:
-    """``(y.T, x.T, indptr, indices)``: the product, and what the backward reads (``x.T`` in
-    the computation's dtype and layout, the validated structure the product ran on)."""
+             bias: Array | None) -> tuple[Array, Array, Array]:
+    """``(y.T, indptr, indices)``: the product, and the validated structure it ran on (what the
+    backward reads beside the arguments)."""
     backend = _backend.backend_of(x, values, bias, indptr, indices, caller=_CALLER)
     dtype = _checks.float_dtype(_CALLER, x=x, values=values, bias=bias)
     structure, same = STRUCTURES.lookup(backend, (indptr, indices), tuple(shape), _CALLER,
                                         blocksize=_blocksize(values))
-    yt, xt = _sparse.linear(backend, structure, values, x, bias, dtype)
+    yt = _sparse.linear(backend, structure, values, x, bias, dtype)
     if same is not None:  # a structure changed since it was cached: NaN, never the old structure's product
         yt = backend.xp.where(same, yt, np.nan).astype(yt.dtype, copy=False)
     # the cache's private copies, never written: no copy per call, and the backward's lookup
     # recognises them by address (no comparison)
-    return yt, xt, structure.indptr, structure.indices
+    return yt, structure.indptr, structure.indices
 
 
 def _fake(x: torch.Tensor, values: torch.Tensor, indptr: torch.Tensor, indices: torch.Tensor, shape: Sequence[int],
-          bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+          bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dtype = torch.promote_types(x.dtype, values.dtype)
     dtype = dtype if bias is None else torch.promote_types(dtype, bias.dtype)
     r, c = _blocksize(values) or (1, 1)
     index = index_dtype(indptr, indices, (shape[0] // r, shape[1] // c))
-    return (x.new_empty((shape[0], x.shape[0]), dtype=dtype), x.new_empty((x.shape[1], x.shape[0]), dtype=dtype),
-            indptr.new_empty(indptr.shape[0], dtype=index), indices.new_empty(indices.shape[0], dtype=index))
+    return (x.new_empty((shape[0], x.shape[0]), dtype=dtype), indptr.new_empty(indptr.shape[0], dtype=index),
+            indices.new_empty(indices.shape[0], dtype=index))
 
 
 def _backward(args: Sequence[Any], results: Sequence[Array], grads: Sequence[Array],
               needs: Sequence[bool]) -> tuple[Array | None, Array | None, Array | None]:
-    _, values, indptr, indices, shape, _ = args
-    _, xt, ran_indptr, ran_indices = results
-    grad_yt = grads[0]
+    x, values, indptr, indices, shape, _ = args
+    _, ran_indptr, ran_indices = results
+    grad_yt = grads[0]  # in the computation's dtype, that of y.T
     need_x, need_values, need_bias = needs
-    backend = _backend.backend_of(grad_yt, xt, ran_indices, caller=_CALLER)
+    backend = _backend.backend_of(grad_yt, x, ran_indices, caller=_CALLER)
     # the structure (and its transpose) the forward prepared, under the caller's tensors
     structure, _ = STRUCTURES.lookup(backend, (ran_indptr, ran_indices), tuple(shape), _CALLER,
                                      blocksize=_blocksize(values), key_arrays=(indptr, indices))
-    grad_x, grad_values = _sparse.linear_backward(backend, structure, values, grad_yt, xt, xt.dtype, need_x,
+    grad_x, grad_values = _sparse.linear_backward(backend, structure, values, grad_yt, x, grad_yt.dtype, need_x,
                                                   need_values)
     grad_bias = grad_yt.sum(axis=1) if need_bias else None
     return grad_x, grad_values, grad_bias
 
 
 # The operator takes x (batch, in) as it is and returns y.T (out, batch), the layout the
-# kernels write, so that neither the output nor its incoming gradient is copied on the way;
-# the public function transposes. Its other results are the backward's: x.T in the
-# computation's dtype and the structure the product ran on (the backward differentiates that
-# one, whatever happened to the caller's index tensors since).
+# kernels write, so that neither x, the output nor its incoming gradient is copied on the way;
+# the public function transposes. Its other results are the backward's: the structure the
+# product ran on (the backward differentiates that one, whatever happened to the caller's
+# index tensors since).
 _OPERATOR = Operator(
     "sparse_linear",
     "(Tensor x, Tensor values, Tensor indptr, Tensor indices, int[] shape, Tensor? bias)"
-    " -> (Tensor, Tensor, Tensor, Tensor)",
-    _forward, _fake, outputs=1, backward=_backward, differentiable=(0, 1, 5), backward_reads=(1, 2, 3),
+    " -> (Tensor, Tensor, Tensor)",
+    _forward, _fake, outputs=1, backward=_backward, differentiable=(0, 1, 5), backward_reads=(0, 1, 2, 3),
     strided=(0,))
 
 
@@ -125,8 +125,8 @@ def sparse_linear(x: torch.Tensor, values: torch.Tensor, indptr: torch.Tensor, i
     Parameters
     ----------
     x : torch.Tensor, shape (..., in_features)
-        Any leading dimensions and layout; on the CPU the kernels read ``x.T`` row by row, a
-        copy (by the parallel transpose kernel) unless ``x`` is column-major.
+        Any leading dimensions and layout; on the CPU the kernel reads a row-major ``x`` as it
+        is (transposing each tile into its buffer); the backward transposes it once.
     values : torch.Tensor, shape (nnz,), or (nnzb, R, C) for BSR
         The stored weights (or blocks); gradient by SDDMM at the stored entries only (O(nnz)).
     indptr : torch.Tensor, shape (out_features + 1,) (BSR: out_features / R + 1), int32 or int64

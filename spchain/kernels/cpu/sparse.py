@@ -26,14 +26,22 @@ _PANEL = 2**22
 """Bytes at most of a tile of ``b`` copied for :func:`sparse_spmm` (beyond, ``b`` is read in place)."""
 
 
+def packs_transposed(k: int) -> bool:
+    """Whether :func:`sparse_spmm` takes a ``b`` of ``k`` rows ``transposed``: its tile buffer
+    (``k`` rows of ``_TILE`` vectors) within ``_PANEL`` bytes."""
+    return k * _TILE * _VECTOR <= _PANEL
+
+
 @njit(parallel=True, cache=True)
-def sparse_spmm(indptr, indices, data, b, bias, out, threads):
+def sparse_spmm(indptr, indices, data, b, bias, out, threads, transposed):
     """CSR times dense: ``out[i, :] = bias[i] + sum(data[p] * b[indices[p], :])`` over row ``i``.
 
-    Inputs: ``indptr`` (m + 1), ``indices`` and ``data`` (nnz), ``b`` (k, n) C-contiguous,
-    ``bias`` (m), ``threads`` >= 1. Overwrites ``out`` (m, n), C-contiguous. The rows are cut
-    into ``threads`` runs of about equal stored entries, which run in parallel; each run goes
-    over ``b`` one tile of columns at a time (see :func:`_spmm_rows`).
+    Inputs: ``indptr`` (m + 1), ``indices`` and ``data`` (nnz), ``b`` (k, n) C-contiguous, or
+    with ``transposed`` its transpose (n, k) C-contiguous (a row-major batch ``x`` for
+    ``b = x.T``: no transposed copy), ``bias`` (m), ``threads`` >= 1. Overwrites ``out``
+    (m, n), C-contiguous. The rows are cut into ``threads`` runs of about equal stored
+    entries, which run in parallel; each run goes over ``b`` one tile of columns at a time
+    (see :func:`_spmm_rows`).
     Complexity: O(nnz * n) multiply-adds, O(m * n) writes.
     """
     m = out.shape[0]
@@ -41,36 +49,41 @@ def sparse_spmm(indptr, indices, data, b, bias, out, threads):
     for r in prange(threads):
         lo = np.searchsorted(indptr[:m], nnz * r // threads)
         hi = m if r == threads - 1 else np.searchsorted(indptr[:m], nnz * (r + 1) // threads)
-        _spmm_rows(indptr, indices, data, b, bias, out, lo, hi)
+        _spmm_rows(indptr, indices, data, b, bias, out, lo, hi, transposed)
 
 
 @njit(cache=True)
-def sparse_spmm_serial(indptr, indices, data, b, bias, out):
+def sparse_spmm_serial(indptr, indices, data, b, bias, out, transposed):
     """:func:`sparse_spmm` on one thread (the same arithmetic): for small products, where starting
     the threads would cost more than the product."""
-    _spmm_rows(indptr, indices, data, b, bias, out, 0, out.shape[0])
+    _spmm_rows(indptr, indices, data, b, bias, out, 0, out.shape[0], transposed)
 
 
 @njit(inline="always")
-def _spmm_rows(indptr, indices, data, b, bias, out, lo, hi):
+def _spmm_rows(indptr, indices, data, b, bias, out, lo, hi, transposed):
     """Rows ``lo`` to ``hi`` of :func:`sparse_spmm`, one tile of ``_TILE`` vectors of columns at a
     time, each row of a tile summed in registers (:func:`_row_tile`); the columns past the
     last whole vector go one by one. Where the rows' entries outnumber ``b``'s rows (each row
     of ``b`` read more than once) and the tile takes at most ``_PANEL`` bytes, the tile of
     ``b`` is first copied into a buffer of its own: ``k`` rows of 256 bytes, which stay in the
     core's cache, where ``b``'s power-of-two row strides would map them onto a fraction of the
-    cache's sets."""
-    k, n = b.shape
+    cache's sets. A ``transposed`` ``b`` is always copied so, transposed on the way
+    (:func:`_pack_transposed`)."""
+    k = b.shape[1] if transposed else b.shape[0]
+    n = out.shape[1]
     lanes = _VECTOR // out.itemsize
     width = _TILE * lanes
-    packed = indptr[hi] - indptr[lo] >= k and k * width * out.itemsize <= _PANEL
+    packed = transposed or (indptr[hi] - indptr[lo] >= k and k * width * out.itemsize <= _PANEL)
     panel = np.empty((k if packed else 0, width), out.dtype)
     c0 = 0
     while c0 < n - n % lanes:
         vectors = min(_TILE, (n - c0) // lanes)
-        if packed:
+        if transposed:
+            _pack_transposed(b[c0:c0 + vectors * lanes], panel)
+        elif packed:
             for j in range(k):
                 _copy_vectors(b, j, c0, panel, vectors * lanes)
+        if packed:
             _tile_rows(indptr, indices, data, panel, 0, bias, out, lo, hi, c0, vectors)
         else:
             _tile_rows(indptr, indices, data, b, c0, bias, out, lo, hi, c0, vectors)
@@ -79,8 +92,28 @@ def _spmm_rows(indptr, indices, data, b, bias, out, lo, hi):
         for c in range(c0, n):
             total = bias[i]
             for p in range(indptr[i], indptr[i + 1]):
-                total += data[p] * b[indices[p], c]
+                total += data[p] * (b[c, indices[p]] if transposed else b[indices[p], c])
             out[i, c] = total
+
+
+@njit(inline="always")
+def _pack_transposed(a, panel):
+    """``panel[j, r] = a[r, j]`` for ``a`` (w, k) C-contiguous, ``w`` at most ``panel``'s columns:
+    16 x 16 blocks in vector registers (:func:`_transpose_block`), the edges element by element."""
+    w, k = a.shape
+    r0 = 0
+    while r0 + _BLOCK <= w:
+        j0 = 0
+        while j0 + _BLOCK <= k:
+            _transpose_block(a, panel, r0, j0)
+            j0 += _BLOCK
+        for r in range(r0, r0 + _BLOCK):
+            for j in range(j0, k):
+                panel[j, r] = a[r, j]
+        r0 += _BLOCK
+    for r in range(r0, w):
+        for j in range(k):
+            panel[j, r] = a[r, j]
 
 
 @njit(inline="always")
