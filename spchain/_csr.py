@@ -32,7 +32,7 @@ class Csr:
     row, repeat, or hold zeros.
 
     It shares its products with :class:`spchain.blocksparse.Bsr` (:meth:`matmul`,
-    :meth:`sampled`, :meth:`transposed`, :meth:`laid_out`), so that one body
+    :meth:`sampled`, :meth:`transposed`), so that one body
     (:func:`spchain.sparse.linear`) runs on either format.
     """
 
@@ -68,11 +68,6 @@ class Csr:
         cuSPARSE multiplies by the transpose itself)."""
         if not backend.on_gpu:
             self.transposed(backend)
-
-    def laid_out(self, backend: Backend, b: Array) -> Array:
-        """``b`` in the layout :meth:`matmul` and :meth:`sampled` read without a copy:
-        C-contiguous on the CPU; on the GPU as it is (cuSPARSE reads either order)."""
-        return b if backend.on_gpu else contiguous(backend, b)
 
     def matmul(self, backend: Backend, values: Array, b: Array, dtype: np.dtype[Any], bias: Array | None = None, *,
                transpose: bool = False) -> Array:
@@ -110,18 +105,23 @@ class Csr:
         xp = backend.xp
         if self.nnz == 0 or a.shape[1] == 0:
             return xp.zeros(self.nnz, dtype)
-        a = contiguous(backend, a.astype(dtype, copy=False))
-        b = contiguous(backend, b.astype(dtype, copy=False))
+        a, b = a.astype(dtype, copy=False), b.astype(dtype, copy=False)
         out = xp.empty(self.nnz, dtype)
         if backend.on_gpu:
             with backend.use():
-                backend.launcher(cuda.sparse.launch_sparse_sddmm)(self.indptr, self.indices, a, b, out)
+                backend.launcher(cuda.sparse.launch_sparse_sddmm)(self.indptr, self.indices, contiguous(backend, a),
+                                                                  contiguous(backend, b), out)
             return out
+        # column-major a and b (a layer's gradient and input, transposed) are read as their
+        # transposes, each slab transposed into the kernel's buffers: no transposed copies
         threads = _backend.threads(self.nnz * a.shape[1])
+        transposed = all(not t.flags.c_contiguous and t.flags.f_contiguous and cpu.sparse.packs_transposed(t.shape[0])
+                         for t in (a, b))
+        a, b = (a.T, b.T) if transposed else (contiguous(backend, a), contiguous(backend, b))
         if threads > 1:
-            cpu.sparse.sparse_sddmm(self.indptr, self.indices, a, b, out, threads)
+            cpu.sparse.sparse_sddmm(self.indptr, self.indices, a, b, out, threads, transposed)
         else:
-            cpu.sparse.sparse_sddmm_serial(self.indptr, self.indices, a, b, out)
+            cpu.sparse.sparse_sddmm_serial(self.indptr, self.indices, a, b, out, transposed)
         return out
 
 

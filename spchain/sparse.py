@@ -244,8 +244,6 @@ class Structure(Protocol):
     """What :func:`linear` needs of a sparse weight's structure: the method set that
     :class:`~spchain._csr.Csr` and :class:`~spchain.blocksparse.Bsr` share."""
 
-    def laid_out(self, backend: Backend, b: Array) -> Array: ...
-
     def matmul(self, backend: Backend, values: Array, b: Array, dtype: np.dtype[Any], bias: Array | None = None, *,
                transpose: bool = False) -> Array: ...
 
@@ -267,16 +265,15 @@ def linear(backend: Backend, structure: Structure, values: Array, x: Array, bias
 def linear_backward(backend: Backend, structure: Structure, values: Array, grad_yt: Array, x: Array,
                     dtype: np.dtype[Any], need_x: bool, need_values: bool) -> tuple[Array | None, Array | None]:
     """Gradients of :func:`linear` for ``x`` (batch, in) and for ``values``, when needed, from
-    the gradient ``grad_yt`` (out, batch) of its output, both in any layout: the input gradient
-    by the transposed product (on the CPU turned into rows by the parallel transpose kernel), the
-    value gradient by the SDDMM of ``grad_yt`` and ``x.T`` at the stored entries."""
-    grad_yt = structure.laid_out(backend, grad_yt.astype(dtype, copy=False))
+    the gradient ``grad_yt`` (out, batch) of its output, both in any layout (on the CPU the
+    kernels read the usual column-major ``grad_yt`` and row-major ``x`` as they are): the input
+    gradient by the transposed product (on the CPU turned into rows by the parallel transpose
+    kernel), the value gradient by the SDDMM of ``grad_yt`` and ``x.T`` at the stored entries."""
     grad_x = grad_values = None
     if need_x:
         grad_x = structure.matmul(backend, values, grad_yt, dtype, transpose=True).T
         if not backend.on_gpu:
             grad_x = contiguous(backend, grad_x)
     if need_values:
-        xt = structure.laid_out(backend, x.T.astype(dtype, copy=False))
-        grad_values = structure.sampled(backend, grad_yt, xt, dtype)
+        grad_values = structure.sampled(backend, grad_yt, x.T, dtype)
     return grad_x, grad_values

@@ -96,9 +96,9 @@ TARGETS = ["cpu", "cpu serial", pytest.param("cuda", marks=pytest.mark.cuda_kern
 
 def sddmm(target, indptr, indices, a, b, out):
     if target == "cpu serial":
-        cpu_sparse.sparse_sddmm_serial(indptr, indices, a, b, out)
+        cpu_sparse.sparse_sddmm_serial(indptr, indices, a, b, out, False)
     elif target == "cpu":
-        cpu_sparse.sparse_sddmm(indptr, indices, a, b, out, 2)
+        cpu_sparse.sparse_sddmm(indptr, indices, a, b, out, 2, False)
     else:
         from spchain.kernels.cuda import sparse as cuda_sparse
 
@@ -143,25 +143,28 @@ def test_sddmm_finds_rows_past_empty_ones(small_launch, target):
     np.testing.assert_array_equal(out, [a[1, 1], a[1, 0], a[4, 1]])
 
 
+@pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("threads", [0, 1, 2, 3])
 @pytest.mark.parametrize("index_dtype", [np.int32, np.int64])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("k", [9, 16, 40, 64, 100, 257, 0])
 @pytest.mark.parametrize("n", [20, 300])
-def test_sddmm_slabs_match_float64(rng, index_dtype, dtype, threads, k, n):
+def test_sddmm_slabs_match_float64(rng, index_dtype, dtype, threads, k, n, transposed):
     """Whole slabs of 2 vectors, a last slab of 1 (k = 16, 40 in float32), columns past the last
     vector (k = 9, 100, 257), groups of 8 entries and the rest one by one, empty rows and
     duplicates; more entries than rows of ``b`` (its slab copied, n = 20) and fewer (read in
     place, n = 300); ``sparse_sddmm_serial`` (threads 0) and ``sparse_sddmm`` with more runs of
-    rows than some rows have entries."""
-    indptr, indices, _ = random_csr(rng, 37, n, 0.6 if n == 20 else 0.01, index_dtype)
-    a = rng.standard_normal((37, k)).astype(dtype)
+    rows than some rows have entries; ``a`` and ``b`` as they are or ``transposed`` (their slabs
+    transposed into the buffers, 16 x 16 blocks and edges, from a run's first row on)."""
+    indptr, indices, _ = random_csr(rng, 53, n, 0.6 if n == 20 else 0.01, index_dtype)
+    a = rng.standard_normal((53, k)).astype(dtype)
     b = rng.standard_normal((n, k)).astype(dtype)
     out = np.full(indices.size, np.nan, dtype)
+    given = (np.ascontiguousarray(a.T), np.ascontiguousarray(b.T)) if transposed else (a, b)
     if threads:
-        cpu_sparse.sparse_sddmm(indptr, indices, a, b, out, threads)
+        cpu_sparse.sparse_sddmm(indptr, indices, *given, out, threads, transposed)
     else:
-        cpu_sparse.sparse_sddmm_serial(indptr, indices, a, b, out)
+        cpu_sparse.sparse_sddmm_serial(indptr, indices, *given, out, transposed)
     rows, cols = reference.entries(indptr, indices)
     want = reference.sampled_product(rows, cols, a.astype(np.float64), b.astype(np.float64))
     np.testing.assert_allclose(out, want, rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-5)

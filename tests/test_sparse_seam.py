@@ -122,3 +122,24 @@ def test_the_forward_hands_its_backward_the_cached_structure_without_a_copy_or_a
     assert cache.lookup(_backend.NUMPY, own, shape, "t", key_arrays=(indptr.numpy(), indices.numpy()))[0] is structure
     with pytest.raises(AssertionError, match="compared"):  # the caller's arrays are compared
         cache.lookup(_backend.NUMPY, (indptr.numpy().view(Uncomparable), indices.numpy()), shape, "t")
+
+
+def test_a_row_major_x_and_gradient_are_read_as_they_are_by_forward_and_backward(monkeypatch):
+    """A forward and backward of row-major ``x`` and output gradient transpose one array: the
+    input gradient, into rows (the kernels read ``x``, ``x.T``'s gradient and ``x.T`` for the
+    value gradient through their transposing buffers)."""
+    from spchain.kernels import cpu
+
+    torch.manual_seed(0)
+    layer = st.SparseLinear(64, 48, sparsity=0.8)
+    x = torch.randn(40, 64, requires_grad=True)
+    grad_y = torch.randn(40, 48)
+    transposes = []
+    real = cpu.sparse.transpose
+    monkeypatch.setattr(cpu.sparse, "transpose", lambda *a: (transposes.append(a[0].shape), real(*a))[1])
+    layer(x).backward(grad_y)
+    assert transposes == [(64, 40)] and x.grad.is_contiguous()
+    w = layer.to_dense().weight.detach()
+    torch.testing.assert_close(x.grad, grad_y @ w)
+    rows = torch.repeat_interleave(torch.arange(48), layer.indptr.diff())
+    torch.testing.assert_close(layer.weight_values.grad, (grad_y.T @ x.detach())[rows, layer.indices.long()])

@@ -79,7 +79,7 @@ def _spmm_rows(indptr, indices, data, b, bias, out, lo, hi, transposed):
     while c0 < n - n % lanes:
         vectors = min(_TILE, (n - c0) // lanes)
         if transposed:
-            _pack_transposed(b[c0:c0 + vectors * lanes], panel)
+            _pack_transposed(b[c0:c0 + vectors * lanes], panel, 0, k)
         elif packed:
             for j in range(k):
                 _copy_vectors(b, j, c0, panel, vectors * lanes)
@@ -97,22 +97,25 @@ def _spmm_rows(indptr, indices, data, b, bias, out, lo, hi, transposed):
 
 
 @njit(inline="always")
-def _pack_transposed(a, panel):
-    """``panel[j, r] = a[r, j]`` for ``a`` (w, k) C-contiguous, ``w`` at most ``panel``'s columns:
-    16 x 16 blocks in vector registers (:func:`_transpose_block`), the edges element by element."""
-    w, k = a.shape
+def _pack_transposed(a, panel, lo, hi):
+    """``panel[j, r] = a[r, j]`` for ``lo <= j < hi`` and ``r`` below ``a``'s rows, ``a`` (w, k)
+    C-contiguous, ``w`` at most ``panel``'s columns: 16 x 16 blocks in vector registers
+    (:func:`_transpose_block`; the first block may start up to 15 rows of ``panel`` before
+    ``lo``), the edges element by element."""
+    w = a.shape[0]
+    start = lo - lo % _BLOCK
     r0 = 0
     while r0 + _BLOCK <= w:
-        j0 = 0
-        while j0 + _BLOCK <= k:
+        j0 = start
+        while j0 + _BLOCK <= hi:
             _transpose_block(a, panel, r0, j0)
             j0 += _BLOCK
         for r in range(r0, r0 + _BLOCK):
-            for j in range(j0, k):
+            for j in range(max(j0, lo), hi):
                 panel[j, r] = a[r, j]
         r0 += _BLOCK
     for r in range(r0, w):
-        for j in range(k):
+        for j in range(lo, hi):
             panel[j, r] = a[r, j]
 
 
@@ -253,27 +256,29 @@ def _row_tile(typingctx, indices, data, b, b0, p0, p1, start, out, i, c0, vector
 
 
 @njit(parallel=True, cache=True, fastmath=_FAST)
-def sparse_sddmm(indptr, indices, a, b, out, threads):
+def sparse_sddmm(indptr, indices, a, b, out, threads, transposed):
     """Sampled dense-dense product: ``out[p] = a[i, :] . b[indices[p], :]`` for entry ``p`` of row ``i``.
 
     Inputs: ``indptr`` (m + 1), ``indices`` (nnz), ``a`` (m, k) and ``b`` (n, k), both
-    C-contiguous, ``threads`` >= 1. Overwrites ``out`` (nnz). The rows are cut into
-    ``threads`` runs of about equal stored entries, which run in parallel; each run goes over
-    the columns one slab at a time (see :func:`_sddmm_rows`).
+    C-contiguous, or with ``transposed`` their transposes (k, m) and (k, n) C-contiguous (the
+    row-major batches of a layer's output gradient and input: no transposed copies),
+    ``threads`` >= 1. Overwrites ``out`` (nnz). The rows are cut into ``threads`` runs of about
+    equal stored entries, which run in parallel; each run goes over the columns one slab at a
+    time (see :func:`_sddmm_rows`).
     Complexity: O(nnz * k) multiply-adds.
     """
-    m = a.shape[0]
+    m = a.shape[1] if transposed else a.shape[0]
     nnz = indptr[m]
     for r in prange(threads):
         lo = np.searchsorted(indptr[:m], nnz * r // threads)
         hi = m if r == threads - 1 else np.searchsorted(indptr[:m], nnz * (r + 1) // threads)
-        _sddmm_rows(indptr, indices, a, b, out, lo, hi)
+        _sddmm_rows(indptr, indices, a, b, out, lo, hi, transposed)
 
 
 @njit(cache=True, fastmath=_FAST)
-def sparse_sddmm_serial(indptr, indices, a, b, out):
+def sparse_sddmm_serial(indptr, indices, a, b, out, transposed):
     """:func:`sparse_sddmm` on one thread (the same arithmetic), for small products."""
-    _sddmm_rows(indptr, indices, a, b, out, 0, a.shape[0])
+    _sddmm_rows(indptr, indices, a, b, out, 0, a.shape[1] if transposed else a.shape[0], transposed)
 
 
 _SLAB = 2
@@ -284,23 +289,30 @@ _GROUP = 8
 
 
 @njit(inline="always")
-def _sddmm_rows(indptr, indices, a, b, out, lo, hi):
+def _sddmm_rows(indptr, indices, a, b, out, lo, hi, transposed):
     """Rows ``lo`` to ``hi`` of :func:`sparse_sddmm`, one slab of ``_SLAB`` vectors of columns at
     a time: each entry's dot product is the sum of its slabs' (:func:`_dot_entries`), the columns
     past the last whole vector one by one. Where the rows' entries outnumber ``b``'s rows, the
     slab of ``b`` is first copied into a buffer of its own (as in :func:`_spmm_rows`: ``b``'s
-    power-of-two row strides would map its rows onto a fraction of the cache's sets)."""
-    n, k = b.shape
+    power-of-two row strides would map its rows onto a fraction of the cache's sets); a
+    ``transposed`` ``b`` always is, transposed on the way, and so are the slabs of ``a``'s rows
+    ``lo`` to ``hi``."""
+    k, n = b.shape if transposed else b.shape[::-1]
     lanes = _VECTOR // out.itemsize
     width = _SLAB * lanes
     p0, p1 = indptr[lo], indptr[hi]
     out[p0:p1] = 0
-    packed = p1 - p0 >= n and n * width * out.itemsize <= _PANEL
+    packed = transposed or (p1 - p0 >= n and n * width * out.itemsize <= _PANEL)
     panel = np.empty((n if packed else 0, width), out.dtype)
+    rows = np.empty((hi if transposed else 0, width), out.dtype)
     c0 = 0
     while c0 < k - k % lanes:
         vectors = min(_SLAB, (k - c0) // lanes)
-        if packed:
+        if transposed:
+            _pack_transposed(b[c0:c0 + vectors * lanes], panel, 0, n)
+            _pack_transposed(a[c0:c0 + vectors * lanes], rows, lo, hi)
+            _slab_rows(indptr, indices, rows, 0, panel, 0, out, lo, hi, vectors)
+        elif packed:
             for j in range(n):
                 _copy_vectors(b, j, c0, panel, vectors * lanes)
             _slab_rows(indptr, indices, a, c0, panel, 0, out, lo, hi, vectors)
@@ -313,7 +325,7 @@ def _sddmm_rows(indptr, indices, a, b, out, lo, hi):
                 j = indices[p]
                 total = out[p]
                 for c in range(c0, k):
-                    total += a[i, c] * b[j, c]
+                    total += a[c, i] * b[c, j] if transposed else a[i, c] * b[j, c]
                 out[p] = total
 
 
