@@ -30,7 +30,7 @@ def spmm(threads, indptr, indices, data, b, bias, out, transposed=False):
 @pytest.mark.parametrize("n", [9, 16, 40, 64, 100, 257, 0])
 @pytest.mark.parametrize("k", [23, 37])
 def test_spmm_matches_scipy_with_bias(rng, index_dtype, dtype, threads, n, k, transposed):
-    """Whole tiles of 4 vectors, partial ones (1 to 3 vectors) and columns past the last vector
+    """Whole tiles of 2 vectors, partial ones (1 vector) and columns past the last vector
     (n = 9, 100, 257), empty rows, duplicates; ``sparse_spmm_serial`` (threads 0) and ``sparse_spmm`` with more
     runs of rows than some rows have entries; ``b`` as it is or ``transposed`` (its tiles
     transposed into the buffer in 16 x 16 blocks and edges: k = 23, 37)."""

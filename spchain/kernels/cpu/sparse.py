@@ -5,8 +5,11 @@ starts at 0, never decreases and ends at ``len(indices)``, and every index is in
 entries may come in any order within a row, repeat (duplicates add up) or hold zeros.
 
 :func:`sparse_spmm` sums each output row of a tile of columns in vector registers (:func:`_row_tile`, an
-LLVM intrinsic); :func:`sparse_sddmm` takes a row's stored entries four at a time, so that each pass over
-the row of ``a`` serves four dot products.
+LLVM intrinsic); :func:`sparse_sddmm` goes over slabs of columns, eight stored entries a pass over a row's
+slab of ``a``, their sums reduced together by a tree of shuffles (:func:`_dot_entries`). Both copy the
+tile or slab of ``b`` that a pass reads many times into a buffer that stays in the core's cache, and
+both read row-major operands given transposed (a layer's ``x`` and output gradient) through that
+buffer, transposing 16 x 16 blocks in registers on the way: no transposed copy of a whole operand.
 """
 
 import numpy as np
@@ -20,8 +23,11 @@ _FAST = {"reassoc", "contract"}  # lets the dot products vectorise; never assume
 
 _VECTOR = 64
 """Bytes in one vector register (AVX-512; LLVM splits the vectors on narrower targets)."""
-_TILE = 4
-"""Registers of accumulators per pass over a row: 64 float32 or 32 float64 columns."""
+_TILE = 2
+"""Registers of accumulators per pass over a row: 32 float32 or 16 float64 columns, so that a
+tile of 4096 rows of ``b`` (512 KiB) stays in a core's cache (1 MiB on the benchmark machine,
+where a tile of 4 registers, 1 MiB, ran the 90 % sparse-linear product 1.1 to 2.3 times slower
+on one thread, measured beside other work; at 99 % the two tie)."""
 _PANEL = 2**22
 """Bytes at most of a tile of ``b`` copied for :func:`sparse_spmm` (beyond, ``b`` is read in place)."""
 
@@ -65,7 +71,7 @@ def _spmm_rows(indptr, indices, data, b, bias, out, lo, hi, transposed):
     time, each row of a tile summed in registers (:func:`_row_tile`); the columns past the
     last whole vector go one by one. Where the rows' entries outnumber ``b``'s rows (each row
     of ``b`` read more than once) and the tile takes at most ``_PANEL`` bytes, the tile of
-    ``b`` is first copied into a buffer of its own: ``k`` rows of 256 bytes, which stay in the
+    ``b`` is first copied into a buffer of its own: ``k`` rows of 128 bytes, which stay in the
     core's cache, where ``b``'s power-of-two row strides would map them onto a fraction of the
     cache's sets. A ``transposed`` ``b`` is always copied so, transposed on the way
     (:func:`_pack_transposed`)."""
@@ -122,13 +128,9 @@ def _pack_transposed(a, panel, lo, hi):
 @njit(inline="always")
 def _tile_rows(indptr, indices, data, b, b0, bias, out, lo, hi, c0, vectors):
     """``out[i, c0:c0 + w] = bias[i] + sum(data[p] * b[indices[p], b0:b0 + w])`` for rows
-    ``lo`` to ``hi``, ``w`` the columns of ``vectors`` (1 to ``_TILE``) vectors."""
+    ``lo`` to ``hi``, ``w`` the columns of ``vectors`` (1 or ``_TILE`` = 2) vectors."""
     for i in range(lo, hi):
-        if vectors == 4:
-            _row_tile(indices, data, b, b0, indptr[i], indptr[i + 1], bias[i], out, i, c0, 4)
-        elif vectors == 3:
-            _row_tile(indices, data, b, b0, indptr[i], indptr[i + 1], bias[i], out, i, c0, 3)
-        elif vectors == 2:
+        if vectors == 2:
             _row_tile(indices, data, b, b0, indptr[i], indptr[i + 1], bias[i], out, i, c0, 2)
         else:
             _row_tile(indices, data, b, b0, indptr[i], indptr[i + 1], bias[i], out, i, c0, 1)
