@@ -8,7 +8,7 @@ import torch
 
 import spchain._chain_layout
 import spchain._csr
-import spchain._sparse_chain
+import spchain._structures
 import spchain.chain
 import spchain.torch as st
 from spchain.torch.chain import SPARSE_CHAIN_LOGSUMEXP
@@ -30,7 +30,7 @@ def calls(monkeypatch):
     monkeypatch.setattr(spchain._chain_layout, "prepare", prepare)
     monkeypatch.setattr(spchain.chain, "prepare", prepare)
     monkeypatch.setattr(spchain._csr, "to_csr", counted("structure", spchain._csr.to_csr))
-    monkeypatch.setattr(spchain._sparse_chain, "_STRUCTURES", spchain._sparse_chain._Cache())
+    monkeypatch.setattr(spchain._structures, "STRUCTURES", spchain._structures.StructureCache())
     return counts
 
 
