@@ -157,17 +157,34 @@ def chain_sample(x: ArrayLike, log_trans: ArrayLike | Sparse, log_init: ArrayLik
            [ True,  True],
            [ True,  True]])
     """
-    return chain_sample_forward(x, log_trans, log_init, lengths, num_samples, seed)
+    (paths,), _ = SAMPLE.forward(prepare_sample(x, log_trans, log_init, lengths, num_samples, seed))
+    return paths
 
 
-def chain_sample_forward(x: ArrayLike, log_trans: ArrayLike | Sparse, log_init: ArrayLike | None = None,
-                         lengths: ArrayLike | None = None, num_samples: int = 1, seed: int | None = None,
-                         caller: str = "spchain.chain_sample") -> Array:
-    """:func:`chain_sample` with its checks naming ``caller`` (not differentiable: no backward)."""
+@dataclasses.dataclass(frozen=True)
+class SampleProblem:
+    """:func:`chain_sample`'s arguments validated and laid out."""
+
+    chain: Chain
+    num_samples: int
+    seed: int | None
+
+
+def prepare_sample(x: Any, log_trans: Any, log_init: Any = None, lengths: Any = None, num_samples: Any = 1,
+                   seed: int | None = None, *, caller: str = "spchain.chain_sample", check: bool = True) -> SampleProblem:
+    """The :class:`SampleProblem` of :func:`chain_sample`'s arguments."""
     num_samples = _count(caller, "num_samples", num_samples, 0)
-    chain = _prepare(x, log_trans, log_init, lengths, caller).chain
+    return SampleProblem(_prepare(x, log_trans, log_init, lengths, caller, check).chain, num_samples, seed)
+
+
+def _sample_forward(p: SampleProblem) -> tuple[tuple[Array], Saved]:
+    chain = p.chain
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"), chain.backend.use():
-        return _leading(chain, _sample(_limit(chain), num_samples, seed).transpose(1, 0, 2))
+        return (_leading(chain, _sample(_limit(chain), p.num_samples, p.seed).transpose(1, 0, 2)),), Saved()
+
+
+SAMPLE: Op[SampleProblem, Saved] = Op(prepare_sample, _sample_forward, Saved)
+""":func:`chain_sample` as an :class:`~spchain._op.Op`: outputs ``(paths,)``, not differentiable."""
 
 
 @scales_out
@@ -325,19 +342,35 @@ def chain_kbest(x: ArrayLike, log_trans: ArrayLike | Sparse, log_init: ArrayLike
     (array([[0, 1],
            [0, 0]]), array([0.72, 0.18]))
     """
-    return chain_kbest_forward(x, log_trans, log_init, lengths, k)
+    (scores, paths), _ = KBEST.forward(prepare_kbest(x, log_trans, log_init, lengths, k))
+    return scores, paths
 
 
-def chain_kbest_forward(x: ArrayLike, log_trans: ArrayLike | Sparse, log_init: ArrayLike | None = None,
-                        lengths: ArrayLike | None = None, k: int = 1,
-                        caller: str = "spchain.chain_kbest") -> tuple[Array, Array]:
-    """:func:`chain_kbest` with its checks naming ``caller``: ``(scores, paths)`` (no backward:
-    :func:`chain_path_score` of a path gives a differentiable score)."""
+@dataclasses.dataclass(frozen=True)
+class KBestProblem:
+    """:func:`chain_kbest`'s arguments validated and laid out."""
+
+    chain: Chain
+    k: int
+
+
+def prepare_kbest(x: Any, log_trans: Any, log_init: Any = None, lengths: Any = None, k: Any = 1, *,
+                  caller: str = "spchain.chain_kbest", check: bool = True) -> KBestProblem:
+    """The :class:`KBestProblem` of :func:`chain_kbest`'s arguments."""
     k = _count(caller, "k", k, 1)
-    chain = _prepare(x, log_trans, log_init, lengths, caller).chain
+    return KBestProblem(_prepare(x, log_trans, log_init, lengths, caller, check).chain, k)
+
+
+def _kbest_forward(p: KBestProblem) -> tuple[tuple[Array, Array], Saved]:
+    chain = p.chain
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"), chain.backend.use():
-        scores, paths = _kbest(chain, k)
-        return _leading(chain, scores.T[..., None])[..., 0], _leading(chain, paths.transpose(1, 0, 2))
+        scores, paths = _kbest(chain, p.k)
+        return (_leading(chain, scores.T[..., None])[..., 0], _leading(chain, paths.transpose(1, 0, 2))), Saved()
+
+
+KBEST: Op[KBestProblem, Saved] = Op(prepare_kbest, _kbest_forward, Saved)
+""":func:`chain_kbest` as an :class:`~spchain._op.Op`: outputs ``(scores, paths)``, not differentiable
+(:func:`chain_path_score` of a path gives a differentiable score)."""
 
 
 def _path_rows(chain: Chain, path: Array, caller: str, check: bool = True) -> Array:
