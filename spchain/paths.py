@@ -171,7 +171,8 @@ class SampleProblem:
 
 
 def prepare_sample(x: Any, log_trans: Any, log_init: Any = None, lengths: Any = None, num_samples: Any = 1,
-                   seed: int | None = None, *, caller: str = "spchain.chain_sample", check: bool = True) -> SampleProblem:
+                   seed: int | None = None, *, caller: str = "spchain.chain_sample",
+                   check: bool = True) -> SampleProblem:
     """The :class:`SampleProblem` of :func:`chain_sample`'s arguments."""
     num_samples = _count(caller, "num_samples", num_samples, 0)
     return SampleProblem(_prepare(x, log_trans, log_init, lengths, caller, check).chain, num_samples, seed)

@@ -144,8 +144,8 @@ def _logmatmul_backward(p: Operands, saved: Product, grads: Sequence[Array | Non
     (grad,) = grads
     assert grad is not None  # the operator gives zeros for an unused output
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        grad_a, grad_b = _logspace.log_matmul_grads(p.backend.xp, p.a, p.b, saved.out, grad.astype(p.a.dtype, copy=False),
-                                                    *needs)
+        grad = grad.astype(p.a.dtype, copy=False)
+        grad_a, grad_b = _logspace.log_matmul_grads(p.backend.xp, p.a, p.b, saved.out, grad, *needs)
     return ProductGrads(_logspace.reduce_to(grad_a, p.a.shape) if needs[0] else None,
                         _logspace.reduce_to(grad_b, p.b.shape) if needs[1] else None)
 
