@@ -8,7 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import spchain.torch as st  # noqa: E402
-from spchain import _backend, _csr, _structures  # noqa: E402
+from spchain import _csr, _structures  # noqa: E402
 
 
 def weights(kind):
