@@ -208,7 +208,8 @@ def chain_entropy(x: ArrayLike, log_trans: ArrayLike | Sparse, log_init: ArrayLi
     >>> round(float(sc.chain_entropy(np.zeros((3, 2)), np.zeros((2, 2))) / np.log(2)), 6)   # 8 equal paths
     3.0
     """
-    return chain_entropy_forward(x, log_trans, log_init, lengths)[0]
+    (entropy,), _ = ENTROPY.forward(prepare_entropy(x, log_trans, log_init, lengths))
+    return entropy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,24 +265,6 @@ def _entropy_backward(problem: ChainProblem, saved: Expectations, grads: Sequenc
 ENTROPY: Op[ChainProblem, Expectations] = Op(prepare_entropy, _entropy_forward, Expectations, _entropy_backward)
 """:func:`chain_entropy` as an :class:`~spchain._op.Op`: outputs ``(entropy,)``, differentiable
 in ``(x, log_trans, log_init)``."""
-
-
-def chain_entropy_forward(x: ArrayLike, log_trans: ArrayLike | Sparse, log_init: ArrayLike | None = None,
-                          lengths: ArrayLike | None = None,
-                          caller: str = "spchain.chain_entropy") -> tuple[Array, ...]:
-    """:func:`chain_entropy` with its checks naming ``caller``, and what its gradient needs:
-    ``(entropy, pre, norm, fwd, mean, possible)`` (see :class:`Expectations`)."""
-    (entropy,), saved = ENTROPY.forward(prepare_entropy(x, log_trans, log_init, lengths, caller=caller))
-    return (entropy, *saved.arrays())
-
-
-def chain_entropy_backward(inputs: Sequence[Any], results: Sequence[Array], grads: Sequence[Array],
-                           needs: Sequence[bool]) -> tuple[Any, ...]:
-    """Gradients ``(d x, d log_trans, d log_init)`` of ``sum(grad * entropy)`` from the inputs
-    ``(x, log_trans, log_init, lengths)`` of :func:`chain_entropy_forward`, its results and
-    ``grads = (grad,)`` (``None`` where ``needs`` is false). The inputs are trusted."""
-    problem = prepare_entropy(*inputs, check=False)
-    return _entropy_backward(problem, Expectations(*results[1:]), grads, needs).ordered()
 
 
 def _kbest(chain: Chain, k: int) -> tuple[Array, Array]:
@@ -481,7 +464,8 @@ def chain_path_score(x: ArrayLike, log_trans: ArrayLike | Sparse, log_init: Arra
     >>> np.exp(sc.chain_path_score(x, np.zeros((2, 2)), None, np.array([0, 1]))).round(2)
     np.float64(0.72)
     """
-    return chain_path_score_forward(x, log_trans, log_init, path, lengths)
+    (score,), _ = PATH_SCORE.forward(prepare_paths(x, log_trans, log_init, path, lengths))
+    return score
 
 
 def _path_score_forward(paths: PathProblem) -> tuple[tuple[Array], Saved]:
@@ -504,21 +488,3 @@ def _path_score_backward(paths: PathProblem, saved: Saved, grads: Sequence[Array
 PATH_SCORE: Op[PathProblem, Saved] = Op(prepare_paths, _path_score_forward, Saved, _path_score_backward)
 """:func:`chain_path_score` as an :class:`~spchain._op.Op`: outputs ``(score,)``, differentiable
 in ``(x, log_trans, log_init)``."""
-
-
-def chain_path_score_forward(x: ArrayLike, log_trans: ArrayLike | Sparse, log_init: ArrayLike | None, path: Array,
-                             lengths: ArrayLike | None = None, caller: str = "spchain.chain_path_score") -> Array:
-    """:func:`chain_path_score` with its checks naming ``caller``: the scores, which is all that
-    :func:`chain_path_score_backward` needs besides the inputs."""
-    (score,), _ = PATH_SCORE.forward(prepare_paths(x, log_trans, log_init, path, lengths, caller=caller))
-    return score
-
-
-def chain_path_score_backward(inputs: Sequence[Any], results: Sequence[Array], grads: Sequence[Array],
-                              needs: Sequence[bool]) -> tuple[Any, ...]:
-    """Gradients ``(d x, d log_trans, d log_init)`` of ``sum(grad * score)`` from the inputs
-    ``(x, log_trans, log_init, path, lengths)`` of :func:`chain_path_score_forward` and
-    ``grads = (grad,)``: ``grad`` on every potential the path uses (``None`` where ``needs``
-    is false). The inputs are trusted (no second validation)."""
-    paths = prepare_paths(*inputs, check=False)
-    return _path_score_backward(paths, Saved(), grads, needs).ordered()
