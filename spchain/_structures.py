@@ -91,8 +91,12 @@ class StructureCache:
         contents, whatever its arrays' addresses.
         """
         first, second = key_arrays or arrays
-        key = (address(first), address(second), first.dtype, second.dtype, first.shape, second.shape, tuple(shape),
-               None if blocksize is None else tuple(blocksize), backend.device)
+        sizes = (first.shape, second.shape, tuple(shape), None if blocksize is None else tuple(blocksize),
+                 backend.device)
+        found = self._by_content(sizes, arrays) if by_content else None
+        if found is not None:
+            return found, None
+        key = (address(first), address(second), first.dtype, second.dtype, *sizes)
         entry = None if by_content else self._entries.get(key)
         if entry is not None and entry.indices.shape == arrays[1].shape and entry.indptr.shape == arrays[0].shape:
             if backend.on_gpu:
@@ -101,9 +105,6 @@ class StructureCache:
             if _equal(entry, arrays):
                 self._entries.move_to_end(key)
                 return entry, None
-        found = self._by_content(key, arrays) if by_content else None
-        if found is not None:
-            return found, None
         copies = arrays[0].copy(), arrays[1].copy()
         structure: Csr | Bsr
         if blocksize is None:
@@ -117,13 +118,13 @@ class StructureCache:
             self._entries.popitem(last=False)
         return structure, None
 
-    def _by_content(self, key: tuple[Hashable, ...], arrays: tuple[Array, Array]) -> Csr | Bsr | None:
-        """The most recently used entry whose key equals ``key`` but for the addresses and
-        dtypes and whose index arrays equal ``arrays`` (compared on the host)."""
-        for other in reversed(self._entries):
-            if other[4:] == key[4:] and _equal(self._entries[other], arrays):
-                self._entries.move_to_end(other)
-                return self._entries[other]
+    def _by_content(self, sizes: tuple[Hashable, ...], arrays: tuple[Array, Array]) -> Csr | Bsr | None:
+        """The most recently used entry whose key ends in ``sizes`` (all of it but the
+        addresses and dtypes) and whose index arrays equal ``arrays`` (compared on the host)."""
+        for key in reversed(self._entries):
+            if key[4:] == sizes and _equal(self._entries[key], arrays):
+                self._entries.move_to_end(key)
+                return self._entries[key]
         return None
 
     @property
