@@ -122,6 +122,12 @@ def _values(chain: Chain) -> Array:
     return chain.trans.reshape(-1)
 
 
+def transposed_values(chain: Chain) -> Array:
+    """The stored values of a sparse chain in its transpose's order (``Structure.order``),
+    contiguous: what the sweeps over each state's predecessors read."""
+    return chain.xp.ascontiguousarray(_values(chain)[_structure(chain).order])
+
+
 def forward(chain: Chain) -> tuple[Array, Array, Array]:
     """``forward_finite`` of a sparse chain: ``(log_partition (B,), pre (B, v, c), norm (B, v))``."""
     xp = chain.xp
@@ -135,7 +141,7 @@ def forward(chain: Chain) -> tuple[Array, Array, Array]:
             chain.x, s.t_indptr, s.t_rows, scaled.t_values, scaled.t_e, scaled.cmax, chain.init, chain.lengths, pre,
             norm, min(rows, _threads(chain.backend)))
     elif rows:  # the GPU: scaled SpMVs too, the stored values exponentiated once in the data's dtype
-        t_values = xp.ascontiguousarray(_values(chain)[s.order])
+        t_values = transposed_values(chain)
         cmax, t_e = xp.empty(c, chain.x.dtype), xp.empty_like(t_values)
         chain.backend.launcher(cuda.sparse_chain.launch_sparse_chain_shifted_exp)(s.t_indptr, t_values, cmax, t_e)
         chain.backend.launcher(cuda.sparse_chain.launch_sparse_chain_forward_scaled)(
@@ -221,7 +227,7 @@ class _Scaled:
 def _scaled(chain: Chain) -> _Scaled:
     s = _structure(chain)
     values = np.ascontiguousarray(_values(chain))
-    t_values = np.ascontiguousarray(values[s.order])
+    t_values = transposed_values(chain)
     c, nnz = s.shape[0], values.shape[0]
     shifted_exp = cpu.sparse_chain_scaled.sparse_chain_shifted_exp
     cmax, t_e, rmax, row_e = np.empty(c), np.empty(nnz), np.empty(c), np.empty(nnz)
@@ -264,7 +270,7 @@ def viterbi(chain: Chain) -> tuple[Array, Array]:
     path = xp.empty((rows, v), np.int64)
     if rows:
         s = _structure(chain)
-        t_values = xp.ascontiguousarray(_values(chain)[s.order])
+        t_values = transposed_values(chain)
         work = xp.empty((rows, 2, c), chain.x.dtype)
         backptr = xp.empty((rows, v, c), np.int32)
         kernel = (cpu.sparse_chain.sparse_chain_viterbi if not chain.backend.on_gpu

@@ -108,7 +108,7 @@ def _sample(chain: Chain, num_samples: int, seed: int | None) -> Array:
     possible = xp.isfinite(log_partition) & (c > 0)
     if num_samples and rows and chain.sparse is not None:
         s = chain.sparse
-        t_values = xp.ascontiguousarray(chain.trans.reshape(-1)[s.order])
+        t_values = _sparse_chain.transposed_values(chain)
         cpu.paths.sparse_chain_sample(alpha, s.t_indptr, s.t_rows, t_values, chain.lengths, possible, uniforms, paths)
     elif num_samples and rows:
         trans_t = xp.ascontiguousarray(chain.trans.swapaxes(-1, -2))
@@ -280,7 +280,7 @@ def _kbest(chain: Chain, k: int) -> tuple[Array, Array]:
         scratch = (work, counts, backptr, scores, paths)
         if chain.sparse is not None:
             s = chain.sparse
-            t_values = xp.ascontiguousarray(chain.trans.reshape(-1)[s.order])
+            t_values = _sparse_chain.transposed_values(chain)
             cpu.paths.sparse_chain_kbest(chain.x, s.t_indptr, s.t_rows, t_values, chain.init, chain.lengths, *scratch)
         else:
             kernel = (cpu.paths.chain_kbest if not chain.backend.on_gpu
