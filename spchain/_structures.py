@@ -85,8 +85,9 @@ class StructureCache:
 
         The entry is the one of ``key_arrays`` (default ``arrays``): a backward looks up its
         forward's structure under the caller's arrays. ``same`` is ``None`` where ``arrays``
-        were compared on the host (the CPU, a new entry, a lookup ``by_content``, or ``arrays``
-        that are the entry's own), else the device's 0-d flag that they equal the entry's.
+        are the entry's own (not compared: the results of a forward, handed to its backward) or
+        were compared on the host (the CPU, a new entry, a lookup ``by_content``), else the
+        device's 0-d flag that they equal the entry's.
         With ``by_content``, the entry is the most recently used one of the same sizes and
         contents, whatever its arrays' addresses.
         """
@@ -99,6 +100,9 @@ class StructureCache:
         key = (address(first), address(second), first.dtype, second.dtype, *sizes)
         entry = None if by_content else self._entries.get(key)
         if entry is not None and entry.indices.shape == arrays[1].shape and entry.indptr.shape == arrays[0].shape:
+            if _owns(entry, arrays):
+                self._entries.move_to_end(key)
+                return entry, None
             if backend.on_gpu:
                 self._entries.move_to_end(key)
                 return entry, _same_on_device(entry, arrays)
@@ -158,11 +162,14 @@ def _equal(structure: Csr | Bsr, arrays: tuple[Array, Array]) -> bool:
             and bool((structure.indices == arrays[1]).all()) and bool((structure.indptr == arrays[0]).all()))
 
 
-def _same_on_device(structure: Csr | Bsr, arrays: tuple[Array, Array]) -> Array | None:
-    """``None`` where ``arrays`` are ``structure``'s own (by address), else the 0-d device flag
-    that their contents equal ``structure``'s: no synchronisation."""
-    if address(arrays[0]) == address(structure.indptr) and address(arrays[1]) == address(structure.indices):
-        return None
+def _owns(structure: Csr | Bsr, arrays: tuple[Array, Array]) -> bool:
+    """Whether ``arrays`` are ``structure``'s own private copies (by address): a backward handed
+    the arrays its forward ran on, which nothing else writes to, needs no comparison."""
+    return address(arrays[0]) == address(structure.indptr) and address(arrays[1]) == address(structure.indices)
+
+
+def _same_on_device(structure: Csr | Bsr, arrays: tuple[Array, Array]) -> Array:
+    """The 0-d device flag that the contents of ``arrays`` equal ``structure``'s: no synchronisation."""
     same: Array = (structure.indices == arrays[1]).all() & (structure.indptr == arrays[0]).all()
     return same
 
