@@ -9,6 +9,7 @@ import pytest
 import reference
 
 from spchain import blockdiag
+from spchain._op import Saved
 
 OPS = {0: lambda m: m, 1: lambda m: m.swapaxes(-1, -2)}
 
@@ -159,10 +160,17 @@ def test_ragged_groups_are_one_batched_gemm_on_the_gpu_branch(monkeypatch, rng, 
     x[0, 1] = np.inf  # stays in its own group's gradient
     want = per_group(x, w, sizes, grad)
     y = blockdiag.grouped_matmul(x, w, sizes.tolist())
-    grad_x, grad_w = blockdiag.grouped_matmul_backward((x, w, sizes), (y,), (grad,), (True, True))
+    grad_x, grad_w = grouped_backward(x, w, sizes, grad)
     for got, expected in zip((y, grad_x, grad_w), want):
         np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-12)
     assert calls == ["indexed", "indexed", "batched"] if len(set(sizes.tolist())) > 1 else ["batched"] * 3
+
+
+def grouped_backward(x, w, sizes, grad):
+    """``(grad_x, grad_w)`` by :data:`blockdiag.GROUPED`'s backward, prepared as the registered
+    operator's backward prepares (trusted operands)."""
+    problem = blockdiag.GROUPED.prepare(x, w, sizes, check=False)
+    return blockdiag.GROUPED.backward(problem, Saved(), (grad,), (True, True)).ordered()
 
 
 def test_ragged_plan_pads_at_most_twice_the_rows():
@@ -184,6 +192,6 @@ def test_cpu_keeps_one_blas_product_per_group(monkeypatch, rng):
     sizes = np.array([2, 0, 5, 1])
     x, w, grad = rng.normal(size=(8, 3)), rng.normal(size=(4, 3, 2)), rng.normal(size=(8, 2))
     y = blockdiag.grouped_matmul(x, w, sizes.tolist())
-    got = (y,) + blockdiag.grouped_matmul_backward((x, w, sizes), (y,), (grad,), (True, True))
+    got = (y,) + grouped_backward(x, w, sizes, grad)
     for g, want in zip(got, per_group(x, w, sizes, grad)):
         np.testing.assert_allclose(g, want, rtol=1e-12, atol=1e-12)
