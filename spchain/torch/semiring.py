@@ -57,7 +57,7 @@ def _logmatmul_jvp(operator: Operator[Any], args: Sequence[Any], results: Sequen
 def _maxmatmul_jvp(operator: Operator[Any], args: Sequence[Any], results: Sequence[torch.Tensor],
                    tangents: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
     """The tangents of the argmax terms, ``da[i, k*] + db[k*, j]`` (0 where the value is ``-inf``)."""
-    (a, b), (values, argmax), (da, db) = args, results, tangents
+    (values, argmax), (da, db) = results, tangents
     tangent = torch.zeros_like(values)
     for d, dim in ((da, -1), (db, -2)):
         if d is not None:  # leading ones where the batch broadcasts
