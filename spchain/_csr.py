@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import importlib
 import operator
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,9 +63,11 @@ class Csr:
         return cached
 
     def prepare(self, backend: Backend) -> None:
-        """Build what this structure's products need: its transpose on the CPU (on the GPU
-        cuSPARSE multiplies by the transpose itself)."""
-        if not backend.on_gpu:
+        """Build what this structure's products need: its transpose on the CPU; on the GPU its
+        cuSPARSE form (:class:`_GpuStructure`; cuSPARSE multiplies by the transpose itself)."""
+        if backend.on_gpu:
+            object.__setattr__(self, "_gpu", _GpuStructure(backend, self))  # a cache of a frozen value
+        else:
             self.transposed(backend)
 
     def matmul(self, backend: Backend, values: Array, b: Array, dtype: np.dtype[Any], bias: Array | None = None, *,
@@ -346,11 +347,11 @@ def _cupyx_csr(backend: Backend, csr: Csr, data: Array) -> Sparse:
 
     cupyx sorts and sums a non-canonical matrix in place before multiplying; so a
     non-canonical structure is canonicalised on a copy, never on the caller's arrays. Whether
-    the structure is canonical is found once per structure (:class:`_GpuStructure`), and a
-    canonical one is wrapped around ``data`` with no copy, no validation kernel and no
-    synchronisation.
+    the structure is canonical is found once per prepared structure (:meth:`Csr.prepare` keeps
+    its :class:`_GpuStructure`; the structure cache prepares), and a canonical one is wrapped
+    around ``data`` with no copy, no validation kernel and no synchronisation.
     """
-    structure = _GpuStructure.of(backend, csr)
+    structure: _GpuStructure = csr.__dict__.get("_gpu") or _GpuStructure(backend, csr)
     if structure.canonical:
         return structure.matrix(backend, data)
     matrix = backend.sparse.csr_matrix((data, structure.indices, structure.indptr), shape=csr.shape)
@@ -360,11 +361,9 @@ def _cupyx_csr(backend: Backend, csr: Csr, data: Array) -> Sparse:
 
 
 class _GpuStructure:
-    """What cuSPARSE needs of a structure, worked out once while the :class:`Csr` lives: its
+    """What cuSPARSE needs of a structure, worked out once per prepared :class:`Csr`: its
     index arrays in cupyx's int32 and whether it is canonical (sorted, no duplicates: one
     check, which synchronises once per structure, never per product)."""
-
-    _cache: dict[int, tuple[weakref.ref[Csr], _GpuStructure]] = {}
 
     def __init__(self, backend: Backend, csr: Csr) -> None:
         self.indptr = csr.indptr.astype(np.int32, copy=False)
@@ -373,17 +372,6 @@ class _GpuStructure:
         probe = backend.sparse.csr_matrix((backend.xp.empty(csr.nnz, np.float32), self.indices, self.indptr),
                                           shape=csr.shape)
         self.canonical = bool(probe.has_canonical_format)
-
-    @classmethod
-    def of(cls, backend: Backend, csr: Csr) -> _GpuStructure:
-        """The structure of ``csr``, from the cache while ``csr`` lives."""
-        key = id(csr)
-        entry = cls._cache.get(key)
-        if entry is not None and entry[0]() is csr:
-            return entry[1]
-        structure = cls(backend, csr)
-        cls._cache[key] = (weakref.ref(csr, lambda _: cls._cache.pop(key, None)), structure)
-        return structure
 
     def matrix(self, backend: Backend, data: Array) -> Sparse:
         """A canonical cupyx CSR matrix of this structure around ``data`` (no copy)."""

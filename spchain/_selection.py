@@ -100,13 +100,14 @@ def drop_and_grow(backend: Backend, csr: Csr, values: Array, n_move: int, *, gra
     return indptr, indices, old_slots, xp.searchsorted(new_positions, kept)
 
 
-def magnitudes(backend: Backend, values: Array) -> Array:
+def magnitudes(backend: Backend, values: Array, axes: tuple[int, int] = (1, 2)) -> Array:
     """The magnitude of each stored weight: ``|value|`` of (nnz,) values, the Frobenius norm
-    (in float64) of each block of (nnzb, R, C) ones."""
+    (in float64) of each block of (nnzb, R, C) ones (of any other array: over its block
+    ``axes``)."""
     xp = backend.xp
     if values.ndim == 1:
         return xp.abs(values)
-    return xp.sqrt(xp.square(values, dtype=np.float64).sum(axis=(1, 2)))
+    return xp.sqrt(xp.square(values, dtype=np.float64).sum(axis=axes))
 
 
 def _largest_gradients(backend: Backend, grad_y: Array, x: Array, block: Shape, count: int, taken: Array) -> Array:
@@ -122,10 +123,8 @@ def _largest_gradients(backend: Backend, grad_y: Array, x: Array, block: Shape, 
     for r0 in range(0, m, rows):
         r1 = min(m, r0 + rows)
         dense = _backend.matmul(xp, grad_y[:, r0 * r:r1 * r].T, x)
-        if block == (1, 1):
-            scores = xp.abs(dense).ravel()
-        else:
-            scores = xp.sqrt(xp.square(dense).reshape(r1 - r0, r, n, c).sum(axis=(1, 3))).ravel()
+        blocks = dense.ravel() if block == (1, 1) else dense.reshape(r1 - r0, r, n, c)
+        scores = magnitudes(backend, blocks, axes=(1, 3)).ravel()
         free = xp.ones(scores.shape[0], bool)
         lo, hi = (int(i) for i in xp.searchsorted(taken, xp.asarray([r0 * n, r1 * n])))
         free[taken[lo:hi] - r0 * n] = False

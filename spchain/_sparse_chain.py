@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import scipy.sparse
 
-from . import _chain_scaled, _csr
+from . import _chain_scaled, _csr, _structures
 from ._backend import Backend
 from ._logspace import normalised, renormalise, weighted
 from .kernels import cpu, cuda
@@ -67,20 +67,21 @@ def split(backend: Backend, log_trans: Sparse, dtype: np.dtype[Any], caller: str
     """``(Structure, values (nnz,) of dtype)`` of a sparse ``log_trans``, in CSR order; a CSR
     matrix keeps its own order. ``ValueError`` for a bad structure or a repeated entry.
 
-    The structure of a CSR matrix is validated and transposed once and cached (:class:`_Cache`):
-    a forward and its backward, or two operators on one structure, share it."""
+    The structure of a CSR matrix comes from the array level's one structure cache
+    (:data:`spchain._structures.STRUCTURES`, found by content: SciPy and cupyx copy the index
+    arrays of each new matrix), validated, checked for repeated entries and transposed once,
+    so that a forward and its backward, or two operators on one structure, share it; ``check``
+    matters for the other formats only (their structures are validated at each call)."""
     name = f"{caller}: log_trans"
     fmt, shape, data, index = _csr.sparse_parts(backend, log_trans, name)
     if fmt != "csr":
         structure, data = validated(backend, fmt, shape, data, index, name, check)
         return structure, backend.xp.asarray(data).astype(dtype, copy=False)
-    cached = _STRUCTURES.get(backend, index, shape)
-    if cached is not None and data.ndim == 1 and data.shape[0] == cached.indices.shape[0]:
-        return cached, backend.xp.asarray(data).astype(dtype, copy=False)
-    index = (index[0].copy(), index[1].copy())  # private copies: the cache compares the caller's with them
-    structure, _ = validated(backend, fmt, shape, data, index, name, check)
-    if check:  # a structure enters the cache checked for repeated entries
-        _STRUCTURES.put(backend, index, shape, structure)
+    if data.ndim != 1 or data.shape[0] != index[1].shape[0]:
+        _csr.to_csr(backend, fmt, shape, data, *index, name)  # raises: the data do not match the structure
+    csr, _ = _structures.STRUCTURES.lookup(backend, index, shape, name, by_content=True)
+    assert isinstance(csr, _csr.Csr)  # a lookup without a block size
+    structure = _structures.kept(csr, "sparse_chain", lambda: _structure_of(backend, csr, name))
     return structure, backend.xp.asarray(data).astype(dtype, copy=False)
 
 
@@ -89,8 +90,14 @@ def validated(backend: Backend, fmt: str, shape: tuple[int, ...], data: Array | 
     """The :class:`Structure` of a CSR, CSC or COO matrix's parts, validated (and, with
     ``check``, free of repeated entries) and transposed, and its data in CSR order."""
     csr = _csr.to_csr(backend, fmt, shape, data, *index, name)
+    assert csr.data is not None  # the parts of a matrix, values included
+    return _structure_of(backend, csr, name, check), csr.data
+
+
+def _structure_of(backend: Backend, csr: _csr.Csr, name: str, check: bool = True) -> Structure:
+    """The :class:`Structure` of a validated ``csr``, with ``check`` free of repeated entries."""
     if check and csr.nnz:
-        marks = np.full(shape[1], -1, np.int64)
+        marks = np.full(csr.shape[1], -1, np.int64)
         host = backend.to_host
         q = _first_duplicate(host(csr.indptr), host(csr.indices), marks)
         if q >= 0:
@@ -98,41 +105,7 @@ def validated(backend: Backend, fmt: str, shape: tuple[int, ...], data: Array | 
             raise ValueError(f"{name} stores the entry ({i}, {int(host(csr.indices)[q])}) more than once; "
                              "combine repeated log-values first (their log-sum-exp)")
     transpose, order = csr.transposed(backend)
-    return Structure(csr.indptr, csr.indices, transpose.indptr, transpose.indices, order, csr.shape), csr.data
-
-
-class _Cache:
-    """The most recently used CSR structures (at most ``size``), found by their contents: a
-    look-up compares the caller's index arrays with each entry's of the same sizes and device
-    (O(nnz), against the validation's and the transpose's O(nnz log nnz)). Each entry holds
-    private copies, so that neither an array written in place nor a new array at a reused
-    address reaches a kernel unvalidated, and SciPy's copies of the index arrays (a new
-    ``csr_matrix`` a call) still find their structure."""
-
-    def __init__(self, size: int = 16) -> None:
-        self._entries: list[tuple[tuple[Any, ...], Structure]] = []
-        self._size = size
-
-    @staticmethod
-    def _key(backend: Backend, index: tuple[Array, Array], shape: tuple[int, ...]) -> tuple[Any, ...]:
-        return (*(a.shape for a in index), shape, backend.device)
-
-    def get(self, backend: Backend, index: tuple[Array, Array], shape: tuple[int, ...]) -> Structure | None:
-        key = self._key(backend, index, shape)
-        for k in range(len(self._entries) - 1, -1, -1):
-            entry_key, structure = self._entries[k]
-            if entry_key == key and bool((structure.indptr == index[0]).all()) and \
-                    bool((structure.indices == index[1]).all()):
-                self._entries.append(self._entries.pop(k))
-                return structure
-        return None
-
-    def put(self, backend: Backend, index: tuple[Array, Array], shape: tuple[int, ...], structure: Structure) -> None:
-        self._entries.append((self._key(backend, index, shape), structure))
-        del self._entries[:-self._size]
-
-
-_STRUCTURES = _Cache()
+    return Structure(csr.indptr, csr.indices, transpose.indptr, transpose.indices, order, csr.shape)
 
 
 def _first_duplicate(indptr: Array, indices: Array, marks: Array) -> int:
@@ -149,6 +122,12 @@ def _values(chain: Chain) -> Array:
     return chain.trans.reshape(-1)
 
 
+def transposed_values(chain: Chain) -> Array:
+    """The stored values of a sparse chain in its transpose's order (``Structure.order``),
+    contiguous: what the sweeps over each state's predecessors read."""
+    return chain.xp.ascontiguousarray(_values(chain)[_structure(chain).order])
+
+
 def forward(chain: Chain) -> tuple[Array, Array, Array]:
     """``forward_finite`` of a sparse chain: ``(log_partition (B,), pre (B, v, c), norm (B, v))``."""
     xp = chain.xp
@@ -162,7 +141,7 @@ def forward(chain: Chain) -> tuple[Array, Array, Array]:
             chain.x, s.t_indptr, s.t_rows, scaled.t_values, scaled.t_e, scaled.cmax, chain.init, chain.lengths, pre,
             norm, min(rows, _threads(chain.backend)))
     elif rows:  # the GPU: scaled SpMVs too, the stored values exponentiated once in the data's dtype
-        t_values = xp.ascontiguousarray(_values(chain)[s.order])
+        t_values = transposed_values(chain)
         cmax, t_e = xp.empty(c, chain.x.dtype), xp.empty_like(t_values)
         chain.backend.launcher(cuda.sparse_chain.launch_sparse_chain_shifted_exp)(s.t_indptr, t_values, cmax, t_e)
         chain.backend.launcher(cuda.sparse_chain.launch_sparse_chain_forward_scaled)(
@@ -248,7 +227,7 @@ class _Scaled:
 def _scaled(chain: Chain) -> _Scaled:
     s = _structure(chain)
     values = np.ascontiguousarray(_values(chain))
-    t_values = np.ascontiguousarray(values[s.order])
+    t_values = transposed_values(chain)
     c, nnz = s.shape[0], values.shape[0]
     shifted_exp = cpu.sparse_chain_scaled.sparse_chain_shifted_exp
     cmax, t_e, rmax, row_e = np.empty(c), np.empty(nnz), np.empty(c), np.empty(nnz)
@@ -291,7 +270,7 @@ def viterbi(chain: Chain) -> tuple[Array, Array]:
     path = xp.empty((rows, v), np.int64)
     if rows:
         s = _structure(chain)
-        t_values = xp.ascontiguousarray(_values(chain)[s.order])
+        t_values = transposed_values(chain)
         work = xp.empty((rows, 2, c), chain.x.dtype)
         backptr = xp.empty((rows, v, c), np.int32)
         kernel = (cpu.sparse_chain.sparse_chain_viterbi if not chain.backend.on_gpu

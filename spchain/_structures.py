@@ -1,14 +1,18 @@
-"""The structure cache of the sparse layers: each sparse weight's structure (CSR or BSR) is
-validated and prepared once (its transpose built) and then served to every product on it, the
-forward and the backward of :func:`spchain.torch.sparse_linear` (CSR and block layers alike),
-and to any other caller that multiplies by one structure many times (a sparse ``log_trans``:
-``STRUCTURES.lookup(backend, (indptr, indices), shape, caller, check=...)`` gives its
-validated :class:`~spchain._csr.Csr`, whose ``transposed(backend)`` is built once).
+"""The one structure cache of the array level: each sparse structure (CSR or BSR) is
+validated and prepared once (its transpose built) and then served to every product on it:
+the forward and the backward of :func:`spchain.torch.sparse_linear` (CSR and block layers
+alike) and the chain sweeps on a sparse ``log_trans`` (``spchain._sparse_chain``). What a
+product derives from a structure besides (the sparse chain's check for repeated entries, the
+GPU's cuSPARSE form) is kept on the structure itself (:func:`kept`), so it lives exactly as
+long as the cache holds the structure.
 
 The cache keys a structure by its index arrays' addresses, dtypes and lengths, the shape, the
 block size and the device, not by the arrays' identity: the torch operators see new array
 views of the same tensors at every call. An address may be reused by new arrays and contents
 may change behind it, so every lookup compares the contents with the cached private copy.
+Where a caller's index arrays are new at every call (SciPy and cupyx copy a matrix's index
+arrays into their own dtype: a sparse ``log_trans`` rebuilt from torch tensors), a lookup
+``by_content`` finds the structure by comparing contents with the entries of the same sizes.
 
 >>> import numpy as np, spchain._backend as B
 >>> cache = StructureCache()
@@ -16,12 +20,15 @@ may change behind it, so every lookup compares the contents with the cached priv
 >>> csr, _ = cache.lookup(B.NUMPY, (indptr, indices), (2, 2), "doc")
 >>> cache.lookup(B.NUMPY, (indptr, indices), (2, 2), "doc")[0] is csr
 True
+>>> cache.lookup(B.NUMPY, (indptr.copy(), indices.copy()), (2, 2), "doc", by_content=True)[0] is csr
+True
 """
 
 from __future__ import annotations
 
 import collections
 from collections.abc import Callable, Hashable
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -31,28 +38,33 @@ from ._typing import Array, Shape
 from ._csr import Csr
 from .blocksparse import Bsr
 
+T = TypeVar("T")
+
 
 class StructureCache:
     """Validated, prepared sparse structures (:class:`~spchain._csr.Csr` or
     :class:`~spchain.blocksparse.Bsr`), the most recently used first out.
 
     It holds at most ``size`` structures and at most ``budget`` bytes of arrays in all
-    (default 256 MiB; the most recent one is kept whatever its size), so that the structures
-    that a drop-and-grow leaves behind do not pin memory. A structure holds private copies of
-    the validated index arrays, and every lookup compares the arrays' contents with them
-    (O(nnz), next to an O(nnz * batch) product): version counters are not trusted (writes
-    through a NumPy view or ``.data`` do not bump them, and an unchecked index would reach a
-    kernel), nor is an address that new arrays may reuse. On the CPU a difference validates and
-    rebuilds the entry. On the GPU the comparison stays on the device (reading it would wait
-    for the device): :meth:`lookup` returns its flag with the structure, for the caller to make
-    its result NaN where the structure changed. :meth:`note_versions` drops the entries of
-    arrays whose torch version counters moved (host integers, no synchronisation), so that
-    an in-place torch write validates and rebuilds at the next lookup.
+    (default 256 MiB, counted with what was built on them since, such as a transpose; the
+    most recent one is kept whatever its size), so that the structures that a drop-and-grow
+    or a stream of new ``log_trans`` leave behind do not pin memory. A structure holds private
+    copies of the validated index arrays, and every lookup compares the arrays' contents with
+    them (O(nnz), next to an O(nnz * batch) product): version counters are not trusted
+    (writes through a NumPy view or ``.data`` do not bump them, and an unchecked index would
+    reach a kernel), nor is an address that new arrays may reuse. On the CPU a difference
+    validates and rebuilds the entry. On the GPU a lookup by address compares on the device
+    (reading it would wait for the device): :meth:`lookup` returns its flag with the
+    structure, for the caller to make its result NaN where the structure changed; a lookup
+    ``by_content`` reads its comparisons (one synchronisation a call).
+    :meth:`note_versions` drops the entries of arrays whose torch version counters moved (host
+    integers, no synchronisation), so that an in-place torch write validates and rebuilds at
+    the next lookup.
     """
 
     def __init__(self, size: int = 64, budget: int = 256 * 2**20) -> None:
-        self._entries: collections.OrderedDict[tuple[Hashable, ...], tuple[Csr | Bsr, int]] = collections.OrderedDict()
-        self._size, self._budget, self._bytes = size, budget, 0
+        self._entries: collections.OrderedDict[tuple[Hashable, ...], Csr | Bsr] = collections.OrderedDict()
+        self._size, self._budget = size, budget
         self._versions: collections.OrderedDict[tuple[int, int], tuple[int, int]] = collections.OrderedDict()
 
     def note_versions(self, addresses: tuple[int, int], versions: tuple[int, int]) -> None:
@@ -60,29 +72,33 @@ class StructureCache:
         version counters) changed since the last call."""
         if self._versions.pop(addresses, versions) != versions:
             for key in [key for key in self._entries if key[:2] == addresses]:
-                self._forget(key)
+                del self._entries[key]
         self._versions[addresses] = versions
         while len(self._versions) > self._size:
             self._versions.popitem(last=False)
 
     def lookup(self, backend: Backend, arrays: tuple[Array, Array], shape: Shape, caller: str, *,
                blocksize: Shape | None = None, key_arrays: tuple[Array, Array] | None = None,
-               check: Callable[[Csr | Bsr], None] | None = None) -> tuple[Csr | Bsr, Array | None]:
+               by_content: bool = False) -> tuple[Csr | Bsr, Array | None]:
         """``(structure, same)`` for ``arrays = (indptr, indices)``: a :class:`Csr` (or with
         ``blocksize``, a :class:`Bsr` pattern) on private validated copies, prepared.
 
         The entry is the one of ``key_arrays`` (default ``arrays``): a backward looks up its
         forward's structure under the caller's arrays. ``same`` is ``None`` where ``arrays``
         are the entry's own (not compared: the results of a forward, handed to its backward) or
-        were compared on the host (the CPU, a new entry), else the device's 0-d flag that they
-        equal the entry's. ``check`` is a further
-        check of a new structure (e.g. that no entry repeats: it raises ``ValueError``), run
-        once per structure; entries checked by different ``check`` functions are apart.
+        were compared on the host (the CPU, a new entry, a lookup ``by_content``), else the
+        device's 0-d flag that they equal the entry's.
+        With ``by_content``, the entry is the most recently used one of the same sizes and
+        contents, whatever its arrays' addresses.
         """
         first, second = key_arrays or arrays
-        key = (address(first), address(second), first.dtype, second.dtype, first.shape, second.shape, tuple(shape),
-               None if blocksize is None else tuple(blocksize), backend.device, check)
-        entry = self._entries.get(key, (None, 0))[0]
+        sizes = (first.shape, second.shape, tuple(shape), None if blocksize is None else tuple(blocksize),
+                 backend.device)
+        found = self._by_content(sizes, arrays) if by_content else None
+        if found is not None:
+            return found, None
+        key = (address(first), address(second), first.dtype, second.dtype, *sizes)
+        entry = None if by_content else self._entries.get(key)
         if entry is not None and entry.indices.shape == arrays[1].shape and entry.indptr.shape == arrays[0].shape:
             if _owns(entry, arrays):
                 self._entries.move_to_end(key)
@@ -90,7 +106,7 @@ class StructureCache:
             if backend.on_gpu:
                 self._entries.move_to_end(key)
                 return entry, _same_on_device(entry, arrays)
-            if bool((entry.indices == arrays[1]).all()) and bool((entry.indptr == arrays[0]).all()):
+            if _equal(entry, arrays):
                 self._entries.move_to_end(key)
                 return entry, None
         copies = arrays[0].copy(), arrays[1].copy()
@@ -99,26 +115,51 @@ class StructureCache:
             structure = _csr.to_csr(backend, "csr", shape, None, *copies, caller)
         else:
             structure = blocksparse.to_bsr(backend, shape, None, *copies, caller, blocksize=blocksize)
-        if check is not None:
-            check(structure)
         structure.prepare(backend)
-        self._forget(key)
-        self._entries[key] = structure, structure.nbytes
-        self._bytes += structure.nbytes
-        while len(self._entries) > 1 and (len(self._entries) > self._size or self._bytes > self._budget):
-            self._forget(next(iter(self._entries)))
+        self._entries.pop(key, None)
+        self._entries[key] = structure
+        while len(self._entries) > 1 and (len(self._entries) > self._size or self.nbytes > self._budget):
+            self._entries.popitem(last=False)
         return structure, None
 
-    def _forget(self, key: tuple[Hashable, ...]) -> None:
-        self._bytes -= self._entries.pop(key, (None, 0))[1]
+    def _by_content(self, sizes: tuple[Hashable, ...], arrays: tuple[Array, Array]) -> Csr | Bsr | None:
+        """The most recently used entry whose key ends in ``sizes`` (all of it but the
+        addresses and dtypes) and whose index arrays equal ``arrays`` (compared on the host)."""
+        for key in reversed(self._entries):
+            if key[4:] == sizes and _equal(self._entries[key], arrays):
+                self._entries.move_to_end(key)
+                return self._entries[key]
+        return None
 
     @property
     def nbytes(self) -> int:
-        """The bytes of the arrays that the cache holds."""
-        return self._bytes
+        """The bytes of the arrays that the cache holds (with what was built on its structures)."""
+        return sum(structure.nbytes for structure in self._entries.values())
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+def kept(structure: Csr | Bsr, name: str, build: Callable[[], T]) -> T:
+    """``build()``, made once per ``structure`` and kept on it under ``name``: what a product
+    derives from a cached structure lives as long as the cache keeps the structure.
+
+    >>> import numpy as np, spchain._backend as B
+    >>> csr, _ = StructureCache().lookup(B.NUMPY, (np.array([0, 1]), np.array([0])), (1, 1), "doc")
+    >>> kept(csr, "doc", lambda: [1]) is kept(csr, "doc", lambda: [2])
+    True
+    """
+    memo: dict[str, Any] = structure.__dict__.setdefault("_kept", {})  # a cache on a frozen value, not a change of it
+    if name not in memo:
+        memo[name] = build()
+    found: T = memo[name]
+    return found
+
+
+def _equal(structure: Csr | Bsr, arrays: tuple[Array, Array]) -> bool:
+    """Whether ``arrays`` hold ``structure``'s index arrays (on the GPU: waits for the device)."""
+    return (structure.indptr.shape == arrays[0].shape and structure.indices.shape == arrays[1].shape
+            and bool((structure.indices == arrays[1]).all()) and bool((structure.indptr == arrays[0]).all()))
 
 
 def _owns(structure: Csr | Bsr, arrays: tuple[Array, Array]) -> bool:
@@ -140,4 +181,4 @@ def address(a: Array) -> int:
 
 STRUCTURES = StructureCache()
 """The process's structure cache: :func:`spchain.torch.sparse_linear` (CSR and block weights)
-looks its structures up here; other products on a fixed structure may share it."""
+and the chain functions with a sparse ``log_trans`` look their structures up here."""

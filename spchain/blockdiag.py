@@ -13,13 +13,14 @@ over chunks of rows padded to at most twice the rows (:func:`ragged_plan`,
 
 The gradients of both products are products of the same kind: the input gradient is the
 product with the transposed weight, and the weight gradient of group g is
-``x_gᵀ @ grad_g``. Each product has a forward/backward pair (``block_diag_matmul_forward`` /
-``block_diag_matmul_backward``, ``grouped_matmul_forward`` / ``grouped_matmul_backward``) that
-``spchain.torch`` makes a torch operator of: the forward validates, the backward trusts it.
+``x_gᵀ @ grad_g``. Each product is also an :class:`~spchain._op.Op` (:data:`BLOCK_DIAG`,
+:data:`GROUPED`) that ``spchain.torch`` makes a torch operator of: its ``prepare`` validates,
+the backward reuses the prepared operands (no residuals).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import math
 import numbers
@@ -34,10 +35,8 @@ from . import _backend
 from ._backend import Backend, backend_of
 from ._checks import dense, float_dtype
 from ._dask import scales_out
+from ._op import Grads, Op, Saved
 from ._typing import Array, Shape
-
-Backward = Callable[[Sequence[Any], Sequence[Array], Sequence[Array], Sequence[bool]], tuple[Array | None, ...]]
-"""The signature of an array-level backward: ``(inputs, results, grads, needs) -> gradients``."""
 
 
 def _blas_layout(xp: ModuleType, a: Array) -> Array:
@@ -96,12 +95,8 @@ def block_diag_matmul(x: Array, w: Array) -> Array:
            [[ 4.,  5.],
             [12., 14.]]])
     """
-    caller = "spchain.block_diag_matmul"
-    x, w = dense(caller, x=x, w=w)
-    backend = backend_of(x, w, caller=caller)
-    dtype = float_dtype(caller, x=x, w=w)
-    block_diag_matmul_shape(caller, x.shape, w.shape)
-    return _block_diag_product(backend, x, w, dtype)
+    (out,), _ = BLOCK_DIAG.forward(prepare_block_diag(x, w))
+    return out
 
 
 def block_diag_matmul_shape(caller: str, x_shape: Sequence[int], w_shape: Sequence[int]) -> Shape:
@@ -199,33 +194,59 @@ def gemm_plan(a: Array, b: Array, out: Array) -> dict[str, int] | None:
     return plan
 
 
-def block_diag_matmul_forward(x: Array, w: Array) -> Array:
-    """:func:`block_diag_matmul`, as the forward of the pair that ``spchain.torch`` differentiates.
+@dataclasses.dataclass(frozen=True)
+class Operands:
+    """The operands of :func:`block_diag_matmul` or :func:`grouped_matmul`, validated: ``dtype``
+    the result's, ``sizes`` the grouped product's group sizes (host int64; ``None`` for the
+    block-diagonal one)."""
 
-    Returns the product only (the backward needs no residuals: it reuses ``x`` and ``w``).
-    """
-    return block_diag_matmul(x, w)
+    backend: Backend
+    x: Array
+    w: Array
+    dtype: np.dtype[Any]
+    sizes: NDArray[np.int64] | None = None
 
 
-def block_diag_matmul_backward(inputs: Sequence[Array], results: Sequence[Array], grads: Sequence[Array],
-                               needs: Sequence[bool]) -> tuple[Array | None, ...]:
-    """The gradients ``(grad_x, grad_w)`` of :func:`block_diag_matmul_forward`, ``None`` where
-    ``needs`` is false.
+@dataclasses.dataclass(frozen=True)
+class MatmulGrads(Grads):
+    """The gradients of a product's ``(x, w)``, ``None`` where not needed."""
 
-    ``inputs`` are ``(x, w)`` as checked by the forward and ``grads`` the incoming gradient of
-    its result: ``grad_x`` is the same product with ``w`` transposed (a view, never a copy),
-    ``grad_w[g] = Σ_rows x_gᵀ grad_g``. Nothing is validated again.
-    """
-    x, w = inputs
-    grad = grads[0]
-    need_x, need_w = needs
-    backend = backend_of(x, w, grad)
-    if grad.ndim > x.ndim:  # torch.func maps the backward over stacked incoming gradients (jacrev)
-        return _per_gradient(backend, block_diag_matmul_backward, inputs, results, grad, needs)
-    grad_x = _block_diag_product(backend, grad, w.swapaxes(1, 2), np.promote_types(grad.dtype, w.dtype)) \
-        if need_x else None
-    grad_w = _block_diag_weight_grad(x, grad) if need_w else None
-    return grad_x, grad_w
+    x: Array | None
+    w: Array | None
+
+
+def prepare_block_diag(x: Any, w: Any, *, caller: str = "spchain.block_diag_matmul",
+                       check: bool = True) -> Operands:
+    """The :class:`Operands` of :func:`block_diag_matmul` (``check=False``: operands that a
+    ``prepare`` has validated)."""
+    if not check:
+        return Operands(backend_of(x, w), x, w, np.promote_types(x.dtype, w.dtype))
+    x, w = dense(caller, x=x, w=w)
+    backend = backend_of(x, w, caller=caller)
+    dtype = float_dtype(caller, x=x, w=w)
+    block_diag_matmul_shape(caller, x.shape, w.shape)
+    return Operands(backend, x, w, dtype)
+
+
+def _block_diag_forward(p: Operands) -> tuple[tuple[Array], Saved]:
+    return (_block_diag_product(p.backend, p.x, p.w, p.dtype),), Saved()
+
+
+def _block_diag_backward(p: Operands, saved: Saved, grads: Sequence[Array | None],
+                         needs: Sequence[bool]) -> MatmulGrads:
+    """``grad_x`` is the same product with ``w`` transposed (a view, never a copy),
+    ``grad_w[g] = Σ_rows x_gᵀ grad_g``."""
+    (grad,) = grads
+    assert grad is not None  # the operator gives zeros for an unused output
+    if grad.ndim > p.x.ndim:  # torch.func maps the backward over stacked incoming gradients (jacrev)
+        return _per_gradient(_block_diag_backward, p, grad, needs)
+    grad_x = _block_diag_product(p.backend, grad, p.w.swapaxes(1, 2), np.promote_types(grad.dtype, p.w.dtype)) \
+        if needs[0] else None
+    return MatmulGrads(grad_x, _block_diag_weight_grad(p.x, grad) if needs[1] else None)
+
+
+BLOCK_DIAG: Op[Operands, Saved] = Op(prepare_block_diag, _block_diag_forward, Saved, _block_diag_backward)
+""":func:`block_diag_matmul` as an :class:`~spchain._op.Op`: outputs ``(y,)``, differentiable in ``(x, w)``."""
 
 
 def _block_diag_weight_grad(x: Array, grad: Array) -> Array:
@@ -331,15 +352,23 @@ def grouped_matmul(x: Array, w: Array, group_sizes: Sequence[int] | Array) -> Ar
            [3., 3.],
            [3., 3.]])
     """
-    caller = "spchain.grouped_matmul"
+    (out,), _ = GROUPED.forward(prepare_grouped(x, w, group_sizes))
+    return out
+
+
+def prepare_grouped(x: Any, w: Any, group_sizes: Any, *, caller: str = "spchain.grouped_matmul",
+                    check: bool = True) -> Operands:
+    """The :class:`Operands` of :func:`grouped_matmul` (``check=False``: operands that a
+    ``prepare`` has validated, ``group_sizes`` integers on the host)."""
+    if not check:
+        return Operands(backend_of(x, w), x, w, np.promote_types(x.dtype, w.dtype), np.asarray(group_sizes, np.int64))
     x, w = dense(caller, x=x, w=w)
     backend = backend_of(x, w, caller=caller)
     dtype = float_dtype(caller, x=x, w=w)
     if w.ndim != 3 or x.ndim != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"{caller}: x (N, d_in) and w (G, d_in, d_out) do not match: "
                          f"x has shape {x.shape}, w has shape {w.shape}")
-    sizes = _check_group_sizes(caller, group_sizes, w.shape[0], x.shape[0])
-    return _grouped_product(backend, x, w, sizes, dtype)
+    return Operands(backend, x, w, dtype, _check_group_sizes(caller, group_sizes, w.shape[0], x.shape[0]))
 
 
 def _grouped_product(backend: Backend, x: Array, w: Array, sizes: NDArray[np.int64],
@@ -453,52 +482,42 @@ def indexed_gemm_plan(a: Array, b: Array, index: NDArray[np.int64], out: Array) 
             "offsets_b": chunks * (a.strides[0] // item), "offsets_c": chunks * (out.strides[0] // item)}
 
 
-def grouped_matmul_forward(x: Array, w: Array, group_sizes: Sequence[int] | Array) -> Array:
-    """:func:`grouped_matmul`, as the forward of the pair that ``spchain.torch`` differentiates.
-
-    Returns the product only; the backward reuses ``x``, ``w`` and ``group_sizes``.
-    """
-    return grouped_matmul(x, w, group_sizes)
+def _grouped_forward(p: Operands) -> tuple[tuple[Array], Saved]:
+    assert p.sizes is not None  # a grouped product's operands
+    return (_grouped_product(p.backend, p.x, p.w, p.sizes, p.dtype),), Saved()
 
 
-def grouped_matmul_backward(inputs: Sequence[Any], results: Sequence[Array], grads: Sequence[Array],
-                            needs: Sequence[bool]) -> tuple[Array | None, ...]:
-    """The gradients ``(grad_x, grad_w)`` of :func:`grouped_matmul_forward`, ``None`` where
-    ``needs`` is false.
-
-    ``inputs`` are ``(x, w, group_sizes)`` as checked by the forward (``group_sizes`` integers on
-    the host); ``grad_x`` is the grouped product of the incoming gradient with ``w`` transposed,
-    ``grad_w[g] = x_gᵀ grad_g`` (zeros for an empty group). Nothing is validated again.
-    """
-    x, w, group_sizes = inputs
-    grad = grads[0]
-    need_x, need_w = needs
-    backend = backend_of(x, w, grad)
-    if grad.ndim > x.ndim:  # torch.func maps the backward over stacked incoming gradients (jacrev)
-        return _per_gradient(backend, grouped_matmul_backward, inputs, results, grad, needs)
-    sizes = np.asarray(group_sizes, np.int64)
-    grad_x = _grouped_product(backend, grad, w.swapaxes(1, 2), sizes, np.promote_types(grad.dtype, w.dtype)) \
-        if need_x else None
-    grad_w = _grouped_weight_grad(x, grad, sizes) if need_w else None
-    return grad_x, grad_w
+def _grouped_backward(p: Operands, saved: Saved, grads: Sequence[Array | None], needs: Sequence[bool]) -> MatmulGrads:
+    """``grad_x`` is the grouped product of the incoming gradient with ``w`` transposed,
+    ``grad_w[g] = x_gᵀ grad_g`` (zeros for an empty group)."""
+    (grad,) = grads
+    assert grad is not None and p.sizes is not None  # zeros for an unused output; a grouped product's operands
+    if grad.ndim > p.x.ndim:  # torch.func maps the backward over stacked incoming gradients (jacrev)
+        return _per_gradient(_grouped_backward, p, grad, needs)
+    grad_x = _grouped_product(p.backend, grad, p.w.swapaxes(1, 2), p.sizes, np.promote_types(grad.dtype, p.w.dtype)) \
+        if needs[0] else None
+    return MatmulGrads(grad_x, _grouped_weight_grad(p.x, grad, p.sizes) if needs[1] else None)
 
 
-def _per_gradient(backend: Backend, backward: Backward, inputs: Sequence[Any], results: Sequence[Array],
-                  grad: Array, needs: Sequence[bool]) -> tuple[Array | None, ...]:
+GROUPED: Op[Operands, Saved] = Op(prepare_grouped, _grouped_forward, Saved, _grouped_backward)
+""":func:`grouped_matmul` as an :class:`~spchain._op.Op`: outputs ``(y,)``, differentiable in ``(x, w)``."""
+
+
+def _per_gradient(backward: Callable[[Operands, Saved, Sequence[Array | None], Sequence[bool]], MatmulGrads],
+                  p: Operands, grad: Array, needs: Sequence[bool]) -> MatmulGrads:
     """``backward`` for a ``grad`` with leading axes of its own: one call per incoming gradient,
     the gradients stacked along those axes."""
-    own = inputs[0].ndim  # the result has x's number of axes
-    lead = grad.shape[:grad.ndim - own]
-    gradients = [backward(inputs, results, [g], needs) for g in grad.reshape(-1, *grad.shape[len(lead):])]
+    lead = grad.shape[:grad.ndim - p.x.ndim]  # the result has x's number of axes
+    gradients = [backward(p, Saved(), [g], needs).ordered() for g in grad.reshape(-1, *grad.shape[len(lead):])]
     out: list[Array | None] = []
-    for k, (a, need) in enumerate(zip(inputs, needs)):
+    for k, (a, need) in enumerate(zip((p.x, p.w), needs)):
         if not need:
             out.append(None)
         elif gradients:
-            out.append(backend.xp.stack([g[k] for g in gradients]).reshape(lead + a.shape))
+            out.append(p.backend.xp.stack([g[k] for g in gradients]).reshape(lead + a.shape))
         else:
-            out.append(backend.xp.zeros(lead + a.shape, grad.dtype))
-    return tuple(out)
+            out.append(p.backend.xp.zeros(lead + a.shape, grad.dtype))
+    return MatmulGrads(*out)
 
 
 def _grouped_weight_grad(x: Array, grad: Array, sizes: NDArray[np.int64]) -> Array:

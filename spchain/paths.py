@@ -108,7 +108,7 @@ def _sample(chain: Chain, num_samples: int, seed: int | None) -> Array:
     possible = xp.isfinite(log_partition) & (c > 0)
     if num_samples and rows and chain.sparse is not None:
         s = chain.sparse
-        t_values = xp.ascontiguousarray(chain.trans.reshape(-1)[s.order])
+        t_values = _sparse_chain.transposed_values(chain)
         cpu.paths.sparse_chain_sample(alpha, s.t_indptr, s.t_rows, t_values, chain.lengths, possible, uniforms, paths)
     elif num_samples and rows:
         trans_t = xp.ascontiguousarray(chain.trans.swapaxes(-1, -2))
@@ -157,17 +157,35 @@ def chain_sample(x: ArrayLike, log_trans: ArrayLike | Sparse, log_init: ArrayLik
            [ True,  True],
            [ True,  True]])
     """
-    return chain_sample_forward(x, log_trans, log_init, lengths, num_samples, seed)
+    (paths,), _ = SAMPLE.forward(prepare_sample(x, log_trans, log_init, lengths, num_samples, seed))
+    return paths
 
 
-def chain_sample_forward(x: ArrayLike, log_trans: ArrayLike | Sparse, log_init: ArrayLike | None = None,
-                         lengths: ArrayLike | None = None, num_samples: int = 1, seed: int | None = None,
-                         caller: str = "spchain.chain_sample") -> Array:
-    """:func:`chain_sample` with its checks naming ``caller`` (not differentiable: no backward)."""
+@dataclasses.dataclass(frozen=True)
+class SampleProblem:
+    """:func:`chain_sample`'s arguments validated and laid out."""
+
+    chain: Chain
+    num_samples: int
+    seed: int | None
+
+
+def prepare_sample(x: Any, log_trans: Any, log_init: Any = None, lengths: Any = None, num_samples: Any = 1,
+                   seed: int | None = None, *, caller: str = "spchain.chain_sample",
+                   check: bool = True) -> SampleProblem:
+    """The :class:`SampleProblem` of :func:`chain_sample`'s arguments."""
     num_samples = _count(caller, "num_samples", num_samples, 0)
-    chain = _prepare(x, log_trans, log_init, lengths, caller).chain
+    return SampleProblem(_prepare(x, log_trans, log_init, lengths, caller, check).chain, num_samples, seed)
+
+
+def _sample_forward(p: SampleProblem) -> tuple[tuple[Array], Saved]:
+    chain = p.chain
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"), chain.backend.use():
-        return _leading(chain, _sample(_limit(chain), num_samples, seed).transpose(1, 0, 2))
+        return (_leading(chain, _sample(_limit(chain), p.num_samples, p.seed).transpose(1, 0, 2)),), Saved()
+
+
+SAMPLE: Op[SampleProblem, Saved] = Op(prepare_sample, _sample_forward, Saved)
+""":func:`chain_sample` as an :class:`~spchain._op.Op`: outputs ``(paths,)``, not differentiable."""
 
 
 @scales_out
@@ -190,7 +208,8 @@ def chain_entropy(x: ArrayLike, log_trans: ArrayLike | Sparse, log_init: ArrayLi
     >>> round(float(sc.chain_entropy(np.zeros((3, 2)), np.zeros((2, 2))) / np.log(2)), 6)   # 8 equal paths
     3.0
     """
-    return chain_entropy_forward(x, log_trans, log_init, lengths)[0]
+    (entropy,), _ = ENTROPY.forward(prepare_entropy(x, log_trans, log_init, lengths))
+    return entropy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,24 +267,6 @@ ENTROPY: Op[ChainProblem, Expectations] = Op(prepare_entropy, _entropy_forward, 
 in ``(x, log_trans, log_init)``."""
 
 
-def chain_entropy_forward(x: ArrayLike, log_trans: ArrayLike | Sparse, log_init: ArrayLike | None = None,
-                          lengths: ArrayLike | None = None,
-                          caller: str = "spchain.chain_entropy") -> tuple[Array, ...]:
-    """:func:`chain_entropy` with its checks naming ``caller``, and what its gradient needs:
-    ``(entropy, pre, norm, fwd, mean, possible)`` (see :class:`Expectations`)."""
-    (entropy,), saved = ENTROPY.forward(prepare_entropy(x, log_trans, log_init, lengths, caller=caller))
-    return (entropy, *saved.arrays())
-
-
-def chain_entropy_backward(inputs: Sequence[Any], results: Sequence[Array], grads: Sequence[Array],
-                           needs: Sequence[bool]) -> tuple[Any, ...]:
-    """Gradients ``(d x, d log_trans, d log_init)`` of ``sum(grad * entropy)`` from the inputs
-    ``(x, log_trans, log_init, lengths)`` of :func:`chain_entropy_forward`, its results and
-    ``grads = (grad,)`` (``None`` where ``needs`` is false). The inputs are trusted."""
-    problem = prepare_entropy(*inputs, check=False)
-    return _entropy_backward(problem, Expectations(*results[1:]), grads, needs).ordered()
-
-
 def _kbest(chain: Chain, k: int) -> tuple[Array, Array]:
     """``(scores (k, B), paths (k, B, v))``, best first."""
     xp = chain.xp
@@ -279,7 +280,7 @@ def _kbest(chain: Chain, k: int) -> tuple[Array, Array]:
         scratch = (work, counts, backptr, scores, paths)
         if chain.sparse is not None:
             s = chain.sparse
-            t_values = xp.ascontiguousarray(chain.trans.reshape(-1)[s.order])
+            t_values = _sparse_chain.transposed_values(chain)
             cpu.paths.sparse_chain_kbest(chain.x, s.t_indptr, s.t_rows, t_values, chain.init, chain.lengths, *scratch)
         else:
             kernel = (cpu.paths.chain_kbest if not chain.backend.on_gpu
@@ -325,19 +326,35 @@ def chain_kbest(x: ArrayLike, log_trans: ArrayLike | Sparse, log_init: ArrayLike
     (array([[0, 1],
            [0, 0]]), array([0.72, 0.18]))
     """
-    return chain_kbest_forward(x, log_trans, log_init, lengths, k)
+    (scores, paths), _ = KBEST.forward(prepare_kbest(x, log_trans, log_init, lengths, k))
+    return scores, paths
 
 
-def chain_kbest_forward(x: ArrayLike, log_trans: ArrayLike | Sparse, log_init: ArrayLike | None = None,
-                        lengths: ArrayLike | None = None, k: int = 1,
-                        caller: str = "spchain.chain_kbest") -> tuple[Array, Array]:
-    """:func:`chain_kbest` with its checks naming ``caller``: ``(scores, paths)`` (no backward:
-    :func:`chain_path_score` of a path gives a differentiable score)."""
+@dataclasses.dataclass(frozen=True)
+class KBestProblem:
+    """:func:`chain_kbest`'s arguments validated and laid out."""
+
+    chain: Chain
+    k: int
+
+
+def prepare_kbest(x: Any, log_trans: Any, log_init: Any = None, lengths: Any = None, k: Any = 1, *,
+                  caller: str = "spchain.chain_kbest", check: bool = True) -> KBestProblem:
+    """The :class:`KBestProblem` of :func:`chain_kbest`'s arguments."""
     k = _count(caller, "k", k, 1)
-    chain = _prepare(x, log_trans, log_init, lengths, caller).chain
+    return KBestProblem(_prepare(x, log_trans, log_init, lengths, caller, check).chain, k)
+
+
+def _kbest_forward(p: KBestProblem) -> tuple[tuple[Array, Array], Saved]:
+    chain = p.chain
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"), chain.backend.use():
-        scores, paths = _kbest(chain, k)
-        return _leading(chain, scores.T[..., None])[..., 0], _leading(chain, paths.transpose(1, 0, 2))
+        scores, paths = _kbest(chain, p.k)
+        return (_leading(chain, scores.T[..., None])[..., 0], _leading(chain, paths.transpose(1, 0, 2))), Saved()
+
+
+KBEST: Op[KBestProblem, Saved] = Op(prepare_kbest, _kbest_forward, Saved)
+""":func:`chain_kbest` as an :class:`~spchain._op.Op`: outputs ``(scores, paths)``, not differentiable
+(:func:`chain_path_score` of a path gives a differentiable score)."""
 
 
 def _path_rows(chain: Chain, path: Array, caller: str, check: bool = True) -> Array:
@@ -447,7 +464,8 @@ def chain_path_score(x: ArrayLike, log_trans: ArrayLike | Sparse, log_init: Arra
     >>> np.exp(sc.chain_path_score(x, np.zeros((2, 2)), None, np.array([0, 1]))).round(2)
     np.float64(0.72)
     """
-    return chain_path_score_forward(x, log_trans, log_init, path, lengths)
+    (score,), _ = PATH_SCORE.forward(prepare_paths(x, log_trans, log_init, path, lengths))
+    return score
 
 
 def _path_score_forward(paths: PathProblem) -> tuple[tuple[Array], Saved]:
@@ -470,21 +488,3 @@ def _path_score_backward(paths: PathProblem, saved: Saved, grads: Sequence[Array
 PATH_SCORE: Op[PathProblem, Saved] = Op(prepare_paths, _path_score_forward, Saved, _path_score_backward)
 """:func:`chain_path_score` as an :class:`~spchain._op.Op`: outputs ``(score,)``, differentiable
 in ``(x, log_trans, log_init)``."""
-
-
-def chain_path_score_forward(x: ArrayLike, log_trans: ArrayLike | Sparse, log_init: ArrayLike | None, path: Array,
-                             lengths: ArrayLike | None = None, caller: str = "spchain.chain_path_score") -> Array:
-    """:func:`chain_path_score` with its checks naming ``caller``: the scores, which is all that
-    :func:`chain_path_score_backward` needs besides the inputs."""
-    (score,), _ = PATH_SCORE.forward(prepare_paths(x, log_trans, log_init, path, lengths, caller=caller))
-    return score
-
-
-def chain_path_score_backward(inputs: Sequence[Any], results: Sequence[Array], grads: Sequence[Array],
-                              needs: Sequence[bool]) -> tuple[Any, ...]:
-    """Gradients ``(d x, d log_trans, d log_init)`` of ``sum(grad * score)`` from the inputs
-    ``(x, log_trans, log_init, path, lengths)`` of :func:`chain_path_score_forward` and
-    ``grads = (grad,)``: ``grad`` on every potential the path uses (``None`` where ``needs``
-    is false). The inputs are trusted (no second validation)."""
-    paths = prepare_paths(*inputs, check=False)
-    return _path_score_backward(paths, Saved(), grads, needs).ordered()

@@ -3,20 +3,27 @@
 ``logmatmul`` is a scaled GEMM made exact (``_logspace.log_matmul``); ``maxmatmul`` a Numba
 kernel; ``log_chain_product`` a pairwise reduction done in place in one buffer per chunk of
 the batch, which carries the last matrix of an odd level up unchanged (padding with a zero
-log-matrix would multiply by the all-ones matrix, not the identity).
+log-matrix would multiply by the all-ones matrix, not the identity). Each is also an
+:class:`~spchain._op.Op` (:data:`LOGMATMUL`, :data:`MAXMATMUL`, :data:`LOG_CHAIN_PRODUCT`),
+which ``spchain.torch`` makes a torch operator of.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from types import ModuleType
+from typing import Any, TypeVar
 
 import numpy as np
 
 from . import _backend, _checks, _logspace
 from ._dask import scales_out
+from ._op import Grads, Op, Saved
 from ._typing import Array, Shape
 from .kernels import cpu, cuda
+
+S = TypeVar("S", bound=Saved)
 
 CHAIN_CHUNK_BYTES = 1 << 28
 """Bytes of input that ``log_chain_product`` reduces at a time (bounds its working memory)."""
@@ -42,19 +49,62 @@ def product_shape(caller: str, a_shape: Shape, b_shape: Shape) -> Shape:
     return tuple(batch_shape) + (a_shape[-2], b_shape[-1])
 
 
-def _operands(a: Array, b: Array, caller: str) -> tuple[_backend.Backend, Array, Array, Shape]:
-    """Validated ``(backend, a, b, batch_shape)`` of a product over the last two axes."""
-    a, b = _checks.dense(caller, a=a, b=b)
-    backend = _backend.backend_of(a, b, caller=caller)
-    dtype = _checks.float_dtype(caller, a=a, b=b)
+@dataclasses.dataclass(frozen=True)
+class Operands:
+    """The operands of a product over the last two axes, validated, in their common dtype."""
+
+    backend: _backend.Backend
+    a: Array
+    b: Array
+    batch_shape: Shape
+
+
+def prepare_product(a: Any, b: Any, *, caller: str, check: bool = True) -> Operands:
+    """The :class:`Operands` of :func:`logmatmul` or :func:`maxmatmul` (``check=False``:
+    operands that a ``prepare`` has validated)."""
+    if check:
+        a, b = _checks.dense(caller, a=a, b=b)
+        backend = _backend.backend_of(a, b, caller=caller)
+        dtype = _checks.float_dtype(caller, a=a, b=b)
+    else:
+        backend, dtype = _backend.backend_of(a, b), np.promote_types(a.dtype, b.dtype)
     batch_shape = product_shape(caller, tuple(a.shape), tuple(b.shape))[:-2]
-    return backend, a.astype(dtype, copy=False), b.astype(dtype, copy=False), batch_shape
+    return Operands(backend, a.astype(dtype, copy=False), b.astype(dtype, copy=False), batch_shape)
 
 
-def _trusted(a: Array, b: Array) -> tuple[ModuleType, Array, Array]:
-    """``(xp, a, b)`` of operands that a forward has validated, in their common dtype."""
-    dtype = np.promote_types(a.dtype, b.dtype)
-    return _backend.backend_of(a, b).xp, a.astype(dtype, copy=False), b.astype(dtype, copy=False)
+@dataclasses.dataclass(frozen=True)
+class ProductGrads(Grads):
+    """The gradients of a product's ``(a, b)``, ``None`` where not needed."""
+
+    a: Array | None
+    b: Array | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Product(Saved):
+    """What :data:`LOGMATMUL`'s backward reads: its output ``out``."""
+
+    out: Array
+
+
+@dataclasses.dataclass(frozen=True)
+class MaxProduct(Saved):
+    """What :data:`MAXMATMUL`'s backward reads: its outputs ``values`` and ``argmax``."""
+
+    values: Array
+    argmax: Array
+
+
+@dataclasses.dataclass(frozen=True)
+class _FromOutputs(Op[Operands, S]):
+    """An :class:`~spchain._op.Op` whose backward reads its outputs only (``saved(*outputs)``):
+    a registered operator passes no residuals."""
+
+    def residuals(self, saved: S) -> tuple[Array, ...]:
+        return ()
+
+    def restore(self, outputs: Sequence[Array], residuals: Sequence[Array]) -> S:
+        return self.saved(*outputs)
 
 
 @scales_out
@@ -76,31 +126,32 @@ def logmatmul(a: Array, b: Array) -> Array:
     array([[1., 4.],
            [0., 1.]])
     """
-    return logmatmul_forward(a, b)
+    (out,), _ = LOGMATMUL.forward(prepare_product(a, b, caller="spchain.logmatmul"))
+    return out
 
 
-def logmatmul_forward(a: Array, b: Array, caller: str = "spchain.logmatmul") -> Array:
-    """:func:`logmatmul` with its checks naming ``caller``; the result is also the only
-    residual :func:`logmatmul_backward` needs."""
-    backend, a, b, _ = _operands(a, b, caller)
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"), backend.use():
-        return _logspace.log_matmul(backend.xp, a, b)
+def _logmatmul_forward(p: Operands) -> tuple[tuple[Array], Product]:
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"), p.backend.use():
+        out = _logspace.log_matmul(p.backend.xp, p.a, p.b)
+    return (out,), Product(out)
 
 
-def logmatmul_backward(inputs: Sequence[Array], results: Sequence[Array], grads: Sequence[Array],
-                       needs: Sequence[bool]) -> tuple[Array | None, Array | None]:
-    """Gradients ``(d a, d b)`` of ``sum(grad * logmatmul(a, b))`` (``None`` where ``needs``
-    is false), from ``inputs = (a, b)``, ``results = (out,)`` of :func:`logmatmul_forward`
-    and ``grads = (grad,)``: the softmax weights rebuilt from the max shifts by GEMMs (as
-    genbmm does), never an (m, k, n) array; a ``+inf`` output's gradient goes in equal shares
-    to its ``+inf`` terms. The inputs are trusted (no second validation).
-    """
-    (a, b), (out,), (grad,) = inputs, results, grads
-    xp, a_, b_ = _trusted(a, b)
+def _logmatmul_backward(p: Operands, saved: Product, grads: Sequence[Array | None],
+                        needs: Sequence[bool]) -> ProductGrads:
+    """Gradients of ``sum(grad * out)``: the softmax weights rebuilt from the max shifts by
+    GEMMs (as genbmm does), never an (m, k, n) array; a ``+inf`` output's gradient goes in
+    equal shares to its ``+inf`` terms."""
+    (grad,) = grads
+    assert grad is not None  # the operator gives zeros for an unused output
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        grad_a, grad_b = _logspace.log_matmul_grads(xp, a_, b_, out, grad.astype(a_.dtype, copy=False), *needs)
-    return (_logspace.reduce_to(grad_a, a.shape) if needs[0] else None,
-            _logspace.reduce_to(grad_b, b.shape) if needs[1] else None)
+        grad = grad.astype(p.a.dtype, copy=False)
+        grad_a, grad_b = _logspace.log_matmul_grads(p.backend.xp, p.a, p.b, saved.out, grad, *needs)
+    return ProductGrads(_logspace.reduce_to(grad_a, p.a.shape) if needs[0] else None,
+                        _logspace.reduce_to(grad_b, p.b.shape) if needs[1] else None)
+
+
+LOGMATMUL: Op[Operands, Product] = _FromOutputs(prepare_product, _logmatmul_forward, Product, _logmatmul_backward)
+""":func:`logmatmul` as an :class:`~spchain._op.Op`: outputs ``(out,)``, differentiable in ``(a, b)``."""
 
 
 @scales_out
@@ -125,39 +176,44 @@ def maxmatmul(a: Array, b: Array) -> tuple[Array, Array]:
     >>> values, argmax
     (array([[3.]]), array([[1]]))
     """
-    return maxmatmul_forward(a, b)
+    (values, argmax), _ = MAXMATMUL.forward(prepare_product(a, b, caller="spchain.maxmatmul"))
+    return values, argmax
 
 
-def maxmatmul_forward(a: Array, b: Array, caller: str = "spchain.maxmatmul") -> tuple[Array, Array]:
-    """:func:`maxmatmul` with its checks naming ``caller``: ``(values, argmax)``, which are
-    also what :func:`maxmatmul_backward` needs besides ``a`` and ``b``."""
-    backend, a, b, batch_shape = _operands(a, b, caller)
-    xp = backend.xp
+def _maxmatmul_forward(p: Operands) -> tuple[tuple[Array, Array], MaxProduct]:
+    xp, a, b = p.backend.xp, p.a, p.b
     m, n = a.shape[-2], b.shape[-1]
-    with backend.use():
-        a3, b3, a_index, b_index = _logspace.batched_operands(xp, a, b, batch_shape)
+    with p.backend.use():
+        a3, b3, a_index, b_index = _logspace.batched_operands(xp, a, b, p.batch_shape)
         values = xp.empty(a_index.shape + (m, n), a.dtype)
         argmax = xp.empty(values.shape, np.int64)
         if values.size:
-            kernel = cpu.semiring.max_matmul if not backend.on_gpu else backend.launcher(cuda.semiring.launch_max_matmul)
+            kernel = (cpu.semiring.max_matmul if not p.backend.on_gpu
+                      else p.backend.launcher(cuda.semiring.launch_max_matmul))
             kernel(a3, b3, a_index, b_index, values, argmax)
-        return values.reshape(batch_shape + (m, n)), argmax.reshape(batch_shape + (m, n))
+        values, argmax = values.reshape(p.batch_shape + (m, n)), argmax.reshape(p.batch_shape + (m, n))
+    return (values, argmax), MaxProduct(values, argmax)
 
 
-def maxmatmul_backward(inputs: Sequence[Array], results: Sequence[Array], grads: Sequence[Array],
-                       needs: Sequence[bool]) -> tuple[Array, Array]:
-    """Sub-gradients ``(d a, d b)`` of ``sum(grad * values)`` from ``inputs = (a, b)``,
-    ``results = (values, argmax)`` of :func:`maxmatmul_forward` and ``grads = (grad, _)``
-    (see :func:`maxmatmul_grads`); both are computed, whatever ``needs`` says."""
-    (a, b), (values, argmax), grad = inputs, results, grads[0]
-    xp, a_, b_ = _trusted(a, b)
+def _maxmatmul_backward(p: Operands, saved: MaxProduct, grads: Sequence[Array | None],
+                        needs: Sequence[bool]) -> ProductGrads:
+    """Sub-gradients of ``sum(grad * values)`` (see :func:`maxmatmul_grads`); both are
+    computed, whatever ``needs`` says."""
+    xp, grad = p.backend.xp, grads[0]
+    assert grad is not None  # the operator gives zeros for an unused output
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         if _logspace.on_device(xp):  # no synchronisation: the +inf shares are zero where no value is +inf
-            infinite: _logspace.PosInf | None = _logspace.PosInf(xp, a_, b_)
+            infinite: _logspace.PosInf | None = _logspace.PosInf(xp, p.a, p.b)
         else:
-            infinite = _logspace.PosInf(xp, a_, b_) if bool(xp.isposinf(values).any()) else None
-        return maxmatmul_grads(xp, a.shape, b.shape, values, argmax, grad.astype(values.dtype, copy=False),
-                               infinite)
+            infinite = _logspace.PosInf(xp, p.a, p.b) if bool(xp.isposinf(saved.values).any()) else None
+        return ProductGrads(*maxmatmul_grads(xp, p.a.shape, p.b.shape, saved.values, saved.argmax,
+                                             grad.astype(saved.values.dtype, copy=False), infinite))
+
+
+MAXMATMUL: Op[Operands, MaxProduct] = _FromOutputs(prepare_product, _maxmatmul_forward, MaxProduct,
+                                                   _maxmatmul_backward)
+""":func:`maxmatmul` as an :class:`~spchain._op.Op`: outputs ``(values, argmax)``, ``values``
+differentiable in ``(a, b)``."""
 
 
 def maxmatmul_grads(xp: ModuleType, a_shape: Shape, b_shape: Shape, values: Array, argmax: Array, grad: Array,
@@ -184,7 +240,26 @@ def maxmatmul_grads(xp: ModuleType, a_shape: Shape, b_shape: Shape, values: Arra
     return _logspace.reduce_to(grad_a, a_shape), _logspace.reduce_to(grad_b, b_shape)
 
 
-def _chain_operand(m: Array, caller: str) -> tuple[_backend.Backend, Array]:
+@dataclasses.dataclass(frozen=True)
+class ChainOperand:
+    """The operand ``m`` (..., L, c, c) of :func:`log_chain_product`, validated, floating."""
+
+    backend: _backend.Backend
+    m: Array
+
+
+@dataclasses.dataclass(frozen=True)
+class ChainProductGrads(Grads):
+    """The gradient of :func:`log_chain_product`'s ``m``, ``None`` where not needed."""
+
+    m: Array | None
+
+
+def prepare_chain_product(m: Any, *, caller: str = "spchain.log_chain_product", check: bool = True) -> ChainOperand:
+    """The :class:`ChainOperand` of :func:`log_chain_product` (``check=False``: an operand that
+    a ``prepare`` has validated)."""
+    if not check:
+        return ChainOperand(_backend.backend_of(m), m)
     (m,) = _checks.dense(caller, m=m)
     backend = _backend.backend_of(m, caller=caller)
     dtype = _checks.float_dtype(caller, m=m)
@@ -192,7 +267,7 @@ def _chain_operand(m: Array, caller: str) -> tuple[_backend.Backend, Array]:
         raise ValueError(f"{caller}: m must have shape (..., L, c, c), got {m.shape}")
     if m.shape[-3] < 1:
         raise ValueError(f"{caller}: m has shape {m.shape}: a chain needs at least one matrix (L >= 1)")
-    return backend, m.astype(dtype, copy=False)
+    return ChainOperand(backend, m.astype(dtype, copy=False))
 
 
 def _row_chunks(m: Array) -> tuple[int, list[slice]]:
@@ -220,13 +295,13 @@ def log_chain_product(m: Array) -> Array:
     array([[1., 3.],
            [0., 1.]])
     """
-    return log_chain_product_forward(m)
+    (out,), _ = LOG_CHAIN_PRODUCT.forward(prepare_chain_product(m))
+    return out
 
 
-def log_chain_product_forward(m: Array, caller: str = "spchain.log_chain_product") -> Array:
-    """:func:`log_chain_product` with its checks naming ``caller``; no residual (the backward
-    recomputes the prefix products from ``m``)."""
-    backend, m = _chain_operand(m, caller)
+def _log_chain_product_forward(p: ChainOperand) -> tuple[tuple[Array], Saved]:
+    """The product; no residual (the backward recomputes the prefix products from ``m``)."""
+    backend, m = p.backend, p.m
     xp = backend.xp
     length, c = m.shape[-3], m.shape[-1]
     flat = _logspace.flat_batch(m, 3)
@@ -243,17 +318,21 @@ def log_chain_product_forward(m: Array, caller: str = "spchain.log_chain_product
                     buf[:, half] = buf[:, level - 1]
                 level = half + level % 2
             out[rows_slice] = buf[:, 0]
-    return out.reshape(m.shape[:-3] + (c, c))
+    return (out.reshape(m.shape[:-3] + (c, c)),), Saved()
 
 
-def log_chain_product_backward(inputs: Sequence[Array], results: Sequence[Array], grads: Sequence[Array],
-                               needs: Sequence[bool]) -> tuple[Array]:
-    """``(d m,)`` of ``sum(grad * log_chain_product(m))`` from ``inputs = (m,)`` and
-    ``grads = (grad,)`` (see :func:`log_chain_product_grad`); ``m`` is trusted."""
-    (m,), (grad,) = inputs, grads
-    xp = _backend.backend_of(m).xp
+def _log_chain_product_backward(p: ChainOperand, saved: Saved, grads: Sequence[Array | None],
+                                needs: Sequence[bool]) -> ChainProductGrads:
+    """``d m`` of ``sum(grad * log_chain_product(m))`` (see :func:`log_chain_product_grad`)."""
+    (grad,) = grads
+    assert grad is not None  # the operator gives zeros for an unused output
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        return (log_chain_product_grad(xp, m, grad.astype(m.dtype, copy=False)),)
+        return ChainProductGrads(log_chain_product_grad(p.backend.xp, p.m, grad.astype(p.m.dtype, copy=False)))
+
+
+LOG_CHAIN_PRODUCT: Op[ChainOperand, Saved] = Op(prepare_chain_product, _log_chain_product_forward, Saved,
+                                                _log_chain_product_backward)
+""":func:`log_chain_product` as an :class:`~spchain._op.Op`: outputs ``(out,)``, differentiable in ``m``."""
 
 
 def log_chain_product_grad(xp: ModuleType, m: Array, grad: Array) -> Array:

@@ -6,8 +6,10 @@ weight view) and the weight gradient (a transposed input view): no operand copie
 
 import numpy as np
 import pytest
+import reference
 
 from spchain import blockdiag
+from spchain._op import Saved
 
 OPS = {0: lambda m: m, 1: lambda m: m.swapaxes(-1, -2)}
 
@@ -123,13 +125,8 @@ def emulate_indexed(plan, a, b, out):
 
 def per_group(x, w, sizes, grad):
     """The per-group loop, in float64: the product and both gradients."""
-    stops = np.cumsum(sizes)
-    y, grad_x, grad_w = np.empty((len(x), w.shape[2])), np.empty_like(x), np.zeros_like(w)
-    for g, (start, stop) in enumerate(zip(stops - sizes, stops)):
-        y[start:stop] = x[start:stop] @ w[g]
-        grad_x[start:stop] = grad[start:stop] @ w[g].T
-        grad_w[g] = x[start:stop].T @ grad[start:stop]
-    return y, grad_x, grad_w
+    return (reference.grouped_matmul(x, w, sizes), reference.grouped_matmul(grad, w.swapaxes(1, 2), sizes),
+            reference.grouped_weight_grad(x, grad, sizes))
 
 
 @pytest.mark.parametrize("sizes", [[1, 3, 2], [0, 3, 3], [6], [0, 0, 6, 0], [9, 0, 1, 1, 0, 2], [1, 1, 1, 1, 1, 14]])
@@ -163,10 +160,17 @@ def test_ragged_groups_are_one_batched_gemm_on_the_gpu_branch(monkeypatch, rng, 
     x[0, 1] = np.inf  # stays in its own group's gradient
     want = per_group(x, w, sizes, grad)
     y = blockdiag.grouped_matmul(x, w, sizes.tolist())
-    grad_x, grad_w = blockdiag.grouped_matmul_backward((x, w, sizes), (y,), (grad,), (True, True))
+    grad_x, grad_w = grouped_backward(x, w, sizes, grad)
     for got, expected in zip((y, grad_x, grad_w), want):
         np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-12)
     assert calls == ["indexed", "indexed", "batched"] if len(set(sizes.tolist())) > 1 else ["batched"] * 3
+
+
+def grouped_backward(x, w, sizes, grad):
+    """``(grad_x, grad_w)`` by :data:`blockdiag.GROUPED`'s backward, prepared as the registered
+    operator's backward prepares (trusted operands)."""
+    problem = blockdiag.GROUPED.prepare(x, w, sizes, check=False)
+    return blockdiag.GROUPED.backward(problem, Saved(), (grad,), (True, True)).ordered()
 
 
 def test_ragged_plan_pads_at_most_twice_the_rows():
@@ -188,6 +192,6 @@ def test_cpu_keeps_one_blas_product_per_group(monkeypatch, rng):
     sizes = np.array([2, 0, 5, 1])
     x, w, grad = rng.normal(size=(8, 3)), rng.normal(size=(4, 3, 2)), rng.normal(size=(8, 2))
     y = blockdiag.grouped_matmul(x, w, sizes.tolist())
-    got = (y,) + blockdiag.grouped_matmul_backward((x, w, sizes), (y,), (grad,), (True, True))
+    got = (y,) + grouped_backward(x, w, sizes, grad)
     for g, want in zip(got, per_group(x, w, sizes, grad)):
         np.testing.assert_allclose(g, want, rtol=1e-12, atol=1e-12)

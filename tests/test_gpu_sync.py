@@ -26,7 +26,7 @@ HOT_PATHS = {
                           "product_epilogue": None, "log_matmul": "posinf and on_device(xp)",
                           "_log_matmul_on_device": None, "log_matmul_grads": "on_device(xp)",
                           "_log_matmul_grads_on_device": None, "_without_posinf": None, "_on_entries": None},
-    "spchain.semiring": {"maxmatmul_backward": "_logspace.on_device(xp)"},
+    "spchain.semiring": {"_maxmatmul_backward": "_logspace.on_device(xp)"},
     "spchain._structures": {"StructureCache.lookup": "backend.on_gpu", "_same_on_device": None,
                             "StructureCache.note_versions": None},
     "spchain.torch.linear": {"_forward": None},

@@ -151,6 +151,21 @@ def on_simulated_gpu(monkeypatch, chain):
     return dataclasses.replace(chain, backend=_backend.Backend(np, scipy.sparse, 0))
 
 
+def assert_simulated_gpu_sweeps_match(monkeypatch, chain, weight, rtol):
+    """The forward and backward sweeps of ``chain`` on the simulated GPU give the CPU path's results."""
+    from spchain import _chain_sweep
+
+    with np.errstate(all="ignore"):
+        _, pre, norm = _chain_sweep.forward_finite(chain)
+        want = _chain_sweep.backward_finite(chain, pre, norm, weight)
+        gpu = on_simulated_gpu(monkeypatch, chain)
+        _, got_pre, got_norm = _chain_sweep.forward_finite(gpu)
+        got = _chain_sweep.backward_finite(gpu, got_pre, got_norm, weight)
+    np.testing.assert_allclose(got_norm, norm, rtol=1e-12, atol=1e-12)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=rtol, atol=1e-10)
+
+
 @pytest.mark.cuda_kernel
 @pytest.mark.parametrize("sweep", ["kernel", "gemm"])
 @pytest.mark.parametrize("per_step", [False, True])
@@ -160,7 +175,7 @@ def test_chain_gpu_path_end_to_end_matches_cpu(small_launch, monkeypatch, rng, s
     transition counts, the masked exact kernel, the device fix-ups) on NumPy arrays under the
     simulator gives the CPU path's results."""
     import spchain
-    from spchain import _chain_layout, _chain_sweep
+    from spchain import _chain_layout
 
     B, v, c = 4, 4, 5
     x = rng.normal(size=(B, v, c)) * scale
@@ -169,16 +184,8 @@ def test_chain_gpu_path_end_to_end_matches_cpu(small_launch, monkeypatch, rng, s
     x[1, 2] = -np.inf  # an impossible chain
     lengths = np.array([4, 4, 2, 3])
     chain = _chain_layout.prepare(x, trans, None, lengths, "t")
-    weight = np.linspace(0.5, 2.0, B)
-    with spchain.chain_sweep(sweep), np.errstate(all="ignore"):  # as the public functions run them
-        _, pre, norm = _chain_sweep.forward_finite(chain)
-        want = _chain_sweep.backward_finite(chain, pre, norm, weight)
-        gpu = on_simulated_gpu(monkeypatch, chain)
-        _, got_pre, got_norm = _chain_sweep.forward_finite(gpu)
-        got = _chain_sweep.backward_finite(gpu, got_pre, got_norm, weight)
-    np.testing.assert_allclose(got_norm, norm, rtol=1e-12, atol=1e-12)
-    for g, w in zip(got, want):
-        np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-10)
+    with spchain.chain_sweep(sweep):  # as the public functions run them
+        assert_simulated_gpu_sweeps_match(monkeypatch, chain, np.linspace(0.5, 2.0, B), rtol=1e-10)
 
 
 @pytest.mark.cuda_kernel
@@ -188,7 +195,7 @@ def test_sparse_chain_gpu_path_end_to_end_matches_cpu(small_launch, monkeypatch,
     log-space value gradient) on NumPy arrays under the simulator gives the CPU path's results."""
     import scipy.sparse
 
-    from spchain import _chain_layout, _chain_sweep
+    from spchain import _chain_layout
 
     B, v, c = 3, 4, 6
     x = rng.normal(size=(B, v, c)) * scale
@@ -197,13 +204,4 @@ def test_sparse_chain_gpu_path_end_to_end_matches_cpu(small_launch, monkeypatch,
     trans = scipy.sparse.csr_matrix(dense)
     lengths = np.array([4, 2, 3])
     chain = _chain_layout.prepare(x, trans, None, lengths, "t")
-    weight = np.linspace(0.5, 2.0, B)
-    with np.errstate(all="ignore"):
-        _, pre, norm = _chain_sweep.forward_finite(chain)
-        want = _chain_sweep.backward_finite(chain, pre, norm, weight)
-        gpu = on_simulated_gpu(monkeypatch, chain)
-        _, got_pre, got_norm = _chain_sweep.forward_finite(gpu)
-        got = _chain_sweep.backward_finite(gpu, got_pre, got_norm, weight)
-    np.testing.assert_allclose(got_norm, norm, rtol=1e-12, atol=1e-12)
-    for g, w in zip(got, want):
-        np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-10)
+    assert_simulated_gpu_sweeps_match(monkeypatch, chain, np.linspace(0.5, 2.0, B), rtol=1e-9)

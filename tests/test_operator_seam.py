@@ -8,7 +8,7 @@ import torch
 
 import spchain._chain_layout
 import spchain._csr
-import spchain._sparse_chain
+import spchain._structures
 import spchain.chain
 import spchain.torch as st
 from spchain.torch.chain import SPARSE_CHAIN_LOGSUMEXP
@@ -30,7 +30,7 @@ def calls(monkeypatch):
     monkeypatch.setattr(spchain._chain_layout, "prepare", prepare)
     monkeypatch.setattr(spchain.chain, "prepare", prepare)
     monkeypatch.setattr(spchain._csr, "to_csr", counted("structure", spchain._csr.to_csr))
-    monkeypatch.setattr(spchain._sparse_chain, "_STRUCTURES", spchain._sparse_chain._Cache())
+    monkeypatch.setattr(spchain._structures, "STRUCTURES", spchain._structures.StructureCache())
     return counts
 
 
@@ -88,3 +88,29 @@ def test_an_operator_of_an_op_refuses_a_second_backward():
     with pytest.raises(TypeError, match="carries its own backward"):
         Operator("doc_twice", "(Tensor x) -> Tensor", LOGSUMEXP, torch.empty_like,
                  backward=lambda args, results, grads, needs: grads)
+
+
+@pytest.mark.parametrize("name", ["logmatmul", "maxmatmul", "log_chain_product", "block_diag_matmul",
+                                  "grouped_matmul"])
+def test_the_products_validate_once_per_forward_and_backward(monkeypatch, name):
+    """The products are ``Op``s: their operands are checked by one ``prepare`` a call."""
+    import spchain._checks
+    import spchain.blockdiag
+
+    checks = []
+
+    def counted(real):
+        return lambda *args, **kwargs: (checks.append(1), real(*args, **kwargs))[1]
+
+    monkeypatch.setattr(spchain._checks, "dense", counted(spchain._checks.dense))
+    monkeypatch.setattr(spchain.blockdiag, "dense", counted(spchain.blockdiag.dense))
+    torch.manual_seed(0)
+    a = torch.randn(3, 4, 4, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
+    call = {"logmatmul": lambda: st.logmatmul(a, b), "maxmatmul": lambda: st.maxmatmul(a, b)[0],
+            "log_chain_product": lambda: st.log_chain_product(a),
+            "block_diag_matmul": lambda: st.block_diag_matmul(a.transpose(0, 1), a),
+            "grouped_matmul": lambda: st.grouped_matmul(b.T, a[:, :, :2], torch.tensor([1, 4, 0]))}[name]
+    call().square().sum().backward()
+    assert len(checks) == 1
+    assert a.grad is not None

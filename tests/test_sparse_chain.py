@@ -8,8 +8,15 @@ import scipy.sparse
 import spchain as sc
 from spchain.chain import (chain_logsumexp_backward, chain_logsumexp_forward, viterbi_backward,
                            viterbi_forward)
-from spchain.paths import (chain_entropy_backward, chain_entropy_forward, chain_path_score_backward,
-                           chain_path_score_forward)
+from spchain.paths import ENTROPY, PATH_SCORE
+
+
+def outputs_and_grads(op, args, weight, needs=(True, True, True)):
+    """``(outputs, gradients)`` of the array-level ``op`` at ``args``, the incoming gradient
+    ``weight``: one ``prepare``, its forward and its backward."""
+    problem = op.prepare(*args)
+    outputs, saved = op.forward(problem)
+    return outputs, op.backward(problem, saved, (weight,), needs).ordered()
 
 
 def sparse_trans(rng, c, density=0.4, fmt="csr", dtype=np.float64, minus_inf=True):
@@ -127,13 +134,10 @@ def test_path_functions_equal_the_dense_chain(rng, batch, v, c, lengths):
     np.testing.assert_array_equal(sc.chain_path_score(x, matrix, init, path, **kw),
                                   sc.chain_path_score(x, dense, init, path, **kw))
     weight = rng.normal(size=batch)
-    for forward, backward, args in ((chain_entropy_forward, chain_entropy_backward, (x, matrix, init, lengths)),
-                                    (chain_path_score_forward, chain_path_score_backward,
-                                     (x, matrix, init, path, lengths))):
+    for op, args in ((ENTROPY, (x, matrix, init, lengths)), (PATH_SCORE, (x, matrix, init, path, lengths))):
         dense_args = tuple(dense if a is matrix else a for a in args)
-        needs = (True, True, True)
-        got = backward(args, forward(*args), (weight,), needs)
-        want = backward(dense_args, forward(*dense_args), (weight,), needs)
+        _, got = outputs_and_grads(op, args, weight)
+        _, want = outputs_and_grads(op, dense_args, weight)
         np.testing.assert_allclose(got[1].data, values_of(matrix, want[1]), rtol=1e-10, atol=1e-12)
         np.testing.assert_allclose(got[0], want[0], rtol=1e-10, atol=1e-12)
 
@@ -268,15 +272,11 @@ def test_path_functions_on_the_stored_entries_equal_the_dense_chain(rng, dtype, 
     got, want = (sc.chain_path_score(x, t, init, path, **kw) for t in (matrix, dense))
     np.testing.assert_allclose(got, want, **tol)
     weight = rng.normal(size=batch).astype(dtype)
-    for forward, backward, args in ((chain_entropy_forward, chain_entropy_backward, (x, matrix, init, lengths)),
-                                    (chain_path_score_forward, chain_path_score_backward,
-                                     (x, matrix, init, path, lengths))):
+    for op, args in ((ENTROPY, (x, matrix, init, lengths)), (PATH_SCORE, (x, matrix, init, path, lengths))):
         dense_args = tuple(dense if a is matrix else a for a in args)
-        results, dense_results = forward(*args), forward(*dense_args)
-        got = backward(args, results, (weight,), (True, True, True))
-        want = backward(dense_args, dense_results, (weight,), (True, True, True))
-        rows = ~(np.isnan(np.asarray(results[0] if forward is chain_entropy_forward else results))
-                 | np.isnan(np.asarray(dense_results[0] if forward is chain_entropy_forward else dense_results)))
+        (result,), got = outputs_and_grads(op, args, weight)
+        (dense_result,), want = outputs_and_grads(op, dense_args, weight)
+        rows = ~(np.isnan(np.asarray(result)) | np.isnan(np.asarray(dense_result)))
         if special != "nan":  # the value gradient sums over the rows, NaN ones included
             np.testing.assert_allclose(got[1].data, values_of(matrix, want[1]), **tol)
         np.testing.assert_allclose(got[0][rows], want[0][rows], **tol)
@@ -292,13 +292,11 @@ def test_path_functions_never_build_the_dense_matrix():
     x = np.random.default_rng(0).normal(size=(2, 6, c))
     path = np.zeros((2, 6), np.int64)
     calls = {
-        "entropy": lambda: chain_entropy_backward((x, matrix, None, None), chain_entropy_forward(x, matrix),
-                                                  (np.ones(2),), (True, True, False)),
+        "entropy": lambda: outputs_and_grads(ENTROPY, (x, matrix, None, None), np.ones(2), (True, True, False)),
         "sample": lambda: sc.chain_sample(x, matrix, num_samples=3, seed=0),
         "kbest": lambda: sc.chain_kbest(x, matrix, k=2),
-        "path score": lambda: chain_path_score_backward((x, matrix, None, path, None),
-                                                        chain_path_score_forward(x, matrix, None, path),
-                                                        (np.ones(2),), (True, True, False)),
+        "path score": lambda: outputs_and_grads(PATH_SCORE, (x, matrix, None, path, None), np.ones(2),
+                                                (True, True, False)),
     }
     for name, call in calls.items():
         call()  # compiled, cached

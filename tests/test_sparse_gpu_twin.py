@@ -4,6 +4,7 @@ cuSPARSE requires (column-major operands, a canonical matrix: so no validation r
 computes ``alpha * op(a) @ b + beta * c`` in place, and must give the CPU's results."""
 
 import contextlib
+import weakref
 
 import numpy as np
 import pytest
@@ -67,15 +68,17 @@ def test_gpu_linear_matches_cpu(rng, gpu_twin, canonical, bias, dtype):
     assert fake.calls == [(False, 1.0 if bias else 0.0), (True, 0.0)], "bias folded; cuSPARSE transposes"
 
 
-def test_gpu_structure_is_checked_once_and_forgotten_with_it(rng, gpu_twin):
+def test_gpu_structure_is_checked_once_per_prepared_structure_and_forgotten_with_it(rng, gpu_twin, monkeypatch):
     backend, _ = gpu_twin
     csr = structure(rng, 4, 4, 0.5)
-    first = _csr._GpuStructure.of(backend, csr)
-    assert _csr._GpuStructure.of(backend, csr) is first and first.canonical
-    assert first.indices.dtype == np.int32
-    key = id(csr)
-    del csr
-    assert key not in _csr._GpuStructure._cache
+    csr.prepare(backend)
+    first = csr.__dict__["_gpu"]
+    assert first.canonical and first.indices.dtype == np.int32
+    monkeypatch.setattr(_csr, "_GpuStructure", None)  # a prepared structure builds no other
+    assert _csr._cupyx_csr(backend, csr, np.ones(csr.nnz)).has_canonical_format
+    gone = weakref.ref(first)
+    del csr, first
+    assert gone() is None, "kept on the structure, not in a dict of its own"
 
 
 def test_gpu_empty_products(gpu_twin):

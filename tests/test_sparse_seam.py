@@ -58,22 +58,63 @@ def test_sparse_linear_takes_csr_and_bsr_weights(kind):
     torch.testing.assert_close(y, x @ dense.weight.T)
 
 
-def test_a_further_check_runs_once_per_structure_and_keeps_its_entries_apart():
-    cache, seen = _structures.StructureCache(), []
+def test_one_cache_serves_sparse_linear_and_a_sparse_log_trans(counts, monkeypatch):
+    """The chain functions find a structure by content (SciPy copies a matrix's index arrays
+    into its own dtype), also one that ``sparse_linear`` validated: one validation in all."""
+    import scipy.sparse
 
-    def no_repeats(structure):
-        seen.append(structure)
-        if structure.indices.shape[0] > np.unique(structure.indices).shape[0]:
-            raise ValueError("repeated")
+    import spchain
 
-    arrays = (np.array([0, 1, 2]), np.array([1, 0]))
-    plain, _ = cache.lookup(_backend.NUMPY, arrays, (2, 2), "t")
-    checked, _ = cache.lookup(_backend.NUMPY, arrays, (2, 2), "t", check=no_repeats)
-    assert cache.lookup(_backend.NUMPY, arrays, (2, 2), "t", check=no_repeats)[0] is checked
-    assert seen == [checked] and checked is not plain and len(cache) == 2
-    with pytest.raises(ValueError, match="repeated"):
-        cache.lookup(_backend.NUMPY, (np.array([0, 2, 2]), np.array([1, 1])), (2, 2), "t", check=no_repeats)
-    assert len(cache) == 2, "a structure that fails the check is not kept"
+    from spchain.torch import linear
+
+    cache = _structures.StructureCache()
+    monkeypatch.setattr(_structures, "STRUCTURES", cache)
+    monkeypatch.setattr(linear, "STRUCTURES", cache)  # the name the layer imported
+    values, indptr, indices, shape = weights("csr")
+    st.sparse_linear(torch.randn(2, 3), values, indptr, indices, shape)
+    log_trans = scipy.sparse.csr_matrix((values.detach().numpy(), indices.numpy(), indptr.numpy()), shape=shape)
+    assert log_trans.indices.dtype == np.int32 and indices.dtype == torch.int64  # SciPy's own copies
+    x = np.random.default_rng(0).normal(size=(2, 5, 3))
+    first = spchain.chain_logsumexp(x, log_trans)
+    again = scipy.sparse.csr_matrix((log_trans.data, log_trans.indices.copy(), log_trans.indptr.copy()), shape=shape)
+    np.testing.assert_array_equal(spchain.chain_logsumexp(x, again), first)
+    assert counts["validated"] == 1 and len(cache) == 1
+
+
+def test_a_stream_of_new_log_trans_structures_keeps_the_cache_bounded(monkeypatch):
+    """Each new structure enters the one cache; the oldest leave it, and what was kept on them
+    (the chain's transposed structure) goes with them: nothing else holds them."""
+    import gc
+    import weakref
+
+    import scipy.sparse
+
+    import spchain
+
+    monkeypatch.setattr(_structures, "STRUCTURES", _structures.StructureCache(size=4))
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2, 5, 6))
+    gone = []
+    for _ in range(12):
+        log_trans = scipy.sparse.random(6, 6, density=0.5, format="csr", random_state=rng)
+        spchain.chain_logsumexp(x, log_trans)
+        entry = next(reversed(_structures.STRUCTURES._entries.values()))
+        gone.append((weakref.ref(entry), weakref.ref(entry.__dict__["_kept"]["sparse_chain"])))
+    gc.collect()
+    assert len(_structures.STRUCTURES) == 4
+    assert [s() is None and k() is None for s, k in gone] == [True] * 8 + [False] * 4
+
+
+def test_a_repeated_entry_of_a_log_trans_raises_at_every_call(monkeypatch):
+    import scipy.sparse
+
+    import spchain
+
+    monkeypatch.setattr(_structures, "STRUCTURES", _structures.StructureCache())
+    log_trans = scipy.sparse.csr_matrix((np.zeros(2), np.array([1, 1]), np.array([0, 2, 2])), shape=(2, 2))
+    for _ in range(2):  # the structure is cached, its check kept only once it passes
+        with pytest.raises(ValueError, match=r"stores the entry \(0, 1\) more than once"):
+            spchain.chain_logsumexp(np.zeros((3, 2)), log_trans)
 
 
 def test_a_column_major_x_is_read_in_place_and_a_stack_of_layers_copies_no_activation(monkeypatch):

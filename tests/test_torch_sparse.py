@@ -1,7 +1,6 @@
 """spchain.torch's sparse layer (spchain/torch/linear.py, nn.py) and sparse products (sparse.py): results against dense masked float64
 references, gradcheck, the transpose cache, SparseLinear and dynamic sparsity."""
 
-import gc
 
 import numpy as np
 import pytest

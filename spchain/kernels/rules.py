@@ -16,6 +16,9 @@ sum is below :data:`TINY` (so dropped terms could matter: they are under ``c · 
 A running log-sum-exp is held as a pair ``(m, s)``: the largest value folded in so far and
 the sum of ``exp(x - m)`` over the values folded in. The empty sum is ``(-inf, 0.0)``.
 
+The k-best kernels of both targets rank partial paths by the same helpers (:func:`kbest_plus`,
+:func:`kbest_insert`), registered as jitable: a CPU or CUDA kernel calls them as they are.
+
 Every constant in the helpers takes the float type of the value it meets (:func:`like`), so
 float32 inputs are computed in float32 (float32 ``exp``/``log``, no float64 on a GPU) and
 float64 inputs exactly as before.
@@ -26,7 +29,7 @@ launch a kernel, never at import.
 
 import math
 
-from numba.extending import overload
+from numba.extending import overload, register_jitable
 from numba.np.numpy_support import as_dtype
 
 FLUSH = 1e-154
@@ -99,3 +102,46 @@ def lse_value(m, s):
     if m == like(m, -math.inf):
         return m
     return m + math.log(s)
+
+
+@register_jitable
+def kbest_plus(f, n, term):
+    """A partial path's score ``(f, n)`` (its finite terms' sum ``f``, ``n`` terms ``+inf``)
+    times one more log term: a ``+inf`` term counts, any other adds to ``f`` (so a ``-inf``
+    term makes the path ``-inf`` whatever its ``+inf`` terms; NaN stays NaN)."""
+    if term == math.inf:
+        return f, n + 1
+    return f + term, n
+
+
+@register_jitable
+def kbest_before(a, na, ia, b, nb, ib):
+    """Whether candidate ``(a, na, ia)`` ranks before ``(b, nb, ib)``: NaN first, then more
+    ``+inf`` terms, then the higher finite sum, ties to the lower index."""
+    if a != a:
+        return b == b or ia < ib
+    if b != b:
+        return False
+    if na != nb:
+        return na > nb
+    return a > b or (a == b and ia < ib)
+
+
+@register_jitable
+def kbest_insert(score, count, index, k, val, n, idx):
+    """Insert ``(val, n, idx)`` into the ranked list ``score``/``count``/``index`` of length
+    ``k`` (-1 in ``index`` for empty slots); candidates of score ``-inf`` are dropped."""
+    if val == -math.inf:
+        return
+    pos = k
+    while pos > 0 and (index[pos - 1] < 0 or kbest_before(val, n, idx, score[pos - 1], count[pos - 1], index[pos - 1])):
+        pos -= 1
+    if pos == k:
+        return
+    for m in range(k - 1, pos, -1):
+        score[m] = score[m - 1]
+        count[m] = count[m - 1]
+        index[m] = index[m - 1]
+    score[pos] = val
+    count[pos] = n
+    index[pos] = idx

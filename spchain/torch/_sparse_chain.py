@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeGuard, overload
 import torch
 
 from .. import _backend, _chain_layout
-from .._op import Grads, Op, Positional
+from .._op import Grads, Op
 from .._typing import Array, Sparse
 from ._operator import Fake, Jvp, Operator, Public, run_eagerly
 
@@ -79,6 +79,15 @@ def _matrix(x: Array, crow: Array, col: Array, values: Array) -> Sparse:
     return _backend.backend_of(values).sparse.csr_matrix((values, col, crow), shape=(c, c))
 
 
+@dataclasses.dataclass(frozen=True)
+class SparseGrads(Grads):
+    """The gradients of a sparse operator's ``(x, values, log_init)``, ``None`` where not needed."""
+
+    x: Array | None
+    values: Array | None
+    log_init: Array | None
+
+
 def sparse_op(dense: Op[Any, Any]) -> Op[Any, Any]:
     """The array half of a sparse operator from that of its dense one: the arguments
     ``(x, crow, col, values, *rest)`` prepared as ``(x, matrix, *rest)``, and the gradient of
@@ -87,10 +96,10 @@ def sparse_op(dense: Op[Any, Any]) -> Op[Any, Any]:
                 check: bool = True) -> Any:
         return dense.prepare(x, _matrix(x, crow, col, values), *rest, caller=caller, check=check)
 
-    def backward(problem: Any, saved: Any, grads: Sequence[Array | None], needs: Sequence[bool]) -> Grads:
+    def backward(problem: Any, saved: Any, grads: Sequence[Array | None], needs: Sequence[bool]) -> SparseGrads:
         assert dense.backward is not None  # used only with a backward
         grad_x, grad_trans, grad_init = dense.backward(problem, saved, grads, needs).ordered()
-        return Positional((grad_x, None if grad_trans is None else grad_trans.data, grad_init))
+        return SparseGrads(grad_x, None if grad_trans is None else grad_trans.data, grad_init)
 
     return dataclasses.replace(dense, prepare=prepare, backward=None if dense.backward is None else backward)
 

@@ -2,7 +2,7 @@
 :class:`BlockDiagonalLinear` and :class:`GroupedLinear`.
 
 ``spchain::block_diag_matmul`` and ``spchain::grouped_matmul`` are torch operators (see
-:class:`~spchain.torch._operator.Operator`) over the array-level pairs of ``spchain.blockdiag``,
+:class:`~spchain.torch._operator.Operator`) over the array-level operations of ``spchain.blockdiag``,
 run on zero-copy NumPy/CuPy views of the tensors: they work under ``torch.compile``,
 ``torch.export`` and ``torch.func``, and take float16/bfloat16 inputs (computed in float32).
 The backward reuses ``x`` and ``w``: the input gradient is the same product with ``w``
@@ -35,17 +35,15 @@ def _grouped_fake(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -
 
 
 _BLOCK_DIAG = Operator(
-    "block_diag_matmul", "(Tensor x, Tensor w) -> Tensor",
-    blockdiag.block_diag_matmul_forward, _block_diag_fake,
-    backward=blockdiag.block_diag_matmul_backward, differentiable=(0, 1), jvp=multilinear_jvp)
+    "block_diag_matmul", "(Tensor x, Tensor w) -> Tensor", blockdiag.BLOCK_DIAG, _block_diag_fake,
+    differentiable=(0, 1), jvp=multilinear_jvp)
 # No leading_batch: vmap over x alone must give a weight gradient per slice, which one call with
 # the batch folded into x's rows would sum; so vmap makes one call a slice.
 
 # group_sizes crosses as an int64 CPU tensor (checked by the forward, read by the backward).
 _GROUPED = Operator(
-    "grouped_matmul", "(Tensor x, Tensor w, Tensor group_sizes) -> Tensor",
-    blockdiag.grouped_matmul_forward, _grouped_fake,
-    backward=blockdiag.grouped_matmul_backward, differentiable=(0, 1), jvp=multilinear_jvp)
+    "grouped_matmul", "(Tensor x, Tensor w, Tensor group_sizes) -> Tensor", blockdiag.GROUPED, _grouped_fake,
+    differentiable=(0, 1), jvp=multilinear_jvp)
 
 
 def block_diag_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -3,8 +3,6 @@ operators ``spchain::chain_sample``, ``spchain::chain_entropy`` (its gradient an
 Hessian-vector product), ``spchain::chain_kbest`` and ``spchain::chain_path_score`` over the
 array-level functions of :mod:`spchain.paths` (see :class:`._operator.Operator`)."""
 
-import functools
-
 import torch
 
 from .. import paths as _paths
@@ -52,12 +50,10 @@ _CHAIN_ENTROPY = Operator(
     "chain_entropy", f"({_SCHEMA}) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)", _paths.ENTROPY,
     _entropy_fake, differentiable=(0, 1, 2), jvp=batch_jvp(), autocast="float32")
 _CHAIN_SAMPLE = Operator(
-    "chain_sample", f"({_SCHEMA}, int num_samples, int? seed) -> Tensor",
-    functools.partial(_paths.chain_sample_forward, caller="spchain.torch.chain_sample"), _sample_fake,
+    "chain_sample", f"({_SCHEMA}, int num_samples, int? seed) -> Tensor", _paths.SAMPLE, _sample_fake,
     autocast="float32")
 _CHAIN_KBEST = Operator(
-    "chain_kbest", f"({_SCHEMA}, int k) -> (Tensor, Tensor)",
-    functools.partial(_paths.chain_kbest_forward, caller="spchain.torch.chain_kbest"), _kbest_fake, outputs=2,
+    "chain_kbest", f"({_SCHEMA}, int k) -> (Tensor, Tensor)", _paths.KBEST, _kbest_fake, outputs=2,
     autocast="float32")
 _CHAIN_PATH_SCORE = Operator(
     "chain_path_score", "(Tensor x, Tensor log_trans, Tensor? log_init, Tensor path, Tensor? lengths) -> Tensor",
@@ -66,10 +62,10 @@ SPARSE_CHAIN_ENTROPY = _sparse_chain.operator(
     "chain_entropy", _paths.ENTROPY, _entropy_fake, schema_tail=_sparse_chain.LENGTHS,
     returns="(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)", jvp=batch_jvp(3))
 SPARSE_CHAIN_SAMPLE = _sparse_chain.operator(
-    "chain_sample", _CHAIN_SAMPLE.array, _sample_fake,
+    "chain_sample", _paths.SAMPLE, _sample_fake,
     schema_tail=f"{_sparse_chain.LENGTHS}, int num_samples, int? seed", returns="Tensor")
 SPARSE_CHAIN_KBEST = _sparse_chain.operator(
-    "chain_kbest", _CHAIN_KBEST.array, _kbest_fake, schema_tail=f"{_sparse_chain.LENGTHS}, int k",
+    "chain_kbest", _paths.KBEST, _kbest_fake, schema_tail=f"{_sparse_chain.LENGTHS}, int k",
     returns="(Tensor, Tensor)", outputs=2)
 SPARSE_CHAIN_PATH_SCORE = _sparse_chain.operator(
     "chain_path_score", _paths.PATH_SCORE, _path_score_fake, schema_tail=f", Tensor path{_sparse_chain.LENGTHS}",

@@ -1,8 +1,7 @@
 """logmatmul, maxmatmul and log_chain_product for torch tensors: the operators
 ``spchain::logmatmul``, ``spchain::maxmatmul`` and ``spchain::log_chain_product`` over the
-array-level pairs of :mod:`spchain.semiring` (see :class:`._operator.Operator`)."""
+array-level operations of :mod:`spchain.semiring` (see :class:`._operator.Operator`)."""
 
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -58,7 +57,7 @@ def _logmatmul_jvp(operator: Operator[Any], args: Sequence[Any], results: Sequen
 def _maxmatmul_jvp(operator: Operator[Any], args: Sequence[Any], results: Sequence[torch.Tensor],
                    tangents: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
     """The tangents of the argmax terms, ``da[i, k*] + db[k*, j]`` (0 where the value is ``-inf``)."""
-    (a, b), (values, argmax), (da, db) = args, results, tangents
+    (values, argmax), (da, db) = results, tangents
     tangent = torch.zeros_like(values)
     for d, dim in ((da, -1), (db, -2)):
         if d is not None:  # leading ones where the batch broadcasts
@@ -83,21 +82,14 @@ def _log_chain_product_jvp(operator: Operator[Any], args: Sequence[Any], results
 # vmap: a call a slice for the products (one call with the batch leading would misalign the
 # broadcast of operands with different numbers of batch axes); one call for the chain product.
 _LOGMATMUL = Operator(
-    "logmatmul", "(Tensor a, Tensor b) -> Tensor",
-    functools.partial(_semiring.logmatmul_forward, caller="spchain.torch.logmatmul"),
-    _product_fake("spchain.torch.logmatmul"),
-    backward=_semiring.logmatmul_backward, differentiable=(0, 1), jvp=_logmatmul_jvp, autocast="float32")
+    "logmatmul", "(Tensor a, Tensor b) -> Tensor", _semiring.LOGMATMUL, _product_fake("spchain.torch.logmatmul"),
+    differentiable=(0, 1), jvp=_logmatmul_jvp, autocast="float32")
 _MAXMATMUL = Operator(
-    "maxmatmul", "(Tensor a, Tensor b) -> (Tensor, Tensor)",
-    functools.partial(_semiring.maxmatmul_forward, caller="spchain.torch.maxmatmul"), _maxmatmul_fake,
-    outputs=2, backward=_semiring.maxmatmul_backward, differentiable=(0, 1), jvp=_maxmatmul_jvp,
-    autocast="float32")
+    "maxmatmul", "(Tensor a, Tensor b) -> (Tensor, Tensor)", _semiring.MAXMATMUL, _maxmatmul_fake, outputs=2,
+    differentiable=(0, 1), jvp=_maxmatmul_jvp, autocast="float32")
 _LOG_CHAIN_PRODUCT = Operator(
-    "log_chain_product", "(Tensor m) -> Tensor",
-    functools.partial(_semiring.log_chain_product_forward, caller="spchain.torch.log_chain_product"),
-    _log_chain_product_fake,
-    backward=_semiring.log_chain_product_backward, differentiable=(0,), leading_batch=(0,),
-    jvp=_log_chain_product_jvp, autocast="float32")
+    "log_chain_product", "(Tensor m) -> Tensor", _semiring.LOG_CHAIN_PRODUCT, _log_chain_product_fake,
+    differentiable=(0,), leading_batch=(0,), jvp=_log_chain_product_jvp, autocast="float32")
 
 
 def logmatmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from ..rules import WALK_CHUNK
+from ..rules import WALK_CHUNK, kbest_insert, kbest_plus
 from .exp import exp_nonpositive
 
 
@@ -174,56 +174,13 @@ def chain_sample(alpha, probs, trans_t, trans_probs, totals, tiny, group, length
 
 
 @njit(cache=True)
-def plus(f, n, term):
-    """A partial path's score ``(f, n)`` (its finite terms' sum ``f``, ``n`` terms ``+inf``)
-    times one more log term: a ``+inf`` term counts, any other adds to ``f`` (so a ``-inf``
-    term makes the path ``-inf`` whatever its ``+inf`` terms; NaN stays NaN)."""
-    if term == np.inf:
-        return f, n + 1
-    return f + term, n
-
-
-@njit(cache=True)
-def _before(a, na, ia, b, nb, ib):
-    """Whether candidate ``(a, na, ia)`` ranks before ``(b, nb, ib)``: NaN first, then more
-    ``+inf`` terms, then the higher finite sum, ties to the lower index."""
-    if a != a:
-        return b == b or ia < ib
-    if b != b:
-        return False
-    if na != nb:
-        return na > nb
-    return a > b or (a == b and ia < ib)
-
-
-@njit(cache=True)
-def _insert(score, count, index, k, val, n, idx):
-    """Insert ``(val, n, idx)`` into the ranked list ``score``/``count``/``index`` of length
-    ``k`` (-1 in ``index`` for empty slots); candidates of score ``-inf`` are dropped."""
-    if val == -np.inf:
-        return
-    pos = k
-    while pos > 0 and (index[pos - 1] < 0 or _before(val, n, idx, score[pos - 1], count[pos - 1], index[pos - 1])):
-        pos -= 1
-    if pos == k:
-        return
-    for m in range(k - 1, pos, -1):
-        score[m] = score[m - 1]
-        count[m] = count[m - 1]
-        index[m] = index[m - 1]
-    score[pos] = val
-    count[pos] = n
-    index[pos] = idx
-
-
-@njit(cache=True)
 def _kbest_first(b, x, init, work, counts):
     """Position 0 of row ``b``: one partial path per state, in ``work[b, 0]`` / ``counts[b, 0]``."""
     for j in range(x.shape[2]):
         work[b, 0, j, :] = -np.inf
         counts[b, 0, j, :] = 0
-        f, n = plus(0.0, 0, init[b, j])
-        work[b, 0, j, 0], counts[b, 0, j, 0] = plus(f, n, x[b, 0, j])
+        f, n = kbest_plus(0.0, 0, init[b, j])
+        work[b, 0, j, 0], counts[b, 0, j, 0] = kbest_plus(f, n, x[b, 0, j])
 
 
 @njit(cache=True)
@@ -231,8 +188,8 @@ def _kbest_candidate(work, counts, b, cur, i, k, value, new, new_counts, index):
     """Offer the ``k`` partial paths of state ``i`` times the log term ``value`` to ``new``."""
     for r in range(k):
         if work[b, cur, i, r] != -np.inf:  # an empty slot, or a path of weight 0
-            f, n = plus(work[b, cur, i, r], counts[b, cur, i, r], value)
-            _insert(new, new_counts, index, k, f, n, i * k + r)
+            f, n = kbest_plus(work[b, cur, i, r], counts[b, cur, i, r], value)
+            kbest_insert(new, new_counts, index, k, f, n, i * k + r)
 
 
 @njit(cache=True)
@@ -240,7 +197,7 @@ def _kbest_emit(new, new_counts, index, k, value):
     """The emission ``value`` times the kept partial paths of a state (not the empty slots)."""
     for r in range(k):
         if index[r] >= 0:
-            new[r], new_counts[r] = plus(new[r], new_counts[r], value)
+            new[r], new_counts[r] = kbest_plus(new[r], new_counts[r], value)
 
 
 @njit(cache=True)
@@ -253,7 +210,7 @@ def _kbest_last(b, length, cur, work, counts, backptr, scores, paths):
     index[:] = -1
     for j in range(c):
         for r in range(k):
-            _insert(best, best_counts, index, k, work[b, cur, j, r], counts[b, cur, j, r], j * k + r)
+            kbest_insert(best, best_counts, index, k, work[b, cur, j, r], counts[b, cur, j, r], j * k + r)
     for r in range(k):
         scores[r, b] = np.inf if index[r] >= 0 and best_counts[r] > 0 and best[r] == best[r] else best[r]
         paths[r, b, :] = -1
@@ -273,7 +230,7 @@ def chain_kbest(x, trans, group, init, lengths, work, counts, backptr, scores, p
 
     Inputs as for ``chain.chain_viterbi``; ``work`` (B, 2, c, k) and ``counts`` (B, 2, c, k, int64)
     are scratch: the kept partial paths' scores as their finite sums and their numbers of
-    ``+inf`` terms (:func:`plus`), ranked by the ``+inf`` terms first (the limit as they grow
+    ``+inf`` terms (``rules.kbest_plus``), ranked by the ``+inf`` terms first (the limit as they grow
     together), then the finite sum. ``backptr`` (B, v, c, k, int64) holds ``i * k + r`` (the
     predecessor state ``i`` and its rank ``r``; ``backptr[b, 0, 0]`` is scratch for the final
     ranking). Paths of score ``-inf`` are dropped, so fewer than ``k`` paths leave ``-inf``

@@ -44,6 +44,26 @@ def _finite(v):
     return v == v and v != like(v, math.inf) and v != like(v, -math.inf)
 
 
+@cuda.jit(device=True)
+def _forward_tail(pre, norm, b, length, tid, threads, neg_inf, zero):
+    """The forward messages of row ``b`` past its length: ``pre`` ``neg_inf``, ``norm`` ``zero``
+    (a block's threads ``tid`` of ``threads`` share the states)."""
+    for t in range(length, pre.shape[1]):
+        for j in range(tid, pre.shape[2], threads):
+            pre[b, t, j] = neg_inf
+        if tid == 0:
+            norm[b, t] = zero
+
+
+@cuda.jit(device=True)
+def _backward_tail(beta, b, length, tid, threads, neg_inf, zero):
+    """The backward messages of row ``b`` from its last position on: ``zero`` there, ``neg_inf``
+    past it (a block's threads ``tid`` of ``threads`` share the states)."""
+    for t in range(length - 1, beta.shape[1]):
+        for i in range(tid, beta.shape[2], threads):
+            beta[b, t, i] = zero if t == length - 1 else neg_inf
+
+
 @functools.cache
 def _forward_kernel(dtype):
     dtype = numba.from_dtype(dtype)
@@ -99,11 +119,7 @@ def _forward_kernel(dtype):
                 d = _block_log_sum_exp(m, s, red_m, red_s)
                 if tid == 0:
                     norm[b, t + 1] = d
-            for t in range(length, v):
-                for j in range(tid, c, threads):
-                    pre[b, t, j] = neg_inf
-                if tid == 0:
-                    norm[b, t] = zero
+            _forward_tail(pre, norm, b, length, tid, threads, neg_inf, zero)
             cuda.syncthreads()
 
     return chain_forward_kernel
@@ -130,9 +146,7 @@ def _backward_kernel(dtype):
         for b in range(cuda.blockIdx.x, rows, cuda.gridDim.x):
             g = b // group
             length = lengths[b]
-            for t in range(length - 1, v):
-                for i in range(tid, c, threads):
-                    beta[b, t, i] = zero if t == length - 1 else neg_inf
+            _backward_tail(beta, b, length, tid, threads, neg_inf, zero)
             for t in range(length - 2, -1, -1):
                 step = t if per_step else 0
                 d = norm[b, t + 1]

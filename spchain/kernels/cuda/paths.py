@@ -7,7 +7,7 @@ import math
 
 from numba import cuda
 
-from ..rules import WALK_CHUNK
+from ..rules import WALK_CHUNK, kbest_insert, kbest_plus
 from . import config
 
 
@@ -114,43 +114,6 @@ def launch_chain_sample(alpha, probs, trans_t, trans_probs, totals, tiny, group,
         alpha, probs, trans_t, trans_probs, totals, tiny, group, lengths, possible, uniforms, paths)
 
 
-@cuda.jit(device=True)
-def _plus(f, n, term):
-    """The CPU twin's ``plus``."""
-    if term == math.inf:
-        return f, n + 1
-    return f + term, n
-
-
-@cuda.jit(device=True)
-def _before(a, na, ia, b, nb, ib):
-    if a != a:
-        return b == b or ia < ib
-    if b != b:
-        return False
-    if na != nb:
-        return na > nb
-    return a > b or (a == b and ia < ib)
-
-
-@cuda.jit(device=True)
-def _insert(score, count, index, k, val, n, idx):
-    if val == -math.inf:
-        return
-    pos = k
-    while pos > 0 and (index[pos - 1] < 0 or _before(val, n, idx, score[pos - 1], count[pos - 1], index[pos - 1])):
-        pos -= 1
-    if pos == k:
-        return
-    for m in range(k - 1, pos, -1):
-        score[m] = score[m - 1]
-        count[m] = count[m - 1]
-        index[m] = index[m - 1]
-    score[pos] = val
-    count[pos] = n
-    index[pos] = idx
-
-
 @cuda.jit
 def chain_kbest_kernel(x, trans, group, init, lengths, work, counts, backptr, scores, paths):
     """Exact k-best Viterbi, the twin of ``kernels.cpu.paths.chain_kbest`` (same arguments).
@@ -171,8 +134,8 @@ def chain_kbest_kernel(x, trans, group, init, lengths, work, counts, backptr, sc
             for r in range(k):
                 work[b, 0, j, r] = -math.inf
                 counts[b, 0, j, r] = 0
-            f, n = _plus(zero, 0, init[b, j])
-            f, n = _plus(f, n, x[b, 0, j])
+            f, n = kbest_plus(zero, 0, init[b, j])
+            f, n = kbest_plus(f, n, x[b, 0, j])
             work[b, 0, j, 0] = f
             counts[b, 0, j, 0] = n
         for t in range(length - 1):
@@ -187,11 +150,11 @@ def chain_kbest_kernel(x, trans, group, init, lengths, work, counts, backptr, sc
                 for i in range(c):
                     for r in range(k):
                         if work[b, cur, i, r] != -math.inf:
-                            f, n = _plus(work[b, cur, i, r], counts[b, cur, i, r], trans[g, s, i, j])
-                            _insert(new, new_counts, index, k, f, n, i * k + r)
+                            f, n = kbest_plus(work[b, cur, i, r], counts[b, cur, i, r], trans[g, s, i, j])
+                            kbest_insert(new, new_counts, index, k, f, n, i * k + r)
                 for r in range(k):
                     if index[r] >= 0:
-                        f, n = _plus(new[r], new_counts[r], x[b, t + 1, j])
+                        f, n = kbest_plus(new[r], new_counts[r], x[b, t + 1, j])
                         new[r] = f
                         new_counts[r] = n
             cur = 1 - cur
@@ -203,7 +166,7 @@ def chain_kbest_kernel(x, trans, group, init, lengths, work, counts, backptr, sc
             index[r] = -1
         for j in range(c):
             for r in range(k):
-                _insert(best, best_counts, index, k, work[b, cur, j, r], counts[b, cur, j, r], j * k + r)
+                kbest_insert(best, best_counts, index, k, work[b, cur, j, r], counts[b, cur, j, r], j * k + r)
         for r in range(k):
             if index[r] >= 0 and best_counts[r] > 0 and best[r] == best[r]:
                 scores[r, b] = math.inf

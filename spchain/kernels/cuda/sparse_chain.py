@@ -16,7 +16,7 @@ import numpy as np
 from numba import cuda
 
 from . import config
-from .chain import _block_log_sum_exp, _finite
+from .chain import _backward_tail, _block_log_sum_exp, _finite, _forward_tail
 from .logspace import lse_push, lse_value
 
 
@@ -55,11 +55,7 @@ def _forward_kernel(dtype):
                 d = _block_log_sum_exp(m, s, red_m, red_s)  # synchronises: pre[b, t + 1] is complete
                 if tid == 0:
                     norm[b, t + 1] = d
-            for t in range(length, v):
-                for j in range(tid, c, threads):
-                    pre[b, t, j] = neg_inf
-                if tid == 0:
-                    norm[b, t] = zero
+            _forward_tail(pre, norm, b, length, tid, threads, neg_inf, zero)
             cuda.syncthreads()
 
     return sparse_chain_forward_kernel
@@ -81,9 +77,7 @@ def _backward_kernel(dtype):
         neg_inf, zero = x.dtype.type(-math.inf), x.dtype.type(0)
         for b in range(cuda.blockIdx.x, rows, cuda.gridDim.x):
             length = lengths[b]
-            for t in range(length - 1, v):
-                for i in range(tid, c, threads):
-                    beta[b, t, i] = zero if t == length - 1 else neg_inf
+            _backward_tail(beta, b, length, tid, threads, neg_inf, zero)
             cuda.syncthreads()
             for t in range(length - 2, -1, -1):
                 d = norm[b, t + 1]
@@ -370,11 +364,7 @@ def _forward_scaled_kernel(dtype):
                 d = _block_log_sum_exp(m, s, red_m, red_s)  # synchronises: pre[b, t + 1] is complete
                 if tid == 0:
                     norm[b, t + 1] = d
-            for t in range(length, v):
-                for j in range(tid, c, threads):
-                    pre[b, t, j] = neg_inf
-                if tid == 0:
-                    norm[b, t] = zero
+            _forward_tail(pre, norm, b, length, tid, threads, neg_inf, zero)
             cuda.syncthreads()
 
     return sparse_chain_forward_scaled_kernel
@@ -429,9 +419,7 @@ def _backward_scaled_kernel(dtype):
         neg_inf, zero = x.dtype.type(-math.inf), x.dtype.type(0)
         for b in range(cuda.blockIdx.x, rows, cuda.gridDim.x):
             length = lengths[b]
-            for t in range(length - 1, v):
-                for i in range(tid, c, threads):
-                    beta[b, t, i] = zero if t == length - 1 else neg_inf
+            _backward_tail(beta, b, length, tid, threads, neg_inf, zero)
             cuda.syncthreads()
             for t in range(length - 2, -1, -1):
                 d = norm[b, t + 1]
