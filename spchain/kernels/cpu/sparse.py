@@ -25,9 +25,9 @@ _VECTOR = 64
 """Bytes in one vector register (AVX-512; LLVM splits the vectors on narrower targets)."""
 _TILE = 2
 """Registers of accumulators per pass over a row: 32 float32 or 16 float64 columns, so that a
-tile of 4096 rows of ``b`` (512 KiB) stays in a core's cache (1 MiB on the benchmark machine,
-where a tile of 4 registers, 1 MiB, ran the 90 % sparse-linear product 1.1 to 2.3 times slower
-on one thread, measured beside other work; at 99 % the two tie)."""
+tile of 4096 rows of ``b`` (512 KiB) stays in a core's L2 (1 MiB on the benchmark machine,
+where a tile of 4 registers, 1 MiB, ran the sparse-linear product 5 to 40 % slower at 90 %
+sparsity and 4 % slower at 99 %: one thread, fastest runs, measured beside other work)."""
 _PANEL = 2**22
 """Bytes at most of a tile of ``b`` copied for :func:`sparse_spmm` (beyond, ``b`` is read in place)."""
 
