@@ -43,7 +43,6 @@ from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, cast, overload
 
 import torch
 from torch.autograd import forward_ad
-from torch.utils import _python_dispatch
 
 from .. import _op
 from .._typing import Array
@@ -89,7 +88,7 @@ def plain_eager(tensors: Iterable[torch.Tensor]) -> bool:
 def _untraced() -> bool:
     """Whether no compiler, tracer, ``torch.func`` transform or dispatch mode is active."""
     return not (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
-                or torch._C._is_tracing() or _python_dispatch._len_torch_dispatch_stack())
+                or torch._C._is_tracing() or torch._C._len_torch_dispatch_stack())
 
 
 def _plain(tensors: Iterable[torch.Tensor]) -> bool:
