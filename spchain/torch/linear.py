@@ -17,6 +17,7 @@ consume without copying.
 torch.Size([3, 2])
 """
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -24,10 +25,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import _backend, _checks, _csr
+from .. import _backend, _checks, _csr, _op
 from .. import sparse as _sparse
+from .._csr import Csr
 from .._structures import STRUCTURES
 from .._typing import Array, Shape
+from ..blocksparse import Bsr
 from ._bridge import check_dense
 from ._operator import Operator
 from .sparse import index_dtype
@@ -42,20 +45,74 @@ def _blocksize(values: Array | torch.Tensor) -> Shape | None:
     return None if values.ndim == 1 else tuple(int(s) for s in values.shape[1:])
 
 
-def _forward(x: Array, values: Array, indptr: Array, indices: Array, shape: Sequence[int],
-             bias: Array | None) -> tuple[Array, Array, Array, Array]:
-    """``(y.T, x.T, indptr, indices)``: the product, and what the backward reads (``x.T`` in
-    the computation's dtype and layout, the validated structure the product ran on)."""
-    backend = _backend.backend_of(x, values, bias, indptr, indices, caller=_CALLER)
-    dtype = _checks.float_dtype(_CALLER, x=x, values=values, bias=bias)
-    structure, same = STRUCTURES.lookup(backend, (indptr, indices), tuple(shape), _CALLER,
-                                        blocksize=_blocksize(values))
-    yt, xt = _sparse.linear(backend, structure, values, x, bias, dtype)
-    if not backend.on_gpu:
-        return yt, xt, structure.indptr.copy(), structure.indices.copy()
-    if same is not None:  # a structure changed since it was cached: NaN, never the old structure's product
-        yt = backend.xp.where(same, yt, np.nan).astype(yt.dtype, copy=False)
-    return yt, xt, structure.indptr, structure.indices  # the cache's copies are never written: no copy per call
+@dataclasses.dataclass(frozen=True)
+class LinearProblem:
+    """A prepared ``sparse_linear`` call: the arguments, the computation's dtype and the
+    validated structure (``None`` where prepared without checks: the backward looks it up
+    under the structure its forward ran on)."""
+
+    backend: _backend.Backend
+    dtype: np.dtype[Any]
+    x: Array | None
+    values: Array
+    indptr: Array
+    indices: Array
+    shape: Shape
+    bias: Array | None
+    structure: Csr | Bsr | None
+    same: Array | None
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearSaved(_op.Saved):
+    """``x.T`` in the computation's dtype and layout, and the structure the product ran on."""
+
+    xt: Array
+    indptr: Array
+    indices: Array
+
+
+def _prepare(x: Array | None, values: Array, indptr: Array, indices: Array, shape: Sequence[int],
+             bias: Array | None, caller: str = _CALLER, check: bool = True) -> LinearProblem:
+    backend = _backend.backend_of(x, values, bias, indptr, indices, caller=caller)
+    if not check:  # the backward operator: x and bias do not reach it, the structure is the forward's
+        return LinearProblem(backend, values.dtype, x, values, indptr, indices, tuple(shape), bias, None, None)
+    dtype = _checks.float_dtype(caller, x=x, values=values, bias=bias)
+    structure, same = STRUCTURES.lookup(backend, (indptr, indices), tuple(shape), caller, blocksize=_blocksize(values))
+    return LinearProblem(backend, dtype, x, values, indptr, indices, tuple(shape), bias, structure, same)
+
+
+def _forward(p: LinearProblem) -> tuple[tuple[Array], LinearSaved]:
+    """``y.T``, and ``x.T`` with the validated structure the product ran on for the backward."""
+    assert p.structure is not None and p.x is not None  # prepared with checks
+    yt, xt = _sparse.linear(p.backend, p.structure, p.values, p.x, p.bias, p.dtype)
+    if p.same is not None:  # a structure changed since it was cached (GPU): NaN, never the old structure's product
+        yt = p.backend.xp.where(p.same, yt, np.nan).astype(yt.dtype, copy=False)
+    return (yt,), LinearSaved(xt, p.structure.indptr, p.structure.indices)
+
+
+def _backward(p: LinearProblem, saved: LinearSaved, grads: Sequence[Array | None],
+              needs: Sequence[bool]) -> _op.Positional:
+    structure = p.structure
+    if structure is None:  # the structure the forward prepared, under the caller's arrays
+        structure, _ = STRUCTURES.lookup(p.backend, (saved.indptr, saved.indices), p.shape, _CALLER,
+                                         blocksize=_blocksize(p.values), key_arrays=(p.indptr, p.indices))
+    grad_yt = grads[0]
+    assert grad_yt is not None  # the operator fills unused gradients with zeros
+    need_x, need_values, need_bias = needs
+    grad_x, grad_values = _sparse.linear_backward(p.backend, structure, p.values, grad_yt, saved.xt,
+                                                  saved.xt.dtype, need_x, need_values)
+    return _op.Positional((grad_x, grad_values, grad_yt.sum(axis=1) if need_bias else None))
+
+
+@dataclasses.dataclass(frozen=True)
+class _LinearOp(_op.Op[LinearProblem, LinearSaved]):
+    def residuals(self, saved: LinearSaved) -> tuple[Array, ...]:
+        """On the CPU copies of the cached structure (a registered operator's results are the
+        caller's tensors); on the GPU the cache's own arrays, never written."""
+        if isinstance(saved.indptr, np.ndarray):
+            return saved.xt, saved.indptr.copy(), saved.indices.copy()
+        return saved.arrays()
 
 
 def _fake(x: torch.Tensor, values: torch.Tensor, indptr: torch.Tensor, indices: torch.Tensor, shape: Sequence[int],
@@ -68,22 +125,6 @@ def _fake(x: torch.Tensor, values: torch.Tensor, indptr: torch.Tensor, indices: 
             indptr.new_empty(indptr.shape[0], dtype=index), indices.new_empty(indices.shape[0], dtype=index))
 
 
-def _backward(args: Sequence[Any], results: Sequence[Array], grads: Sequence[Array],
-              needs: Sequence[bool]) -> tuple[Array | None, Array | None, Array | None]:
-    _, values, indptr, indices, shape, _ = args
-    _, xt, ran_indptr, ran_indices = results
-    grad_yt = grads[0]
-    need_x, need_values, need_bias = needs
-    backend = _backend.backend_of(grad_yt, xt, ran_indices, caller=_CALLER)
-    # the structure (and its transpose) the forward prepared, under the caller's tensors
-    structure, _ = STRUCTURES.lookup(backend, (ran_indptr, ran_indices), tuple(shape), _CALLER,
-                                     blocksize=_blocksize(values), key_arrays=(indptr, indices))
-    grad_x, grad_values = _sparse.linear_backward(backend, structure, values, grad_yt, xt, xt.dtype, need_x,
-                                                  need_values)
-    grad_bias = grad_yt.sum(axis=1) if need_bias else None
-    return grad_x, grad_values, grad_bias
-
-
 # The operator takes x (batch, in) as it is and returns y.T (out, batch), the layout the
 # kernels write, so that neither the output nor its incoming gradient is copied on the way;
 # the public function transposes. Its other results are the backward's: x.T in the
@@ -93,8 +134,8 @@ _OPERATOR = Operator(
     "sparse_linear",
     "(Tensor x, Tensor values, Tensor indptr, Tensor indices, int[] shape, Tensor? bias)"
     " -> (Tensor, Tensor, Tensor, Tensor)",
-    _forward, _fake, outputs=1, backward=_backward, differentiable=(0, 1, 5), backward_reads=(1, 2, 3),
-    strided=(0,))
+    _LinearOp(_prepare, _forward, LinearSaved, _backward), _fake, outputs=1, differentiable=(0, 1, 5),
+    backward_reads=(1, 2, 3), strided=(0,))
 
 
 def linear(caller: str, x: torch.Tensor, values: torch.Tensor, indptr: torch.Tensor, indices: torch.Tensor,
