@@ -54,7 +54,8 @@ def to_tensor(a: Array) -> torch.Tensor:
     is copied first: torch would otherwise write through a read-only view or reject the strides.
     """
     if isinstance(a, np.ndarray):
-        if not (a.flags.c_contiguous and a.flags.writeable):
+        flags = a.flags
+        if not (flags.c_contiguous and flags.writeable):
             a = np.array(a, order="C")
         return torch.from_numpy(a)  # the same view as torch.from_dlpack, several times faster
     return from_dlpack(a)  # torch.from_dlpack itself, under the name torch declares public

@@ -453,7 +453,8 @@ def _eager_function(op: Operator[Any]) -> type[torch.autograd.Function]:
             out: list[torch.Tensor | None] = [None] * len(ctx.needs_input_grad)
             for k, need, g, dtype in zip(differentiable, needs, arrays, ctx.dtypes):
                 if need:
-                    out[k] = to_tensor(g).to(dtype)
+                    t = to_tensor(g)
+                    out[k] = t if t.dtype == dtype else t.to(dtype)
             return tuple(out)
 
     return Eager
