@@ -17,20 +17,13 @@ consume without copying.
 torch.Size([3, 2])
 """
 
-import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any
-
-import numpy as np
 import torch
 
-from .. import _backend, _checks, _csr, _op
+from .. import _csr
 from .. import sparse as _sparse
-from .._csr import Csr
 from .._structures import STRUCTURES
-from .._typing import Array, Shape
-from ..blocksparse import Bsr
 from ._bridge import check_dense
 from ._operator import Operator
 from .sparse import index_dtype
@@ -40,86 +33,11 @@ __all__ = ["sparse_linear"]
 _CALLER = "spchain.torch.sparse_linear"
 
 
-def _blocksize(values: Array | torch.Tensor) -> Shape | None:
-    """The block size of a BSR weight's ``values`` (nnzb, R, C); ``None`` for CSR values (nnz,)."""
-    return None if values.ndim == 1 else tuple(int(s) for s in values.shape[1:])
-
-
-@dataclasses.dataclass(frozen=True)
-class LinearProblem:
-    """A prepared ``sparse_linear`` call: the arguments, the computation's dtype and the
-    validated structure (``None`` where prepared without checks: the backward looks it up
-    under the structure its forward ran on)."""
-
-    backend: _backend.Backend
-    dtype: np.dtype[Any]
-    x: Array | None
-    values: Array
-    indptr: Array
-    indices: Array
-    shape: Shape
-    bias: Array | None
-    structure: Csr | Bsr | None
-    same: Array | None
-
-
-@dataclasses.dataclass(frozen=True)
-class LinearSaved(_op.Saved):
-    """``x.T`` in the computation's dtype and layout, and the structure the product ran on."""
-
-    xt: Array
-    indptr: Array
-    indices: Array
-
-
-def _prepare(x: Array | None, values: Array, indptr: Array, indices: Array, shape: Sequence[int],
-             bias: Array | None, caller: str = _CALLER, check: bool = True) -> LinearProblem:
-    backend = _backend.backend_of(x, values, bias, indptr, indices, caller=caller)
-    if not check:  # the backward operator: x and bias do not reach it, the structure is the forward's
-        return LinearProblem(backend, values.dtype, x, values, indptr, indices, tuple(shape), bias, None, None)
-    dtype = _checks.float_dtype(caller, x=x, values=values, bias=bias)
-    structure, same = STRUCTURES.lookup(backend, (indptr, indices), tuple(shape), caller, blocksize=_blocksize(values))
-    return LinearProblem(backend, dtype, x, values, indptr, indices, tuple(shape), bias, structure, same)
-
-
-def _forward(p: LinearProblem) -> tuple[tuple[Array], LinearSaved]:
-    """``y.T``, and ``x.T`` with the validated structure the product ran on for the backward."""
-    assert p.structure is not None and p.x is not None  # prepared with checks
-    yt, xt = _sparse.linear(p.backend, p.structure, p.values, p.x, p.bias, p.dtype)
-    if p.same is not None:  # a structure changed since it was cached (GPU): NaN, never the old structure's product
-        yt = p.backend.xp.where(p.same, yt, np.nan).astype(yt.dtype, copy=False)
-    return (yt,), LinearSaved(xt, p.structure.indptr, p.structure.indices)
-
-
-def _backward(p: LinearProblem, saved: LinearSaved, grads: Sequence[Array | None],
-              needs: Sequence[bool]) -> _op.Positional:
-    structure = p.structure
-    if structure is None:  # the structure the forward prepared, under the caller's arrays
-        structure, _ = STRUCTURES.lookup(p.backend, (saved.indptr, saved.indices), p.shape, _CALLER,
-                                         blocksize=_blocksize(p.values), key_arrays=(p.indptr, p.indices))
-    grad_yt = grads[0]
-    assert grad_yt is not None  # the operator fills unused gradients with zeros
-    need_x, need_values, need_bias = needs
-    grad_x, grad_values = _sparse.linear_backward(p.backend, structure, p.values, grad_yt, saved.xt,
-                                                  saved.xt.dtype, need_x, need_values)
-    return _op.Positional((grad_x, grad_values, grad_yt.sum(axis=1) if need_bias else None))
-
-
-@dataclasses.dataclass(frozen=True)
-class _LinearOp(_op.Op[LinearProblem, LinearSaved]):
-    def residuals(self, saved: LinearSaved) -> tuple[Array, ...]:
-        """On the CPU copies of the cached structure (a registered operator's results are the
-        caller's tensors); on the GPU the cache's own arrays, never written."""
-        if isinstance(saved.indptr, np.ndarray):
-            return saved.xt, saved.indptr.copy(), saved.indices.copy()
-        return saved.arrays()
-
-
 def _fake(x: torch.Tensor, values: torch.Tensor, indptr: torch.Tensor, indices: torch.Tensor, shape: Sequence[int],
           bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     dtype = torch.promote_types(x.dtype, values.dtype)
     dtype = dtype if bias is None else torch.promote_types(dtype, bias.dtype)
-    r, c = _blocksize(values) or (1, 1)
+    r, c = _sparse.block_size(values) or (1, 1)
     index = index_dtype(indptr, indices, (shape[0] // r, shape[1] // c))
     return (x.new_empty((shape[0], x.shape[0]), dtype=dtype), x.new_empty((x.shape[1], x.shape[0]), dtype=dtype),
             indptr.new_empty(indptr.shape[0], dtype=index), indices.new_empty(indices.shape[0], dtype=index))
@@ -134,8 +52,7 @@ _OPERATOR = Operator(
     "sparse_linear",
     "(Tensor x, Tensor values, Tensor indptr, Tensor indices, int[] shape, Tensor? bias)"
     " -> (Tensor, Tensor, Tensor, Tensor)",
-    _LinearOp(_prepare, _forward, LinearSaved, _backward), _fake, outputs=1, differentiable=(0, 1, 5),
-    backward_reads=(1, 2, 3), strided=(0,))
+    _sparse.LINEAR, _fake, outputs=1, differentiable=(0, 1, 5), backward_reads=(1, 2, 3), strided=(0,))
 
 
 def linear(caller: str, x: torch.Tensor, values: torch.Tensor, indptr: torch.Tensor, indices: torch.Tensor,
