@@ -219,17 +219,22 @@ class Operator(Generic[Public]):
                 low = t.dtype
         if low is not None:
             args = tuple(a.float() if isinstance(a, torch.Tensor) and a.dtype in _LOW else a for a in args)
-        if tensors and torch.is_autocast_enabled(tensors[0].device.type):
+        compiling = torch.compiler.is_compiling()
+        # _is_any_autocast_enabled: a cheap first test, which Dynamo need not trace
+        if tensors and (compiling or torch._C._is_any_autocast_enabled()) \
+                and torch.is_autocast_enabled(tensors[0].device.type):
             low = self._autocast(tensors)
         # the ignores: torch leaves Function.apply unannotated
-        if _forward_mode() and not torch.compiler.is_compiling():  # tangents cross only through the Function
+        if not compiling and _forward_mode():  # tangents cross only through the Function
             results = self._tangent.apply(*args)  # type: ignore[no-untyped-call]
         else:
             differentiable = self.array.backward is not None
             if requires and not differentiable:  # results without a graph, also where compile traces the joint graph
                 args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
             grad = requires and differentiable and torch.is_grad_enabled()
-            if plain_eager(tensors):  # without a graph, only the public results become tensors
+            # not compiling and no forward mode: no torch.func transform is active
+            if not (compiling or torch._C._is_tracing() or torch._C._len_torch_dispatch_stack()) and _plain(tensors):
+                # without a graph, only the public results become tensors
                 results = (self._eager.apply(*args) if grad  # type: ignore[no-untyped-call]
                            else self._run(args, self.outputs))
             else:
