@@ -21,9 +21,8 @@ import math
 from collections.abc import Sequence
 import torch
 
-from .. import _csr
+from .. import _csr, _structures
 from .. import sparse as _sparse
-from .._structures import STRUCTURES
 from ._bridge import check_dense
 from ._operator import Operator
 from .sparse import index_dtype
@@ -70,7 +69,8 @@ def linear(caller: str, x: torch.Tensor, values: torch.Tensor, indptr: torch.Ten
     if bias is not None and tuple(bias.shape) != (shape[0],):
         raise ValueError(f"{caller}: bias has shape {tuple(bias.shape)}; expected ({shape[0]},)")
     if indices.is_cuda and not torch.compiler.is_compiling():
-        STRUCTURES.note_versions((indptr.data_ptr(), indices.data_ptr()), (indptr._version, indices._version))
+        _structures.STRUCTURES.note_versions((indptr.data_ptr(), indices.data_ptr()),
+                                             (indptr._version, indices._version))
     rows = x if x.dim() == 2 else x.reshape(math.prod(x.shape[:-1]), shape[1])
     y = _OPERATOR(rows, values, indptr, indices, list(shape), bias).t()
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], shape[0])
