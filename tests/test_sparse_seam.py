@@ -48,6 +48,24 @@ def test_one_structure_validation_per_forward_and_backward(counts, layer, kind):
 
 
 @pytest.mark.parametrize("kind", ["csr", "bsr"])
+def test_an_eager_backward_reuses_its_forwards_structure_without_a_lookup(monkeypatch, kind):
+    """The eager route keeps the prepared problem: one cache lookup a forward and backward;
+    the registered operators (here under torch.func) look the forward's structure up again."""
+    values, indptr, indices, shape = weights(kind)
+    x = torch.randn(4, shape[1], requires_grad=True)
+    calls = []
+    real = _structures.StructureCache.lookup
+    monkeypatch.setattr(_structures.StructureCache, "lookup",
+                        lambda self, *a, **k: calls.append(k.get("key_arrays")) or real(self, *a, **k))
+    st.sparse_linear(x, values, indptr, indices, shape).square().sum().backward()
+    assert calls == [None]
+    calls.clear()
+    grads = torch.func.grad(lambda v: st.sparse_linear(x, v, indptr, indices, shape).square().sum())(values.detach())
+    assert len(calls) == 2 and calls[1] is not None
+    torch.testing.assert_close(grads, values.grad)
+
+
+@pytest.mark.parametrize("kind", ["csr", "bsr"])
 def test_sparse_linear_takes_csr_and_bsr_weights(kind):
     values, indptr, indices, shape = weights(kind)
     x = torch.randn(2, 5, shape[1])
