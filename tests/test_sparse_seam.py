@@ -48,6 +48,24 @@ def test_one_structure_validation_per_forward_and_backward(counts, layer, kind):
 
 
 @pytest.mark.parametrize("kind", ["csr", "bsr"])
+def test_an_eager_backward_reuses_its_forwards_structure_without_a_lookup(monkeypatch, kind):
+    """The eager route keeps the prepared problem: one cache lookup a forward and backward;
+    the registered operators (here under torch.func) look the forward's structure up again."""
+    values, indptr, indices, shape = weights(kind)
+    x = torch.randn(4, shape[1], requires_grad=True)
+    calls = []
+    real = _structures.StructureCache.lookup
+    monkeypatch.setattr(_structures.StructureCache, "lookup",
+                        lambda self, *a, **k: calls.append(k.get("key_arrays")) or real(self, *a, **k))
+    st.sparse_linear(x, values, indptr, indices, shape).square().sum().backward()
+    assert calls == [None]
+    calls.clear()
+    grads = torch.func.grad(lambda v: st.sparse_linear(x, v, indptr, indices, shape).square().sum())(values.detach())
+    assert len(calls) == 2 and calls[1] is not None
+    torch.testing.assert_close(grads, values.grad)
+
+
+@pytest.mark.parametrize("kind", ["csr", "bsr"])
 def test_sparse_linear_takes_csr_and_bsr_weights(kind):
     values, indptr, indices, shape = weights(kind)
     x = torch.randn(2, 5, shape[1])
@@ -65,11 +83,8 @@ def test_one_cache_serves_sparse_linear_and_a_sparse_log_trans(counts, monkeypat
 
     import spchain
 
-    from spchain.torch import linear
-
     cache = _structures.StructureCache()
     monkeypatch.setattr(_structures, "STRUCTURES", cache)
-    monkeypatch.setattr(linear, "STRUCTURES", cache)  # the name the layer imported
     values, indptr, indices, shape = weights("csr")
     st.sparse_linear(torch.randn(2, 3), values, indptr, indices, shape)
     log_trans = scipy.sparse.csr_matrix((values.detach().numpy(), indices.numpy(), indptr.numpy()), shape=shape)
@@ -142,16 +157,18 @@ def test_a_column_major_x_is_read_in_place_and_a_stack_of_layers_copies_no_activ
 
 
 def test_the_forward_hands_its_backward_the_cached_structure_without_a_copy_or_a_comparison(monkeypatch):
-    """The forward returns the cache's private index arrays (no copy per call); the backward's
-    lookup of them recognises them by address and compares nothing (O(nnz) saved twice a step)."""
-    from spchain.torch import linear as torch_linear
+    """The forward leaves the cache's private index arrays for its backward (no copy per call);
+    the backward's lookup of them recognises them by address and compares nothing (O(nnz)
+    saved twice a step)."""
+    from spchain import sparse as S
 
     cache = _structures.StructureCache()
-    monkeypatch.setattr(torch_linear, "STRUCTURES", cache)
+    monkeypatch.setattr(_structures, "STRUCTURES", cache)
     values, indptr, indices, shape = weights("csr")
     x = np.ones((4, shape[1]), np.float32)
-    _, ran_indptr, ran_indices = torch_linear._forward(x, values.detach().numpy(), indptr.numpy(),
-                                                        indices.numpy(), shape, None)
+    _, saved = S.LINEAR.forward(S.LINEAR.prepare(x, values.detach().numpy(), indptr.numpy(), indices.numpy(), shape,
+                                                 None))
+    ran_indptr, ran_indices = saved.indptr, saved.indices
     structure, _ = cache.lookup(_backend.NUMPY, (indptr.numpy(), indices.numpy()), shape, "t")
     assert ran_indptr is structure.indptr and ran_indices is structure.indices
 

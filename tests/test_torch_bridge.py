@@ -92,7 +92,7 @@ def test_cuda_tensor_round_trip_shares_memory_on_the_current_stream():
     cp = _backend.cupy()
     t = torch.zeros(3, device="cuda")
     stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream), _bridge.on_device(t.device):
+    with torch.cuda.stream(stream), _bridge.bridge(t.device):
         assert cp.cuda.get_current_stream().ptr == stream.cuda_stream
         a = _bridge.to_array(t)
         a += 2
@@ -109,19 +109,21 @@ def test_cpu_products_run_on_torch_blas_inside_spchain_torch(monkeypatch):
     real = torch.matmul
     monkeypatch.setattr(torch, "matmul", lambda *a, **k: calls.append(1) or real(*a, **k))
     rng = np.random.default_rng(0)
-    a, b = rng.normal(size=(3, 4, 5)), rng.normal(size=(5, 2))
-    out = np.empty((4, 3, 2)).swapaxes(0, 1)  # strided results
-    batched_out = np.empty((4, 3, 2)).swapaxes(0, 1)
-    with _bridge.on_device(torch.device("cpu")):
+    a, b = rng.normal(size=(3, 40, 50)), rng.normal(size=(50, 20))  # above SMALL_PRODUCT
+    out = np.empty((40, 3, 20)).swapaxes(0, 1)  # strided results
+    batched_out = np.empty((40, 3, 20)).swapaxes(0, 1)
+    with _bridge.bridge(torch.device("cpu")):
         got = _backend.matmul(np, a, b)
         _backend.matmul(np, a, b, out=out)
-        _backend.matmul(np, a, np.broadcast_to(b, (3, 5, 2)).copy(), out=batched_out)
+        _backend.matmul(np, a, np.broadcast_to(b, (3, 50, 20)).copy(), out=batched_out)
         read_only = a.copy()
         read_only.flags.writeable = False
         fallback = _backend.matmul(np, read_only, b)  # torch would warn: NumPy computes it
         mixed = _backend.matmul(np, a.astype(np.float32), b)
+        small = _backend.matmul(np, a[:, :4, :5], b[:5, :2])  # one thread either way: NumPy's is faster
     assert len(calls) == 3
     for result in (got, out, batched_out, fallback):
         np.testing.assert_allclose(result, a @ b, rtol=1e-12)
+    np.testing.assert_allclose(small, a[:, :4, :5] @ b[:5, :2], rtol=1e-12)
     assert mixed.dtype == np.float64
-    assert _backend.matmul(np, a, b).shape == (3, 4, 2) and len(calls) == 3  # outside: NumPy's
+    assert _backend.matmul(np, a, b).shape == (3, 40, 20) and len(calls) == 3  # outside: NumPy's

@@ -130,7 +130,7 @@ def test_double_backward_raises_instead_of_a_silent_first_order_gradient(name):
     assert grad.shape == a.shape
 
 
-RTOL = {torch.float64: 1e-12, torch.float32: 1e-5}
+RTOL = {torch.float64: 1e-12, torch.float32: 3e-5}  # float32: a few roundings of the scales, summed
 SCALES = {torch.float64: (1e-200, 1e200), torch.float32: (1e-25, 1e25)}
 
 

@@ -292,24 +292,24 @@ def test_double_backward_raises_instead_of_a_silent_first_order_gradient(rng):
 
 
 def test_the_cache_holds_the_most_recently_used_structures_only(rng, monkeypatch):
-    monkeypatch.setattr(torch_linear, "STRUCTURES", _structures.StructureCache(size=2))
+    monkeypatch.setattr(_structures, "STRUCTURES", _structures.StructureCache(size=2))
     structures = [random_structure(rng, 4, 4, 0.5) for _ in range(3)]
     for indptr, indices in structures:
         st.sparse_linear(torch.randn(2, 4), torch.randn(indices.numel()), indptr, indices, (4, 4))
-    assert len(torch_linear.STRUCTURES) == 2
+    assert len(_structures.STRUCTURES) == 2
     built = []
     real = _csr._group  # sorts the entries by column: the transpose's one build step
     monkeypatch.setattr(_csr, "_group", lambda *a: built.append(1) or real(*a))
     for indptr, indices in (structures[2], structures[1], structures[0]):  # the first was dropped
         st.sparse_linear(torch.randn(2, 4), torch.randn(indices.numel()), indptr, indices, (4, 4))
-    assert len(built) == 1 and len(torch_linear.STRUCTURES) == 2
+    assert len(built) == 1 and len(_structures.STRUCTURES) == 2
 
 
 def test_structure_cache_is_bounded_by_bytes_and_keeps_the_latest(rng, monkeypatch):
     structures = [random_structure(rng, 8, 8, 0.5) for _ in range(3)]
 
     def call(cache, indptr, indices):
-        monkeypatch.setattr(torch_linear, "STRUCTURES", cache)
+        monkeypatch.setattr(_structures, "STRUCTURES", cache)
         x = torch.randn(2, 8, requires_grad=True)
         st.sparse_linear(x, torch.randn(indices.numel()), indptr, indices, (8, 8)).sum().backward()
 
@@ -344,7 +344,7 @@ def test_a_new_structure_at_a_reused_address_is_validated_not_taken_from_the_cac
 
 
 def test_many_forward_backward_calls_keep_memory_bounded(rss_growth, monkeypatch):
-    monkeypatch.setattr(torch_linear, "STRUCTURES", _structures.StructureCache())
+    monkeypatch.setattr(_structures, "STRUCTURES", _structures.StructureCache())
     layer = st.SparseLinear(256, 256, sparsity=0.9)
     x = torch.randn(64, 256, requires_grad=True)
 
@@ -353,7 +353,7 @@ def test_many_forward_backward_calls_keep_memory_bounded(rss_growth, monkeypatch
         layer(x).square().mean().backward()
 
     assert rss_growth(step, 300) < 16 * 2**20  # 300 steps would leak far more than this if anything stayed
-    assert len(torch_linear.STRUCTURES) == 1
+    assert len(_structures.STRUCTURES) == 1
 
 
 # --- bad input (docs/design.rst) -------------------------------------------------------------------

@@ -3,8 +3,10 @@
 - ``compiled <Module>``: a small model, Linear → module → ReLU → Linear, forward + backward,
   compiled with ``torch.compile`` (method ``spchain``) beside the same model in eager mode:
   the compiled one must be no slower.
-- ``small <op>``: tiny sizes, where the call overhead dominates, forward + backward, beside the
-  torch op that the spchain call replaces (``nn.Linear``, the broadcasting logsumexp, einsum).
+- ``small <op>``: tiny sizes, where the call overhead dominates, forward + backward (``small
+  <op> forward``: the forward alone, on the same inputs, which require grad as in training),
+  beside the torch op that the spchain call replaces (``nn.Linear``, the broadcasting
+  logsumexp, einsum, the sequential ``torch.logsumexp`` recursion of a chain).
 """
 
 import copy
@@ -14,10 +16,12 @@ import torch
 from torch import nn
 
 from .. import torch as st
+from .chain import sequential
 from .core import Case
 
 CASES = ["compiled BlockDiagonalLinear", "compiled GroupedLinear", "compiled SparseLinear",
-         "small SparseLinear(64, 64)", "small logmatmul 4x4", "small block_diag_matmul"]
+         "small SparseLinear(64, 64)", "small SparseLinear(64, 64) forward", "small logmatmul 4x4",
+         "small block_diag_matmul", "small chain_logsumexp (4, 8, 4)"]
 SIZES = {False: {"rows": 2048, "features": 512}, True: {"rows": 512, "features": 256}}  # of the compiled models
 FULL_ONLY = CASES[:3]
 """Cases that ``bench --quick`` leaves out: torch.compile takes 20-30 s for the three models on
@@ -73,11 +77,17 @@ def _step(fn: Callable[..., torch.Tensor], model: nn.Module, x: torch.Tensor, ex
     return run
 
 
+def _shared_sequential(x: torch.Tensor, log_trans: torch.Tensor, log_init: torch.Tensor) -> torch.Tensor:
+    """The chain workload's torch loop with one ``log_trans`` (c, c) for every step."""
+    return sequential(x, log_trans.expand(1, x.shape[1] - 1, *log_trans.shape), log_init)
+
+
 def _small_case(name: str, device: str) -> Case:
     g = torch.Generator().manual_seed(0)
     ours: Callable[..., torch.Tensor]
     theirs: Callable[..., torch.Tensor]
-    if name == "small SparseLinear(64, 64)":
+    op = name.removesuffix(" forward")
+    if op == "small SparseLinear(64, 64)":
         torch.manual_seed(0)
         layer = st.SparseLinear(64, 64, sparsity=0.0).to(device)
         dense = nn.Linear(64, 64).to(device)
@@ -87,9 +97,14 @@ def _small_case(name: str, device: str) -> Case:
             dense.bias.copy_(layer.bias)
         inputs = [torch.randn(16, 64, generator=g).to(device).requires_grad_()]
         ours, theirs = layer, dense
-    elif name == "small logmatmul 4x4":
+    elif op == "small logmatmul 4x4":
         inputs = [torch.randn(4, 4, generator=g).to(device).requires_grad_() for _ in range(2)]
         ours, theirs = st.logmatmul, lambda a, b: torch.logsumexp(a[:, :, None] + b[None, :, :], dim=1)
+    elif op == "small chain_logsumexp (4, 8, 4)":  # (batch, length, states), one shared log_trans
+        inputs = [torch.randn(4, 8, 4, generator=g), torch.log_softmax(torch.randn(4, 4, generator=g), -1),
+                  torch.log_softmax(torch.randn(4, generator=g), -1)]
+        inputs = [t.to(device).requires_grad_() for t in inputs]
+        ours, theirs = st.chain_logsumexp, _shared_sequential
     else:
         inputs = [torch.randn(8, 4, 4, generator=g).to(device).requires_grad_(),
                   torch.randn(4, 4, 4, generator=g).to(device).requires_grad_()]
@@ -98,7 +113,7 @@ def _small_case(name: str, device: str) -> Case:
     def timed(fn: Callable[..., torch.Tensor]) -> Callable[[], tuple[torch.Tensor, ...]]:
         def run() -> tuple[torch.Tensor, ...]:
             out = fn(*inputs)
-            grads = torch.autograd.grad(out.sum(), inputs)
+            grads = () if name.endswith(" forward") else torch.autograd.grad(out.sum(), inputs)
             if device == "cuda":
                 torch.cuda.synchronize()
             return (out.detach(), *grads)

@@ -13,7 +13,7 @@ from numpy.typing import NDArray
 from .. import _backend, _csr, _selection
 from .. import blocksparse as _blocksparse
 from .._typing import Shape
-from ._bridge import on_device, to_array, to_tensor
+from ._bridge import bridge, to_array, to_tensor
 from .sparse import as_array
 
 def check_block(caller: str, block: object, shape: Sequence[int]) -> tuple[int, int]:
@@ -55,7 +55,7 @@ def prune_dense(weight: torch.Tensor, sparsity: float | None, method: str, seed:
     """``(indptr, indices, values)`` tensors of ``weight`` pruned by :func:`spchain.prune`: to
     blocks (``block``, BSR values (nnzb, R, C)) or to an ``"n:m"`` ``pattern`` (CSR)."""
     low = weight.dtype == torch.bfloat16  # no NumPy dtype: select on an exact float32 copy
-    with on_device(weight.device):
+    with bridge(weight.device):
         array = to_array(weight.float() if low else weight)
         backend = _backend.backend_of(array, caller=caller)
         if pattern is None:
@@ -82,7 +82,7 @@ def drop_and_grow(values: torch.Tensor, indptr: torch.Tensor, indices: torch.Ten
     blocks (nnzb, R, C) alike: ``gradient = (grad_y, x)`` of the last batch, or None for a
     random regrowth (``seed``). Returns ``(indptr, indices, old_slots, new_slots)``."""
     r, c = (1, 1) if values.dim() == 1 else values.shape[1:]
-    with on_device(values.device):
+    with bridge(values.device):
         weights = to_array(selectable(values))
         backend = _backend.backend_of(weights, caller=caller)
         grid = _csr.to_csr(backend, "csr", (shape[0] // r, shape[1] // c), None, to_array(indptr), to_array(indices),

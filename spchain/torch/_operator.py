@@ -43,7 +43,6 @@ from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, cast, overload
 
 import torch
 from torch.autograd import forward_ad
-from torch.utils import _python_dispatch
 
 from .. import _op
 from .._typing import Array
@@ -83,11 +82,16 @@ def run_eagerly(fn: F) -> F:
 
 def plain_eager(tensors: Iterable[torch.Tensor]) -> bool:
     """Whether ``tensors`` are ordinary CPU/CUDA tensors outside every tracer and transform."""
-    # torch.jit.is_tracing is public (documented) but neither in torch.jit's __all__ nor annotated
-    if (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
-            or torch.jit.is_tracing()  # type: ignore[attr-defined, no-untyped-call]
-            or _python_dispatch._get_current_dispatch_mode() is not None):
-        return False
+    return _untraced() and _plain(tensors)
+
+
+def _untraced() -> bool:
+    """Whether no compiler, tracer, ``torch.func`` transform or dispatch mode is active."""
+    return not (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+                or torch._C._is_tracing() or torch._C._len_torch_dispatch_stack())
+
+
+def _plain(tensors: Iterable[torch.Tensor]) -> bool:
     for t in tensors:
         if type(t) not in _PLAIN or not (t.is_cpu or t.is_cuda):
             return False
@@ -208,8 +212,7 @@ class Operator(Generic[Public]):
         """The array-level backward (``None`` for an operator without a gradient)."""
         return self.array.backward
 
-    def __call__(self, *arguments: object) -> Public:
-        args: Sequence[object] = arguments
+    def __call__(self, *args: object) -> Public:
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         low, requires = None, False
         for t in tensors:
@@ -217,22 +220,30 @@ class Operator(Generic[Public]):
             if low is None and t.dtype in _LOW:
                 low = t.dtype
         if low is not None:
-            args = [a.float() if isinstance(a, torch.Tensor) and a.dtype in _LOW else a for a in args]
-        if tensors and torch.is_autocast_enabled(tensors[0].device.type):
+            args = tuple(a.float() if isinstance(a, torch.Tensor) and a.dtype in _LOW else a for a in args)
+        compiling = torch.compiler.is_compiling()
+        # _is_any_autocast_enabled: a cheap first test, which Dynamo need not trace
+        if tensors and (compiling or torch._C._is_any_autocast_enabled()) \
+                and torch.is_autocast_enabled(tensors[0].device.type):
             low = self._autocast(tensors)
         # the ignores: torch leaves Function.apply unannotated
-        if _forward_mode() and not torch.compiler.is_compiling():  # tangents cross only through the Function
+        if not compiling and _forward_mode():  # tangents cross only through the Function
             results = self._tangent.apply(*args)  # type: ignore[no-untyped-call]
         else:
-            if self.backward is None and requires:  # results without a graph, also where compile traces the joint graph
-                args = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
-            grad = requires and self.backward is not None and torch.is_grad_enabled()
-            if plain_eager(tensors):  # without a graph, only the public results become tensors
+            differentiable = self.array.backward is not None
+            if requires and not differentiable:  # results without a graph, also where compile traces the joint graph
+                args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+            grad = requires and differentiable and torch.is_grad_enabled()
+            # not compiling and no forward mode: no torch.func transform is active
+            if not (compiling or torch._C._is_tracing() or torch._C._len_torch_dispatch_stack()) and _plain(tensors):
+                # without a graph, only the public results become tensors
                 results = (self._eager.apply(*args) if grad  # type: ignore[no-untyped-call]
                            else self._run(args, self.outputs))
             else:
                 results = self._transform.apply(*args) if grad else self.op(*args)  # type: ignore[no-untyped-call]
-        public = results[:self.outputs] if isinstance(results, tuple) else (results,)
+        if isinstance(results, torch.Tensor):
+            results = (results,)
+        public = results if len(results) == self.outputs else results[:self.outputs]
         if low is not None:
             public = tuple(r.to(low) if r.is_floating_point() else r for r in public)
         return cast(Public, public if self.outputs > 1 else public[0])
@@ -337,13 +348,14 @@ def _flat_tensors(args: Iterable[object]) -> Iterator[torch.Tensor]:
 def _arrays(args: Iterable[object], strided: frozenset[int] = frozenset()) -> list[Any]:
     """Tensors, also inside lists, as arrays (those at ``strided`` in their own layout);
     everything else as it is."""
-    def convert(k: int, a: object) -> object:
+    out: list[Any] = []
+    for k, a in enumerate(args):
         if isinstance(a, torch.Tensor):
-            return to_array(a, strided=k in strided)
-        if isinstance(a, (list, tuple)) and any(isinstance(t, torch.Tensor) for t in a):
-            return [None if t is None else to_array(t) for t in a]
-        return a
-    return [convert(k, a) for k, a in enumerate(args)]
+            a = to_array(a, strided=k in strided)
+        elif isinstance(a, (list, tuple)) and any(isinstance(t, torch.Tensor) for t in a):
+            a = [None if t is None else to_array(t) for t in a]
+        out.append(a)
+    return out
 
 
 def _own(results: Iterable[torch.Tensor], args: Iterable[object]) -> tuple[torch.Tensor, ...]:
@@ -417,18 +429,18 @@ def _eager_function(op: Operator[Any]) -> type[torch.autograd.Function]:
     tensor arguments and the outputs (which the arrays may share memory with) are saved for
     autograd's check that none changed in between."""
     array, outputs, differentiable = op.array, op.outputs, op.differentiable
+    strided, caller = op._strided, op.caller
 
     class Eager(torch.autograd.Function):
         @staticmethod
         def forward(ctx: Any, *args: Any) -> tuple[torch.Tensor, ...]:
-            device = _device(args)
-            with bridge(device):
-                ctx.problem = array.prepare(*_arrays(args, op._strided), caller=op.caller)
+            ctx.device = _device(args)
+            with bridge(ctx.device):
+                ctx.problem = array.prepare(*_arrays(args, strided), caller=caller)
                 results, ctx.saved = array.forward(ctx.problem)
             public = tuple(to_tensor(r) for r in results[:outputs])
             ctx.save_for_backward(*(a for a in args if isinstance(a, torch.Tensor)), *public)
-            ctx.device, ctx.like = device, [(r.shape, r.dtype) for r in public]
-            ctx.dtypes = [a.dtype if isinstance(a, torch.Tensor) else None for a in args]
+            ctx.dtypes = [args[k].dtype if isinstance(args[k], torch.Tensor) else None for k in differentiable]
             fixed = [r for r in public if not r.is_floating_point()]
             if fixed:
                 ctx.mark_non_differentiable(*fixed)
@@ -439,16 +451,18 @@ def _eager_function(op: Operator[Any]) -> type[torch.autograd.Function]:
         def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
             if torch.is_grad_enabled():
                 raise _double_backward_error(op.name)
-            ctx.saved_tensors  # autograd's check that no argument or output changed since the forward
+            saved = ctx.saved_tensors  # autograd's check that no argument or output changed since the forward
             assert array.backward is not None  # built only with a backward
-            needs = [bool(ctx.needs_input_grad[k]) for k in differentiable]
-            incoming = [torch.zeros(shape, dtype=dtype, device=ctx.device) if g is None else g
-                        for g, (shape, dtype) in zip(grads, ctx.like)]
+            needs = [ctx.needs_input_grad[k] for k in differentiable]
+            incoming = [torch.zeros_like(r) if g is None else g for g, r in zip(grads, saved[-outputs:])]
             with bridge(ctx.device):
                 arrays = array.backward(ctx.problem, ctx.saved, _arrays(incoming, op._grads_strided), needs).ordered()
-            gradients = [to_tensor(g).to(ctx.dtypes[k]) if need else None
-                         for k, need, g in zip(differentiable, needs, arrays)]
-            return _place(len(ctx.dtypes), differentiable, needs, gradients)
+            out: list[torch.Tensor | None] = [None] * len(ctx.needs_input_grad)
+            for k, need, g, dtype in zip(differentiable, needs, arrays, ctx.dtypes):
+                if need:
+                    t = to_tensor(g)
+                    out[k] = t if t.dtype == dtype else t.to(dtype)
+            return tuple(out)
 
     return Eager
 

@@ -19,15 +19,10 @@ torch.Size([3, 2])
 
 import math
 from collections.abc import Sequence
-from typing import Any
-
-import numpy as np
 import torch
 
-from .. import _backend, _checks, _csr
+from .. import _csr, _structures
 from .. import sparse as _sparse
-from .._structures import STRUCTURES
-from .._typing import Array, Shape
 from ._bridge import check_dense
 from ._operator import Operator
 from .sparse import index_dtype
@@ -37,51 +32,14 @@ __all__ = ["sparse_linear"]
 _CALLER = "spchain.torch.sparse_linear"
 
 
-def _blocksize(values: Array | torch.Tensor) -> Shape | None:
-    """The block size of a BSR weight's ``values`` (nnzb, R, C); ``None`` for CSR values (nnz,)."""
-    return None if values.ndim == 1 else tuple(int(s) for s in values.shape[1:])
-
-
-def _forward(x: Array, values: Array, indptr: Array, indices: Array, shape: Sequence[int],
-             bias: Array | None) -> tuple[Array, Array, Array]:
-    """``(y.T, indptr, indices)``: the product, and the validated structure it ran on (what the
-    backward reads beside the arguments)."""
-    backend = _backend.backend_of(x, values, bias, indptr, indices, caller=_CALLER)
-    dtype = _checks.float_dtype(_CALLER, x=x, values=values, bias=bias)
-    structure, same = STRUCTURES.lookup(backend, (indptr, indices), tuple(shape), _CALLER,
-                                        blocksize=_blocksize(values))
-    yt = _sparse.linear(backend, structure, values, x, bias, dtype)
-    if same is not None:  # a structure changed since it was cached: NaN, never the old structure's product
-        yt = backend.xp.where(same, yt, np.nan).astype(yt.dtype, copy=False)
-    # the cache's private copies, never written: no copy per call, and the backward's lookup
-    # recognises them by address (no comparison)
-    return yt, structure.indptr, structure.indices
-
-
 def _fake(x: torch.Tensor, values: torch.Tensor, indptr: torch.Tensor, indices: torch.Tensor, shape: Sequence[int],
           bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dtype = torch.promote_types(x.dtype, values.dtype)
     dtype = dtype if bias is None else torch.promote_types(dtype, bias.dtype)
-    r, c = _blocksize(values) or (1, 1)
+    r, c = _sparse.block_size(values) or (1, 1)
     index = index_dtype(indptr, indices, (shape[0] // r, shape[1] // c))
     return (x.new_empty((shape[0], x.shape[0]), dtype=dtype), indptr.new_empty(indptr.shape[0], dtype=index),
             indices.new_empty(indices.shape[0], dtype=index))
-
-
-def _backward(args: Sequence[Any], results: Sequence[Array], grads: Sequence[Array],
-              needs: Sequence[bool]) -> tuple[Array | None, Array | None, Array | None]:
-    x, values, indptr, indices, shape, _ = args
-    _, ran_indptr, ran_indices = results
-    grad_yt = grads[0]  # in the computation's dtype, that of y.T
-    need_x, need_values, need_bias = needs
-    backend = _backend.backend_of(grad_yt, x, ran_indices, caller=_CALLER)
-    # the structure (and its transpose) the forward prepared, under the caller's tensors
-    structure, _ = STRUCTURES.lookup(backend, (ran_indptr, ran_indices), tuple(shape), _CALLER,
-                                     blocksize=_blocksize(values), key_arrays=(indptr, indices))
-    grad_x, grad_values = _sparse.linear_backward(backend, structure, values, grad_yt, x, grad_yt.dtype, need_x,
-                                                  need_values)
-    grad_bias = grad_yt.sum(axis=1) if need_bias else None
-    return grad_x, grad_values, grad_bias
 
 
 # The operator takes x (batch, in) as it is and returns y.T (out, batch), the layout the
@@ -93,8 +51,7 @@ _OPERATOR = Operator(
     "sparse_linear",
     "(Tensor x, Tensor values, Tensor indptr, Tensor indices, int[] shape, Tensor? bias)"
     " -> (Tensor, Tensor, Tensor)",
-    _forward, _fake, outputs=1, backward=_backward, differentiable=(0, 1, 5), backward_reads=(0, 1, 2, 3),
-    strided=(0,))
+    _sparse.LINEAR, _fake, outputs=1, differentiable=(0, 1, 5), backward_reads=(0, 1, 2, 3), strided=(0,))
 
 
 def linear(caller: str, x: torch.Tensor, values: torch.Tensor, indptr: torch.Tensor, indices: torch.Tensor,
@@ -112,7 +69,8 @@ def linear(caller: str, x: torch.Tensor, values: torch.Tensor, indptr: torch.Ten
     if bias is not None and tuple(bias.shape) != (shape[0],):
         raise ValueError(f"{caller}: bias has shape {tuple(bias.shape)}; expected ({shape[0]},)")
     if indices.is_cuda and not torch.compiler.is_compiling():
-        STRUCTURES.note_versions((indptr.data_ptr(), indices.data_ptr()), (indptr._version, indices._version))
+        _structures.STRUCTURES.note_versions((indptr.data_ptr(), indices.data_ptr()),
+                                             (indptr._version, indices._version))
     rows = x if x.dim() == 2 else x.reshape(math.prod(x.shape[:-1]), shape[1])
     y = _OPERATOR(rows, values, indptr, indices, list(shape), bias).t()
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], shape[0])
@@ -125,8 +83,8 @@ def sparse_linear(x: torch.Tensor, values: torch.Tensor, indptr: torch.Tensor, i
     Parameters
     ----------
     x : torch.Tensor, shape (..., in_features)
-        Any leading dimensions and layout; on the CPU the kernel reads a row-major ``x`` as it
-        is (transposing each tile into its buffer); the backward transposes it once.
+        Any leading dimensions and layout; on the CPU the kernels read a row-major ``x`` as it
+        is (transposing each tile into their buffers), and a column-major one too.
     values : torch.Tensor, shape (nnz,), or (nnzb, R, C) for BSR
         The stored weights (or blocks); gradient by SDDMM at the stored entries only (O(nnz)).
     indptr : torch.Tensor, shape (out_features + 1,) (BSR: out_features / R + 1), int32 or int64

@@ -313,15 +313,16 @@ class SparseLinear(torch.nn.Module):
                 f"nnz={self.nnz}, sparsity={self.sparsity:.4g}{block}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._forward_pre_hooks or parametrize.is_parametrized(self):
+        # "parametrizations" in _modules: parametrize.is_parametrized(self), 1.5 us faster
+        if self._forward_pre_hooks or "parametrizations" in self._modules:
             norms = [_NORMS[type(u).__name__] for u in self._utilities() if type(u).__name__ in _NORMS]
             if norms:
                 raise ValueError(f"SparseLinear: {norms[0]} on weight_values would normalise the stored values, not "
                                  "each output row as on nn.Linear; it is not supported (remove it)")
         y = sparse_linear(x, self.weight_values, self.indptr, self.indices, (self.out_features, self.in_features), self.bias)
         if self.training and y.requires_grad and not torch.compiler.is_compiling():  # a hook would break the graph
-            self._last_batch = _Batch(x.detach())
-            y.register_hook(self._last_batch.record)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+            batch = self.__dict__["_last_batch"] = _Batch(x.detach())  # not nn.Module's __setattr__ (2 us)
+            y.register_hook(batch.record)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         return y
 
     def weight_csr(self) -> torch.Tensor:

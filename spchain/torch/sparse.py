@@ -24,7 +24,7 @@ import torch
 from .. import _backend, _csr
 from .. import sparse as _sparse
 from .._typing import Array, Seed, Shape
-from ._bridge import check_dense, check_same_device, on_device, to_array, to_tensor
+from ._bridge import bridge, check_dense, check_same_device, to_array, to_tensor
 from ._operator import Operator, linear_jvp, run_eagerly
 
 __all__ = ["spmm", "sddmm", "prune"]
@@ -238,7 +238,7 @@ def prune(w: torch.Tensor, sparsity: float, *, method: Literal["magnitude", "ran
     """
     caller = "spchain.torch.prune"
     check_dense(caller, w=w)
-    with on_device(w.device):
+    with bridge(w.device):
         array = as_array(w) if w.dim() == 2 else to_array(w)
         backend = _backend.backend_of(array, caller=caller)
         indptr, indices, data = _sparse.prune_parts(backend, array, sparsity, method, seed, caller)
