@@ -29,7 +29,7 @@ HOT_PATHS = {
     "spchain.semiring": {"_maxmatmul_backward": "_logspace.on_device(xp)"},
     "spchain._structures": {"StructureCache.lookup": "backend.on_gpu", "_same_on_device": None,
                             "StructureCache.note_versions": None},
-    "spchain.torch.linear": {"_forward": None},
+    "spchain.sparse": {"_linear_forward": None},
     "spchain._chain_scaled": {"transition_grad_gemm": None, "_exact_where_not": "chain.backend.on_gpu"},
     "spchain._chain_sweep": {"use_gemm": "chain.backend.on_gpu", "forward_finite": None, "_forward_gemm": None,
                              "backward_finite": None, "_backward_gemm": None, "normalise": None,
