@@ -31,7 +31,7 @@ class Csr:
     row, repeat, or hold zeros.
 
     It shares its products with :class:`spchain.blocksparse.Bsr` (:meth:`matmul`,
-    :meth:`sampled`, :meth:`transposed`, :meth:`laid_out`), so that one body
+    :meth:`sampled`, :meth:`transposed`), so that one body
     (:func:`spchain.sparse.linear`) runs on either format.
     """
 
@@ -70,11 +70,6 @@ class Csr:
         else:
             self.transposed(backend)
 
-    def laid_out(self, backend: Backend, b: Array) -> Array:
-        """``b`` in the layout :meth:`matmul` and :meth:`sampled` read without a copy:
-        C-contiguous on the CPU; on the GPU as it is (cuSPARSE reads either order)."""
-        return b if backend.on_gpu else contiguous(backend, b)
-
     def matmul(self, backend: Backend, values: Array, b: Array, dtype: np.dtype[Any], bias: Array | None = None, *,
                transpose: bool = False) -> Array:
         """``W @ b`` (plus ``bias[:, None]``), ``W`` this structure with ``values`` (nnz), for a
@@ -94,13 +89,16 @@ class Csr:
         m, n = csr.shape[0], b.shape[1]
         out = np.empty((m, n), dtype)
         if out.size:
-            args = (csr.indptr, csr.indices, values, contiguous(backend, b),
+            # a column-major b (x.T for a row-major x) is read as its transpose, each tile of it
+            # transposed into the kernel's buffer: no transposed copy of b
+            transposed = not b.flags.c_contiguous and b.flags.f_contiguous and cpu.sparse.packs_transposed(b.shape[0])
+            args = (csr.indptr, csr.indices, values, b.T if transposed else contiguous(backend, b),
                     np.zeros(m, dtype) if bias is None else bias, out)
             threads = _backend.threads(csr.nnz * n)
             if threads > 1:
-                cpu.sparse.sparse_spmm(*args, threads)
+                cpu.sparse.sparse_spmm(*args, threads, transposed)
             else:
-                cpu.sparse.sparse_spmm_serial(*args)
+                cpu.sparse.sparse_spmm_serial(*args, transposed)
         return out
 
     def sampled(self, backend: Backend, a: Array, b: Array, dtype: np.dtype[Any]) -> Array:
@@ -108,14 +106,23 @@ class Csr:
         xp = backend.xp
         if self.nnz == 0 or a.shape[1] == 0:
             return xp.zeros(self.nnz, dtype)
-        a = contiguous(backend, a.astype(dtype, copy=False))
-        b = contiguous(backend, b.astype(dtype, copy=False))
+        a, b = a.astype(dtype, copy=False), b.astype(dtype, copy=False)
         out = xp.empty(self.nnz, dtype)
-        with backend.use():
-            kernel = (backend.launcher(cuda.sparse.launch_sparse_sddmm) if backend.on_gpu
-                      else cpu.sparse.sparse_sddmm if _backend.threads(self.nnz * a.shape[1]) > 1
-                      else cpu.sparse.sparse_sddmm_serial)
-            kernel(self.indptr, self.indices, a, b, out)
+        if backend.on_gpu:
+            with backend.use():
+                backend.launcher(cuda.sparse.launch_sparse_sddmm)(self.indptr, self.indices, contiguous(backend, a),
+                                                                  contiguous(backend, b), out)
+            return out
+        # column-major a and b (a layer's gradient and input, transposed) are read as their
+        # transposes, each slab transposed into the kernel's buffers: no transposed copies
+        threads = _backend.threads(self.nnz * a.shape[1])
+        transposed = all(not t.flags.c_contiguous and t.flags.f_contiguous and cpu.sparse.packs_transposed(t.shape[0])
+                         for t in (a, b))
+        a, b = (a.T, b.T) if transposed else (contiguous(backend, a), contiguous(backend, b))
+        if threads > 1:
+            cpu.sparse.sparse_sddmm(self.indptr, self.indices, a, b, out, threads, transposed)
+        else:
+            cpu.sparse.sparse_sddmm_serial(self.indptr, self.indices, a, b, out, transposed)
         return out
 
 

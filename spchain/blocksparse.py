@@ -76,10 +76,6 @@ class Bsr:
         """Build what this structure's products need: its transpose (the input gradient reads it)."""
         self.transposed(backend)
 
-    def laid_out(self, backend: Backend, b: Array) -> Array:
-        """``b`` in the layout :meth:`matmul` and :meth:`sampled` read without a copy: C-contiguous."""
-        return _csr.contiguous(backend, b)
-
     def matmul(self, backend: Backend, values: Array, b: Array, dtype: np.dtype[Any], bias: Array | None = None, *,
                transpose: bool = False) -> Array:
         """``W @ b`` (plus ``bias[:, None]``), ``W`` this structure with blocks ``values``

@@ -32,7 +32,7 @@ import numpy as np
 
 from . import _backend, _checks, _structures, blocksparse
 from ._backend import Backend
-from ._csr import Csr, _operand, check_dense, check_fraction, new_csr, sparse_parts, to_csr
+from ._csr import Csr, _operand, check_dense, check_fraction, contiguous, new_csr, sparse_parts, to_csr
 from ._dask import scales_out
 from ._op import Op, Positional, Saved
 from ._selection import largest, positions_to_csr, random_positions
@@ -248,8 +248,6 @@ class Structure(Protocol):
     """What :func:`linear` needs of a sparse weight's structure: the method set that
     :class:`~spchain._csr.Csr` and :class:`~spchain.blocksparse.Bsr` share."""
 
-    def laid_out(self, backend: Backend, b: Array) -> Array: ...
-
     def matmul(self, backend: Backend, values: Array, b: Array, dtype: np.dtype[Any], bias: Array | None = None, *,
                transpose: bool = False) -> Array: ...
 
@@ -257,30 +255,31 @@ class Structure(Protocol):
 
 
 def linear(backend: Backend, structure: Structure, values: Array, x: Array, bias: Array | None,
-           dtype: np.dtype[Any]) -> tuple[Array, Array]:
+           dtype: np.dtype[Any]) -> Array:
     """``y.T`` for ``y = x @ W.T + bias``, ``W`` the sparse weight of ``structure`` (CSR or BSR)
     and ``values`` ((nnz,) or (nnzb, R, C)).
 
-    ``x`` is (batch, in) in any layout. Returns ``(yt, xt)``: ``yt`` (out, batch), the layout
-    the products write (so ``y`` is its transposed view, free to feed into the next sparse
-    layer), and ``xt`` = ``x.T`` in the layout :func:`linear_backward` reads without a copy
-    (on the CPU a C-contiguous copy unless ``x`` is column-major).
+    ``x`` is (batch, in) in any layout (the CSR kernel reads a row-major ``x`` as it is, ``x.T``
+    transposed tile by tile into its buffer). Returns ``yt`` (out, batch), the layout the
+    products write (so ``y`` is its transposed view, free to feed into the next sparse layer).
     """
-    xt = structure.laid_out(backend, x.T.astype(dtype, copy=False))
-    return structure.matmul(backend, values, xt, dtype, bias), xt
+    return structure.matmul(backend, values, x.T.astype(dtype, copy=False), dtype, bias)
 
 
-def linear_backward(backend: Backend, structure: Structure, values: Array, grad_yt: Array, xt: Array,
+def linear_backward(backend: Backend, structure: Structure, values: Array, grad_yt: Array, x: Array,
                     dtype: np.dtype[Any], need_x: bool, need_values: bool) -> tuple[Array | None, Array | None]:
     """Gradients of :func:`linear` for ``x`` (batch, in) and for ``values``, when needed, from
-    the gradient ``grad_yt`` (out, batch) of its output: the input gradient by the transposed
-    product, the value gradient by the SDDMM of ``grad_yt`` and ``xt`` at the stored entries."""
-    grad_yt = structure.laid_out(backend, grad_yt.astype(dtype, copy=False))
+    the gradient ``grad_yt`` (out, batch) of its output, both in any layout (on the CPU the
+    kernels read the usual column-major ``grad_yt`` and row-major ``x`` as they are): the input
+    gradient by the transposed product (on the CPU turned into rows by the parallel transpose
+    kernel), the value gradient by the SDDMM of ``grad_yt`` and ``x.T`` at the stored entries."""
     grad_x = grad_values = None
     if need_x:
         grad_x = structure.matmul(backend, values, grad_yt, dtype, transpose=True).T
+        if not backend.on_gpu:
+            grad_x = contiguous(backend, grad_x)
     if need_values:
-        grad_values = structure.sampled(backend, grad_yt, xt, dtype)
+        grad_values = structure.sampled(backend, grad_yt, x.T, dtype)
     return grad_x, grad_values
 
 
@@ -311,9 +310,8 @@ class LinearProblem(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class LinearSaved(Saved):
-    """``x.T`` in the computation's dtype and layout, and the structure the product ran on."""
+    """The structure the product ran on (the backward reads ``x`` from its problem)."""
 
-    xt: Array
     indptr: Array
     indices: Array
 
@@ -325,7 +323,7 @@ def prepare_linear(x: Array | None, values: Array, indptr: Array, indices: Array
     validated and prepared once (``check=False``: the arrays only, for a backward that looks
     up the structure its forward ran on)."""
     backend = _backend.backend_of(x, values, bias, indptr, indices, caller=caller)
-    if not check:  # the backward operator: x and bias do not reach it, the structure is the forward's
+    if not check:  # the backward operator: bias does not reach it, the structure is the forward's
         return LinearProblem(backend, values.dtype, x, values, indptr, indices, tuple(shape), bias, None, None,
                              caller)
     dtype = _checks.float_dtype(caller, x=x, values=values, bias=bias)
@@ -335,12 +333,12 @@ def prepare_linear(x: Array | None, values: Array, indptr: Array, indices: Array
 
 
 def _linear_forward(p: LinearProblem) -> tuple[tuple[Array], LinearSaved]:
-    """``y.T``, and ``x.T`` with the validated structure the product ran on for the backward."""
+    """``y.T``, and the validated structure the product ran on for the backward."""
     assert p.structure is not None and p.x is not None  # prepared with checks
-    yt, xt = linear(p.backend, p.structure, p.values, p.x, p.bias, p.dtype)
+    yt = linear(p.backend, p.structure, p.values, p.x, p.bias, p.dtype)
     if p.same is not None:  # a structure changed since it was cached (GPU): NaN, never the old structure's product
         yt = p.backend.xp.where(p.same, yt, np.nan).astype(yt.dtype, copy=False)
-    return (yt,), LinearSaved(xt, p.structure.indptr, p.structure.indices)
+    return (yt,), LinearSaved(p.structure.indptr, p.structure.indices)
 
 
 def _linear_backward(p: LinearProblem, saved: LinearSaved, grads: Sequence[Array | None],
@@ -349,10 +347,10 @@ def _linear_backward(p: LinearProblem, saved: LinearSaved, grads: Sequence[Array
     if structure is None:  # the structure the forward prepared, under the caller's arrays
         structure, _ = _structures.STRUCTURES.lookup(p.backend, (saved.indptr, saved.indices), p.shape, p.caller,
                                                      blocksize=block_size(p.values), key_arrays=(p.indptr, p.indices))
-    grad_yt = grads[0]
-    assert grad_yt is not None  # the operator fills unused gradients with zeros
+    grad_yt = grads[0]  # in the computation's dtype, that of y.T
+    assert grad_yt is not None and p.x is not None  # the operator fills unused gradients with zeros; reads x
     need_x, need_values, need_bias = needs
-    grad_x, grad_values = linear_backward(p.backend, structure, p.values, grad_yt, saved.xt, saved.xt.dtype,
+    grad_x, grad_values = linear_backward(p.backend, structure, p.values, grad_yt, p.x, grad_yt.dtype,
                                           need_x, need_values)
     return Positional((grad_x, grad_values, grad_yt.sum(axis=1) if need_bias else None))
 
@@ -365,7 +363,7 @@ class _LinearOp(Op[LinearProblem, LinearSaved]):
         """On the CPU copies of the cached structure (a registered operator's results are the
         caller's tensors); on the GPU the cache's own arrays, never written."""
         if isinstance(saved.indptr, np.ndarray):
-            return saved.xt, saved.indptr.copy(), saved.indices.copy()
+            return saved.indptr.copy(), saved.indices.copy()
         return saved.arrays()
 
 

@@ -14,24 +14,33 @@ def random_csr(rng, m, n, density, index_dtype=np.int32):
     return indptr.astype(index_dtype), cols.astype(index_dtype), rng.standard_normal(cols.size)
 
 
+def spmm(threads, indptr, indices, data, b, bias, out, transposed=False):
+    """``sparse_spmm_serial`` (threads 0) or ``sparse_spmm``; ``b`` given as its transpose with ``transposed``."""
+    b = np.ascontiguousarray(b.T) if transposed else b
+    if threads:
+        cpu_sparse.sparse_spmm(indptr, indices, data, b, bias, out, threads, transposed)
+    else:
+        cpu_sparse.sparse_spmm_serial(indptr, indices, data, b, bias, out, transposed)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("threads", [0, 1, 2, 3])
 @pytest.mark.parametrize("index_dtype", [np.int32, np.int64])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("n", [9, 16, 40, 64, 100, 257, 0])
-def test_spmm_matches_scipy_with_bias(rng, index_dtype, dtype, threads, n):
-    """Whole tiles of 4 vectors, partial ones (1 to 3 vectors) and columns past the last vector
+@pytest.mark.parametrize("k", [23, 37])
+def test_spmm_matches_scipy_with_bias(rng, index_dtype, dtype, threads, n, k, transposed):
+    """Whole tiles of 2 vectors, partial ones (1 vector) and columns past the last vector
     (n = 9, 100, 257), empty rows, duplicates; ``sparse_spmm_serial`` (threads 0) and ``sparse_spmm`` with more
-    runs of rows than some rows have entries."""
-    indptr, indices, data = random_csr(rng, 37, 23, 0.2, index_dtype)
+    runs of rows than some rows have entries; ``b`` as it is or ``transposed`` (its tiles
+    transposed into the buffer in 16 x 16 blocks and edges: k = 23, 37)."""
+    indptr, indices, data = random_csr(rng, 37, k, 0.2, index_dtype)
     data = data.astype(dtype)
-    b = rng.standard_normal((23, n)).astype(dtype)
+    b = rng.standard_normal((k, n)).astype(dtype)
     bias = rng.standard_normal(37).astype(dtype)
     out = np.full((37, n), np.nan, dtype)
-    if threads:
-        cpu_sparse.sparse_spmm(indptr, indices, data, b, bias, out, threads)
-    else:
-        cpu_sparse.sparse_spmm_serial(indptr, indices, data, b, bias, out)
-    want = scipy.sparse.csr_matrix((data.astype(np.float64), indices, indptr), shape=(37, 23)) @ b + bias[:, None]
+    spmm(threads, indptr, indices, data, b, bias, out, transposed)
+    want = scipy.sparse.csr_matrix((data.astype(np.float64), indices, indptr), shape=(37, k)) @ b + bias[:, None]
     np.testing.assert_allclose(out, want, rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-5)
 
 
@@ -45,10 +54,7 @@ def test_spmm_reads_a_wide_b_in_place(rng, threads, writeable):
     b.setflags(write=writeable)
     bias = rng.standard_normal(5)
     out = np.full((5, 70), np.nan)
-    if threads:
-        cpu_sparse.sparse_spmm(indptr, indices, data, b, bias, out, threads)
-    else:
-        cpu_sparse.sparse_spmm_serial(indptr, indices, data, b, bias, out)
+    spmm(threads, indptr, indices, data, b, bias, out)
     want = scipy.sparse.csr_matrix((data, indices, indptr), shape=(5, 300)) @ b + bias[:, None]
     np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-12)
 
@@ -60,11 +66,7 @@ def test_spmm_without_entries_is_the_bias(threads):
         indptr, indices = np.zeros(m + 1, np.int32), np.zeros(0, np.int32)
         bias = np.arange(m, dtype=np.float32)
         out = np.full((m, 70), np.nan, np.float32)
-        args = (indptr, indices, np.zeros(0, np.float32), np.ones((4, 70), np.float32), bias, out)
-        if threads:
-            cpu_sparse.sparse_spmm(*args, threads)
-        else:
-            cpu_sparse.sparse_spmm_serial(*args)
+        spmm(threads, indptr, indices, np.zeros(0, np.float32), np.ones((4, 70), np.float32), bias, out)
         np.testing.assert_array_equal(out, np.broadcast_to(bias[:, None], (m, 70)))
 
 
@@ -93,9 +95,10 @@ TARGETS = ["cpu", "cpu serial", pytest.param("cuda", marks=pytest.mark.cuda_kern
 
 
 def sddmm(target, indptr, indices, a, b, out):
-    if target.startswith("cpu"):
-        (cpu_sparse.sparse_sddmm_serial if target == "cpu serial" else cpu_sparse.sparse_sddmm)(
-            indptr, indices, a, b, out)
+    if target == "cpu serial":
+        cpu_sparse.sparse_sddmm_serial(indptr, indices, a, b, out, False)
+    elif target == "cpu":
+        cpu_sparse.sparse_sddmm(indptr, indices, a, b, out, 2, False)
     else:
         from spchain.kernels.cuda import sparse as cuda_sparse
 
@@ -117,7 +120,7 @@ def test_sddmm_matches_dense_product_sampled_at_the_pattern(rng, small_launch, t
 
 @pytest.mark.parametrize("target", TARGETS)
 def test_float32_sddmm_over_a_long_inner_dimension_is_within_1e_5(rng, target):
-    """The CUDA kernel accumulates in float32 (the CPU one in float64): benchmark-like dot
+    """Both kernels accumulate in float32: benchmark-like dot
     products of 1024 terms, error relative to the sum of the terms' magnitudes."""
     indptr, indices, _ = random_csr(rng, 6, 5, 0.5)
     a = rng.standard_normal((6, 1024)).astype(np.float32)
@@ -138,3 +141,30 @@ def test_sddmm_finds_rows_past_empty_ones(small_launch, target):
     out = np.empty(3)
     sddmm(target, indptr, indices, a, b, out)
     np.testing.assert_array_equal(out, [a[1, 1], a[1, 0], a[4, 1]])
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("threads", [0, 1, 2, 3])
+@pytest.mark.parametrize("index_dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("k", [9, 16, 40, 64, 100, 257, 0])
+@pytest.mark.parametrize("n", [20, 300])
+def test_sddmm_slabs_match_float64(rng, index_dtype, dtype, threads, k, n, transposed):
+    """Whole slabs of 2 vectors, a last slab of 1 (k = 16, 40 in float32), columns past the last
+    vector (k = 9, 100, 257), groups of 8 entries and the rest one by one, empty rows and
+    duplicates; more entries than rows of ``b`` (its slab copied, n = 20) and fewer (read in
+    place, n = 300); ``sparse_sddmm_serial`` (threads 0) and ``sparse_sddmm`` with more runs of
+    rows than some rows have entries; ``a`` and ``b`` as they are or ``transposed`` (their slabs
+    transposed into the buffers, 16 x 16 blocks and edges, from a run's first row on)."""
+    indptr, indices, _ = random_csr(rng, 53, n, 0.6 if n == 20 else 0.01, index_dtype)
+    a = rng.standard_normal((53, k)).astype(dtype)
+    b = rng.standard_normal((n, k)).astype(dtype)
+    out = np.full(indices.size, np.nan, dtype)
+    given = (np.ascontiguousarray(a.T), np.ascontiguousarray(b.T)) if transposed else (a, b)
+    if threads:
+        cpu_sparse.sparse_sddmm(indptr, indices, *given, out, threads, transposed)
+    else:
+        cpu_sparse.sparse_sddmm_serial(indptr, indices, *given, out, transposed)
+    rows, cols = reference.entries(indptr, indices)
+    want = reference.sampled_product(rows, cols, a.astype(np.float64), b.astype(np.float64))
+    np.testing.assert_allclose(out, want, rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-5)

@@ -354,6 +354,21 @@ def test_sddmm_non_contiguous_operands_and_nan(rng):
     np.testing.assert_allclose(out.toarray(), np.array([[1, 0], [1, 1]]) * a.sum(1)[:, None], rtol=1e-12)
 
 
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_sddmm_of_column_major_operands_reads_their_transposes(rng, dtype):
+    """Both operands column-major (a layer's gradient and input, transposed): the kernel reads
+    their transposes through its buffers, with NaN still propagating."""
+    pattern = messy(rng, 40, 33).tocsr()
+    a = np.asfortranarray(rng.standard_normal((40, 70))).astype(dtype, order="F")
+    b = np.asfortranarray(rng.standard_normal((33, 70))).astype(dtype, order="F")
+    a[3, 65] = np.nan
+    out = sc.sddmm(pattern, a, b)
+    rows, cols = reference.entries(out.indptr, out.indices)
+    want = reference.sampled_product(rows, cols, a, b)
+    np.testing.assert_allclose(out.data, want, rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-5)
+    assert np.isnan(out.data[rows == 3]).all() and not np.isnan(out.data[rows != 3]).any()
+
 # --- prune --------------------------------------------------------------------------------------
 
 

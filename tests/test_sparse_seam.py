@@ -8,7 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import spchain.torch as st  # noqa: E402
-from spchain import _csr, _structures  # noqa: E402
+from spchain import _backend, _csr, _structures  # noqa: E402
 
 
 def weights(kind):
@@ -135,7 +135,7 @@ def test_a_repeated_entry_of_a_log_trans_raises_at_every_call(monkeypatch):
 def test_a_column_major_x_is_read_in_place_and_a_stack_of_layers_copies_no_activation(monkeypatch):
     """``y`` of a sparse layer is the transposed view of what the kernel wrote: the next layer
     takes it as it is (no contiguous copy at the seam, no transpose), with the same values and
-    gradients as a row-major ``x``."""
+    gradients as a row-major ``x`` (which the forward does not transpose either)."""
     from spchain.kernels import cpu
 
     torch.manual_seed(0)
@@ -149,8 +149,55 @@ def test_a_column_major_x_is_read_in_place_and_a_stack_of_layers_copies_no_activ
     z = second(y)
     assert transposes == []
     want = second(y.contiguous())
-    assert len(transposes) == 1  # a row-major x is transposed once
+    assert transposes == [], "a row-major x is read as it is, its tiles transposed into the kernel's buffer"
     torch.testing.assert_close(z, want, rtol=0, atol=0)
     (grad_in,) = torch.autograd.grad(z.square().sum(), y, retain_graph=True)
     (grad_want,) = torch.autograd.grad(want.square().sum(), y)
     torch.testing.assert_close(grad_in, grad_want)
+
+
+def test_the_forward_hands_its_backward_the_cached_structure_without_a_copy_or_a_comparison(monkeypatch):
+    """The forward leaves the cache's private index arrays for its backward (no copy per call);
+    the backward's lookup of them recognises them by address and compares nothing (O(nnz)
+    saved twice a step)."""
+    from spchain import sparse as S
+
+    cache = _structures.StructureCache()
+    monkeypatch.setattr(_structures, "STRUCTURES", cache)
+    values, indptr, indices, shape = weights("csr")
+    x = np.ones((4, shape[1]), np.float32)
+    _, saved = S.LINEAR.forward(S.LINEAR.prepare(x, values.detach().numpy(), indptr.numpy(), indices.numpy(), shape,
+                                                 None))
+    ran_indptr, ran_indices = saved.indptr, saved.indices
+    structure, _ = cache.lookup(_backend.NUMPY, (indptr.numpy(), indices.numpy()), shape, "t")
+    assert ran_indptr is structure.indptr and ran_indices is structure.indices
+
+    class Uncomparable(np.ndarray):
+        def __eq__(self, other):
+            raise AssertionError("compared")
+
+    own = (ran_indptr.view(Uncomparable), ran_indices.view(Uncomparable))
+    assert cache.lookup(_backend.NUMPY, own, shape, "t", key_arrays=(indptr.numpy(), indices.numpy()))[0] is structure
+    with pytest.raises(AssertionError, match="compared"):  # the caller's arrays are compared
+        cache.lookup(_backend.NUMPY, (indptr.numpy().view(Uncomparable), indices.numpy()), shape, "t")
+
+
+def test_a_row_major_x_and_gradient_are_read_as_they_are_by_forward_and_backward(monkeypatch):
+    """A forward and backward of row-major ``x`` and output gradient transpose one array: the
+    input gradient, into rows (the kernels read ``x``, ``x.T``'s gradient and ``x.T`` for the
+    value gradient through their transposing buffers)."""
+    from spchain.kernels import cpu
+
+    torch.manual_seed(0)
+    layer = st.SparseLinear(64, 48, sparsity=0.8)
+    x = torch.randn(40, 64, requires_grad=True)
+    grad_y = torch.randn(40, 48)
+    transposes = []
+    real = cpu.sparse.transpose
+    monkeypatch.setattr(cpu.sparse, "transpose", lambda *a: (transposes.append(a[0].shape), real(*a))[1])
+    layer(x).backward(grad_y)
+    assert transposes == [(64, 40)] and x.grad.is_contiguous()
+    w = layer.to_dense().weight.detach()
+    torch.testing.assert_close(x.grad, grad_y @ w)
+    rows = torch.repeat_interleave(torch.arange(48), layer.indptr.diff())
+    torch.testing.assert_close(layer.weight_values.grad, (grad_y.T @ x.detach())[rows, layer.indices.long()])

@@ -173,6 +173,24 @@ def test_only_the_needed_gradients_are_computed(rng, monkeypatch):
     assert calls == [(False, True)]
 
 
+
+def test_the_backward_reads_a_transposed_gradient_in_place_and_returns_rows(rng, monkeypatch):
+    """The gradient of ``y`` (rows) reaches the backward as the column-major view of ``y.T``
+    that autograd hands over (no torch copy on the way; the backward's transpose kernel reads
+    it), and the input gradient of a row-major ``x`` comes back row-major (no copy by torch)."""
+    indptr, indices = random_structure(rng, 5, 4, 0.5)
+    values = torch.randn(indices.numel(), requires_grad=True)
+    seen = []
+    real = torch_linear._sparse.linear_backward
+    monkeypatch.setattr(torch_linear._sparse, "linear_backward",
+                        lambda *a: seen.append(a[3].flags.f_contiguous) or real(*a))
+    x = torch.randn(3, 4, requires_grad=True)
+    grad_y = torch.randn(3, 5)
+    st.sparse_linear(x, values, indptr, indices, (5, 4)).backward(grad_y)
+    assert seen == [True] and x.grad.is_contiguous()
+    w = torch.sparse_csr_tensor(indptr, indices, values.detach(), (5, 4)).to_dense()
+    torch.testing.assert_close(x.grad, grad_y @ w)
+
 # --- the structure cache ----------------------------------------------------------------------------
 
 

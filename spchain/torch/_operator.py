@@ -132,7 +132,8 @@ class Operator(Generic[Public]):
     strided
         Positions of the tensor arguments that cross in their own layout (a NumPy/CuPy view
         with their strides) for an array-level function that reads any layout; the others are
-        made contiguous first.
+        made contiguous first. Where it names any, the incoming gradients cross in their own
+        layout too (the backward reads any layout as well).
 
     Examples
     --------
@@ -183,6 +184,7 @@ class Operator(Generic[Public]):
         self.jvp, self.autocast = jvp, autocast
         self._reads = None if backward_reads is None else frozenset(backward_reads)
         self._strided = frozenset(strided)
+        self._grads_strided = frozenset(range(outputs)) if self._strided else frozenset()
         self.outputs, self.differentiable = outputs, tuple(differentiable)
         op = torch.library.custom_op(f"spchain::{name}", self._forward_op, mutates_args=(), schema=schema)
         op.register_fake(fake)
@@ -286,7 +288,7 @@ class Operator(Generic[Public]):
         with bridge(_device(args)):
             problem = self.array.prepare(*_arrays(read, self._strided), caller=self.caller, check=False)
             saved = self.array.restore(_arrays(results[:self.outputs]), _arrays(results[self.outputs:]))
-            arrays = backward(problem, saved, _arrays(grads), needs).ordered()
+            arrays = backward(problem, saved, _arrays(grads, self._grads_strided), needs).ordered()
         return [to_tensor(g).to(args[k].dtype) if need else None
                 for k, need, g in zip(self.differentiable, needs, arrays)]
 
@@ -454,7 +456,7 @@ def _eager_function(op: Operator[Any]) -> type[torch.autograd.Function]:
             needs = [ctx.needs_input_grad[k] for k in differentiable]
             incoming = [torch.zeros_like(r) if g is None else g for g, r in zip(grads, saved[-outputs:])]
             with bridge(ctx.device):
-                arrays = array.backward(ctx.problem, ctx.saved, _arrays(incoming), needs).ordered()
+                arrays = array.backward(ctx.problem, ctx.saved, _arrays(incoming, op._grads_strided), needs).ordered()
             out: list[torch.Tensor | None] = [None] * len(ctx.needs_input_grad)
             for k, need, g, dtype in zip(differentiable, needs, arrays, ctx.dtypes):
                 if need:

@@ -33,25 +33,25 @@ _CALLER = "spchain.torch.sparse_linear"
 
 
 def _fake(x: torch.Tensor, values: torch.Tensor, indptr: torch.Tensor, indices: torch.Tensor, shape: Sequence[int],
-          bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+          bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dtype = torch.promote_types(x.dtype, values.dtype)
     dtype = dtype if bias is None else torch.promote_types(dtype, bias.dtype)
     r, c = _sparse.block_size(values) or (1, 1)
     index = index_dtype(indptr, indices, (shape[0] // r, shape[1] // c))
-    return (x.new_empty((shape[0], x.shape[0]), dtype=dtype), x.new_empty((x.shape[1], x.shape[0]), dtype=dtype),
-            indptr.new_empty(indptr.shape[0], dtype=index), indices.new_empty(indices.shape[0], dtype=index))
+    return (x.new_empty((shape[0], x.shape[0]), dtype=dtype), indptr.new_empty(indptr.shape[0], dtype=index),
+            indices.new_empty(indices.shape[0], dtype=index))
 
 
 # The operator takes x (batch, in) as it is and returns y.T (out, batch), the layout the
-# kernels write, so that neither the output nor its incoming gradient is copied on the way;
-# the public function transposes. Its other results are the backward's: x.T in the
-# computation's dtype and the structure the product ran on (the backward differentiates that
-# one, whatever happened to the caller's index tensors since).
+# kernels write, so that neither x, the output nor its incoming gradient is copied on the way;
+# the public function transposes. Its other results are the backward's: the structure the
+# product ran on (the backward differentiates that one, whatever happened to the caller's
+# index tensors since).
 _OPERATOR = Operator(
     "sparse_linear",
     "(Tensor x, Tensor values, Tensor indptr, Tensor indices, int[] shape, Tensor? bias)"
-    " -> (Tensor, Tensor, Tensor, Tensor)",
-    _sparse.LINEAR, _fake, outputs=1, differentiable=(0, 1, 5), backward_reads=(1, 2, 3), strided=(0,))
+    " -> (Tensor, Tensor, Tensor)",
+    _sparse.LINEAR, _fake, outputs=1, differentiable=(0, 1, 5), backward_reads=(0, 1, 2, 3), strided=(0,))
 
 
 def linear(caller: str, x: torch.Tensor, values: torch.Tensor, indptr: torch.Tensor, indices: torch.Tensor,
@@ -83,8 +83,8 @@ def sparse_linear(x: torch.Tensor, values: torch.Tensor, indptr: torch.Tensor, i
     Parameters
     ----------
     x : torch.Tensor, shape (..., in_features)
-        Any leading dimensions and layout; on the CPU the kernels read ``x.T`` row by row, a
-        copy (by the parallel transpose kernel) unless ``x`` is column-major.
+        Any leading dimensions and layout; on the CPU the kernels read a row-major ``x`` as it
+        is (transposing each tile into their buffers), and a column-major one too.
     values : torch.Tensor, shape (nnz,), or (nnzb, R, C) for BSR
         The stored weights (or blocks); gradient by SDDMM at the stored entries only (O(nnz)).
     indptr : torch.Tensor, shape (out_features + 1,) (BSR: out_features / R + 1), int32 or int64

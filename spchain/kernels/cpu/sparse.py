@@ -5,8 +5,11 @@ starts at 0, never decreases and ends at ``len(indices)``, and every index is in
 entries may come in any order within a row, repeat (duplicates add up) or hold zeros.
 
 :func:`sparse_spmm` sums each output row of a tile of columns in vector registers (:func:`_row_tile`, an
-LLVM intrinsic); :func:`sparse_sddmm` takes a row's stored entries four at a time, so that each pass over
-the row of ``a`` serves four dot products.
+LLVM intrinsic); :func:`sparse_sddmm` goes over slabs of columns, eight stored entries a pass over a row's
+slab of ``a``, their sums reduced together by a tree of shuffles (:func:`_dot_entries`). Both copy the
+tile or slab of ``b`` that a pass reads many times into a buffer that stays in the core's cache, and
+both read row-major operands given transposed (a layer's ``x`` and output gradient) through that
+buffer, transposing 16 x 16 blocks in registers on the way: no transposed copy of a whole operand.
 """
 
 import numpy as np
@@ -20,20 +23,31 @@ _FAST = {"reassoc", "contract"}  # lets the dot products vectorise; never assume
 
 _VECTOR = 64
 """Bytes in one vector register (AVX-512; LLVM splits the vectors on narrower targets)."""
-_TILE = 4
-"""Registers of accumulators per pass over a row: 64 float32 or 32 float64 columns."""
+_TILE = 2
+"""Registers of accumulators per pass over a row: 32 float32 or 16 float64 columns, so that a
+tile of 4096 rows of ``b`` (512 KiB) stays in a core's L2 (1 MiB on the benchmark machine,
+where a tile of 4 registers, 1 MiB, ran the sparse-linear product 5 to 40 % slower at 90 %
+sparsity and 4 % slower at 99 %: one thread, fastest runs, measured beside other work)."""
 _PANEL = 2**22
 """Bytes at most of a tile of ``b`` copied for :func:`sparse_spmm` (beyond, ``b`` is read in place)."""
 
 
+def packs_transposed(k: int) -> bool:
+    """Whether :func:`sparse_spmm` takes a ``b`` of ``k`` rows ``transposed``: its tile buffer
+    (``k`` rows of ``_TILE`` vectors) within ``_PANEL`` bytes."""
+    return k * _TILE * _VECTOR <= _PANEL
+
+
 @njit(parallel=True, cache=True)
-def sparse_spmm(indptr, indices, data, b, bias, out, threads):
+def sparse_spmm(indptr, indices, data, b, bias, out, threads, transposed):
     """CSR times dense: ``out[i, :] = bias[i] + sum(data[p] * b[indices[p], :])`` over row ``i``.
 
-    Inputs: ``indptr`` (m + 1), ``indices`` and ``data`` (nnz), ``b`` (k, n) C-contiguous,
-    ``bias`` (m), ``threads`` >= 1. Overwrites ``out`` (m, n), C-contiguous. The rows are cut
-    into ``threads`` runs of about equal stored entries, which run in parallel; each run goes
-    over ``b`` one tile of columns at a time (see :func:`_spmm_rows`).
+    Inputs: ``indptr`` (m + 1), ``indices`` and ``data`` (nnz), ``b`` (k, n) C-contiguous, or
+    with ``transposed`` its transpose (n, k) C-contiguous (a row-major batch ``x`` for
+    ``b = x.T``: no transposed copy), ``bias`` (m), ``threads`` >= 1. Overwrites ``out``
+    (m, n), C-contiguous. The rows are cut into ``threads`` runs of about equal stored
+    entries, which run in parallel; each run goes over ``b`` one tile of columns at a time
+    (see :func:`_spmm_rows`).
     Complexity: O(nnz * n) multiply-adds, O(m * n) writes.
     """
     m = out.shape[0]
@@ -41,36 +55,41 @@ def sparse_spmm(indptr, indices, data, b, bias, out, threads):
     for r in prange(threads):
         lo = np.searchsorted(indptr[:m], nnz * r // threads)
         hi = m if r == threads - 1 else np.searchsorted(indptr[:m], nnz * (r + 1) // threads)
-        _spmm_rows(indptr, indices, data, b, bias, out, lo, hi)
+        _spmm_rows(indptr, indices, data, b, bias, out, lo, hi, transposed)
 
 
 @njit(cache=True)
-def sparse_spmm_serial(indptr, indices, data, b, bias, out):
+def sparse_spmm_serial(indptr, indices, data, b, bias, out, transposed):
     """:func:`sparse_spmm` on one thread (the same arithmetic): for small products, where starting
     the threads would cost more than the product."""
-    _spmm_rows(indptr, indices, data, b, bias, out, 0, out.shape[0])
+    _spmm_rows(indptr, indices, data, b, bias, out, 0, out.shape[0], transposed)
 
 
 @njit(inline="always")
-def _spmm_rows(indptr, indices, data, b, bias, out, lo, hi):
+def _spmm_rows(indptr, indices, data, b, bias, out, lo, hi, transposed):
     """Rows ``lo`` to ``hi`` of :func:`sparse_spmm`, one tile of ``_TILE`` vectors of columns at a
     time, each row of a tile summed in registers (:func:`_row_tile`); the columns past the
     last whole vector go one by one. Where the rows' entries outnumber ``b``'s rows (each row
     of ``b`` read more than once) and the tile takes at most ``_PANEL`` bytes, the tile of
-    ``b`` is first copied into a buffer of its own: ``k`` rows of 256 bytes, which stay in the
+    ``b`` is first copied into a buffer of its own: ``k`` rows of 128 bytes, which stay in the
     core's cache, where ``b``'s power-of-two row strides would map them onto a fraction of the
-    cache's sets."""
-    k, n = b.shape
+    cache's sets. A ``transposed`` ``b`` is always copied so, transposed on the way
+    (:func:`_pack_transposed`)."""
+    k = b.shape[1] if transposed else b.shape[0]
+    n = out.shape[1]
     lanes = _VECTOR // out.itemsize
     width = _TILE * lanes
-    packed = indptr[hi] - indptr[lo] >= k and k * width * out.itemsize <= _PANEL
+    packed = transposed or (indptr[hi] - indptr[lo] >= k and k * width * out.itemsize <= _PANEL)
     panel = np.empty((k if packed else 0, width), out.dtype)
     c0 = 0
     while c0 < n - n % lanes:
         vectors = min(_TILE, (n - c0) // lanes)
-        if packed:
+        if transposed:
+            _pack_transposed(b[c0:c0 + vectors * lanes], panel, 0, k)
+        elif packed:
             for j in range(k):
                 _copy_vectors(b, j, c0, panel, vectors * lanes)
+        if packed:
             _tile_rows(indptr, indices, data, panel, 0, bias, out, lo, hi, c0, vectors)
         else:
             _tile_rows(indptr, indices, data, b, c0, bias, out, lo, hi, c0, vectors)
@@ -79,20 +98,39 @@ def _spmm_rows(indptr, indices, data, b, bias, out, lo, hi):
         for c in range(c0, n):
             total = bias[i]
             for p in range(indptr[i], indptr[i + 1]):
-                total += data[p] * b[indices[p], c]
+                total += data[p] * (b[c, indices[p]] if transposed else b[indices[p], c])
             out[i, c] = total
+
+
+@njit(inline="always")
+def _pack_transposed(a, panel, lo, hi):
+    """``panel[j, r] = a[r, j]`` for ``lo <= j < hi`` and ``r`` below ``a``'s rows, ``a`` (w, k)
+    C-contiguous, ``w`` at most ``panel``'s columns: 16 x 16 blocks in vector registers
+    (:func:`_transpose_block`; the first block may start up to 15 rows of ``panel`` before
+    ``lo``), the edges element by element."""
+    w = a.shape[0]
+    start = lo - lo % _BLOCK
+    r0 = 0
+    while r0 + _BLOCK <= w:
+        j0 = start
+        while j0 + _BLOCK <= hi:
+            _transpose_block(a, panel, r0, j0)
+            j0 += _BLOCK
+        for r in range(r0, r0 + _BLOCK):
+            for j in range(max(j0, lo), hi):
+                panel[j, r] = a[r, j]
+        r0 += _BLOCK
+    for r in range(r0, w):
+        for j in range(lo, hi):
+            panel[j, r] = a[r, j]
 
 
 @njit(inline="always")
 def _tile_rows(indptr, indices, data, b, b0, bias, out, lo, hi, c0, vectors):
     """``out[i, c0:c0 + w] = bias[i] + sum(data[p] * b[indices[p], b0:b0 + w])`` for rows
-    ``lo`` to ``hi``, ``w`` the columns of ``vectors`` (1 to ``_TILE``) vectors."""
+    ``lo`` to ``hi``, ``w`` the columns of ``vectors`` (1 or ``_TILE`` = 2) vectors."""
     for i in range(lo, hi):
-        if vectors == 4:
-            _row_tile(indices, data, b, b0, indptr[i], indptr[i + 1], bias[i], out, i, c0, 4)
-        elif vectors == 3:
-            _row_tile(indices, data, b, b0, indptr[i], indptr[i + 1], bias[i], out, i, c0, 3)
-        elif vectors == 2:
+        if vectors == 2:
             _row_tile(indices, data, b, b0, indptr[i], indptr[i + 1], bias[i], out, i, c0, 2)
         else:
             _row_tile(indices, data, b, b0, indptr[i], indptr[i + 1], bias[i], out, i, c0, 1)
@@ -220,49 +258,184 @@ def _row_tile(typingctx, indices, data, b, b0, p0, p1, start, out, i, c0, vector
 
 
 @njit(parallel=True, cache=True, fastmath=_FAST)
-def sparse_sddmm(indptr, indices, a, b, out):
+def sparse_sddmm(indptr, indices, a, b, out, threads, transposed):
     """Sampled dense-dense product: ``out[p] = a[i, :] . b[indices[p], :]`` for entry ``p`` of row ``i``.
 
     Inputs: ``indptr`` (m + 1), ``indices`` (nnz), ``a`` (m, k) and ``b`` (n, k), both
-    C-contiguous. Overwrites ``out`` (nnz). Rows run in parallel.
+    C-contiguous, or with ``transposed`` their transposes (k, m) and (k, n) C-contiguous (the
+    row-major batches of a layer's output gradient and input: no transposed copies),
+    ``threads`` >= 1. Overwrites ``out`` (nnz). The rows are cut into ``threads`` runs of about
+    equal stored entries, which run in parallel; each run goes over the columns one slab at a
+    time (see :func:`_sddmm_rows`).
     Complexity: O(nnz * k) multiply-adds.
     """
-    for i in prange(a.shape[0]):
-        _sddmm_row(indptr, indices, a, b, out, i)
+    m = a.shape[1] if transposed else a.shape[0]
+    nnz = indptr[m]
+    for r in prange(threads):
+        lo = np.searchsorted(indptr[:m], nnz * r // threads)
+        hi = m if r == threads - 1 else np.searchsorted(indptr[:m], nnz * (r + 1) // threads)
+        _sddmm_rows(indptr, indices, a, b, out, lo, hi, transposed)
 
 
 @njit(cache=True, fastmath=_FAST)
-def sparse_sddmm_serial(indptr, indices, a, b, out):
-    """:func:`sparse_sddmm` on one thread, row after row (the same arithmetic), for small products."""
-    for i in range(a.shape[0]):
-        _sddmm_row(indptr, indices, a, b, out, i)
+def sparse_sddmm_serial(indptr, indices, a, b, out, transposed):
+    """:func:`sparse_sddmm` on one thread (the same arithmetic), for small products."""
+    _sddmm_rows(indptr, indices, a, b, out, 0, a.shape[1] if transposed else a.shape[0], transposed)
+
+
+_SLAB = 2
+"""Vector registers of columns per pass of :func:`sparse_sddmm` (32 float32 or 16 float64): a
+slab of 4096 rows of ``b`` takes 512 KiB, which stays in a core's cache."""
+_GROUP = 8
+"""Stored entries per pass over a slab of a row of ``a``: eight dot products at a time."""
 
 
 @njit(inline="always")
-def _sddmm_row(indptr, indices, a, b, out, i):
-    k = a.shape[1]
-    zero = out.dtype.type(0)
-    ai = a[i]
-    p = indptr[i]
-    end = indptr[i + 1]
-    while p + 4 <= end:
-        b0, b1, b2, b3 = b[indices[p]], b[indices[p + 1]], b[indices[p + 2]], b[indices[p + 3]]
-        s0 = s1 = s2 = s3 = zero
-        for c in range(k):
-            x = ai[c]
-            s0 += x * b0[c]
-            s1 += x * b1[c]
-            s2 += x * b2[c]
-            s3 += x * b3[c]
-        out[p], out[p + 1], out[p + 2], out[p + 3] = s0, s1, s2, s3
-        p += 4
-    while p < end:
-        b0 = b[indices[p]]
-        s0 = zero
-        for c in range(k):
-            s0 += ai[c] * b0[c]
-        out[p] = s0
-        p += 1
+def _sddmm_rows(indptr, indices, a, b, out, lo, hi, transposed):
+    """Rows ``lo`` to ``hi`` of :func:`sparse_sddmm`, one slab of ``_SLAB`` vectors of columns at
+    a time: each entry's dot product is the sum of its slabs' (:func:`_dot_entries`), the columns
+    past the last whole vector one by one. Where the rows' entries outnumber ``b``'s rows, the
+    slab of ``b`` is first copied into a buffer of its own (as in :func:`_spmm_rows`: ``b``'s
+    power-of-two row strides would map its rows onto a fraction of the cache's sets); a
+    ``transposed`` ``b`` always is, transposed on the way, and so are the slabs of ``a``'s rows
+    ``lo`` to ``hi``."""
+    k, n = b.shape if transposed else b.shape[::-1]
+    lanes = _VECTOR // out.itemsize
+    width = _SLAB * lanes
+    p0, p1 = indptr[lo], indptr[hi]
+    out[p0:p1] = 0
+    packed = transposed or (p1 - p0 >= n and n * width * out.itemsize <= _PANEL)
+    panel = np.empty((n if packed else 0, width), out.dtype)
+    rows = np.empty((hi if transposed else 0, width), out.dtype)
+    c0 = 0
+    while c0 < k - k % lanes:
+        vectors = min(_SLAB, (k - c0) // lanes)
+        if transposed:
+            _pack_transposed(b[c0:c0 + vectors * lanes], panel, 0, n)
+            _pack_transposed(a[c0:c0 + vectors * lanes], rows, lo, hi)
+            _slab_rows(indptr, indices, rows, 0, panel, 0, out, lo, hi, vectors)
+        elif packed:
+            for j in range(n):
+                _copy_vectors(b, j, c0, panel, vectors * lanes)
+            _slab_rows(indptr, indices, a, c0, panel, 0, out, lo, hi, vectors)
+        else:
+            _slab_rows(indptr, indices, a, c0, b, c0, out, lo, hi, vectors)
+        c0 += vectors * lanes
+    if c0 < k:
+        for i in range(lo, hi):
+            for p in range(indptr[i], indptr[i + 1]):
+                j = indices[p]
+                total = out[p]
+                for c in range(c0, k):
+                    total += a[c, i] * b[c, j] if transposed else a[i, c] * b[j, c]
+                out[p] = total
+
+
+@njit(inline="always")
+def _slab_rows(indptr, indices, a, a0, b, b0, out, lo, hi, vectors):
+    """``out[p] += a[i, a0:a0 + w] . b[indices[p], b0:b0 + w]`` for the entries of rows ``lo`` to
+    ``hi``, ``w`` the columns of ``vectors`` (1 or 2) vectors: ``_GROUP`` entries at a time, then
+    one by one."""
+    for i in range(lo, hi):
+        p, end = indptr[i], indptr[i + 1]
+        while p + _GROUP <= end:
+            if vectors == 2:
+                _dot_entries(indices, b, b0, p, a, i, a0, out, 2, _GROUP)
+            else:
+                _dot_entries(indices, b, b0, p, a, i, a0, out, 1, _GROUP)
+            p += _GROUP
+        while p < end:
+            if vectors == 2:
+                _dot_entries(indices, b, b0, p, a, i, a0, out, 2, 1)
+            else:
+                _dot_entries(indices, b, b0, p, a, i, a0, out, 1, 1)
+            p += 1
+
+
+def _halving(builder, vectors, blocks, size):
+    """Pairwise sums that halve each block: ``vectors`` of ``blocks`` blocks of ``size`` lanes
+    (one entry's partial sums a block) become half as many vectors (or, for one vector, half
+    its lanes) of twice as many blocks of half the size, in the same entry order."""
+    lanes = blocks * size
+    half = [b * size + t for b in range(blocks) for t in range(size // 2)]
+    i32 = ir.IntType(32)
+    if len(vectors) == 1:
+        x = vectors[0]
+        lo = builder.shuffle_vector(x, x, ir.Constant(ir.VectorType(i32, lanes // 2), half))
+        hi = builder.shuffle_vector(x, x, ir.Constant(ir.VectorType(i32, lanes // 2), [h + size // 2 for h in half]))
+        return [builder.fadd(lo, hi)]
+    low = half + [lanes + h for h in half]
+    mask_lo = ir.Constant(ir.VectorType(i32, lanes), low)
+    mask_hi = ir.Constant(ir.VectorType(i32, lanes), [h + size // 2 for h in low])
+    return [builder.fadd(builder.shuffle_vector(x, y, mask_lo), builder.shuffle_vector(x, y, mask_hi))
+            for x, y in zip(vectors[::2], vectors[1::2])]
+
+
+@intrinsic
+def _dot_entries(typingctx, indices, b, b0, p, a, i, a0, out, vectors, entries):
+    """``out[p + e] += a[i, a0:a0 + w] . b[indices[p + e], b0:b0 + w]`` for ``e < entries``, ``w``
+    the columns of ``vectors`` (a literal, 1 or 2) 64-byte vectors and ``entries`` a literal power
+    of two up to the vector's lanes: the products summed lane by lane in registers (FMA), then
+    the entries' vectors reduced together by a tree of shuffles into one vector of ``entries``
+    sums. ``a``, ``b`` and ``out`` C-contiguous, of one float dtype."""
+    if (not isinstance(vectors, types.IntegerLiteral) or not isinstance(entries, types.IntegerLiteral)
+            or a.layout != "C" or b.layout != "C" or out.layout != "C"):
+        return None
+    count, group = vectors.literal_value, entries.literal_value
+
+    def codegen(context, builder, signature, args):
+        indices_type, b_type, b0_type, p_type, a_type, i_type, a0_type, out_type, _, _ = signature.args
+        index_array = context.make_array(indices_type)(context, builder, args[0])
+        b_array = context.make_array(b_type)(context, builder, args[1])
+        a_array = context.make_array(a_type)(context, builder, args[4])
+        out_array = context.make_array(out_type)(context, builder, args[7])
+        element = context.get_data_type(b_type.dtype)
+        size = context.get_abi_sizeof(element)
+        lanes = _VECTOR // size
+        vector = ir.VectorType(element, lanes)
+        intp = context.get_value_type(types.intp)
+
+        def const(v):
+            return ir.Constant(intp, v)
+
+        def load(array, row, column):  # array[row, column:column + lanes]
+            stride = cgutils.unpack_tuple(builder, array.strides)[0]
+            offset = builder.add(builder.mul(row, stride), builder.mul(column, const(size)))
+            value = builder.load(cgutils.pointer_add(builder, array.data, offset, return_type=vector.as_pointer()))
+            value.align = size
+            return value
+
+        b0 = context.cast(builder, args[2], b0_type, types.intp)
+        p = context.cast(builder, args[3], p_type, types.intp)
+        i = context.cast(builder, args[5], i_type, types.intp)
+        a0 = context.cast(builder, args[6], a0_type, types.intp)
+        row = [load(a_array, i, builder.add(a0, const(q * lanes))) for q in range(count)]
+        sums = []
+        for e in range(group):
+            j = context.cast(builder, builder.load(cgutils.gep(builder, index_array.data, builder.add(p, const(e)))),
+                             indices_type.dtype, types.intp)
+            total = None
+            for q in range(count):
+                product = builder.fmul(row[q], load(b_array, j, builder.add(b0, const(q * lanes))), flags=["contract"])
+                total = product if total is None else builder.fadd(total, product, flags=["contract"])
+            sums.append(total)
+        blocks, size_ = 1, lanes
+        while len(sums) > 1 or size_ > 1:
+            sums = _halving(builder, sums, blocks, size_)
+            blocks, size_ = blocks * 2, size_ // 2
+        total = sums[0]
+        target = cgutils.pointer_add(builder, out_array.data, builder.mul(p, const(size)),
+                                     return_type=ir.VectorType(element, group).as_pointer())
+        if group == 1:
+            target = cgutils.gep(builder, out_array.data, p)
+            total = builder.extract_element(total, ir.Constant(ir.IntType(32), 0))
+        old = builder.load(target)
+        old.align = size
+        store = builder.store(builder.fadd(old, total), target)
+        store.align = size
+        return context.get_dummy_value()
+
+    return types.void(indices, b, b0, p, a, i, a0, out, vectors, entries), codegen
 
 
 @njit(cache=True)
