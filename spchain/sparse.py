@@ -8,7 +8,8 @@ every structure goes through one validation and conversion step (:func:`to_csr`)
 never written to: conversions build new arrays, and nothing here sorts or sums in place.
 
 The functions without a leading underscore that are not in ``__all__`` are the array
-level of ``spchain.torch.sparse`` (``spmm_parts``, ...) and of ``spchain.torch.linear``:
+level of ``spchain.torch.sparse`` (the :class:`~spchain._op.Op` :data:`SPMM` and :data:`SDDMM`) and of
+``spchain.torch.linear``:
 :func:`linear` and :func:`linear_backward`, one body for CSR and BSR weights, on the method
 set the two structure types share (:class:`Structure`), and their :class:`~spchain._op.Op`,
 :data:`LINEAR`. The structures, their validation and
@@ -88,20 +89,64 @@ def spmm(a: Sparse, b: Array) -> Array:
     caller = "spchain.spmm"
     check_dense(caller, b=b)
     backend = _backend.backend_of(a, b, caller=caller)
-    return spmm_parts(backend, *sparse_parts(backend, a, caller), b, caller)[1]
+    fmt, shape, data, index = sparse_parts(backend, a, caller)
+    (out,), _ = SPMM.forward(prepare_spmm(b, data, *index, fmt, shape, caller=caller))
+    return out
 
 
-def spmm_parts(backend: Backend, fmt: str, shape: Shape, data: Array, index: tuple[Array, Array], b: Array,
-               caller: str) -> tuple[Csr, Array]:
-    """:func:`spmm` on unpacked parts: ``(csr, product)``, ``csr`` the validated structure."""
+class SpmmProblem(NamedTuple):
+    """A prepared :data:`SPMM` call: ``b`` checked, ``a`` as a validated :class:`Csr` (``None``
+    where prepared without checks: the backward multiplies by the structure it saved)."""
+
+    backend: Backend
+    shape: Shape
+    b: Array
+    dtype: np.dtype[Any] | None
+    csr: Csr | None
+
+
+@dataclasses.dataclass(frozen=True)
+class SpmmSaved(Saved):
+    """The CSR form of ``a`` that the product ran on (its backward multiplies by its transpose)."""
+
+    indptr: Array
+    indices: Array
+    data: Array
+
+
+def prepare_spmm(b: Array, data: Array, first: Array, second: Array, fmt: str, shape: Sequence[int],
+                 caller: str = "spchain.torch.spmm", check: bool = True) -> SpmmProblem:
+    """The problem of :data:`SPMM`: ``a`` given by parts (``fmt`` ``"csr"``, ``"csc"`` or
+    ``"coo"``, its values ``data`` and its two index arrays), converted to a :class:`Csr` once."""
+    shape = tuple(shape)
+    backend = _backend.backend_of(data, first, second, b, caller=caller)
+    if not check:
+        return SpmmProblem(backend, shape, b, None, None)
     b = _operand(backend, b, caller, "b", (1, 2))
     if shape[1] != b.shape[0]:
-        raise ValueError(f"{caller}: shapes {tuple(shape)} and {b.shape} do not match ({shape[1]} != {b.shape[0]})")
+        raise ValueError(f"{caller}: shapes {shape} and {b.shape} do not match ({shape[1]} != {b.shape[0]})")
     dtype = _checks.float_dtype(caller, a=data, b=b)
-    csr = to_csr(backend, fmt, shape, data, *index, caller=caller)
-    assert csr.data is not None, "spmm multiplies by a structure with values"
-    out = csr.matmul(backend, csr.data, b[:, None] if b.ndim == 1 else b, dtype)
-    return csr, out[:, 0] if b.ndim == 1 else out
+    return SpmmProblem(backend, shape, b, dtype, to_csr(backend, fmt, shape, data, first, second, caller=caller))
+
+
+def _spmm_forward(p: SpmmProblem) -> tuple[tuple[Array], SpmmSaved]:
+    assert p.csr is not None and p.csr.data is not None and p.dtype is not None  # prepared with checks
+    out = p.csr.matmul(p.backend, p.csr.data, p.b[:, None] if p.b.ndim == 1 else p.b, p.dtype)
+    return (out[:, 0] if p.b.ndim == 1 else out,), SpmmSaved(p.csr.indptr, p.csr.indices, p.csr.data)
+
+
+def _spmm_backward(p: SpmmProblem, saved: SpmmSaved, grads: Sequence[Array | None],
+                   needs: Sequence[bool]) -> Positional:
+    grad = grads[0]
+    assert grad is not None  # the operator fills unused gradients with zeros
+    csr = Csr(saved.indptr, saved.indices, saved.data, (p.shape[0], p.shape[1]))
+    grad_b = csr.matmul(p.backend, saved.data, grad if grad.ndim == 2 else grad[:, None], grad.dtype, transpose=True)
+    return Positional((grad_b if grad.ndim == 2 else grad_b[:, 0],))
+
+
+SPMM: Op[SpmmProblem, SpmmSaved] = Op(prepare_spmm, _spmm_forward, SpmmSaved, _spmm_backward)
+"""``a @ b`` for ``a`` given by parts as an :class:`~spchain._op.Op`, differentiable in ``b``:
+the array half of :func:`spmm` and ``spchain::spmm``."""
 
 
 @scales_out
@@ -148,21 +193,43 @@ def sddmm(pattern: Sparse, a: Array, b: Array) -> Sparse:
     check_dense(caller, a=a, b=b)
     backend = _backend.backend_of(pattern, a, b, caller=caller)
     fmt, shape, _, index = sparse_parts(backend, pattern, caller)
-    csr, data = sddmm_parts(backend, fmt, shape, index, a, b, caller)
-    return new_csr(backend, pattern, data, csr.indices, csr.indptr, shape, copy=True)
+    (indptr, indices, data), _ = SDDMM.forward(prepare_sddmm(*index, a, b, fmt, shape, caller=caller))
+    return new_csr(backend, pattern, data, indices, indptr, shape, copy=False)
 
 
-def sddmm_parts(backend: Backend, fmt: str, shape: Shape, index: tuple[Array, Array], a: Array, b: Array,
-                caller: str) -> tuple[Csr, Array]:
-    """:func:`sddmm` on an unpacked pattern: ``(csr, data)``; ``csr`` may share the caller's arrays."""
+class SddmmProblem(NamedTuple):
+    """A prepared :data:`SDDMM` call: the pattern as a validated :class:`Csr` without values."""
+
+    backend: Backend
+    csr: Csr
+    a: Array
+    b: Array
+    dtype: np.dtype[Any]
+
+
+def prepare_sddmm(first: Array, second: Array, a: Array, b: Array, fmt: str, shape: Sequence[int],
+                  caller: str = "spchain.torch.sddmm", check: bool = True) -> SddmmProblem:
+    """The problem of :data:`SDDMM`: the pattern given by parts (``fmt`` and its two index
+    arrays) converted to a :class:`Csr` once; ``a`` (m, k) and ``b`` (n, k) checked."""
+    shape = tuple(shape)
+    backend = _backend.backend_of(first, second, a, b, caller=caller)
     a = _operand(backend, a, caller, "a", (2,))
     b = _operand(backend, b, caller, "b", (2,))
     if a.shape[0] != shape[0] or b.shape[0] != shape[1] or a.shape[1] != b.shape[1]:
-        raise ValueError(f"{caller}: pattern {tuple(shape)}, a {a.shape} and b {b.shape} do not match "
+        raise ValueError(f"{caller}: pattern {shape}, a {a.shape} and b {b.shape} do not match "
                          "(an (m, n) pattern needs a of shape (m, k) and b of shape (n, k))")
     dtype = _checks.float_dtype(caller, a=a, b=b)
-    csr = to_csr(backend, fmt, shape, None, *index, caller=caller)
-    return csr, csr.sampled(backend, a, b, dtype)
+    return SddmmProblem(backend, to_csr(backend, fmt, shape, None, first, second, caller=caller), a, b, dtype)
+
+
+def _sddmm_forward(p: SddmmProblem) -> tuple[tuple[Array, Array, Array], Saved]:
+    """The result's ``(indptr, indices, data)``: new arrays, never the pattern's."""
+    return (p.csr.indptr.copy(), p.csr.indices.copy(), p.csr.sampled(p.backend, p.a, p.b, p.dtype)), Saved()
+
+
+SDDMM: Op[SddmmProblem, Saved] = Op(prepare_sddmm, _sddmm_forward, Saved)
+"""``a @ b.T`` at a pattern's stored entries as an :class:`~spchain._op.Op` (no gradient: it is
+the value gradient of a sparse layer): the array half of :func:`sddmm` and ``spchain::sddmm``."""
 
 
 # --- selecting entries ---------------------------------------------------------------------

@@ -80,16 +80,6 @@ def test_crf_training_step_prepares_each_operator_once(calls):
     assert calls["structure"] == 1  # and by the next step
 
 
-def test_an_operator_of_an_op_refuses_a_second_backward():
-    """An ``Op`` carries its backward; another passed beside it would be silently ignored."""
-    from spchain.chain import LOGSUMEXP
-    from spchain.torch._operator import Operator
-
-    with pytest.raises(TypeError, match="carries its own backward"):
-        Operator("doc_twice", "(Tensor x) -> Tensor", LOGSUMEXP, torch.empty_like,
-                 backward=lambda args, results, grads, needs: grads)
-
-
 @pytest.mark.parametrize("name", ["logmatmul", "maxmatmul", "log_chain_product", "block_diag_matmul",
                                   "grouped_matmul"])
 def test_the_products_validate_once_per_forward_and_backward(monkeypatch, name):
@@ -114,3 +104,18 @@ def test_the_products_validate_once_per_forward_and_backward(monkeypatch, name):
     call().square().sum().backward()
     assert len(checks) == 1
     assert a.grad is not None
+
+
+@pytest.mark.parametrize("layout", [torch.Tensor.to_sparse_csr, torch.Tensor.to_sparse_coo])
+def test_spmm_converts_its_sparse_operand_once_per_forward_and_backward(monkeypatch, layout):
+    """``spmm`` is an ``Op``: its backward multiplies by the CSR form its forward built."""
+    import spchain.sparse
+
+    conversions = []
+    real = spchain.sparse.to_csr
+    monkeypatch.setattr(spchain.sparse, "to_csr", lambda *args, **kwargs: (conversions.append(1), real(*args, **kwargs))[1])
+    a = layout(torch.tensor([[0.0, 2.0, 0.0], [1.0, 0.0, 3.0]], dtype=torch.float64))
+    b = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    st.spmm(a, b).square().sum().backward()
+    assert len(conversions) == 1
+    torch.testing.assert_close(b.grad, 2 * a.to_dense().T @ (a.to_dense() @ b.detach()))

@@ -17,9 +17,7 @@ the public function. Each call takes one of three routes:
   ``jvp`` (Dynamo refuses a custom one); ``torch.compile`` and ``torch.export`` see opaque
   operators with fake implementations.
 
-The array half is an :class:`spchain._op.Op` (``prepare`` / ``forward`` / ``backward``); an
-operator given in positional form (``forward(*args)`` returning its results, then residuals,
-and ``backward(args, results, grads, needs)``) is adapted by :func:`spchain._op.positional`.
+The array half is an :class:`spchain._op.Op` (``prepare`` / ``forward`` / ``backward``).
 The registered operators pass tensors only, so ``spchain::<name>_backward`` prepares again
 from the saved arguments, without checks (``check=False``). All routes run the same
 array-level code, so they give the same results. float16 and
@@ -45,7 +43,6 @@ import torch
 from torch.autograd import forward_ad
 
 from .. import _op
-from .._typing import Array
 from ._bridge import bridge, to_array, to_tensor
 
 if TYPE_CHECKING:
@@ -54,13 +51,8 @@ if TYPE_CHECKING:
 _LOW = (torch.float16, torch.bfloat16)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
-Forward = Callable[..., Array | tuple[Array, ...]]
-"""An array-level forward: the operator's arguments (tensors as arrays) to its results."""
 Fake = Callable[..., torch.Tensor | tuple[torch.Tensor, ...]]
 """A forward on fake tensors."""
-Backward = Callable[[Sequence[Any], Sequence[Any], Sequence[Any], Sequence[bool]], Sequence[Array | None]]
-"""``backward(args, results, grads, needs)`` on arrays (``args`` hold arrays, ``None`` and the
-schema's other values)."""
 Jvp = Callable[["Operator[Any]", Sequence[Any], Sequence[torch.Tensor], Sequence[torch.Tensor | None]],
                Sequence[torch.Tensor | None]]
 """``jvp(operator, args, results, tangents)`` on tensors: the tangents of the public results
@@ -110,17 +102,15 @@ class Operator(Generic[Public]):
     name, schema
         The operator's name and schema, e.g. ``"logmatmul"``, ``"(Tensor a, Tensor b) -> Tensor"``.
     forward
-        The array-level forward on the operator's arguments (tensors as NumPy/CuPy arrays):
-        an array or a tuple of arrays, the ``outputs`` public results first, then residuals
-        that only the backward uses.
+        The array half, an :class:`spchain._op.Op` whose ``prepare`` takes the operator's
+        arguments (tensors as NumPy/CuPy arrays); its ``forward``'s outputs are the public
+        results, its residuals (:meth:`~spchain._op.Op.residuals`) the registered operator's
+        further results, and its ``backward`` (``None``: not differentiable) gives the gradient
+        of each argument at ``differentiable`` whose ``needs`` is true.
     fake
         The same on fake tensors: results of the right shapes, dtypes and devices.
     outputs
         How many of the results the public function returns.
-    backward
-        ``backward(args, results, grads, needs)`` on arrays: for each argument at
-        ``differentiable`` whose ``needs`` is true, its gradient (of the argument's shape)
-        from the incoming gradients of the public results (``None`` where unused).
     differentiable
         Positions of the differentiable arguments.
     leading_batch
@@ -137,25 +127,26 @@ class Operator(Generic[Public]):
 
     Examples
     --------
-    >>> import numpy as np
-    >>> double = Operator("doc_double", "(Tensor x) -> Tensor", lambda x: 2 * x, torch.empty_like,
-    ...                   backward=lambda args, results, grads, needs: [2 * grads[0]],
+    >>> from spchain._op import Op, Positional, Saved
+    >>> twice = Op(lambda x, caller, check=True: x, lambda x: ((2 * x,), Saved()), Saved,
+    ...            backward=lambda x, saved, grads, needs: Positional((2 * grads[0],)))
+    >>> double = Operator("doc_double", "(Tensor x) -> Tensor", twice, torch.empty_like,
     ...                   differentiable=(0,), leading_batch=(0,))
     >>> torch.func.grad(lambda x: double(x).sum())(torch.ones(2))
     tensor([2., 2.])
     """
 
     @overload
-    def __init__(self: "Operator[torch.Tensor]", name: str, schema: str, forward: Forward | _op.Op[Any, Any],
-                 fake: Fake, *, outputs: Literal[1] = ..., backward: Backward | None = ...,
+    def __init__(self: "Operator[torch.Tensor]", name: str, schema: str, forward: _op.Op[Any, Any],
+                 fake: Fake, *, outputs: Literal[1] = ...,
                  differentiable: Iterable[int] = ..., leading_batch: Sequence[int] = ...,
                  backward_reads: Iterable[int] | None = ..., strided: Iterable[int] = ..., jvp: Jvp | None = ...,
                  autocast: Literal["lower", "float32"] = ..., caller: str | None = ...) -> None: ...
 
     @overload
     def __init__(self: "Operator[tuple[torch.Tensor, torch.Tensor]]", name: str, schema: str,
-                 forward: Forward | _op.Op[Any, Any], fake: Fake, *, outputs: Literal[2],
-                 backward: Backward | None = ..., differentiable: Iterable[int] = ...,
+                 forward: _op.Op[Any, Any], fake: Fake, *, outputs: Literal[2],
+                 differentiable: Iterable[int] = ...,
                  leading_batch: Sequence[int] = ..., backward_reads: Iterable[int] | None = ...,
                  strided: Iterable[int] = ...,
                  jvp: Jvp | None = ..., autocast: Literal["lower", "float32"] = ...,
@@ -163,24 +154,21 @@ class Operator(Generic[Public]):
 
     @overload
     def __init__(self: "Operator[tuple[torch.Tensor, ...]]", name: str, schema: str,
-                 forward: Forward | _op.Op[Any, Any], fake: Fake, *,
-                 outputs: int, backward: Backward | None = ..., differentiable: Iterable[int] = ...,
+                 forward: _op.Op[Any, Any], fake: Fake, *,
+                 outputs: int, differentiable: Iterable[int] = ...,
                  leading_batch: Sequence[int] = ..., backward_reads: Iterable[int] | None = ...,
                  strided: Iterable[int] = ...,
                  jvp: Jvp | None = ..., autocast: Literal["lower", "float32"] = ...,
                  caller: str | None = ...) -> None: ...
 
-    def __init__(self, name: str, schema: str, forward: Forward | _op.Op[Any, Any], fake: Fake, *,
-                 outputs: int = 1,
-                 backward: Backward | None = None, differentiable: Iterable[int] = (),
+    def __init__(self, name: str, schema: str, forward: _op.Op[Any, Any], fake: Fake, *,
+                 outputs: int = 1, differentiable: Iterable[int] = (),
                  leading_batch: Sequence[int] = (), backward_reads: Iterable[int] | None = None,
                  strided: Iterable[int] = (), jvp: Jvp | None = None, autocast: Literal["lower", "float32"] = "lower",
                  caller: str | None = None) -> None:
         self.name = f"spchain.torch.{name}"
         self.caller = caller or self.name
-        if isinstance(forward, _op.Op) and backward is not None:
-            raise TypeError(f"Operator {name!r}: an Op carries its own backward; pass no backward=")
-        self.array = forward if isinstance(forward, _op.Op) else _op.positional(forward, outputs, backward)
+        self.array = forward
         self.jvp, self.autocast = jvp, autocast
         self._reads = None if backward_reads is None else frozenset(backward_reads)
         self._strided = frozenset(strided)

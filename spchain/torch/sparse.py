@@ -17,7 +17,7 @@ tensor([2., 1.])
 
 import warnings
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
@@ -81,39 +81,12 @@ def csr_tensor(crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor, shap
         return torch.sparse_csr_tensor(crow, col, values, size=shape, check_invariants=False)
 
 
-def _spmm_forward(b: Array, data: Array, first: Array, second: Array, fmt: str,
-                  shape: Sequence[int]) -> tuple[Array, Array, Array, Array | None]:
-    """``(a @ b, indptr, indices, data)``: the product and the CSR form of ``a`` it ran on."""
-    caller = "spchain.torch.spmm"
-    backend = _backend.backend_of(data, first, second, b, caller=caller)
-    csr, out = _sparse.spmm_parts(backend, fmt, tuple(shape), data, (first, second), b, caller)
-    return out, csr.indptr, csr.indices, csr.data
-
-
 def _spmm_fake(b: torch.Tensor, data: torch.Tensor, first: torch.Tensor, second: torch.Tensor, fmt: str,
                shape: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     index = index_dtype(first, second, shape)
     dtype = torch.promote_types(b.dtype, data.dtype)
     return (b.new_empty((shape[0], *b.shape[1:]), dtype=dtype), first.new_empty(shape[0] + 1, dtype=index),
             first.new_empty(second.shape[0], dtype=index), torch.empty_like(data))
-
-
-def _spmm_backward(args: Sequence[Any], results: Sequence[Array], grads: Sequence[Array],
-                   needs: Sequence[bool]) -> tuple[Array]:
-    _, indptr, indices, data = results
-    grad = grads[0] if grads[0].ndim == 2 else grads[0][:, None]
-    backend = _backend.backend_of(grad, indices)
-    grad_b = _csr.Csr(indptr, indices, data, tuple(args[5])).matmul(backend, data, grad, grad.dtype, transpose=True)
-    return (grad_b if grads[0].ndim == 2 else grad_b[:, 0],)
-
-
-def _sddmm_forward(first: Array, second: Array, a: Array, b: Array, fmt: str,
-                   shape: Sequence[int]) -> tuple[Array, Array, Array]:
-    """``(indptr, indices, data)`` of the result: new arrays, never the pattern's."""
-    caller = "spchain.torch.sddmm"
-    backend = _backend.backend_of(first, second, a, b, caller=caller)
-    csr, data = _sparse.sddmm_parts(backend, fmt, tuple(shape), (first, second), a, b, caller)
-    return csr.indptr.copy(), csr.indices.copy(), data
 
 
 def _sddmm_fake(first: torch.Tensor, second: torch.Tensor, a: torch.Tensor, b: torch.Tensor, fmt: str,
@@ -127,9 +100,9 @@ def _sddmm_fake(first: torch.Tensor, second: torch.Tensor, a: torch.Tensor, b: t
 # gradient (it is the value gradient of a sparse layer).
 _SPMM = Operator("spmm", "(Tensor b, Tensor data, Tensor first, Tensor second, str fmt, int[] shape)"
                  " -> (Tensor, Tensor, Tensor, Tensor)",
-                 _spmm_forward, _spmm_fake, outputs=1, backward=_spmm_backward, differentiable=(0,), jvp=linear_jvp)
+                 _sparse.SPMM, _spmm_fake, outputs=1, differentiable=(0,), jvp=linear_jvp)
 _SDDMM = Operator("sddmm", "(Tensor first, Tensor second, Tensor a, Tensor b, str fmt, int[] shape)"
-                  " -> (Tensor, Tensor, Tensor)", _sddmm_forward, _sddmm_fake, outputs=3)
+                  " -> (Tensor, Tensor, Tensor)", _sparse.SDDMM, _sddmm_fake, outputs=3)
 
 
 @run_eagerly
