@@ -236,14 +236,15 @@ def _backward_gemm(chain: Chain, pre: Array, norm: Array, weight: Array, grad_tr
         return normalised(xp, pre4[:, :, t], x[:, :, t], norm3[:, :, t])
 
     forward = message(chain.max_length - 1)
-    fused = not chain.backend.on_gpu  # the elementwise passes in one Numba kernel
+    fused = not chain.backend.on_gpu  # a step's elementwise passes in one Numba kernel
     if fused:
-        forward, before, y = xp.ascontiguousarray(forward), xp.empty(shape + (c,), chain.x.dtype), \
-            xp.empty(shape + (c,), chain.x.dtype)
+        forward = xp.ascontiguousarray(forward)
+        before, y = xp.empty(shape + (c,), chain.x.dtype), xp.empty(shape + (c,), chain.x.dtype)
+        step_weight = xp.ones_like(weight) if batched else weight
     for t in range(chain.max_length - 1, -1, -1):
         active = t <= last
         if fused:
-            cpu.chain_scaled.gemm_backward_step(t, chain.lengths - 1, weight, not batched, pre, chain.x, norm,
+            cpu.chain_scaled.gemm_backward_step(t, chain.lengths - 1, step_weight, pre, chain.x, norm,
                                                 *(a.reshape(rows, c) for a in (forward, beta)),
                                                 grad_x.reshape(rows, v, c), before.reshape(rows, c),
                                                 y.reshape(rows, c))
@@ -262,7 +263,7 @@ def _backward_gemm(chain: Chain, pre: Array, norm: Array, weight: Array, grad_tr
         if grad_trans is not None and not batched:
             step = t - 1 if chain.per_step else 0
             # the forward's product, pre[t], spares recomputing its GEMM where it is small enough to be exact
-            reuse = not chain.backend.on_gpu and _logspace.small_magnitude(pre4[:, :, t])
+            reuse = fused and _logspace.small_magnitude(pre4[:, :, t])
             _, counts = _logspace.log_matmul_grads(xp, before, trans, pre4[:, :, t], grad_x[:, :, t], need_a=False,
                                                    reuse_out=reuse)
             # (G, 1, 1): a group no chain of which takes this step (NumPy's stubs type any(axis=1) of an

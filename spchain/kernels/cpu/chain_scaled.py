@@ -304,54 +304,64 @@ def chain_transition_grad_scaled(x, cmax, group, lengths, pre, norm, marg, weigh
         _add_outer(acc[g, s, k], p[:n], r[:n], p_t)
 
 
+@njit(cache=True)
+def _marginal_row(forward, beta, weight, m):
+    """``m = weight * exp(forward + beta)`` renormalised (as ``_logspace.renormalise``);
+    subtracts the log normaliser from ``beta``."""
+    c = m.shape[0]
+    like = m[0]
+    for j in range(c):
+        m[j] = exp_like(like, forward[j] + beta[j])
+    total = _sum(m)
+    usable = total > 0.0 and math.isfinite(total)
+    scale = weight / total if usable else weight
+    for j in range(c):
+        m[j] *= scale
+    if usable:
+        log_total = math.log(total)
+        for j in range(c):
+            beta[j] -= log_total
+
+
 @njit(parallel=True, cache=True)
-def gemm_backward_step(t, last, weight, weighted, pre, x, norm, forward, beta, grad_x, before, y):
+def gemm_backward_step(t, last, weight, pre, x, norm, forward, beta, grad_x, before, y):
     """The elementwise part of one step ``t`` of the GEMM sweep's backward (``_chain_sweep``),
     one pass over each row (rows in parallel) instead of a dozen array passes.
 
     Row ``b`` takes step ``t`` where ``t <= last[b]``. On entry ``forward`` (B, c) holds the
     normalised forward messages ``â_t`` and ``beta`` (B, c) the backward ones from step
     ``t + 1`` (reset to 0 where ``t == last[b]``); writes ``grad_x[:, t]`` with the marginals
-    ``exp(â_t + beta)`` renormalised (times ``weight`` if ``weighted``; 0 where the row takes
-    no step t), subtracts their log normaliser from ``beta``, and for ``t > 0`` overwrites
-    ``forward`` with ``â_{t-1}`` (from ``pre``, ``x`` and ``norm``), ``before`` with it and ``y``
-    with ``x[:, t] + beta``, both ``-inf`` where the row takes no step ``t``.
+    ``exp(â_t + beta)`` renormalised, times ``weight`` (0 where the row takes no step t),
+    subtracts their log normaliser from ``beta``, and for ``t > 0`` overwrites ``forward``
+    with ``â_{t-1}`` (from ``pre``, ``x`` and ``norm``), ``before`` with it and ``y`` with
+    ``x[:, t] + beta``, both ``-inf`` where the row takes no step ``t``.
     """
     rows, c = beta.shape
     for b in prange(rows):
         active = t <= last[b]
         if t == last[b]:
             beta[b, :] = 0.0
-        m = grad_x[b, t]
         if active:
-            like = m[0]
-            for j in range(c):
-                m[j] = exp_like(like, forward[b, j] + beta[b, j])
-            total = _sum(m)
-            if total > 0.0 and math.isfinite(total):
-                scale = weight[b] / total if weighted else 1.0 / total
-                for j in range(c):
-                    m[j] *= scale
-                log_total = math.log(total)
-                for j in range(c):
-                    beta[b, j] -= log_total
-            elif weighted:
-                for j in range(c):
-                    m[j] *= weight[b]
+            _marginal_row(forward[b], beta[b], weight[b], grad_x[b, t])
         else:
-            m[:] = 0.0
+            grad_x[b, t, :] = 0.0
         if t > 0:
             d = norm[b, t - 1]
             offset = d if math.isfinite(d) else 0.0
-            for j in range(c):
-                forward[b, j] = (pre[b, t - 1, j] + x[b, t - 1, j]) - offset
+            _add(pre[b, t - 1], x[b, t - 1], -offset, forward[b])
             if active:
                 before[b, :] = forward[b]
-                for j in range(c):
-                    y[b, j] = x[b, t, j] + beta[b, j]
+                _add(x[b, t], beta[b], 0.0, y[b])
             else:
                 before[b, :] = -np.inf
                 y[b, :] = -np.inf
+
+
+@njit(cache=True)
+def _add(p, q, r, out):
+    """``out = (p + q) + r``."""
+    for j in range(out.shape[0]):
+        out[j] = (p[j] + q[j]) + r
 
 
 @njit(cache=True, fastmath={"contract"})
