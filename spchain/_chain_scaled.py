@@ -65,7 +65,9 @@ def backward(chain: Chain, pre: Array, norm: Array, weight: Array, grad_trans: A
     ``weight``-ed expected transition counts."""
     e, cmax = _scaled(chain)
     marg = np.empty_like(chain.x)
-    cpu.chain_scaled.chain_marginals_scaled(chain.x, chain.trans, e, cmax, chain.group, chain.lengths, pre, norm, marg)
+    e_t = np.ascontiguousarray(e.swapaxes(-1, -2))
+    cpu.chain_scaled.chain_marginals_scaled(chain.x, chain.trans, e_t, cmax, chain.group, chain.lengths, pre, norm,
+                                            marg)
     if grad_trans is not None:
         groups, steps = chain.trans.shape[:2]
         parts = max(1, min(PARTS // max(groups * steps, 1), chain.group))

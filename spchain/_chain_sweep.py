@@ -236,25 +236,40 @@ def _backward_gemm(chain: Chain, pre: Array, norm: Array, weight: Array, grad_tr
         return normalised(xp, pre4[:, :, t], x[:, :, t], norm3[:, :, t])
 
     forward = message(chain.max_length - 1)
+    fused = not chain.backend.on_gpu  # a step's elementwise passes in one Numba kernel
+    if fused:
+        forward = xp.ascontiguousarray(forward)
+        before, y = xp.empty(shape + (c,), chain.x.dtype), xp.empty(shape + (c,), chain.x.dtype)
+        step_weight = xp.ones_like(weight) if batched else weight
     for t in range(chain.max_length - 1, -1, -1):
         active = t <= last
-        beta = xp.where(last == t, 0, beta)
-        marginals, log_total = renormalise(xp, xp.where(active, xp.exp(forward + beta), 0))
-        beta = beta - log_total
-        grad_x[:, :, t] = marginals if batched else marginals * w
+        if fused:
+            cpu.chain_scaled.gemm_backward_step(t, chain.lengths - 1, step_weight, pre, chain.x, norm,
+                                                *(a.reshape(rows, c) for a in (forward, beta)),
+                                                grad_x.reshape(rows, v, c), before.reshape(rows, c),
+                                                y.reshape(rows, c))
+        else:
+            beta = xp.where(last == t, 0, beta)
+            marginals, log_total = renormalise(xp, xp.where(active, xp.exp(forward + beta), 0))
+            beta = beta - log_total
+            grad_x[:, :, t] = marginals if batched else marginals * w
         if t == 0:
             break
         trans = chain.step_matrices(t - 1)
-        forward = message(t - 1)
-        if grad_trans is not None and not batched:
+        if not fused:
+            forward = message(t - 1)
             before = xp.where(active, forward, -np.inf)
+            y = xp.where(active, x[:, :, t] + beta, -np.inf)
+        if grad_trans is not None and not batched:
             step = t - 1 if chain.per_step else 0
-            _, counts = _logspace.log_matmul_grads(xp, before, trans, pre4[:, :, t], grad_x[:, :, t], need_a=False)
+            # the forward's product, pre[t], spares recomputing its GEMM where it is small enough to be exact
+            reuse = fused and _logspace.small_magnitude(pre4[:, :, t])
+            _, counts = _logspace.log_matmul_grads(xp, before, trans, pre4[:, :, t], grad_x[:, :, t], need_a=False,
+                                                   reuse_out=reuse)
             # (G, 1, 1): a group no chain of which takes this step (NumPy's stubs type any(axis=1) of an
             # array of unknown rank as possibly a scalar)
             reached = active.any(axis=1)[..., None]  # type: ignore[index]
             grad_trans[:, step] += xp.where(reached, counts, 0)  # gets 0, even for a NaN matrix
-        y = xp.where(active, x[:, :, t] + beta, -np.inf)
         d = norm3[:, :, t, None]
         beta = xp.where(d == -np.inf, -np.inf, _logspace.log_matmul(xp, y, trans.swapaxes(-1, -2), posinf=False) - d)
     if batched:

@@ -32,8 +32,9 @@ def sweep(x, trans, init, lengths, weight):
 
 @pytest.mark.parametrize("scale", [1.0, 300.0])  # 300: most scaled sums underflow, recomputed in log space
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
-def test_scaled_kernels_match_log_space_kernels(rng, scale, dtype):
-    x, trans, init, lengths = problem(rng, scale, dtype)
+@pytest.mark.parametrize("size", [(9, 7, 6), (40, 21, 9)])  # the second fills the transition gradient's buffer
+def test_scaled_kernels_match_log_space_kernels(rng, scale, dtype, size):
+    x, trans, init, lengths = problem(rng, scale, dtype, *size)
     B, v, c = x.shape
     per_row = np.broadcast_to(trans, (B, v - 1, c, c)).copy()
     assert _chain_scaled.applies(_chain_layout.prepare(x, trans, init, lengths, "t"))

@@ -19,13 +19,14 @@ from numba import njit, prange
 
 from ..rules import FLUSH, LIMIT, TINY
 from .chain import normalise
-from .exp import exp_nonpositive
+from .exp import exp_like, exp_nonpositive, log_like
 
 
 @njit(cache=True)
 def _scaled_exp(u, out):
-    """``out = exp(u - max(u))`` in float64, 0 below ``FLUSH``; returns ``max(u)`` (-inf if
-    every entry is ``-inf``, NaN if the others are; a NaN entry gives NaN in ``out``)."""
+    """``out = exp(u - max(u))`` in float64 (to the accuracy of ``u``'s type), 0 below
+    ``FLUSH``; returns ``max(u)`` (-inf if every entry is ``-inf``, NaN if the others are; a NaN
+    entry gives NaN in ``out``)."""
     top = -np.inf
     for i in range(u.shape[0]):
         if u[i] > top:
@@ -35,8 +36,9 @@ def _scaled_exp(u, out):
             if u[i] != u[i]:
                 return u[i]
         return top
+    like = u[0]
     for i in range(u.shape[0]):
-        p = exp_nonpositive(u[i] - top)
+        p = exp_like(like, u[i] - top)
         out[i] = p if not p < FLUSH else 0.0
     return top
 
@@ -60,55 +62,52 @@ def _log_column(u, m, j):
     return top + math.log(total)
 
 
-@njit(cache=True)
-def scaled_vecmat(u, m, e, cmax, out, p, acc):
-    """``out[j] = log sum_i exp(u[i] + m[i, j])`` by the scaled product (see the module
-    docstring). Overwrites ``out``, ``p`` and ``acc`` (float64 scratch, length c)."""
-    c = u.shape[0]
-    top = _scaled_exp(u, p)
-    if top == -np.inf:
-        out[:] = -np.inf
-        return
-    acc[:] = 0.0
-    for i in range(c):
-        pi = p[i]
-        if pi != 0.0:
-            for j in range(c):
-                acc[j] += pi * e[i, j]
-    for j in range(c):
-        if acc[j] >= TINY:
-            out[j] = top + cmax[j] + math.log(acc[j])
-        elif cmax[j] == -np.inf:
-            out[j] = -np.inf
-        else:
-            out[j] = _log_column(u, m, j)
-
-
-@njit(cache=True, fastmath={"reassoc", "contract"})
-def _dot(row, q):
+@njit(cache=True, fastmath={"reassoc"})
+def _sum(a):
+    """``sum(a)`` in float64, in any order (so that it vectorises)."""
     total = 0.0
-    for j in range(row.shape[0]):
-        total += row[j] * q[j]
+    for j in range(a.shape[0]):
+        total += a[j]
     return total
 
 
 @njit(cache=True)
-def scaled_matvec(m, e, cmax, y, out, z, q):
-    """``out[i] = log sum_j exp(m[i, j] + y[j])`` by the scaled product. Overwrites ``out``,
-    ``z`` and ``q`` (float64 scratch, length c)."""
-    c = y.shape[0]
+def _message(q, u, p):
+    """From ``q = pre + x`` of one position: ``u = q - lse(q)`` (``u = q`` where that is not
+    finite, as ``chain.normalise``) and ``p = exp(u - max u)`` in float64, 0 below ``FLUSH``.
+    Returns ``(lse(q), max u)``. The exponentials of ``q`` serve both (one vectorised pass, to
+    the accuracy of ``q``'s type); a non-finite maximum or sum takes ``chain.normalise``."""
+    c = q.shape[0]
+    top = -np.inf
     for j in range(c):
-        z[j] = y[j] + cmax[j]
-    top = _scaled_exp(z, q)
-    if top == -np.inf:
-        out[:] = -np.inf
-        return
-    for i in range(c):
-        total = _dot(e[i], q)
-        if total >= TINY:
-            out[i] = top + math.log(total)
-        else:
-            out[i] = _log_column(y, m.T, i)
+        top = q[j] if q[j] > top else top
+    like = q[0]  # a sample of q's type, read once (reread in the loop, it keeps it from vectorising)
+    if math.isfinite(top):
+        for j in range(c):
+            p[j] = exp_like(like, q[j] - top)
+        total = _sum(p)
+        if math.isfinite(total):
+            lse = top + log_like(like, total)
+            for j in range(c):
+                u[j] = q[j] - lse
+                p[j] = p[j] if p[j] >= FLUSH else 0.0
+            return lse, top - lse
+    lse = normalise(q, u)
+    return lse, _scaled_exp(u, p)
+
+
+@njit(cache=True)
+def _scaled_log(top, shift, acc, out):
+    """``out[j] = top + shift[j] + log(acc[j])`` where ``acc[j] >= TINY`` (one vectorised
+    pass, to the accuracy of ``out``'s type); returns whether some ``acc[j]`` is not (those
+    entries of ``out`` then hold garbage, for the caller's exact fallback)."""
+    like = out[0]
+    for j in range(acc.shape[0]):
+        out[j] = top + shift[j] + log_like(like, acc[j])
+    lost = 0
+    for j in range(acc.shape[0]):
+        lost += 0 if acc[j] >= TINY else 1
+    return lost > 0
 
 
 @njit(parallel=True, cache=True)
@@ -116,8 +115,10 @@ def chain_forward_scaled(x, trans, e, cmax, group, init, lengths, pre, norm):
     """``chain.chain_forward`` by scaled products: fills ``pre`` (B, v, c) and ``norm`` (B, v).
 
     ``e`` (G, S, c, c) and ``cmax`` (G, S, c) float64 as in the module docstring, the other
-    inputs as for ``chain.chain_forward``. O(B * v * c²) multiply-adds, O(B * v * c)
-    exponentials; rows run in parallel.
+    inputs as for ``chain.chain_forward``. A step is ``p @ e`` (eight rows a pass) on the
+    scaled message ``p = exp(â_t - max â_t)`` and ``c`` logarithms; the normaliser's
+    exponentials give the next ``p``. O(B * v * c²) multiply-adds, O(B * v * c) exponentials
+    and logarithms; rows run in parallel.
     """
     rows, v, c = x.shape
     per_step = trans.shape[1] > 1
@@ -131,13 +132,22 @@ def chain_forward_scaled(x, trans, e, cmax, group, init, lengths, pre, norm):
         pre[b, 0, :] = init[b]
         for j in range(c):
             q[j] = init[b, j] + x[b, 0, j]
-        norm[b, 0] = normalise(q, u)
+        norm[b, 0], top = _message(q, u, p)
         for t in range(length - 1):
             s = t if per_step else 0
-            scaled_vecmat(u, trans[g, s], e[g, s], cmax[g, s], pre[b, t + 1], p, acc)
+            out = pre[b, t + 1]
+            if not math.isfinite(top):  # no path (-inf), or NaN on one
+                out[:] = top
+            else:
+                acc[:] = 0.0
+                _add_vecmat(acc, p, e[g, s])
+                if _scaled_log(top, cmax[g, s], acc, out):
+                    for j in range(c):
+                        if not acc[j] >= TINY:
+                            out[j] = -np.inf if cmax[g, s, j] == -np.inf else _log_column(u, trans[g, s], j)
             for j in range(c):
-                q[j] = pre[b, t + 1, j] + x[b, t + 1, j]
-            norm[b, t + 1] = normalise(q, u)
+                q[j] = out[j] + x[b, t + 1, j]
+            norm[b, t + 1], top = _message(q, u, p)
         pre[b, length:, :] = -np.inf
         norm[b, length:] = 0.0
 
@@ -147,20 +157,22 @@ def _marginals(pre, x, d, beta, out):
     """``out = exp(pre + x - d + beta)`` renormalised to sum 1 (left as is where the sum is 0
     or not finite)."""
     offset = d if math.isfinite(d) else 0.0
-    total = 0.0
+    like = out[0]
     for i in range(out.shape[0]):
-        out[i] = math.exp(pre[i] + x[i] - offset + beta[i])
-        total += out[i]
+        out[i] = exp_like(like, pre[i] + x[i] - offset + beta[i])
+    total = _sum(out)
     if total > 0.0 and math.isfinite(total):
         for i in range(out.shape[0]):
             out[i] /= total
 
 
 @njit(parallel=True, cache=True)
-def chain_marginals_scaled(x, trans, e, cmax, group, lengths, pre, norm, marg):
+def chain_marginals_scaled(x, trans, e_t, cmax, group, lengths, pre, norm, marg):
     """The backward sweep by scaled products, straight to the posterior marginals: fills
     ``marg`` (B, v, c), each position renormalised to sum 1 (0 past each length and where a
-    chain has no path). Inputs as for :func:`chain_forward_scaled`, plus its outputs.
+    chain has no path). ``e_t`` holds the matrices of ``e`` transposed (G, S, c, c), the other
+    inputs as for :func:`chain_forward_scaled`, plus its outputs. A step is ``q @ e_t`` (eight
+    rows a pass) on ``q = exp(z - max z)``, ``z = x[t + 1] + beta[t + 1] + cmax``.
     O(B * v * c²) multiply-adds; rows run in parallel.
     """
     rows, v, c = x.shape
@@ -169,25 +181,83 @@ def chain_marginals_scaled(x, trans, e, cmax, group, lengths, pre, norm, marg):
         g = b // group
         length = lengths[b]
         beta = np.zeros(c, x.dtype)
-        before = np.empty(c, x.dtype)
         y = np.empty(c, x.dtype)
-        z = np.empty(c, np.float64)
+        z = np.empty(c, x.dtype)
         q = np.empty(c, np.float64)
+        acc = np.empty(c, np.float64)
+        zero = np.zeros(c)
         marg[b, length:, :] = 0.0
         _marginals(pre[b, length - 1], x[b, length - 1], norm[b, length - 1], beta, marg[b, length - 1])
         for t in range(length - 2, -1, -1):
-            for j in range(c):
-                y[j] = x[b, t + 1, j] + beta[j]
             s = t if per_step else 0
             d = norm[b, t + 1]
+            for j in range(c):
+                y[j] = x[b, t + 1, j] + beta[j]
+                z[j] = y[j] + cmax[g, s, j]
+            top = _scaled_exp(z, q)
             if d == -np.inf:  # the chain died at t + 1: nothing before it has a posterior
-                before[:] = -np.inf
+                beta[:] = -np.inf
+            elif not math.isfinite(top):  # no path (-inf), or NaN on one
+                beta[:] = top
             else:
-                scaled_matvec(trans[g, s], e[g, s], cmax[g, s], y, before, z, q)
-                for i in range(c):
-                    before[i] -= d
-            beta[:] = before
+                acc[:] = 0.0
+                _add_vecmat(acc, q, e_t[g, s])
+                if _scaled_log(top - d, zero, acc, beta):
+                    for i in range(c):
+                        if not acc[i] >= TINY:
+                            beta[i] = _log_column(y, trans[g, s].T, i) - d
             _marginals(pre[b, t], x[b, t], norm[b, t], beta, marg[b, t])
+
+
+BUFFER = 64
+"""Row-steps whose scaled factors the transition gradient gathers before adding their outer products."""
+
+
+@njit(cache=True)
+def _count_weights(top, cmax, pre_next, marg_next, w, r):
+    """``r = w * marg_next * exp(top + cmax - pre_next)`` (0 where ``marg_next`` is), float64
+    to the accuracy of ``pre_next``'s type; returns whether a factor exceeds ``exp(LIMIT)`` or
+    is not a number."""
+    like = pre_next[0]
+    bad = 0
+    for j in range(r.shape[0]):
+        gm = marg_next[j]
+        scale = top + cmax[j] - pre_next[j]
+        bad += 1 if gm != 0.0 and not scale <= LIMIT else 0
+        f = exp_like(like, min(scale, LIMIT))
+        r[j] = w * gm * f if gm != 0.0 else 0.0
+    return bad > 0
+
+
+@njit(cache=True)
+def _count_factors(a, cmax, pre_next, marg_next, w, p, r):
+    """The scaled factors of one row-step's expected transition counts, from ``a = â_t``:
+    ``p = exp(a - amax)`` (0 below ``FLUSH``) and ``r`` of :func:`_count_weights`, float64, to
+    the accuracy of ``a``'s type. Returns ``(use, bad)``: whether the step has weight
+    (``amax > -inf``), and whether a scale factor exceeds ``exp(LIMIT)`` or is not a number, or
+    ``a`` holds NaN (the exact kernel's cases)."""
+    top = _scaled_exp(a, p)
+    if top == -np.inf:
+        return False, False
+    if top != top:
+        return False, True
+    return True, _count_weights(top, cmax, pre_next, marg_next, w, r)
+
+
+@njit(cache=True)
+def _add_outer(out, p, r, p_t):
+    """``out += p.T @ r`` for ``p`` and ``r`` (n, c): eight rows of ``r`` a pass over each row
+    of ``out`` (``p_t`` (c, >= n) is scratch)."""
+    n, c = p.shape
+    for k in range(n):
+        for i in range(c):
+            p_t[i, k] = p[k, i]
+    for i in range(c):
+        _add_vecmat(out[i], p_t[i, :n], r)
+
+
+BUFFER = 64
+"""Row-steps whose scaled factors the transition gradient gathers before adding their outer products."""
 
 
 @njit(parallel=True, cache=True)
@@ -199,7 +269,8 @@ def chain_transition_grad_scaled(x, cmax, group, lengths, pre, norm, marg, weigh
     over the rows ``b`` of chunk ``k`` of group ``g`` (``chunks`` rows each) and the steps that use
     matrix ``s``, so that ``e * acc.sum(2)`` is ``chain.chain_transition_grad``'s result.
     Sets ``ok[g, s, k]`` False where a scale factor exceeds ``exp(LIMIT)`` or is not a number (the
-    caller then uses the exact kernel). Parallel over the (g, s, k) blocks of ``acc``.
+    caller then uses the exact kernel). Parallel over the (g, s, k) blocks of ``acc``; the
+    factors of ``BUFFER`` row-steps are added at once, eight a pass over each row of ``acc``.
     O(B * v * c²) multiply-adds.
     """
     groups, steps, parts, c, _ = acc.shape
@@ -208,10 +279,11 @@ def chain_transition_grad_scaled(x, cmax, group, lengths, pre, norm, marg, weigh
         g = gsk // (steps * parts)
         s = (gsk // parts) % steps
         k = gsk % parts
-        out = acc[g, s, k]
         a = np.empty(c, x.dtype)
-        p = np.empty(c, np.float64)
-        r = np.empty(c, np.float64)
+        p = np.empty((BUFFER, c), np.float64)
+        r = np.empty((BUFFER, c), np.float64)
+        p_t = np.empty((c, BUFFER), np.float64)
+        n = 0
         start = g * group + k * chunks
         for b in range(start, min(start + chunks, (g + 1) * group)):
             first = s if per_step else 0
@@ -221,27 +293,75 @@ def chain_transition_grad_scaled(x, cmax, group, lengths, pre, norm, marg, weigh
                 offset = d if math.isfinite(d) else 0.0
                 for i in range(c):
                     a[i] = pre[b, t, i] + x[b, t, i] - offset
-                top = _scaled_exp(a, p)
-                if top == -np.inf:
-                    continue
-                any_j = False
-                for j in range(c):
-                    gm = marg[b, t + 1, j]
-                    r[j] = 0.0
-                    if gm != 0.0:
-                        scale = top + cmax[g, s, j] - pre[b, t + 1, j]
-                        if not scale <= LIMIT:
-                            ok[g, s, k] = False
-                        else:
-                            r[j] = weight[b] * gm * math.exp(scale)
-                            any_j = True
-                if not any_j:
-                    continue
-                for i in range(c):
-                    pi = p[i]
-                    if pi != 0.0:
-                        for j in range(c):
-                            out[i, j] += pi * r[j]
+                use, bad = _count_factors(a, cmax[g, s], pre[b, t + 1], marg[b, t + 1], weight[b], p[n], r[n])
+                if bad:
+                    ok[g, s, k] = False
+                if use:
+                    n += 1
+                if n == BUFFER:
+                    _add_outer(acc[g, s, k], p, r, p_t)
+                    n = 0
+        _add_outer(acc[g, s, k], p[:n], r[:n], p_t)
+
+
+@njit(cache=True)
+def _marginal_row(forward, beta, weight, m):
+    """``m = weight * exp(forward + beta)`` renormalised (as ``_logspace.renormalise``);
+    subtracts the log normaliser from ``beta``."""
+    c = m.shape[0]
+    like = m[0]
+    for j in range(c):
+        m[j] = exp_like(like, forward[j] + beta[j])
+    total = _sum(m)
+    usable = total > 0.0 and math.isfinite(total)
+    scale = weight / total if usable else weight
+    for j in range(c):
+        m[j] *= scale
+    if usable:
+        log_total = math.log(total)
+        for j in range(c):
+            beta[j] -= log_total
+
+
+@njit(parallel=True, cache=True)
+def gemm_backward_step(t, last, weight, pre, x, norm, forward, beta, grad_x, before, y):
+    """The elementwise part of one step ``t`` of the GEMM sweep's backward (``_chain_sweep``),
+    one pass over each row (rows in parallel) instead of a dozen array passes.
+
+    Row ``b`` takes step ``t`` where ``t <= last[b]``. On entry ``forward`` (B, c) holds the
+    normalised forward messages ``â_t`` and ``beta`` (B, c) the backward ones from step
+    ``t + 1`` (reset to 0 where ``t == last[b]``); writes ``grad_x[:, t]`` with the marginals
+    ``exp(â_t + beta)`` renormalised, times ``weight`` (0 where the row takes no step t),
+    subtracts their log normaliser from ``beta``, and for ``t > 0`` overwrites ``forward``
+    with ``â_{t-1}`` (from ``pre``, ``x`` and ``norm``), ``before`` with it and ``y`` with
+    ``x[:, t] + beta``, both ``-inf`` where the row takes no step ``t``.
+    """
+    rows, c = beta.shape
+    for b in prange(rows):
+        active = t <= last[b]
+        if t == last[b]:
+            beta[b, :] = 0.0
+        if active:
+            _marginal_row(forward[b], beta[b], weight[b], grad_x[b, t])
+        else:
+            grad_x[b, t, :] = 0.0
+        if t > 0:
+            d = norm[b, t - 1]
+            offset = d if math.isfinite(d) else 0.0
+            _add(pre[b, t - 1], x[b, t - 1], -offset, forward[b])
+            if active:
+                before[b, :] = forward[b]
+                _add(x[b, t], beta[b], 0.0, y[b])
+            else:
+                before[b, :] = -np.inf
+                y[b, :] = -np.inf
+
+
+@njit(cache=True)
+def _add(p, q, r, out):
+    """``out = (p + q) + r``."""
+    for j in range(out.shape[0]):
+        out[j] = (p[j] + q[j]) + r
 
 
 @njit(cache=True, fastmath={"contract"})
