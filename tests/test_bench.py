@@ -202,9 +202,59 @@ def test_compiling_on_one_free_core_stays_in_this_process_and_shows_its_progress
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     monkeypatch.setattr(os, "getloadavg", lambda: (1.2, 0.0, 0.0))  # less than two cores free
     bench.compile_kernels(["logmatmul"], True)
-    assert compiled == [("chain", True), ("viterbi", True), ("logmatmul", True)]
+    assert compiled == [("viterbi", True), ("chain", True), ("logmatmul", True)]  # the longest first
     assert torch.get_num_threads() == threads
     assert "compiling kernels (first run only)" in capsys.readouterr().err
+
+
+class _OneWorker:
+    """A stand-in for the compiling workers' pool: its one worker takes the first workload
+    submitted (recording it in ``started``) and starts nothing else; ``error`` is what that
+    workload raises."""
+
+    started: list[str] = []
+    error: Exception | None = None
+
+    def __init__(self, workers, **kwargs):
+        assert workers == 1
+        self.idle = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def submit(self, fn, name, quick):
+        from concurrent.futures import Future
+
+        future = Future()
+        if self.idle:
+            self.idle = False
+            future.set_running_or_notify_cancel()
+            self.started.append(name)
+            future.set_exception(self.error) if self.error else future.set_result(name)
+        return future
+
+
+def test_compiling_on_two_free_cores_starts_the_longest_workload_here_and_takes_what_no_worker_started(
+        monkeypatch, capsys):
+    import concurrent.futures
+
+    compiled = []
+    monkeypatch.setattr(bench, "_compile", lambda name, quick: compiled.append(name) or name)
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", _OneWorker)
+    monkeypatch.setattr(_OneWorker, "started", [])
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.2, 0.0, 0.0))
+    bench.compile_kernels(["chain", "hmm-fit", "viterbi", "block-sparse"], True)
+    assert _OneWorker.started == ["block-sparse"]
+    assert compiled == ["hmm-fit", "viterbi", "chain"]  # longest first (bench.COMPILE_SECONDS)
+    assert "4/4 workloads" in capsys.readouterr().err
+    assert set(bench.COMPILE_SECONDS) == set(bench.WORKLOADS)
+    monkeypatch.setattr(_OneWorker, "error", RuntimeError("a worker failed"))
+    with pytest.raises(RuntimeError, match="a worker failed"):
+        bench.compile_kernels(["chain", "viterbi"], True)
 
 
 def test_compiling_a_workload_runs_spchains_methods_and_the_reference_of_each_case(monkeypatch):

@@ -188,6 +188,13 @@ def kernels_cached() -> bool:
     return 2 * sum(index.is_file() for index in indexes) >= len(indexes)
 
 
+COMPILE_SECONDS = {"hmm-fit": 26, "block-sparse": 19, "sparse-chain": 17, "chains-at-scale": 7, "crf": 6,
+                   "viterbi": 5, "hmm-forward": 5, "chain": 4, "torch-layer": 3, "sparse-linear": 3, "logmatmul": 2,
+                   "block-diag": 1, "grouped": 1}
+"""CPU seconds that compiling each workload's kernels took on its own (quick sizes, an empty
+cache, 2026-11-25): :func:`compile_kernels` starts the longest first."""
+
+
 def _compile(name: str, quick: bool) -> str:
     """Run spchain's methods (those named ``spchain...``) and the float64 reference of each case
     of workload ``name`` once, which compiles the kernels they need into Numba's on-disk cache
@@ -210,30 +217,53 @@ def _one_thread() -> None:
 
 
 def compile_kernels(names: list[str], quick: bool) -> None:
-    """Compile the kernels that the workloads ``names`` need, in parallel worker processes (one a
-    free core; Numba compiles one function at a time in a process), into Numba's on-disk cache,
-    with a progress bar: the first run after an install only."""
+    """Compile the kernels that the workloads ``names`` need into Numba's on-disk cache, with a
+    progress bar: the first run after an install only.
+
+    Numba compiles one function at a time in a process, so on each free core but this
+    process's a worker process compiles too. The workloads go longest first
+    (:data:`COMPILE_SECONDS`): the workers take them in that order, and this process takes the
+    longest, then whichever the workers have not started when it is done. What this process
+    compiled stays loaded for the run after it."""
     import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor, as_completed
+    import threading
+    from concurrent.futures import Future, ProcessPoolExecutor
 
     from tqdm import tqdm
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     free = cores - (os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0)  # workers on busy cores only add work
-    workers = min(len(names), int(free + 0.5))
+    workers = min(len(names), int(free + 0.5)) - 1  # beside this process
+    names = sorted(names, key=lambda name: -COMPILE_SECONDS.get(name, 0))
     with tqdm(total=len(names), desc="compiling kernels (first run only)", file=sys.stderr,
               bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} workloads, {elapsed} {postfix}") as bar:
-        if workers <= 1:  # one worker would only add its start-up
-            for name in names:
+        lock = threading.Lock()  # a worker's workload is reported on the pool's thread
+
+        def done(name: str) -> None:
+            with lock:
                 bar.set_postfix_str(name)
-                _compile(name, quick)
                 bar.update(1)
+
+        def finished(future: Future[str]) -> None:
+            if not future.cancelled() and future.exception() is None:
+                done(future.result())
+
+        if workers < 1:
+            for name in names:
+                done(_compile(name, quick))
             return
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
                                  initializer=_one_thread) as pool:
-            for done in as_completed([pool.submit(_compile, name, quick) for name in names]):
-                bar.set_postfix_str(done.result())
-                bar.update(1)
+            queued = {pool.submit(_compile, name, quick): name for name in names[1:]}
+            for future in queued:
+                future.add_done_callback(finished)
+            done(_compile(names[0], quick))
+            for future, name in queued.items():
+                if future.cancel():  # no worker has started it
+                    done(_compile(name, quick))
+            for future in queued:
+                if not future.cancelled():
+                    future.result()  # raises a worker's error here
 
 
 def run(selected: list[tuple[str, str]], quick: bool, device: str, repeat: int, budget: float) -> list[Result]:
