@@ -261,9 +261,10 @@ def test_compiling_a_workload_runs_spchains_methods_and_the_reference_of_each_ca
     ran = []
     monkeypatch.setattr(bench, "make_case", lambda name, case, quick: core.Case(
         name, case, {"spchain": lambda: ran.append(case), "spchain dense": lambda: ran.append("dense"),
-                     "baseline": lambda: pytest.fail("a baseline ran")}, reference=lambda: ran.append("reference")))
+                     "baseline": lambda: pytest.fail("a baseline ran"), "chain_kbest": lambda: ran.append("kbest")},
+        reference=lambda: ran.append("reference"), spchain_methods={"chain_kbest"}))
     assert bench._compile("chain", True) == "chain"
-    assert ran == [x for case in bench.cases("chain", True) for x in (case, "dense", "reference")]
+    assert ran == [x for case in bench.cases("chain", True) for x in (case, "dense", "kbest", "reference")]
 
 
 # --- the record, the check, and the tables generated from it --------------------------------------

@@ -196,13 +196,13 @@ cache, 2026-11-25): :func:`compile_kernels` starts the longest first."""
 
 
 def _compile(name: str, quick: bool) -> str:
-    """Run spchain's methods (those named ``spchain...``) and the float64 reference of each case
-    of workload ``name`` once, which compiles the kernels they need into Numba's on-disk cache
-    (for :func:`compile_kernels`)."""
+    """Run spchain's methods (those named ``spchain...`` and the case's ``spchain_methods``) and
+    the float64 reference of each case of workload ``name`` once, which compiles the kernels they
+    need into Numba's on-disk cache (for :func:`compile_kernels`)."""
     for case_name in cases(name, quick):
         case = make_case(name, case_name, quick)
         for method, fn in case.methods.items():
-            if method.startswith("spchain"):
+            if method.startswith("spchain") or method in case.spchain_methods:
                 fn()
         if case.reference is not None:
             case.reference()
