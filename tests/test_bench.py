@@ -202,7 +202,7 @@ def test_compiling_on_one_free_core_stays_in_this_process_and_shows_its_progress
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     monkeypatch.setattr(os, "getloadavg", lambda: (1.2, 0.0, 0.0))  # less than two cores free
     bench.compile_kernels(["logmatmul"], True)
-    assert compiled == [("viterbi", True), ("chain", True), ("logmatmul", True)]  # the longest first
+    assert compiled == [("chain", True), ("viterbi", True), ("logmatmul", True)]
     assert torch.get_num_threads() == threads
     assert "compiling kernels (first run only)" in capsys.readouterr().err
 
@@ -237,8 +237,7 @@ class _OneWorker:
         return future
 
 
-def test_compiling_on_two_free_cores_starts_the_longest_workload_here_and_takes_what_no_worker_started(
-        monkeypatch, capsys):
+def test_compiling_on_two_free_cores_goes_from_both_ends_of_the_compile_order(monkeypatch, capsys):
     import concurrent.futures
 
     compiled = []
@@ -247,11 +246,11 @@ def test_compiling_on_two_free_cores_starts_the_longest_workload_here_and_takes_
     monkeypatch.setattr(_OneWorker, "started", [])
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     monkeypatch.setattr(os, "getloadavg", lambda: (0.2, 0.0, 0.0))
-    bench.compile_kernels(["chain", "hmm-fit", "viterbi", "block-sparse"], True)
-    assert _OneWorker.started == ["block-sparse"]
-    assert compiled == ["hmm-fit", "viterbi", "chain"]  # longest first (bench.COMPILE_SECONDS)
+    bench.compile_kernels(["chain", "sparse-chain", "hmm-fit", "block-sparse"], True)
+    assert _OneWorker.started == ["sparse-chain"]  # the worker from the back of bench.COMPILE_ORDER
+    assert compiled == ["hmm-fit", "chain", "block-sparse"]  # this process from the front, to what no worker took
     assert "4/4 workloads" in capsys.readouterr().err
-    assert set(bench.COMPILE_SECONDS) == set(bench.WORKLOADS)
+    assert sorted(bench.COMPILE_ORDER) == sorted(bench.WORKLOADS)
     monkeypatch.setattr(_OneWorker, "error", RuntimeError("a worker failed"))
     with pytest.raises(RuntimeError, match="a worker failed"):
         bench.compile_kernels(["chain", "viterbi"], True)

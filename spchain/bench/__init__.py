@@ -188,11 +188,17 @@ def kernels_cached() -> bool:
     return 2 * sum(index.is_file() for index in indexes) >= len(indexes)
 
 
-COMPILE_SECONDS = {"hmm-fit": 26, "block-sparse": 19, "sparse-chain": 17, "chains-at-scale": 7, "crf": 6,
-                   "viterbi": 5, "hmm-forward": 5, "chain": 4, "torch-layer": 3, "sparse-linear": 3, "logmatmul": 2,
-                   "block-diag": 1, "grouped": 1}
-"""CPU seconds that compiling each workload's kernels took on its own (quick sizes, an empty
-cache, 2026-11-25): :func:`compile_kernels` starts the longest first."""
+COMPILE_ORDER = ["hmm-fit", "hmm-forward", "crf", "chains-at-scale", "chain", "logmatmul", "block-diag", "grouped",
+                 "viterbi", "torch-layer", "sparse-linear", "block-sparse", "sparse-chain"]
+"""The order in which :func:`compile_kernels` compiles the workloads: this process from the
+front, the worker processes from the back. The front holds the workloads whose cases import
+other libraries (hmmlearn, pomegranate, Dask, the CRFs; the run then has them imported), the
+back those with the most kernels; workloads that share kernels sit together, and the
+quickest sit in the middle, where the two ends meet. Measured alone on an empty cache (CPU
+seconds at quick sizes, 2026-11-25, a machine at a load of 4-6): hmm-fit 29, sparse-chain 21,
+block-sparse 20, crf 10, hmm-forward 9, chains-at-scale 7, sparse-linear 6, torch-layer 6,
+viterbi 5, the others 1-2; crf, hmm-forward and chains-at-scale share 3-7 s of kernels, as do
+block-sparse, sparse-linear and torch-layer."""
 
 
 def _compile(name: str, quick: bool) -> str:
@@ -221,9 +227,8 @@ def compile_kernels(names: list[str], quick: bool) -> None:
     progress bar: the first run after an install only.
 
     Numba compiles one function at a time in a process, so on each free core but this
-    process's a worker process compiles too. The workloads go longest first
-    (:data:`COMPILE_SECONDS`): the workers take them in that order, and this process takes the
-    longest, then whichever the workers have not started when it is done. What this process
+    process's a worker process compiles too: this process takes the workloads from the front
+    of :data:`COMPILE_ORDER`, the workers from its back, until they meet. What this process
     compiled stays loaded for the run after it."""
     import multiprocessing
     import threading
@@ -234,7 +239,7 @@ def compile_kernels(names: list[str], quick: bool) -> None:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     free = cores - (os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0)  # workers on busy cores only add work
     workers = min(len(names), int(free + 0.5)) - 1  # beside this process
-    names = sorted(names, key=lambda name: -COMPILE_SECONDS.get(name, 0))
+    names = sorted(names, key=COMPILE_ORDER.index)
     with tqdm(total=len(names), desc="compiling kernels (first run only)", file=sys.stderr,
               bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} workloads, {elapsed} {postfix}") as bar:
         lock = threading.Lock()  # a worker's workload is reported on the pool's thread
@@ -254,14 +259,14 @@ def compile_kernels(names: list[str], quick: bool) -> None:
             return
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
                                  initializer=_one_thread) as pool:
-            queued = {pool.submit(_compile, name, quick): name for name in names[1:]}
-            for future in queued:
+            queued = {name: pool.submit(_compile, name, quick) for name in reversed(names)}
+            for future in queued.values():
                 future.add_done_callback(finished)
-            done(_compile(names[0], quick))
-            for future, name in queued.items():
-                if future.cancel():  # no worker has started it
-                    done(_compile(name, quick))
-            for future in queued:
+            for name in names:
+                if not queued[name].cancel():  # a worker has it: so has it every workload after it
+                    break
+                done(_compile(name, quick))
+            for future in queued.values():
                 if not future.cancelled():
                     future.result()  # raises a worker's error here
 
