@@ -244,18 +244,22 @@ def compile_kernels(names: list[str], quick: bool) -> None:
               bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} workloads, {elapsed} {postfix}") as bar:
         lock = threading.Lock()  # a worker's workload is reported on the pool's thread
 
-        def done(name: str) -> None:
+        def show(name: str, done: int) -> None:
             with lock:
                 bar.set_postfix_str(name)
-                bar.update(1)
+                bar.update(done)
+
+        def here(name: str) -> None:
+            show(name, 0)
+            show(_compile(name, quick), 1)
 
         def finished(future: Future[str]) -> None:
             if not future.cancelled() and future.exception() is None:
-                done(future.result())
+                show(future.result(), 1)
 
         if workers < 1:
             for name in names:
-                done(_compile(name, quick))
+                here(name)
             return
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
                                  initializer=_one_thread) as pool:
@@ -265,7 +269,7 @@ def compile_kernels(names: list[str], quick: bool) -> None:
             for name in names:
                 if not queued[name].cancel():  # a worker has it: so has it every workload after it
                     break
-                done(_compile(name, quick))
+                here(name)
             for future in queued.values():
                 if not future.cancelled():
                     future.result()  # raises a worker's error here
