@@ -237,8 +237,11 @@ def compile_kernels(names: list[str], quick: bool) -> None:
     from tqdm import tqdm
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    free = cores - (os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0)  # workers on busy cores only add work
-    workers = min(len(names), int(free + 0.5)) - 1  # beside this process
+    free = cores - (os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0)
+    # One worker beside this process even on a busy machine: it costs its start-up, and there two
+    # processes get about twice one's share of the cores (2026-11-25, 2 cores at a load of 2-4:
+    # 57 s against 107 s). More only for the cores the load leaves free.
+    workers = min(len(names), cores, max(2, int(free + 0.5))) - 1
     names = sorted(names, key=COMPILE_ORDER.index)
     with tqdm(total=len(names), desc="compiling kernels (first run only)", file=sys.stderr,
               bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} workloads, {elapsed} {postfix}") as bar:
