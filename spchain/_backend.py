@@ -77,6 +77,20 @@ class Backend:
         return host
 
 
+def read_only(a: Array) -> Array:
+    """``a`` as the CPU kernels take an array they only read: a read-only view of a writable
+    NumPy array (any other ``a`` as it is), so that Numba compiles one signature for it
+    whatever the caller's flags, not one per combination of writable and read-only arguments.
+
+    >>> read_only(np.ones(3)).flags.writeable
+    False
+    """
+    if isinstance(a, np.ndarray) and a.flags.writeable:
+        a = a.view()
+        a.flags.writeable = False
+    return a
+
+
 def device_kernel(xp: ModuleType, launcher: Callable[..., Any]) -> Callable[..., Any]:
     """``launcher`` (``launch_<op>`` of a ``spchain.kernels.cuda`` module) bound to ``xp``'s
     (CuPy's) current stream, its device arrays passed to Numba without a synchronisation.

@@ -44,11 +44,7 @@ class Chain:
         # views, whether or not they came from a broadcast or from the caller read-only, so
         # that Numba compiles one signature a dtype and rank, not one per combination of flags.
         for name in ("x", "trans", "init", "lengths"):
-            a = getattr(self, name)
-            if isinstance(a, np.ndarray) and a.flags.writeable:
-                a = a.view()
-                a.flags.writeable = False
-                setattr(self, name, a)
+            setattr(self, name, _backend.read_only(getattr(self, name)))
 
     @property
     def xp(self) -> ModuleType:

@@ -29,7 +29,7 @@ import numpy as np
 import scipy.sparse
 
 from . import _chain_scaled, _csr, _structures
-from ._backend import Backend
+from ._backend import Backend, read_only
 from ._logspace import normalised, renormalise, weighted
 from .kernels import cpu, cuda
 from ._typing import Array, Sparse
@@ -226,8 +226,8 @@ class _Scaled:
 
 def _scaled(chain: Chain) -> _Scaled:
     s = _structure(chain)
-    values = np.ascontiguousarray(_values(chain))
-    t_values = transposed_values(chain)
+    values = read_only(np.ascontiguousarray(_values(chain)))
+    t_values = read_only(transposed_values(chain))
     c, nnz = s.shape[0], values.shape[0]
     shifted_exp = cpu.sparse_chain_scaled.sparse_chain_shifted_exp
     cmax, t_e, rmax, row_e = np.empty(c), np.empty(nnz), np.empty(c), np.empty(nnz)
@@ -247,9 +247,10 @@ def _backward_scaled(chain: Chain, pre: Array, norm: Array, weight: Array,
     nnz = scaled.e.shape[0] if grad_trans is not None else 0
     partial = np.empty((min(rows, _threads(chain.backend)), nnz))
     grad_x = np.empty_like(chain.x)
+    values = read_only(np.ascontiguousarray(_values(chain)))
     cpu.sparse_chain_scaled.sparse_chain_backward_scaled(
-        chain.x, s.indptr, s.indices, np.ascontiguousarray(_values(chain)), scaled.row_e, scaled.rmax, s.t_indptr,
-        s.t_rows, scaled.t_values, s.order, scaled.e, scaled.cmax, chain.lengths, pre, norm, weight, grad_x, partial)
+        chain.x, s.indptr, s.indices, values, scaled.row_e, scaled.rmax, s.t_indptr, s.t_rows, scaled.t_values,
+        s.order, scaled.e, scaled.cmax, chain.lengths, pre, norm, weight, grad_x, partial)
     if grad_trans is not None:
         grad_trans = partial.sum(axis=0).astype(chain.x.dtype).reshape(chain.trans.shape)
     return grad_x, grad_trans

@@ -190,7 +190,7 @@ def test_every_cached_kernel_has_an_index_path():
     assert all(index.suffix == ".nbi" for index in indexes)
 
 
-def test_compiling_on_one_free_core_stays_in_this_process_and_shows_its_progress(monkeypatch, capsys):
+def test_compiling_on_one_core_stays_in_this_process_and_shows_its_progress(monkeypatch, capsys):
     import torch
 
     compiled = []
@@ -200,20 +200,72 @@ def test_compiling_on_one_free_core_stays_in_this_process_and_shows_its_progress
     monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
     bench.compile_kernels(["chain", "viterbi"], True)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
-    monkeypatch.setattr(os, "getloadavg", lambda: (1.2, 0.0, 0.0))  # less than two cores free
-    bench.compile_kernels(["logmatmul"], True)
+    bench.compile_kernels(["logmatmul"], True)  # one workload
     assert compiled == [("chain", True), ("viterbi", True), ("logmatmul", True)]
     assert torch.get_num_threads() == threads
     assert "compiling kernels (first run only)" in capsys.readouterr().err
+
+
+class _OneWorker:
+    """A stand-in for the compiling workers' pool: its one worker takes the first workload
+    submitted (recording it in ``started``) and starts nothing else; ``error`` is what that
+    workload raises."""
+
+    started: list[str] = []
+    error: Exception | None = None
+
+    def __init__(self, workers, **kwargs):
+        assert workers == 1
+        self.idle = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def submit(self, fn, name, quick):
+        from concurrent.futures import Future
+
+        future = Future()
+        if self.idle:
+            self.idle = False
+            future.set_running_or_notify_cancel()
+            self.started.append(name)
+            future.set_exception(self.error) if self.error else future.set_result(name)
+        return future
+
+
+def test_compiling_on_two_free_cores_goes_from_both_ends_of_the_compile_order(monkeypatch, capsys):
+    import concurrent.futures
+
+    compiled = []
+    monkeypatch.setattr(bench, "_compile", lambda name, quick: compiled.append(name) or name)
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", _OneWorker)
+    monkeypatch.setattr(_OneWorker, "started", [])
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.2, 0.0, 0.0))
+    bench.compile_kernels(["chain", "sparse-chain", "hmm-fit", "block-sparse"], True)
+    assert _OneWorker.started == ["sparse-chain"]  # the worker from the back of bench.COMPILE_ORDER
+    assert compiled == ["hmm-fit", "chain", "block-sparse"]  # this process from the front, to what no worker took
+    assert "4/4 workloads" in capsys.readouterr().err
+    assert sorted(bench.COMPILE_ORDER) == sorted(bench.WORKLOADS)
+    monkeypatch.setattr(os, "getloadavg", lambda: (6.0, 0.0, 0.0))  # a busy machine: still one worker
+    bench.compile_kernels(["chain", "viterbi"], True)
+    assert _OneWorker.started[-1] == "viterbi"
+    monkeypatch.setattr(_OneWorker, "error", RuntimeError("a worker failed"))
+    with pytest.raises(RuntimeError, match="a worker failed"):
+        bench.compile_kernels(["chain", "viterbi"], True)
 
 
 def test_compiling_a_workload_runs_spchains_methods_and_the_reference_of_each_case(monkeypatch):
     ran = []
     monkeypatch.setattr(bench, "make_case", lambda name, case, quick: core.Case(
         name, case, {"spchain": lambda: ran.append(case), "spchain dense": lambda: ran.append("dense"),
-                     "baseline": lambda: pytest.fail("a baseline ran")}, reference=lambda: ran.append("reference")))
+                     "baseline": lambda: pytest.fail("a baseline ran"), "chain_kbest": lambda: ran.append("kbest")},
+        reference=lambda: ran.append("reference"), spchain_methods={"chain_kbest"}))
     assert bench._compile("chain", True) == "chain"
-    assert ran == [x for case in bench.cases("chain", True) for x in (case, "dense", "reference")]
+    assert ran == [x for case in bench.cases("chain", True) for x in (case, "dense", "kbest", "reference")]
 
 
 # --- the record, the check, and the tables generated from it --------------------------------------

@@ -531,3 +531,32 @@ def test_small_magnitude():
     assert not small_magnitude(np.array([[np.nan, 3.0]], np.float32))
     assert small_magnitude(np.array([[-1e9, np.inf * -1]]))
     assert small_magnitude(np.zeros((0, 3), np.float32))
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_the_backward_sweeps_take_fresh_and_read_only_messages_as_one_signature(rng, sparse):
+    """The backward sweeps read ``pre``, ``norm`` and the weights as read-only views: the
+    messages fresh from ``chain_marginals``' own forward sweep and the read-only ones of a
+    gradient (as torch's saved results come back) compile one signature of each kernel."""
+    import importlib
+    import pkgutil
+
+    import spchain.kernels.cpu as cpu
+    from spchain.chain import chain_logsumexp_backward, chain_logsumexp_forward
+
+    modules = [importlib.import_module(f"{cpu.__name__}.{m.name}") for m in pkgutil.iter_modules(cpu.__path__)]
+
+    def signatures():
+        return {(m.__name__, name): len(f.signatures) for m in modules for name, f in vars(m).items()
+                if hasattr(f, "signatures")}
+
+    x, t = rng.normal(size=(8, 5, 4)), rng.normal(size=(4, 4))
+    trans = scipy.sparse.csr_matrix(np.where(rng.random((4, 4)) < 0.6, t, 0)) if sparse else t
+    results = chain_logsumexp_forward(x, trans)
+    weight = np.ones(8)
+    for a in (*results, weight):
+        a.flags.writeable = False
+    chain_logsumexp_backward((x, trans, None, None), results, (weight,), (True, True, False))
+    before = signatures()
+    sc.chain_marginals(x, trans)
+    assert signatures() == before

@@ -188,14 +188,27 @@ def kernels_cached() -> bool:
     return 2 * sum(index.is_file() for index in indexes) >= len(indexes)
 
 
+COMPILE_ORDER = ["hmm-fit", "hmm-forward", "crf", "chains-at-scale", "chain", "logmatmul", "block-diag", "grouped",
+                 "viterbi", "torch-layer", "sparse-linear", "block-sparse", "sparse-chain"]
+"""The order in which :func:`compile_kernels` compiles the workloads: this process from the
+front, the worker processes from the back. The front holds the workloads whose cases import
+other libraries (hmmlearn, pomegranate, Dask, the CRFs; the run then has them imported), the
+back those with the most kernels; workloads that share kernels sit together, and the
+quickest sit in the middle, where the two ends meet. Measured alone on an empty cache (CPU
+seconds at quick sizes, 2026-11-25, a machine at a load of 4-6): hmm-fit 29, sparse-chain 21,
+block-sparse 20, crf 10, hmm-forward 9, chains-at-scale 7, sparse-linear 6, torch-layer 6,
+viterbi 5, the others 1-2; crf, hmm-forward and chains-at-scale share 3-7 s of kernels, as do
+block-sparse, sparse-linear and torch-layer."""
+
+
 def _compile(name: str, quick: bool) -> str:
-    """Run spchain's methods (those named ``spchain...``) and the float64 reference of each case
-    of workload ``name`` once, which compiles the kernels they need into Numba's on-disk cache
-    (for :func:`compile_kernels`)."""
+    """Run spchain's methods (those named ``spchain...`` and the case's ``spchain_methods``) and
+    the float64 reference of each case of workload ``name`` once, which compiles the kernels they
+    need into Numba's on-disk cache (for :func:`compile_kernels`)."""
     for case_name in cases(name, quick):
         case = make_case(name, case_name, quick)
         for method, fn in case.methods.items():
-            if method.startswith("spchain"):
+            if method.startswith("spchain") or method in case.spchain_methods:
                 fn()
         if case.reference is not None:
             case.reference()
@@ -210,30 +223,59 @@ def _one_thread() -> None:
 
 
 def compile_kernels(names: list[str], quick: bool) -> None:
-    """Compile the kernels that the workloads ``names`` need, in parallel worker processes (one a
-    free core; Numba compiles one function at a time in a process), into Numba's on-disk cache,
-    with a progress bar: the first run after an install only."""
+    """Compile the kernels that the workloads ``names`` need into Numba's on-disk cache, with a
+    progress bar: the first run after an install only.
+
+    Numba compiles one function at a time in a process, so on each free core but this
+    process's a worker process compiles too: this process takes the workloads from the front
+    of :data:`COMPILE_ORDER`, the workers from its back, until they meet. What this process
+    compiled stays loaded for the run after it."""
     import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor, as_completed
+    import threading
+    from concurrent.futures import Future, ProcessPoolExecutor
 
     from tqdm import tqdm
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    free = cores - (os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0)  # workers on busy cores only add work
-    workers = min(len(names), int(free + 0.5))
+    free = cores - (os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0)
+    # One worker beside this process even on a busy machine: it costs its start-up, and there two
+    # processes get about twice one's share of the cores (2026-11-25, 2 cores at a load of 2-4:
+    # 57 s against 107 s). More only for the cores the load leaves free.
+    workers = min(len(names), cores, max(2, int(free + 0.5))) - 1
+    names = sorted(names, key=COMPILE_ORDER.index)
     with tqdm(total=len(names), desc="compiling kernels (first run only)", file=sys.stderr,
               bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} workloads, {elapsed} {postfix}") as bar:
-        if workers <= 1:  # one worker would only add its start-up
-            for name in names:
+        lock = threading.Lock()  # a worker's workload is reported on the pool's thread
+
+        def show(name: str, done: int) -> None:
+            with lock:
                 bar.set_postfix_str(name)
-                _compile(name, quick)
-                bar.update(1)
+                bar.update(done)
+
+        def here(name: str) -> None:
+            show(name, 0)
+            show(_compile(name, quick), 1)
+
+        def finished(future: Future[str]) -> None:
+            if not future.cancelled() and future.exception() is None:
+                show(future.result(), 1)
+
+        if workers < 1:
+            for name in names:
+                here(name)
             return
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
                                  initializer=_one_thread) as pool:
-            for done in as_completed([pool.submit(_compile, name, quick) for name in names]):
-                bar.set_postfix_str(done.result())
-                bar.update(1)
+            queued = {name: pool.submit(_compile, name, quick) for name in reversed(names)}
+            for future in queued.values():
+                future.add_done_callback(finished)
+            for name in names:
+                if not queued[name].cancel():  # a worker has it: so has it every workload after it
+                    break
+                here(name)
+            for future in queued.values():
+                if not future.cancelled():
+                    future.result()  # raises a worker's error here
 
 
 def run(selected: list[tuple[str, str]], quick: bool, device: str, repeat: int, budget: float) -> list[Result]:

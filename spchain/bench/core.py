@@ -41,6 +41,9 @@ class Case:
     scale: dict[str, float] = field(default_factory=dict)
     """Baselines run at a smaller size than spchain: the factor that scales their time to
     spchain's size (ratios use the scaled time)."""
+    spchain_methods: set[str] = field(default_factory=set)
+    """Methods besides those named ``spchain...`` that run spchain's kernels (spchain's other
+    functions as the baselines of one, say): the first run's compiling step runs them too."""
 
 
 @dataclass

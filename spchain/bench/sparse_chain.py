@@ -84,7 +84,7 @@ def path_case(quick: bool, device: str) -> Case:
         "chain_sample (4 draws)": plain(lambda: st.chain_sample(x, sparse, log_init, num_samples=4, seed=0)),
         "chain_kbest (k 2)": plain(lambda: st.chain_kbest(x, sparse, log_init, k=2)),
     }
-    return Case("sparse-chain", "path functions (peak memory)", methods, None, device)
+    return Case("sparse-chain", "path functions (peak memory)", methods, None, device, spchain_methods=set(methods))
 
 
 def make_case(name: str, quick: bool, device: str = "cpu") -> Case:
