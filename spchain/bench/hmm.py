@@ -16,6 +16,7 @@
 ``python -m spchain.bench.hmm`` times the Gaussian case alone, the two fits alternating.
 """
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -94,7 +95,13 @@ def fit(module: Any, cls: str, parameters: dict[str, Any], X: np.ndarray, length
                                  **kwargs)
     for name, value in parameters.items():
         setattr(model, name, value.toarray() if dense and scipy.sparse.issparse(value) else value.copy())
-    model.fit(X, lengths)
+    log = logging.getLogger("hmmlearn.base")  # warns that the quick sizes' few samples fit many parameters
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        model.fit(X, lengths)
+    finally:
+        log.setLevel(level)
     return tuple(getattr(model, name) for name in parameters)
 
 
