@@ -136,6 +136,14 @@ def _tile_rows(indptr, indices, data, b, b0, bias, out, lo, hi, c0, vectors):
             _row_tile(indices, data, b, b0, indptr[i], indptr[i + 1], bias[i], out, i, c0, 1)
 
 
+def _vector_types(context, dtype):
+    """For an intrinsic's code on ``dtype`` elements: their size in bytes, the lanes of a vector
+    register, the LLVM vector type and ``intp``."""
+    size = context.get_abi_sizeof(context.get_data_type(dtype))
+    lanes = _VECTOR // size
+    return size, lanes, ir.VectorType(context.get_data_type(dtype), lanes), context.get_value_type(types.intp)
+
+
 @intrinsic
 def _copy_vectors(typingctx, a, j, c0, out, width):
     """``out[j, :width] = a[j, c0:c0 + width]``, ``width`` a multiple of the vector's lanes up
@@ -147,11 +155,7 @@ def _copy_vectors(typingctx, a, j, c0, out, width):
         a_type, j_type, c0_type, out_type, width_type = signature.args
         a_array = context.make_array(a_type)(context, builder, args[0])
         out_array = context.make_array(out_type)(context, builder, args[3])
-        element = context.get_data_type(a_type.dtype)
-        size = context.get_abi_sizeof(element)
-        lanes = _VECTOR // size
-        vector = ir.VectorType(element, lanes)
-        intp = context.get_value_type(types.intp)
+        size, lanes, vector, intp = _vector_types(context, a_type.dtype)
         j = context.cast(builder, args[1], j_type, types.intp)
         c0 = context.cast(builder, args[2], c0_type, types.intp)
         width = context.cast(builder, args[4], width_type, types.intp)
@@ -189,11 +193,7 @@ def _row_tile(typingctx, indices, data, b, b0, p0, p1, start, out, i, c0, vector
         data_array = context.make_array(data_type)(context, builder, args[1])
         b_array = context.make_array(b_type)(context, builder, args[2])
         out_array = context.make_array(out_type)(context, builder, args[7])
-        element = context.get_data_type(b_type.dtype)
-        size = context.get_abi_sizeof(element)
-        lanes = _VECTOR // size
-        vector = ir.VectorType(element, lanes)
-        intp = context.get_value_type(types.intp)
+        size, lanes, vector, intp = _vector_types(context, b_type.dtype)
 
         def const(v):
             return ir.Constant(intp, v)
@@ -389,11 +389,7 @@ def _dot_entries(typingctx, indices, b, b0, p, a, i, a0, out, vectors, entries):
         b_array = context.make_array(b_type)(context, builder, args[1])
         a_array = context.make_array(a_type)(context, builder, args[4])
         out_array = context.make_array(out_type)(context, builder, args[7])
-        element = context.get_data_type(b_type.dtype)
-        size = context.get_abi_sizeof(element)
-        lanes = _VECTOR // size
-        vector = ir.VectorType(element, lanes)
-        intp = context.get_value_type(types.intp)
+        size, lanes, vector, intp = _vector_types(context, b_type.dtype)
 
         def const(v):
             return ir.Constant(intp, v)
@@ -425,7 +421,7 @@ def _dot_entries(typingctx, indices, b, b0, p, a, i, a0, out, vectors, entries):
             blocks, size_ = blocks * 2, size_ // 2
         total = sums[0]
         target = cgutils.pointer_add(builder, out_array.data, builder.mul(p, const(size)),
-                                     return_type=ir.VectorType(element, group).as_pointer())
+                                     return_type=ir.VectorType(vector.element, group).as_pointer())
         if group == 1:
             target = cgutils.gep(builder, out_array.data, p)
             total = builder.extract_element(total, ir.Constant(ir.IntType(32), 0))
