@@ -10,8 +10,7 @@ The gradient is the forward-backward algorithm: the backward sweep reuses the sa
 messages (O(batch · v · c)), never a (batch, v, c, c) tensor. Each function is an
 :class:`~spchain._op.Op` (:data:`LOGSUMEXP`, :data:`MARGINALS`, :data:`VITERBI`) that
 ``spchain.torch`` runs: :func:`prepare_chain` validates and lays out the inputs once, the
-backward reuses that :class:`ChainProblem`. ``<op>_forward`` / ``<op>_backward`` give the same
-in positional form.
+backward reuses that :class:`ChainProblem`.
 """
 
 from __future__ import annotations
@@ -174,35 +173,6 @@ LOGSUMEXP: Op[ChainProblem, Messages] = Op(prepare_chain, _logsumexp_forward, Me
 differentiable in ``(x, log_trans, log_init)``."""
 
 
-def chain_logsumexp_forward(x: ArrayLike, log_trans: ArrayLike | Sparse, log_init: ArrayLike | None = None,
-                            lengths: ArrayLike | None = None,
-                            caller: str = "spchain.chain_logsumexp") -> tuple[Array, Array, Array]:
-    """:func:`chain_logsumexp` with its checks naming ``caller``, and what its gradient needs
-    (:data:`LOGSUMEXP` in positional form).
-
-    Returns
-    -------
-    log_partition : array, the broadcast batch shape
-    pre : array, batch shape + (v, c)
-        The forward messages before each position's emission.
-    norm : array, batch shape + (v,)
-        The log normaliser of each position's message.
-    """
-    (log_partition,), saved = LOGSUMEXP.forward(prepare_chain(x, log_trans, log_init, lengths, caller=caller))
-    return log_partition, saved.pre, saved.norm
-
-
-def chain_logsumexp_backward(inputs: Sequence[Any], results: Sequence[Array], grads: Sequence[Array],
-                             needs: Sequence[bool]) -> tuple[Any, ...]:
-    """Gradients ``(d x, d log_trans, d log_init)`` of ``sum(grad * log_partition)`` from the
-    inputs ``(x, log_trans, log_init, lengths)`` of :func:`chain_logsumexp_forward`, its
-    results ``(log_partition, pre, norm)`` and ``grads = (grad,)`` (``None`` where ``needs``
-    is false). The inputs are trusted (no second validation).
-    """
-    problem = prepare_chain(*inputs, check=False)
-    return _logsumexp_backward(problem, Messages(*results[1:]), grads, needs).ordered()
-
-
 def _input_grads(problem: ChainProblem, needs: Sequence[bool], grad_x: Array, grad_trans: Array | None) -> ChainGrads:
     """The gradients of ``(x, log_trans, log_init)`` where ``needs`` says, from the sweeps'
     (B, v, c) and (G, S, c, c) ones (``d log_init`` is ``d x`` at the first position)."""
@@ -341,17 +311,6 @@ differentiable in ``(x, log_trans, log_init)``."""
 def viterbi_forward(x: ArrayLike, log_trans: ArrayLike | Sparse, log_init: ArrayLike | None = None,
                     lengths: ArrayLike | None = None, caller: str = "spchain.viterbi") -> tuple[Array, Array]:
     """:func:`viterbi` with its checks naming ``caller``: ``(score, path)``, which is all that
-    :func:`viterbi_backward` needs besides the inputs."""
+    its backward (``VITERBI.backward``) needs besides the inputs."""
     (score, path), _ = VITERBI.forward(prepare_chain(x, log_trans, log_init, lengths, caller=caller))
     return score, path
-
-
-def viterbi_backward(inputs: Sequence[Any], results: Sequence[Array], grads: Sequence[Array],
-                     needs: Sequence[bool]) -> tuple[Any, ...]:
-    """Sub-gradients ``(d x, d log_trans, d log_init)`` of ``sum(grad * score)`` from the
-    inputs ``(x, log_trans, log_init, lengths)`` of :func:`viterbi_forward`, its results
-    ``(score, path)`` and ``grads = (grad, _)``: ``grad`` on every step of the best path
-    (``None`` where ``needs`` is false). The inputs are trusted (no second validation).
-    """
-    problem = prepare_chain(*inputs, check=False)
-    return _viterbi_backward(problem, BestPath(results[1]), grads, needs).ordered()

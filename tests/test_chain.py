@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+import positional
 import reference
 import spchain as sc
 
@@ -497,7 +498,7 @@ def test_gemm_backward_reuses_the_forward_product_only_where_exact(rng, monkeypa
     """The GEMM sweep's transition gradient takes the scaled product from the saved forward
     messages where they are small (``_logspace.small_magnitude``), else recomputes its GEMM;
     both match the float64 gradients, with ``-inf`` transitions, lengths 1 and odd lengths."""
-    from spchain import _logspace, chain as C
+    from spchain import _logspace
 
     x, trans, init = random_chain(rng, (6,), 7, 5, dtype=dtype, scale=scale)
     trans = (trans * scale).astype(dtype)
@@ -511,8 +512,8 @@ def test_gemm_backward_reuses_the_forward_product_only_where_exact(rng, monkeypa
 
     def grads(*args):
         with sc.chain_sweep("gemm"):
-            results = C.chain_logsumexp_forward(*args, lengths)
-            return C.chain_logsumexp_backward((*args, lengths), results, (weight.astype(args[0].dtype),),
+            results = positional.chain_logsumexp_forward(*args, lengths)
+            return positional.chain_logsumexp_backward((*args, lengths), results, (weight.astype(args[0].dtype),),
                                               (True, True, True))
 
     got = grads(x, trans, init)
@@ -542,7 +543,7 @@ def test_the_backward_sweeps_take_fresh_and_read_only_messages_as_one_signature(
     import pkgutil
 
     import spchain.kernels.cpu as cpu
-    from spchain.chain import chain_logsumexp_backward, chain_logsumexp_forward
+    from positional import chain_logsumexp_backward, chain_logsumexp_forward
 
     modules = [importlib.import_module(f"{cpu.__name__}.{m.name}") for m in pkgutil.iter_modules(cpu.__path__)]
 
