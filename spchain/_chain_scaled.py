@@ -56,8 +56,9 @@ def _scaled(chain: Chain) -> tuple[Array, Array]:
 def forward(chain: Chain, pre: Array, norm: Array) -> None:
     """Fills ``pre`` and ``norm`` as ``chain_forward`` does."""
     e, cmax = _scaled(chain)
-    cpu.chain_scaled.chain_forward_scaled(
-        chain.x, chain.trans, e, cmax, chain.group, chain.init, chain.lengths, pre, norm)
+    kernels = cpu.chain_scaled
+    cpu.team.run(kernels.chain_forward_scaled, kernels.chain_forward_scaled_team,
+                 chain.x, chain.trans, e, cmax, chain.group, chain.init, chain.lengths, pre, norm)
 
 
 def backward(chain: Chain, pre: Array, norm: Array, weight: Array, grad_trans: Array | None) -> Array:
@@ -66,16 +67,17 @@ def backward(chain: Chain, pre: Array, norm: Array, weight: Array, grad_trans: A
     e, cmax = _scaled(chain)
     marg = np.empty_like(chain.x)
     e_t = np.ascontiguousarray(e.swapaxes(-1, -2))
-    cpu.chain_scaled.chain_marginals_scaled(chain.x, chain.trans, e_t, cmax, chain.group, chain.lengths, pre, norm,
-                                            marg)
+    kernels = cpu.chain_scaled
+    cpu.team.run(kernels.chain_marginals_scaled, kernels.chain_marginals_scaled_team,
+                 chain.x, chain.trans, e_t, cmax, chain.group, chain.lengths, pre, norm, marg)
     if grad_trans is not None:
         groups, steps = chain.trans.shape[:2]
         parts = max(1, min(PARTS // max(groups * steps, 1), chain.group))
         chunks = -(-chain.group // parts)
         acc = np.zeros(chain.trans.shape[:2] + (parts,) + chain.trans.shape[2:])
         ok = np.ones((groups, steps, parts), bool)
-        cpu.chain_scaled.chain_transition_grad_scaled(chain.x, cmax, chain.group, chain.lengths, pre, norm, marg,
-                                                      weight, chunks, acc, ok)
+        cpu.team.run(kernels.chain_transition_grad_scaled, kernels.chain_transition_grad_scaled_team,
+                     chain.x, cmax, chain.group, chain.lengths, pre, norm, marg, weight, chunks, acc, ok)
         if ok.all():
             grad_trans[...] = e * acc.sum(axis=2)
         else:  # a scale factor out of range: the exact log-space sums
@@ -206,8 +208,9 @@ def hmm_posteriors(backend: Backend, x: Array, weights: Array | None, starts: Ar
     first = np.empty((parts, c))
     counts = np.empty((parts, c, c)) if transitions else None
     totals = np.empty((parts, c, x.shape[1])) if sums else None
-    cpu.chain_scaled.hmm_posteriors_scaled(
-        x, None if weights is None else np.ascontiguousarray(weights, dtype=np.float64), starts,
+    kernels = cpu.chain_scaled
+    cpu.team.run(
+        kernels.hmm_posteriors_scaled, kernels.hmm_posteriors_scaled_team, x, None if weights is None else np.ascontiguousarray(weights, dtype=np.float64), starts,
         np.ascontiguousarray(startprob, dtype=np.float64), np.ascontiguousarray(transmat, dtype=np.float64), parts,
         post, log_prob, first, counts, totals)
     return (log_prob, post, first.sum(axis=0), None if counts is None else transmat * counts.sum(axis=0),

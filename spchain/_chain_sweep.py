@@ -246,10 +246,10 @@ def _backward_gemm(chain: Chain, pre: Array, norm: Array, weight: Array, grad_tr
     for t in range(chain.max_length - 1, -1, -1):
         active = t <= last
         if fused:
-            cpu.chain_scaled.gemm_backward_step(t, chain.lengths - 1, step_weight, pre, chain.x, norm,
-                                                *(a.reshape(rows, c) for a in (forward, beta)),
-                                                grad_x.reshape(rows, v, c), before.reshape(rows, c),
-                                                y.reshape(rows, c))
+            cpu.team.run(cpu.chain_scaled.gemm_backward_step, cpu.chain_scaled.gemm_backward_step_team,
+                         t, chain.lengths - 1, step_weight, pre, chain.x, norm,
+                         *(a.reshape(rows, c) for a in (forward, beta)), grad_x.reshape(rows, v, c),
+                         before.reshape(rows, c), y.reshape(rows, c))
         else:
             beta = xp.where(last == t, 0, beta)
             marginals, log_total = renormalise(xp, xp.where(active, xp.exp(forward + beta), 0))

@@ -1,4 +1,5 @@
-"""Numba's threading layer (spchain/kernels/cpu/__init__.py ``threading_layer``): forked workers and threads.
+"""Numba's threading layer (spchain/kernels/cpu/__init__.py ``threading_layer``) and torch's threads
+(spchain/kernels/cpu/team.py): forked workers and threads.
 
 Each fork scenario runs in a fresh interpreter, so that it starts the way a user's program does
 (``import spchain``, a parallel kernel in the parent, then a fork), whatever this test process ran.
@@ -86,6 +87,37 @@ def test_a_torch_dataloader_worker_runs_kernels_after_the_parent_did():
     result = run(PARENT.format(block_tbb="") + DATALOADER)
     assert result.returncode == 0, result.stderr
     assert float(result.stdout.split("child error")[1].split()[0]) < 1e-12
+
+
+@TBB
+def test_a_forked_child_runs_the_chain_kernels_that_the_parent_ran_on_torch_threads():
+    pytest.importorskip("torch")
+    result = run("""
+        import multiprocessing, os
+        import numpy as np, torch
+        import spchain as sc
+        from spchain.kernels import cpu
+
+        torch.exp(torch.ones(1000, 1000)).sum()  # torch's OpenMP threads start
+        rng = np.random.default_rng(0)
+        x, trans = rng.standard_normal((64, 16, 8)), rng.standard_normal((8, 8))
+        want = sc.chain_marginals(x, trans)  # on torch's threads (spchain/kernels/cpu/team.py)
+
+        def work(_=None):
+            return cpu.team.parallel(), float(np.abs(sc.chain_marginals(x, trans) - want).max())
+
+        with multiprocessing.get_context("fork").Pool(1) as pool:
+            print("pool", *pool.map(work, [0])[0])
+        child = os.fork()
+        if child == 0:
+            print("fork", *work(), flush=True)
+            os._exit(0)
+        os.waitpid(child, 0)
+        print("parent", cpu.team.parallel() != 0)
+    """)
+    assert result.returncode == 0, result.stderr
+    lines = dict(line.split(" ", 1) for line in result.stdout.splitlines())
+    assert lines["pool"] == "0 0.0" and lines["fork"] == "0 0.0" and lines["parent"] == "True", result.stdout
 
 
 @pytest.mark.slow

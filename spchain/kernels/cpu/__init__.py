@@ -27,9 +27,10 @@ if TYPE_CHECKING:  # the modules that attribute access loads, for type checkers 
     from . import sparse as sparse
     from . import sparse_chain as sparse_chain
     from . import sparse_chain_scaled as sparse_chain_scaled
+    from . import team as team
 
 MODULES = ("blocksparse", "chain", "chain_scaled", "exp", "paths", "semiring", "sparse", "sparse_chain",
-           "sparse_chain_scaled")
+           "sparse_chain_scaled", "team")
 """The kernel modules, each imported on first access (``cpu.chain``)."""
 
 

@@ -20,6 +20,7 @@ from numba import njit, prange
 from ..rules import FLUSH, LIMIT, TINY
 from .chain import normalise
 from .exp import exp_like, exp_nonpositive, log_like
+from .team import team_rows
 
 
 @njit(cache=True)
@@ -118,11 +119,24 @@ def chain_forward_scaled(x, trans, e, cmax, group, init, lengths, pre, norm):
     inputs as for ``chain.chain_forward``. A step is ``p @ e`` (eight rows a pass) on the
     scaled message ``p = exp(â_t - max â_t)`` and ``c`` logarithms; the normaliser's
     exponentials give the next ``p``. O(B * v * c²) multiply-adds, O(B * v * c) exponentials
-    and logarithms; rows run in parallel.
+    and logarithms; rows run in parallel (:func:`chain_forward_scaled_team`: on torch's threads).
     """
+    for b in prange(x.shape[0]):
+        _forward_rows(b, b + 1, x, trans, e, cmax, group, init, lengths, pre, norm)
+
+
+@njit(nogil=True, cache=True)
+def chain_forward_scaled_team(parallel, threads, x, trans, e, cmax, group, init, lengths, pre, norm):
+    """:func:`chain_forward_scaled` on an OpenMP team (``team.team_rows``)."""
+    return team_rows(parallel, threads, _forward_rows, x.shape[0], (x, trans, e, cmax, group, init, lengths, pre, norm))
+
+
+@njit(cache=True)
+def _forward_rows(lo, hi, x, trans, e, cmax, group, init, lengths, pre, norm):
+    """Rows ``lo:hi`` of :func:`chain_forward_scaled`."""
     rows, v, c = x.shape
     per_step = trans.shape[1] > 1
-    for b in prange(rows):
+    for b in range(lo, hi):
         g = b // group
         length = lengths[b]
         u = np.empty(c, x.dtype)
@@ -173,11 +187,26 @@ def chain_marginals_scaled(x, trans, e_t, cmax, group, lengths, pre, norm, marg)
     chain has no path). ``e_t`` holds the matrices of ``e`` transposed (G, S, c, c), the other
     inputs as for :func:`chain_forward_scaled`, plus its outputs. A step is ``q @ e_t`` (eight
     rows a pass) on ``q = exp(z - max z)``, ``z = x[t + 1] + beta[t + 1] + cmax``.
-    O(B * v * c²) multiply-adds; rows run in parallel.
+    O(B * v * c²) multiply-adds; rows run in parallel (:func:`chain_marginals_scaled_team`: on
+    torch's threads).
     """
+    for b in prange(x.shape[0]):
+        _marginals_rows(b, b + 1, x, trans, e_t, cmax, group, lengths, pre, norm, marg)
+
+
+@njit(nogil=True, cache=True)
+def chain_marginals_scaled_team(parallel, threads, x, trans, e_t, cmax, group, lengths, pre, norm, marg):
+    """:func:`chain_marginals_scaled` on an OpenMP team (``team.team_rows``)."""
+    return team_rows(parallel, threads, _marginals_rows, x.shape[0],
+                     (x, trans, e_t, cmax, group, lengths, pre, norm, marg))
+
+
+@njit(cache=True)
+def _marginals_rows(lo, hi, x, trans, e_t, cmax, group, lengths, pre, norm, marg):
+    """Rows ``lo:hi`` of :func:`chain_marginals_scaled`."""
     rows, v, c = x.shape
     per_step = trans.shape[1] > 1
-    for b in prange(rows):
+    for b in range(lo, hi):
         g = b // group
         length = lengths[b]
         beta = np.zeros(c, x.dtype)
@@ -256,10 +285,6 @@ def _add_outer(out, p, r, p_t):
         _add_vecmat(out[i], p_t[i, :n], r)
 
 
-BUFFER = 64
-"""Row-steps whose scaled factors the transition gradient gathers before adding their outer products."""
-
-
 @njit(parallel=True, cache=True)
 def chain_transition_grad_scaled(x, cmax, group, lengths, pre, norm, marg, weight, chunks, acc, ok):
     """Scaled sums of the expected transition counts: adds to ``acc`` (G, S, K, c, c) float64
@@ -271,11 +296,26 @@ def chain_transition_grad_scaled(x, cmax, group, lengths, pre, norm, marg, weigh
     Sets ``ok[g, s, k]`` False where a scale factor exceeds ``exp(LIMIT)`` or is not a number (the
     caller then uses the exact kernel). Parallel over the (g, s, k) blocks of ``acc``; the
     factors of ``BUFFER`` row-steps are added at once, eight a pass over each row of ``acc``.
-    O(B * v * c²) multiply-adds.
+    O(B * v * c²) multiply-adds (:func:`chain_transition_grad_scaled_team`: on torch's threads).
     """
+    for gsk in prange(acc.shape[0] * acc.shape[1] * acc.shape[2]):
+        _transition_grad_blocks(gsk, gsk + 1, x, cmax, group, lengths, pre, norm, marg, weight, chunks, acc, ok)
+
+
+@njit(nogil=True, cache=True)
+def chain_transition_grad_scaled_team(parallel, threads, x, cmax, group, lengths, pre, norm, marg, weight, chunks, acc,
+                                      ok):
+    """:func:`chain_transition_grad_scaled` on an OpenMP team (``team.team_rows``)."""
+    return team_rows(parallel, threads, _transition_grad_blocks, acc.shape[0] * acc.shape[1] * acc.shape[2],
+                     (x, cmax, group, lengths, pre, norm, marg, weight, chunks, acc, ok))
+
+
+@njit(cache=True)
+def _transition_grad_blocks(lo, hi, x, cmax, group, lengths, pre, norm, marg, weight, chunks, acc, ok):
+    """Blocks ``lo:hi`` (of the flattened (G, S, K)) of :func:`chain_transition_grad_scaled`."""
     groups, steps, parts, c, _ = acc.shape
     per_step = steps > 1
-    for gsk in prange(groups * steps * parts):
+    for gsk in range(lo, hi):
         g = gsk // (steps * parts)
         s = (gsk // parts) % steps
         k = gsk % parts
@@ -334,10 +374,24 @@ def gemm_backward_step(t, last, weight, pre, x, norm, forward, beta, grad_x, bef
     ``exp(â_t + beta)`` renormalised, times ``weight`` (0 where the row takes no step t),
     subtracts their log normaliser from ``beta``, and for ``t > 0`` overwrites ``forward``
     with ``â_{t-1}`` (from ``pre``, ``x`` and ``norm``), ``before`` with it and ``y`` with
-    ``x[:, t] + beta``, both ``-inf`` where the row takes no step ``t``.
+    ``x[:, t] + beta``, both ``-inf`` where the row takes no step ``t``
+    (:func:`gemm_backward_step_team`: on torch's threads).
     """
-    rows, c = beta.shape
-    for b in prange(rows):
+    for b in prange(beta.shape[0]):
+        _backward_step_rows(b, b + 1, t, last, weight, pre, x, norm, forward, beta, grad_x, before, y)
+
+
+@njit(nogil=True, cache=True)
+def gemm_backward_step_team(parallel, threads, t, last, weight, pre, x, norm, forward, beta, grad_x, before, y):
+    """:func:`gemm_backward_step` on an OpenMP team (``team.team_rows``)."""
+    return team_rows(parallel, threads, _backward_step_rows, beta.shape[0],
+                     (t, last, weight, pre, x, norm, forward, beta, grad_x, before, y))
+
+
+@njit(cache=True)
+def _backward_step_rows(lo, hi, t, last, weight, pre, x, norm, forward, beta, grad_x, before, y):
+    """Rows ``lo:hi`` of :func:`gemm_backward_step`."""
+    for b in range(lo, hi):
         active = t <= last[b]
         if t == last[b]:
             beta[b, :] = 0.0
@@ -478,14 +532,31 @@ def hmm_posteriors_scaled(x, weights, starts, start, trans, parts, post, log_pro
     ``trans`` is the expected transition counts, and ``sums`` (parts, c, k) to sums whose total is
     ``posteriors.T @ x`` (either None: not computed). Every probability lost below float64's
     range weighs below 1e-170 of its sequence's likelihood. O(n * c * (c + k)) operations,
-    scratch memory at most 3n * c plus the sums.
+    scratch memory at most 3n * c plus the sums (:func:`hmm_posteriors_scaled_team`: on torch's
+    threads).
     """
-    n, k = x.shape
+    trans_t = np.ascontiguousarray(trans.T)
+    for part in prange(parts):
+        _posteriors_parts(part, part + 1, x, weights, starts, start, trans, trans_t, post, log_prob, first, counts,
+                          sums)
+
+
+@njit(nogil=True, cache=True)
+def hmm_posteriors_scaled_team(parallel, threads, x, weights, starts, start, trans, parts, post, log_prob, first,
+                               counts, sums):
+    """:func:`hmm_posteriors_scaled` on an OpenMP team (``team.team_rows``)."""
+    trans_t = np.ascontiguousarray(trans.T)
+    return team_rows(parallel, threads, _posteriors_parts, parts,
+                     (x, weights, starts, start, trans, trans_t, post, log_prob, first, counts, sums))
+
+
+@njit(cache=True)
+def _posteriors_parts(lo, hi, x, weights, starts, start, trans, trans_t, post, log_prob, first, counts, sums):
+    """Parts ``lo:hi`` (of ``first.shape[0]``) of :func:`hmm_posteriors_scaled`."""
     c = trans.shape[0]
     rows = starts.shape[0] - 1
-    trans_t = np.ascontiguousarray(trans.T)
-    chunk = -(-rows // parts)
-    for part in prange(parts):
+    chunk = -(-rows // first.shape[0])
+    for part in range(lo, hi):
         longest = 0
         for b in range(part * chunk, min(rows, (part + 1) * chunk)):
             longest = max(longest, starts[b + 1] - starts[b])

@@ -1,0 +1,171 @@
+"""Row kernels on torch's own OpenMP threads, where torch is loaded.
+
+After each operator torch's OpenMP threads spin for milliseconds, waiting for the next one. A
+kernel that starts then on Numba's threads (TBB) shares the cores with them and runs at one
+thread's speed: the HMM forward kernel (batch 256, v 64, 50 states) takes 4.6 ms alone and
+9.2 ms right after torch ops on 2 cores. So where torch has loaded GNU OpenMP (its Linux
+wheels), a kernel runs on torch's threads instead, through ``GOMP_parallel``: 5.0 ms alone and
+5.3 ms after torch ops (docs/design.rst, "Threads").
+
+A kernel is a serial body ``body(lo, hi, *args)`` over rows ``lo:hi`` and two entries: a
+``prange`` over the rows (Numba's threads) and one that passes the body to :func:`team_rows`
+(torch's), both cached. :func:`run` picks the entry.
+
+    @njit(cache=True)
+    def _rows(lo, hi, x, out): ...
+
+    @njit(parallel=True, cache=True)
+    def kernel(x, out):
+        for b in prange(x.shape[0]):
+            _rows(b, b + 1, x, out)
+
+    @njit(nogil=True, cache=True)
+    def kernel_team(parallel, threads, x, out):
+        return team_rows(parallel, threads, _rows, x.shape[0], (x, out))
+
+    team.run(kernel, kernel_team, x, out)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+_I8P = ir.IntType(8).as_pointer()
+_I32 = ir.IntType(32)
+_I64 = ir.IntType(64)
+
+CHUNKS = 8
+"""Chunks of rows per thread, taken in turn by whichever thread is free (a thread that the
+machine's other work delays leaves its rows to the others)."""
+
+
+@intrinsic
+def team_rows(typingctx: Any, parallel: Any, threads: Any, body: Any, rows: Any, args: Any) -> Any:
+    """``body(lo, hi, *args)`` over rows ``0:rows`` in chunks, on a team of ``threads`` OpenMP
+    threads started by the ``GOMP_parallel`` at address ``parallel`` (0, or one thread: in the
+    calling thread). Each thread takes the next chunk until none is left (an atomic counter).
+    Returns the number of chunks whose body raised (their rows are not done)."""
+    if not isinstance(body, types.Dispatcher) or not isinstance(args, types.BaseTuple):
+        return None
+    body_sig = types.none(types.int64, types.int64, *args.types)
+
+    def codegen(context: Any, builder: ir.IRBuilder, sig: Any, llargs: Any) -> Any:
+        parallel_v, threads_v, _, rows_v, args_v = llargs
+        # what the team shares: the next row, the rows, the chunk, the failures, the arguments
+        state_ty = ir.LiteralStructType([_I64, _I64, _I64, _I64, context.get_value_type(args)])
+        field = lambda b, state, i: b.gep(state, [_I32(0), _I32(i)], inbounds=True)  # noqa: E731
+
+        module = builder.module
+        member = ir.Function(module, ir.FunctionType(ir.VoidType(), [_I8P]), module.get_unique_name("spchain_team"))
+        member.linkage = "internal"
+        m = ir.IRBuilder(member.append_basic_block("entry"))
+        state = m.bitcast(member.args[0], state_ty.as_pointer())
+        rows_m, chunk, shared = (m.load(field(m, state, i)) for i in (1, 2, 4))
+        head, work, done = (member.append_basic_block(name) for name in ("head", "work", "done"))
+        m.branch(head)
+        m.position_at_end(head)
+        lo = m.atomic_rmw("add", field(m, state, 0), chunk, "monotonic")
+        m.cbranch(m.icmp_signed("<", lo, rows_m), work, done)
+        m.position_at_end(work)
+        end = m.add(lo, chunk)
+        hi = m.select(m.icmp_signed("<", end, rows_m), end, rows_m)
+        compiled = body.dispatcher.get_compile_result(body_sig)  # the body's own (cached) compile, linked
+        context.add_linking_libs([compiled.library])
+        items = [m.extract_value(shared, i) for i in range(len(args.types))]
+        status, _ = context.call_conv.call_function(m, context.declare_function(module, compiled.fndesc),
+                                                    types.none, compiled.fndesc.argtypes, [lo, hi, *items])
+        with m.if_then(status.is_error):
+            m.atomic_rmw("add", field(m, state, 3), _I64(1), "monotonic")
+        m.branch(head)
+        m.position_at_end(done)
+        m.ret_void()
+
+        state = cgutils.alloca_once(builder, state_ty)
+        per_thread = builder.mul(builder.select(builder.icmp_signed(">", threads_v, _I64(1)), threads_v, _I64(1)),
+                                 _I64(CHUNKS))
+        chunk_v = builder.sdiv(builder.add(rows_v, builder.sub(per_thread, _I64(1))), per_thread)
+        for i, value in enumerate((_I64(0), rows_v, builder.select(builder.icmp_signed(">", chunk_v, _I64(1)),
+                                                                     chunk_v, _I64(1)), _I64(0), args_v)):
+            builder.store(value, field(builder, state, i))
+        data = builder.bitcast(state, _I8P)
+        on_team = builder.and_(builder.icmp_signed(">", threads_v, _I64(1)), builder.icmp_signed("!=", parallel_v,
+                                                                                                  _I64(0)))
+        with builder.if_else(on_team) as (team, here):
+            with team:
+                gomp_ty = ir.FunctionType(ir.VoidType(), [member.type, _I8P, _I32, _I32])
+                builder.call(builder.inttoptr(parallel_v, gomp_ty.as_pointer()),
+                             [member, data, builder.trunc(threads_v, _I32), _I32(0)])
+            with here:
+                builder.call(member, [data])
+        return builder.load(field(builder, state, 3))
+
+    return types.int64(parallel, threads, body, rows, args), codegen
+
+
+def parallel() -> int:
+    """The address of ``GOMP_parallel`` in the GNU OpenMP that torch loaded, or 0: torch not
+    imported or built with another OpenMP, or a child process (GNU OpenMP's threads do not
+    survive a fork; a ``DataLoader`` worker runs torch on one thread too): Numba's threads there."""
+    torch = sys.modules.get("torch")
+    if torch is None or _child():
+        return 0
+    return _gomp_parallel(os.path.dirname(torch.__file__))
+
+
+_FORKED = False
+
+
+def _forked() -> None:
+    global _FORKED
+    _FORKED = True
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
+def _child() -> bool:
+    """Whether this process was forked after this module loaded, or is a ``multiprocessing`` child."""
+    import multiprocessing
+
+    return _FORKED or multiprocessing.parent_process() is not None
+
+
+@functools.cache
+def _gomp_parallel(torch_dir: str) -> int:
+    """``GOMP_parallel``'s address in the ``libgomp`` mapped from under ``torch_dir``, or 0."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "/libgomp" in line}
+    except OSError:  # not Linux
+        return 0
+    for path in sorted(p for p in paths if p.startswith(torch_dir)):
+        try:
+            return int(ctypes.cast(ctypes.CDLL(path).GOMP_parallel, ctypes.c_void_p).value or 0)
+        except (OSError, AttributeError):
+            return 0
+    return 0
+
+
+def run(kernel: Callable[..., Any], on_team: Callable[..., Any], *args: Any) -> None:
+    """``kernel(*args)`` (Numba's threads), or ``on_team(parallel, threads, *args)`` on torch's
+    OpenMP threads where :func:`parallel` finds them, as many as both torch and Numba allow."""
+    address = parallel()
+    if not address:
+        kernel(*args)
+        return
+    import numba
+    import torch
+
+    failed = on_team(address, min(torch.get_num_threads(), numba.get_num_threads()), *args)
+    if failed:
+        raise RuntimeError(f"{on_team.__name__}: {failed} chunks of rows failed")  # kernels check their inputs first
