@@ -61,6 +61,17 @@ def forward(chain: Chain, pre: Array, norm: Array) -> None:
                  chain.x, chain.trans, e, cmax, chain.group, chain.init, chain.lengths, pre, norm)
 
 
+def log_partition(chain: Chain) -> tuple[Array, Array]:
+    """``(log_partition (B,) float64, lost (B,) bool)`` without the messages a gradient reads;
+    ``lost`` rows (garbage in ``log_partition``) need :func:`forward`."""
+    e, cmax = _scaled(chain)
+    out, lost = np.empty(chain.x.shape[0]), np.empty(chain.x.shape[0], bool)
+    kernels = cpu.chain_scaled
+    cpu.team.run(kernels.chain_logsumexp_scaled, kernels.chain_logsumexp_scaled_team,
+                 chain.x, e, cmax, chain.group, chain.init, chain.lengths, out, lost)
+    return out, lost
+
+
 def backward(chain: Chain, pre: Array, norm: Array, weight: Array, grad_trans: Array | None) -> Array:
     """The posterior marginals (B, v, c); fills ``grad_trans`` (if not ``None``) with the
     ``weight``-ed expected transition counts."""

@@ -153,6 +153,16 @@ def forward_finite(chain: Chain) -> tuple[Array, Array, Array]:
     return log_partition, pre, norm
 
 
+def log_partition_finite(chain: Chain) -> Array:
+    """:func:`forward_finite`'s log-partition alone: without its messages where the scaled
+    kernels apply (the rows they cannot do exactly go through :func:`forward_finite`)."""
+    if chain.sparse is None and chain.x.shape[0] and not use_gemm(chain) and _chain_scaled.applies(chain):
+        out, lost = _chain_scaled.log_partition(chain)
+        log_partition = out.astype(chain.x.dtype)
+        return log_partition if not lost.any() else np.where(lost, forward_finite(chain)[0], log_partition)
+    return forward_finite(chain)[0]
+
+
 def _forward_gemm(chain: Chain, pre: Array, norm: Array) -> None:
     xp = chain.xp
     rows, v, c = chain.x.shape
