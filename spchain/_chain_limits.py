@@ -14,7 +14,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ._chain_layout import Chain
-from ._chain_sweep import backward_finite, forward_finite, viterbi_finite
+from ._chain_sweep import backward_finite, forward_finite, log_partition_finite, viterbi_finite
 from ._typing import Array
 
 LIMIT = 2.0**20
@@ -66,6 +66,14 @@ def forward(chain: Chain) -> tuple[Array, Array, Array]:
         return forward_finite(chain)
     log_partition, pre, norm = forward_finite(_without_plus_inf(chain))
     return chain.xp.where(infinite, np.inf, log_partition).astype(chain.x.dtype), pre, norm
+
+
+def log_partition(chain: Chain) -> Array:
+    """:func:`forward`'s log-partition alone (no messages: nothing for a gradient)."""
+    infinite, _ = _plus_inf_rows(chain)
+    if infinite is None:
+        return log_partition_finite(chain)
+    return chain.xp.where(infinite, np.inf, log_partition_finite(_without_plus_inf(chain))).astype(chain.x.dtype)
 
 
 def backward(chain: Chain, pre: Array, norm: Array, weight: Array,

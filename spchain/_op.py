@@ -82,6 +82,12 @@ class Op(Generic[P, S]):
     forward: Forward[P, S]
     saved: Callable[..., S]
     backward: Backward[P, S] | None = None
+    value: Callable[[P], tuple[Array, ...]] | None = None
+    """The outputs alone, where they cost less without the residuals (default: ``forward``'s)."""
+
+    def outputs(self, problem: P) -> tuple[Array, ...]:
+        """The outputs, without residuals: a call that needs no gradient."""
+        return self.value(problem) if self.value is not None else self.forward(problem)[0]
 
     def residuals(self, saved: S) -> tuple[Array, ...]:
         """The residuals as arrays (a registered operator's extra results)."""

@@ -98,10 +98,7 @@ def chain_logsumexp(x: ArrayLike, log_trans: ArrayLike | Sparse, log_init: Array
     >>> np.round(np.exp(sc.chain_logsumexp(x, trans)), 4)   # 4 * 0.5**3
     array([0.5, 0.5])
     """
-    chain = prepare(x, log_trans, log_init, lengths, "spchain.chain_logsumexp")
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"), chain.backend.use():
-        log_partition, _, _ = _chain_limits.forward(chain)
-        return chain.unrows(log_partition)
+    return _logsumexp_value(prepare_chain(x, log_trans, log_init, lengths))[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +150,12 @@ def _logsumexp_forward(problem: ChainProblem) -> tuple[tuple[Array], Messages]:
         return (chain.unrows(log_partition),), Messages(chain.unrows(pre), chain.unrows(norm))
 
 
+def _logsumexp_value(problem: ChainProblem) -> tuple[Array]:
+    chain = problem.chain
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"), chain.backend.use():
+        return (chain.unrows(_chain_limits.log_partition(chain)),)
+
+
 def _logsumexp_backward(problem: ChainProblem, saved: Messages, grads: Sequence[Array | None],
                         needs: Sequence[bool]) -> ChainGrads:
     """The forward-backward algorithm's backward sweep over the saved messages: ``d x`` is
@@ -168,7 +171,8 @@ def _logsumexp_backward(problem: ChainProblem, saved: Messages, grads: Sequence[
         return _input_grads(problem, needs, grad_x, grad_trans)
 
 
-LOGSUMEXP: Op[ChainProblem, Messages] = Op(prepare_chain, _logsumexp_forward, Messages, _logsumexp_backward)
+LOGSUMEXP: Op[ChainProblem, Messages] = Op(prepare_chain, _logsumexp_forward, Messages, _logsumexp_backward,
+                                           value=_logsumexp_value)
 """:func:`chain_logsumexp` as an :class:`~spchain._op.Op`: outputs ``(log_partition,)``,
 differentiable in ``(x, log_trans, log_init)``."""
 

@@ -58,3 +58,27 @@ def test_nan_propagates(rng):
     reached = lengths > 1
     reached[2] = False
     assert np.isnan(z[reached]).all() and np.isnan(grad_trans).any()
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_the_log_partition_alone_is_the_forward_sweeps(rng, monkeypatch, dtype):
+    """``chain_logsumexp`` without a gradient keeps no messages (the scaled kernel in
+    probability space); the rows it cannot do exactly (special values, scaled sums that could
+    have lost terms) go through the forward sweep, and give its results."""
+    from spchain import _chain_limits
+
+    found = []
+    monkeypatch.setattr(_chain_scaled, "log_partition",
+                        lambda chain, kernel=_chain_scaled.log_partition: found.append(kernel(chain)) or found[-1])
+    for trial in range(60):
+        scale = (1.0, 30.0, 300.0)[trial % 3]
+        x, trans, init, lengths = problem(rng, scale, dtype, B=12, v=6, c=5)
+        if trial % 4 == 0:
+            x[rng.integers(12), rng.integers(6), rng.integers(5)] = (np.nan, np.inf)[trial % 8 // 4]
+        got = spchain.chain_logsumexp(x, trans, init, lengths=lengths)
+        with np.errstate(all="ignore"):
+            want = _chain_limits.forward(_chain_layout.prepare(x, trans, init, lengths, "t"))[0]
+        assert got.dtype == want.dtype
+        np.testing.assert_allclose(got, want, rtol=1e-5 if dtype == np.float32 else 1e-12)  # NaN, ±inf where want's
+    lost = np.concatenate([rows for _, rows in found])
+    assert len(found) == 60 and lost.any() and not lost.all()

@@ -257,9 +257,12 @@ class Operator(Generic[Public]):
     def _run(self, args: Sequence[object], count: int | None = None) -> tuple[torch.Tensor, ...]:
         """The forward's results as tensors: its outputs and residuals (the first ``count``)."""
         with bridge(_device(args)):
-            outputs, saved = self.array.forward(self.array.prepare(*_arrays(args, self._strided), caller=self.caller))
-            results = outputs if count is not None and count <= len(outputs) else \
-                (*outputs, *self.array.residuals(saved))
+            problem = self.array.prepare(*_arrays(args, self._strided), caller=self.caller)
+            if count is not None and count <= self.outputs:  # no gradient: no residuals
+                results = self.array.outputs(problem)
+            else:
+                outputs, saved = self.array.forward(problem)
+                results = (*outputs, *self.array.residuals(saved))
         return tuple(to_tensor(r) for r in results[:count])
 
     def _forward_op(self, *args: object) -> torch.Tensor | tuple[torch.Tensor, ...]:

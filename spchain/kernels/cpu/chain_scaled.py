@@ -166,6 +166,71 @@ def _forward_rows(lo, hi, x, trans, e, cmax, group, init, lengths, pre, norm):
         norm[b, length:] = 0.0
 
 
+@njit(parallel=True, cache=True)
+def chain_logsumexp_scaled(x, e, cmax, group, init, lengths, out, lost):
+    """The log-partition alone, without the messages a gradient reads: fills ``out`` (B,)
+    float64, and ``lost`` (B,) True where a row needs :func:`chain_forward_scaled` (then its
+    ``out`` is garbage).
+
+    Inputs as for :func:`chain_forward_scaled`. The message stays in probability space,
+    float64, scaled to a maximum of 1: a step is ``acc = p @ e`` and ``p' = acc * exp(cmax +
+    x[t + 1] - w)`` (``w`` their largest exponent), ``c`` exponentials and one logarithm.
+    A row is lost where some ``acc[j]`` with a possible ``cmax[j] + x[t + 1, j]`` is below
+    ``TINY`` (dropped terms could matter, as in the module docstring), or where a message is
+    not finite (``-inf``, NaN, no path): the exact sweep decides those. O(B * v * c²)
+    multiply-adds; rows run in parallel (:func:`chain_logsumexp_scaled_team`: on torch's threads).
+    """
+    for b in prange(x.shape[0]):
+        _logsumexp_rows(b, b + 1, x, e, cmax, group, init, lengths, out, lost)
+
+
+@njit(nogil=True, cache=True)
+def chain_logsumexp_scaled_team(parallel, threads, x, e, cmax, group, init, lengths, out, lost):
+    """:func:`chain_logsumexp_scaled` on an OpenMP team (``team.team_rows``)."""
+    return team_rows(parallel, threads, _logsumexp_rows, x.shape[0], (x, e, cmax, group, init, lengths, out, lost))
+
+
+@njit(cache=True)
+def _logsumexp_rows(lo, hi, x, e, cmax, group, init, lengths, out, lost):
+    """Rows ``lo:hi`` of :func:`chain_logsumexp_scaled`."""
+    rows, v, c = x.shape
+    per_step = e.shape[1] > 1
+    p = np.empty(c)
+    acc = np.empty(c)
+    w = np.empty(c)
+    for b in range(lo, hi):
+        g = b // group
+        for j in range(c):
+            w[j] = np.float64(init[b, j]) + x[b, 0, j]
+        total = _scaled_exp(w, p)
+        lost[b] = not math.isfinite(total)
+        for t in range(lengths[b] - 1):
+            if lost[b]:
+                break
+            s = t if per_step else 0
+            acc[:] = 0.0
+            _add_vecmat(acc, p, e[g, s])
+            top = -np.inf
+            for j in range(c):
+                w[j] = cmax[g, s, j] + x[b, t + 1, j]
+                top = max(top, w[j])
+            short = 0
+            for j in range(c):  # a scaled sum that could have lost terms, or NaN
+                short += 0 if (acc[j] >= TINY or (w[j] == -np.inf and acc[j] == acc[j])) and w[j] == w[j] else 1
+            if short or not math.isfinite(top):
+                lost[b] = True
+                break
+            biggest = 0.0
+            for j in range(c):
+                p[j] = acc[j] * exp_nonpositive(w[j] - top)
+                biggest = max(biggest, p[j])
+            for j in range(c):
+                p[j] = p[j] / biggest if p[j] >= FLUSH * biggest else 0.0
+            total += top + math.log(biggest)
+        out[b] = total + math.log(_sum(p))
+        lost[b] = lost[b] or not math.isfinite(out[b])
+
+
 @njit(cache=True)
 def _marginals(pre, x, d, beta, out):
     """``out = exp(pre + x - d + beta)`` renormalised to sum 1 (left as is where the sum is 0
