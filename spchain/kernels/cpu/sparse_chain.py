@@ -75,15 +75,20 @@ def chunk_of(rows, chunks, k):
 WIDTH = 32
 """Rows a chunk of the sweeps holds where the batch has more than ``2 * WIDTH`` (see :func:`chunks`)."""
 
+CHUNKS = 64
+"""Chunks of a batch at most (wider ones beyond ``CHUNKS * WIDTH`` rows): the value gradient's
+sums per chunk take ``CHUNKS * nnz`` float64 at most."""
+
 
 def chunks(rows: int) -> int:
     """The chunks (``chunk_of``) into which the sweeps split a batch of ``rows`` rows: two, or as
-    many as make them ``WIDTH`` rows wide (the loops over a chunk's rows vectorise: on 2 threads,
-    batch 64, c 4096, chunks of 32 rows ran a step 1.3 times as fast as 4 of 16 and 6 times as
-    fast as 64 of one row). A function of ``rows`` alone, not of the threads that run them, so
-    that the sums over chunks (the value gradient) are the same bits on every route and number
-    of threads; a batch of at most ``2 * WIDTH`` rows keeps at most two threads busy."""
-    return min(rows, max(2, -(-rows // WIDTH)))
+    many as make them ``WIDTH`` rows wide, ``CHUNKS`` at most (the loops over a chunk's rows
+    vectorise: on 2 threads, batch 64, c 4096, chunks of 32 rows ran a step 1.3 times as fast as
+    4 of 16 and 6 times as fast as 64 of one row). A function of ``rows`` alone, not of the
+    threads that run them, so that the sums over chunks (the value gradient) are the same bits
+    on every route and number of threads; a batch of at most ``2 * WIDTH`` rows keeps at most
+    two threads busy."""
+    return min(rows, max(2, min(CHUNKS, -(-rows // WIDTH))))
 
 
 def sparse_chain_forward(x, t_indptr, t_rows, t_values, init, lengths, pre, norm):
