@@ -137,9 +137,10 @@ def forward(chain: Chain) -> tuple[Array, Array, Array]:
     s = _structure(chain)
     if rows and not chain.backend.on_gpu:
         scaled = _scaled(chain)
-        cpu.sparse_chain_scaled.sparse_chain_forward_scaled(
-            chain.x, s.t_indptr, s.t_rows, scaled.t_values, scaled.t_e, scaled.cmax, chain.init, chain.lengths, pre,
-            norm, min(rows, _threads(chain.backend)))
+        kernels = cpu.sparse_chain_scaled
+        cpu.team.run(kernels.sparse_chain_forward_scaled, kernels.sparse_chain_forward_scaled_team,
+                     chain.x, s.t_indptr, s.t_rows, scaled.t_values, scaled.t_e, scaled.cmax, chain.init,
+                     chain.lengths, pre, norm, cpu.sparse_chain.chunks(rows))
     elif rows:  # the GPU: scaled SpMVs too, the stored values exponentiated once in the data's dtype
         t_values = transposed_values(chain)
         cmax, t_e = xp.empty(c, chain.x.dtype), xp.empty_like(t_values)
@@ -245,22 +246,16 @@ def _backward_scaled(chain: Chain, pre: Array, norm: Array, weight: Array,
     scaled = _scaled(chain)
     rows = chain.x.shape[0]
     nnz = scaled.e.shape[0] if grad_trans is not None else 0
-    partial = np.empty((min(rows, _threads(chain.backend)), nnz))
+    partial = np.empty((cpu.sparse_chain.chunks(rows), nnz))  # per chunk: the same bits on any number of threads
     grad_x = np.empty_like(chain.x)
     values = read_only(np.ascontiguousarray(_values(chain)))
-    cpu.sparse_chain_scaled.sparse_chain_backward_scaled(
-        chain.x, s.indptr, s.indices, values, scaled.row_e, scaled.rmax, s.t_indptr, s.t_rows, scaled.t_values,
-        s.order, scaled.e, scaled.cmax, chain.lengths, pre, norm, weight, grad_x, partial)
+    kernels = cpu.sparse_chain_scaled
+    cpu.team.run(kernels.sparse_chain_backward_scaled, kernels.sparse_chain_backward_scaled_team,
+                 chain.x, s.indptr, s.indices, values, scaled.row_e, scaled.rmax, s.t_indptr, s.t_rows,
+                 scaled.t_values, s.order, scaled.e, scaled.cmax, chain.lengths, pre, norm, weight, grad_x, partial)
     if grad_trans is not None:
         grad_trans = partial.sum(axis=0).astype(chain.x.dtype).reshape(chain.trans.shape)
     return grad_x, grad_trans
-
-
-def _threads(backend: Backend) -> int:
-    if backend.on_gpu:
-        return 256
-    import numba
-    return int(numba.get_num_threads())
 
 
 def viterbi(chain: Chain) -> tuple[Array, Array]:
@@ -274,9 +269,11 @@ def viterbi(chain: Chain) -> tuple[Array, Array]:
         t_values = transposed_values(chain)
         work = xp.empty((rows, 2, c), chain.x.dtype)
         backptr = xp.empty((rows, v, c), np.int32)
-        kernel = (cpu.sparse_chain.sparse_chain_viterbi if not chain.backend.on_gpu
-                  else chain.backend.launcher(cuda.sparse_chain.launch_sparse_chain_viterbi))
-        kernel(chain.x, s.t_indptr, s.t_rows, t_values, chain.init, chain.lengths, work, backptr, score, path)
+        args = (chain.x, s.t_indptr, s.t_rows, t_values, chain.init, chain.lengths, work, backptr, score, path)
+        if chain.backend.on_gpu:
+            chain.backend.launcher(cuda.sparse_chain.launch_sparse_chain_viterbi)(*args)
+        else:
+            cpu.team.run(cpu.sparse_chain.sparse_chain_viterbi, cpu.sparse_chain.sparse_chain_viterbi_team, *args)
         path = xp.where((score == -np.inf)[:, None], -1, path)
     return score, path
 

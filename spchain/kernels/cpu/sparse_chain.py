@@ -14,16 +14,22 @@ Every reduction is max-shifted and guards ``-inf``; NaN propagates along stored 
 Viterbi runs here on the CPU; the CPU forward and backward sweeps run the scaled kernels of
 ``sparse_chain_scaled.py``, and the log-space ones here are the exact twins of
 ``spchain/kernels/cuda/sparse_chain.py`` (tested against each other and against the dense chain).
+
+Each parallel kernel here and in ``sparse_chain_scaled.py`` is a serial body over a range of
+chunks of rows (:func:`chunks`, a function of the batch alone) or of rows, with two cached
+entries: the kernel (a ``prange``, Numba's threads) and ``<kernel>_team`` (torch's OpenMP
+threads, ``team.py``); either gives the same bits.
 """
 
 import math
 
-import numba
 import numpy as np
 from numba import njit, prange
 
+from . import team
 from .chain import normalise
 from .exp import exp_nonpositive
+from .team import team_rows
 
 
 @njit(cache=True)
@@ -66,24 +72,54 @@ def chunk_of(rows, chunks, k):
     return k * rows // chunks, (k + 1) * rows // chunks
 
 
+WIDTH = 32
+"""Rows a chunk of the sweeps holds where the batch has more than ``2 * WIDTH`` (see :func:`chunks`)."""
+
+CHUNKS = 64
+"""Chunks of a batch at most (wider ones beyond ``CHUNKS * WIDTH`` rows): the value gradient's
+sums per chunk take ``CHUNKS * nnz`` float64 at most."""
+
+
+def chunks(rows: int) -> int:
+    """The chunks (``chunk_of``) into which the sweeps split a batch of ``rows`` rows: two, or as
+    many as make them ``WIDTH`` rows wide, ``CHUNKS`` at most (the loops over a chunk's rows
+    vectorise: on 2 threads, batch 64, c 4096, chunks of 32 rows ran a step 1.3 times as fast as
+    4 of 16 and 6 times as fast as 64 of one row). A function of ``rows`` alone, not of the
+    threads that run them, so that the sums over chunks (the value gradient) are the same bits
+    on every route and number of threads; a batch of at most ``2 * WIDTH`` rows keeps at most
+    two threads busy."""
+    return min(rows, max(2, min(CHUNKS, -(-rows // WIDTH))))
+
+
 def sparse_chain_forward(x, t_indptr, t_rows, t_values, init, lengths, pre, norm):
     """Forward sweep: fills ``pre`` (B, v, c) and ``norm`` (B, v) as ``chain.chain_forward``
-    does, over the transpose's CSR structure. Chunks of rows (one a thread) run in parallel,
-    each one step at a time for all its rows. O(B * v * (c + nnz)) time, O(c * B) scratch."""
-    sparse_chain_forward_chunks(x, t_indptr, t_rows, t_values, init, lengths, pre, norm, _chunks(x))
-
-
-def _chunks(x):
-    """One chunk of rows a thread. Read here, not in the kernels: a kernel that calls
-    ``numba.get_num_threads`` cannot be cached to disk (it compiles again in every process)."""
-    return min(x.shape[0], numba.get_num_threads())
+    does, over the transpose's CSR structure. Chunks of rows (:func:`chunks`) run in parallel
+    (on torch's threads where torch runs, ``team.run``), each one step at a time for all its
+    rows. O(B * v * (c + nnz)) time, O(c * B) scratch."""
+    team.run(sparse_chain_forward_chunks, sparse_chain_forward_chunks_team, x, t_indptr, t_rows, t_values, init,
+             lengths, pre, norm, chunks(x.shape[0]))
 
 
 @njit(parallel=True, cache=True)
 def sparse_chain_forward_chunks(x, t_indptr, t_rows, t_values, init, lengths, pre, norm, chunks):
     """:func:`sparse_chain_forward` in ``chunks`` chunks of rows."""
-    rows, v, c = x.shape
     for chunk in prange(chunks):
+        _forward_chunks(chunk, chunk + 1, x, t_indptr, t_rows, t_values, init, lengths, pre, norm, chunks)
+
+
+@njit(nogil=True, cache=True)
+def sparse_chain_forward_chunks_team(parallel, threads, x, t_indptr, t_rows, t_values, init, lengths, pre, norm,
+                                     chunks):
+    """:func:`sparse_chain_forward_chunks` on an OpenMP team (``team.team_rows``)."""
+    return team_rows(parallel, threads, _forward_chunks, chunks,
+                     (x, t_indptr, t_rows, t_values, init, lengths, pre, norm, chunks))
+
+
+@njit(cache=True)
+def _forward_chunks(lo, hi, x, t_indptr, t_rows, t_values, init, lengths, pre, norm, chunks):
+    """Chunks ``lo:hi`` (of ``chunks``) of :func:`sparse_chain_forward_chunks`."""
+    rows, v, c = x.shape
+    for chunk in range(lo, hi):
         b0, b1 = chunk_of(rows, chunks, chunk)
         width = b1 - b0
         u = np.empty((c, width), x.dtype)  # the normalised messages of the chunk, state-major
@@ -121,14 +157,29 @@ def sparse_chain_forward_chunks(x, t_indptr, t_rows, t_values, init, lengths, pr
 def sparse_chain_backward(x, indptr, indices, values, lengths, norm, beta):
     """Backward sweep: fills ``beta`` (B, v, c) as ``chain.chain_backward`` does; chunks of
     rows in parallel as in :func:`sparse_chain_forward`. O(B * v * (c + nnz)) time."""
-    sparse_chain_backward_chunks(x, indptr, indices, values, lengths, norm, beta, _chunks(x))
+    team.run(sparse_chain_backward_chunks, sparse_chain_backward_chunks_team, x, indptr, indices, values, lengths, norm,
+             beta, chunks(x.shape[0]))
 
 
 @njit(parallel=True, cache=True)
 def sparse_chain_backward_chunks(x, indptr, indices, values, lengths, norm, beta, chunks):
     """:func:`sparse_chain_backward` in ``chunks`` chunks of rows."""
-    rows, v, c = x.shape
     for chunk in prange(chunks):
+        _backward_chunks(chunk, chunk + 1, x, indptr, indices, values, lengths, norm, beta, chunks)
+
+
+@njit(nogil=True, cache=True)
+def sparse_chain_backward_chunks_team(parallel, threads, x, indptr, indices, values, lengths, norm, beta, chunks):
+    """:func:`sparse_chain_backward_chunks` on an OpenMP team (``team.team_rows``)."""
+    return team_rows(parallel, threads, _backward_chunks, chunks,
+                     (x, indptr, indices, values, lengths, norm, beta, chunks))
+
+
+@njit(cache=True)
+def _backward_chunks(lo, hi, x, indptr, indices, values, lengths, norm, beta, chunks):
+    """Chunks ``lo:hi`` (of ``chunks``) of :func:`sparse_chain_backward_chunks`."""
+    rows, v, c = x.shape
+    for chunk in range(lo, hi):
         b0, b1 = chunk_of(rows, chunks, chunk)
         width = b1 - b0
         y = np.empty((c, width), x.dtype)
@@ -164,11 +215,26 @@ def sparse_chain_values_grad(x, indptr, indices, values, lengths, pre, norm, mar
 
     for each entry ``q = (i, j)``; the gradient is ``partial.sum(0)``. Chunks run in parallel
     (no two threads write one entry), each one step at a time for all its rows (innermost).
-    O(B * v * (c + nnz)) time.
+    O(B * v * (c + nnz)) time (:func:`sparse_chain_values_grad_team`: on torch's threads).
     """
+    for chunk in prange(partial.shape[0]):
+        _values_grad_chunks(chunk, chunk + 1, x, indptr, indices, values, lengths, pre, norm, marg, weight, partial)
+
+
+@njit(nogil=True, cache=True)
+def sparse_chain_values_grad_team(parallel, threads, x, indptr, indices, values, lengths, pre, norm, marg, weight,
+                                  partial):
+    """:func:`sparse_chain_values_grad` on an OpenMP team (``team.team_rows``)."""
+    return team_rows(parallel, threads, _values_grad_chunks, partial.shape[0],
+                     (x, indptr, indices, values, lengths, pre, norm, marg, weight, partial))
+
+
+@njit(cache=True)
+def _values_grad_chunks(lo, hi, x, indptr, indices, values, lengths, pre, norm, marg, weight, partial):
+    """Chunks ``lo:hi`` (of ``partial.shape[0]``) of :func:`sparse_chain_values_grad`."""
     rows, v, c = x.shape
     chunks = partial.shape[0]
-    for chunk in prange(chunks):
+    for chunk in range(lo, hi):
         out = partial[chunk]
         out[:] = 0.0
         b0, b1 = chunk_of(rows, chunks, chunk)
@@ -206,9 +272,25 @@ def sparse_chain_values_grad(x, indptr, indices, values, lengths, pre, norm, mar
 @njit(parallel=True, cache=True)
 def sparse_chain_viterbi(x, t_indptr, t_rows, t_values, init, lengths, work, backptr, score, path):
     """Max-product sweep and backtracking as ``chain.chain_viterbi``, over the stored entries (those
-    of a column in order of their row, so that ties go to the lowest state index)."""
-    rows, v, c = x.shape
-    for b in prange(rows):
+    of a column in order of their row, so that ties go to the lowest state index); rows run in
+    parallel (:func:`sparse_chain_viterbi_team`: on torch's threads)."""
+    for b in prange(x.shape[0]):
+        _viterbi_rows(b, b + 1, x, t_indptr, t_rows, t_values, init, lengths, work, backptr, score, path)
+
+
+@njit(nogil=True, cache=True)
+def sparse_chain_viterbi_team(parallel, threads, x, t_indptr, t_rows, t_values, init, lengths, work, backptr, score,
+                              path):
+    """:func:`sparse_chain_viterbi` on an OpenMP team (``team.team_rows``)."""
+    return team_rows(parallel, threads, _viterbi_rows, x.shape[0],
+                     (x, t_indptr, t_rows, t_values, init, lengths, work, backptr, score, path))
+
+
+@njit(cache=True)
+def _viterbi_rows(lo, hi, x, t_indptr, t_rows, t_values, init, lengths, work, backptr, score, path):
+    """Rows ``lo:hi`` of :func:`sparse_chain_viterbi`."""
+    c = x.shape[2]
+    for b in range(lo, hi):
         length = lengths[b]
         cur = 0
         for j in range(c):

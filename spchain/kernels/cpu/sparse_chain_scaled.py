@@ -25,6 +25,7 @@ from numba import njit, prange
 from ..rules import FLUSH, LIMIT, TINY
 from .exp import exp_like, exp_nonpositive, log_like
 from .sparse_chain import chunk_of
+from .team import team_rows
 
 BLOCK = 64
 """States per block where a sweep moves data between (B, v, c) arrays and its (c, W) ones."""
@@ -124,10 +125,26 @@ def sparse_chain_forward_scaled(x, t_indptr, t_rows, t_values, e, cmax, init, le
     """Forward sweep: fills ``pre`` (B, v, c) and ``norm`` (B, v) as ``chain.chain_forward``
     does, over the transpose (``t_indptr``, ``t_rows``, ``t_values``: the entries of each column)
     with ``e``, ``cmax`` of :func:`sparse_chain_shifted_exp` on it. ``chunks`` of rows (``chunk_of``) run in
-    parallel, each one step at a time for all its rows. O(B * v * (c + nnz)), O(c * B) scratch."""
+    parallel, each one step at a time for all its rows (:func:`sparse_chain_forward_scaled_team`:
+    on torch's threads). O(B * v * (c + nnz)), O(c * B) scratch."""
+    for chunk in prange(chunks):
+        _forward_chunks(chunk, chunk + 1, x, t_indptr, t_rows, t_values, e, cmax, init, lengths, pre, norm, chunks)
+
+
+@njit(nogil=True, cache=True)
+def sparse_chain_forward_scaled_team(parallel, threads, x, t_indptr, t_rows, t_values, e, cmax, init, lengths, pre,
+                                     norm, chunks):
+    """:func:`sparse_chain_forward_scaled` on an OpenMP team (``team.team_rows``)."""
+    return team_rows(parallel, threads, _forward_chunks, chunks,
+                     (x, t_indptr, t_rows, t_values, e, cmax, init, lengths, pre, norm, chunks))
+
+
+@njit(cache=True, error_model="numpy")
+def _forward_chunks(lo, hi, x, t_indptr, t_rows, t_values, e, cmax, init, lengths, pre, norm, chunks):
+    """Chunks ``lo:hi`` (of ``chunks``) of :func:`sparse_chain_forward_scaled`."""
     rows, v, c = x.shape
     like = np.zeros(1, x.dtype)[0]
-    for chunk in prange(chunks):
+    for chunk in range(lo, hi):
         b0, b1 = chunk_of(rows, chunks, chunk)
         width = b1 - b0
         u = np.empty((c, width))  # pre + x, state-major
@@ -228,12 +245,31 @@ def sparse_chain_backward_scaled(x, indptr, indices, values, row_e, rmax, t_indp
     The matrix (``indptr``, ``indices``, ``values``, with ``row_e``, ``rmax`` of
     :func:`sparse_chain_shifted_exp` on it) for the backward messages, its transpose (``t_*``; entry ``qq``
     of it is entry ``order[qq]`` of the matrix) with ``e`` (in CSR order) and ``cmax`` for the
-    value gradient; ``pre``, ``norm`` from :func:`sparse_chain_forward_scaled`. O(B * v * (c + nnz)) time.
+    value gradient; ``pre``, ``norm`` from :func:`sparse_chain_forward_scaled`. O(B * v * (c + nnz)) time
+    (:func:`sparse_chain_backward_scaled_team`: on torch's threads).
     """
+    for chunk in prange(partial.shape[0]):
+        _backward_chunks(chunk, chunk + 1, x, indptr, indices, values, row_e, rmax, t_indptr, t_rows, t_values, order,
+                         e, cmax, lengths, pre, norm, weight, grad_x, partial)
+
+
+@njit(nogil=True, cache=True)
+def sparse_chain_backward_scaled_team(parallel, threads, x, indptr, indices, values, row_e, rmax, t_indptr, t_rows,
+                                      t_values, order, e, cmax, lengths, pre, norm, weight, grad_x, partial):
+    """:func:`sparse_chain_backward_scaled` on an OpenMP team (``team.team_rows``)."""
+    return team_rows(parallel, threads, _backward_chunks, partial.shape[0],
+                     (x, indptr, indices, values, row_e, rmax, t_indptr, t_rows, t_values, order, e, cmax, lengths,
+                      pre, norm, weight, grad_x, partial))
+
+
+@njit(cache=True, error_model="numpy")
+def _backward_chunks(lo, hi, x, indptr, indices, values, row_e, rmax, t_indptr, t_rows, t_values, order, e, cmax,
+                     lengths, pre, norm, weight, grad_x, partial):
+    """Chunks ``lo:hi`` (of ``partial.shape[0]``) of :func:`sparse_chain_backward_scaled`."""
     rows, v, c = x.shape
     like = np.zeros(1, x.dtype)[0]
     chunks, nnz = partial.shape
-    for chunk in prange(chunks):
+    for chunk in range(lo, hi):
         b0, b1 = chunk_of(rows, chunks, chunk)
         width = b1 - b0
         a = np.empty((c, width))  # â_t
