@@ -3,6 +3,7 @@ Numba's threads and on the calling thread alone, for every kernel that runs ther
 
 import platform
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -65,3 +66,67 @@ def test_kernels_on_torch_threads_give_the_bits_of_the_other_routes(monkeypatch,
 @LINUX_WHEEL
 def test_torch_threads_are_found_where_torch_loaded_gnu_openmp():
     assert cpu.team.parallel() != 0
+
+
+def sparse_outputs(rng):
+    """Every sparse and block-sparse team kernel's results, above ``SERIAL_WORK`` (the parallel
+    routes) and one small product (its team entry on the calling thread): CSR times dense, by
+    the transpose, of a column-major ``b`` (read transposed), SDDMM of row-major and of
+    column-major operands, the parallel transpose, BSR times dense (and by the transpose,
+    which reads the blocks transposed) and the block SDDMM."""
+    from spchain import _csr, blocksparse
+
+    numpy = _backend.NUMPY
+    pattern = random_pattern(rng, 300, 200, 0.1)
+    csr = _csr.Csr(pattern.indptr.astype(np.int32), pattern.indices.astype(np.int32), None, (300, 200))
+    values = rng.normal(size=csr.nnz)
+    b, bias, c = rng.normal(size=(200, 64)), rng.normal(size=300), rng.normal(size=(300, 64))
+    assert csr.nnz * 64 > _backend.SERIAL_WORK
+    found = [csr.matmul(numpy, values, b, np.float64, bias), csr.matmul(numpy, values, c, np.float64, transpose=True),
+             csr.matmul(numpy, values, np.asfortranarray(b), np.float64),
+             csr.matmul(numpy, values, b[:, :3], np.float64),  # below SERIAL_WORK
+             csr.sampled(numpy, c, b, np.float64), csr.sampled(numpy, np.asfortranarray(c), np.asfortranarray(b),
+                                                                np.float64),
+             csr.sampled(numpy, c[:, :3], b[:, :3], np.float64),  # below SERIAL_WORK
+             _csr.contiguous(numpy, np.asfortranarray(rng.normal(size=(300, 70))))]
+    grid = random_pattern(rng, 30, 20, 0.3)
+    bsr = blocksparse.Bsr(grid.indptr.astype(np.int32), grid.indices.astype(np.int32), None, (240, 80), (8, 4))
+    blocks = rng.normal(size=(bsr.nnzb, 8, 4))
+    found += [bsr.matmul(numpy, blocks, rng.normal(size=(80, 40)), np.float64, rng.normal(size=240)),
+              bsr.matmul(numpy, blocks, rng.normal(size=(240, 40)), np.float64, transpose=True),
+              bsr.sampled(numpy, rng.normal(size=(240, 33)), rng.normal(size=(80, 33)), np.float64)]
+    return found
+
+
+def random_pattern(rng, m, n, density):
+    """A random (m, n) pattern: ``indptr`` and ``indices``."""
+    rows, cols = np.nonzero(rng.random((m, n)) < density)
+    return SimpleNamespace(indptr=np.searchsorted(rows, np.arange(m + 1)), indices=cols)
+
+
+@pytest.mark.parametrize("route", ["numba", "one thread"])
+def test_sparse_kernels_on_torch_threads_give_the_bits_of_the_other_routes(monkeypatch, route):
+    calls = []
+    for name in ("sparse_spmm_team", "sparse_sddmm_team", "transpose_team"):
+        entry = getattr(cpu.sparse, name)
+        monkeypatch.setattr(cpu.sparse, name, lambda *args, entry=entry: calls.append(args[:2]) or entry(*args))
+    for name in ("blocksparse_spmm_team", "blocksparse_sddmm_team"):
+        entry = getattr(cpu.blocksparse, name)
+        monkeypatch.setattr(cpu.blocksparse, name, lambda *args, entry=entry: calls.append(args[:2]) or entry(*args))
+    team = sparse_outputs(np.random.default_rng(0))
+    on_team = [args for args in calls if args[0]]
+    assert len(calls) == (11 if cpu.team.parallel() else 2)  # every product, or the two small ones
+    assert len(on_team) == (9 if cpu.team.parallel() else 0)
+    if route == "numba":
+        monkeypatch.setattr(cpu.team, "parallel", lambda: 0)
+        other = sparse_outputs(np.random.default_rng(0))
+    else:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            other = sparse_outputs(np.random.default_rng(0))
+        finally:
+            torch.set_num_threads(threads)
+    assert len(team) == len(other) == 11
+    for got, want in zip(team, other):
+        np.testing.assert_array_equal(got, want)
