@@ -338,7 +338,10 @@ def contiguous(backend: Backend, a: Array) -> Array:
         return a
     if not backend.on_gpu and a.ndim == 2 and a.flags.f_contiguous:
         out = np.empty(a.shape, a.dtype)
-        cpu.team.run(cpu.sparse.transpose, cpu.sparse.transpose_team, a.T, out)
+        if _backend.threads(a.size) > 1:
+            cpu.team.run(cpu.sparse.transpose, cpu.sparse.transpose_team, a.T, out)
+        else:  # small: on the calling thread
+            cpu.sparse.transpose_team(0, 1, a.T, out)
         return out
     return backend.xp.ascontiguousarray(a)
 

@@ -100,9 +100,8 @@ class Bsr:
                     backend.launcher(cuda.blocksparse.launch_blocksparse_spmm)(indptr, indices, slots, data, b, bias,
                                                                                out)
             else:
-                kernels = cpu.blocksparse
-                cpu.team.run(kernels.blocksparse_spmm, kernels.blocksparse_spmm_team, indptr, indices, slots, data,
-                             transpose, b, bias, out)
+                _run(cpu.blocksparse.blocksparse_spmm, cpu.blocksparse.blocksparse_spmm_team, data.size * b.shape[1],
+                     indptr, indices, slots, data, transpose, b, bias, out)
         return out
 
     def sampled(self, backend: Backend, a: Array, b: Array, dtype: np.dtype[Any]) -> Array:
@@ -116,10 +115,19 @@ class Bsr:
                 with backend.use():
                     backend.launcher(cuda.blocksparse.launch_blocksparse_sddmm)(self.indptr, self.indices, a, b, out)
             else:
-                kernels = cpu.blocksparse
-                cpu.team.run(kernels.blocksparse_sddmm, kernels.blocksparse_sddmm_team, self.indptr, self.indices, a,
-                             b, out)
+                _run(cpu.blocksparse.blocksparse_sddmm, cpu.blocksparse.blocksparse_sddmm_team, out.size * a.shape[1],
+                     self.indptr, self.indices, a, b, out)
         return out
+
+
+def _run(kernel: Any, on_team: Any, work: int, *args: Any) -> None:
+    """``kernel(*args)``, a block-sparse product of ``work`` multiply-adds: in parallel on torch's
+    threads or Numba's (``team.run``), or below :data:`~spchain._backend.SERIAL_WORK` its team
+    entry on the calling thread."""
+    if _backend.threads(work) > 1:
+        cpu.team.run(kernel, on_team, *args)
+    else:
+        on_team(0, 1, *args)
 
 
 # --- validation ----------------------------------------------------------------------------

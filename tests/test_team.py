@@ -70,7 +70,7 @@ def test_torch_threads_are_found_where_torch_loaded_gnu_openmp():
 
 def sparse_outputs(rng):
     """Every sparse and block-sparse team kernel's results, above ``SERIAL_WORK`` (the parallel
-    routes) and one small product (its team entry on the calling thread): CSR times dense, by
+    routes) and below (the team entry on the calling thread): CSR times dense, by
     the transpose, of a column-major ``b`` (read transposed), SDDMM of row-major and of
     column-major operands, the parallel transpose, BSR times dense (and by the transpose,
     which reads the blocks transposed) and the block SDDMM."""
@@ -88,13 +88,17 @@ def sparse_outputs(rng):
              csr.sampled(numpy, c, b, np.float64), csr.sampled(numpy, np.asfortranarray(c), np.asfortranarray(b),
                                                                 np.float64),
              csr.sampled(numpy, c[:, :3], b[:, :3], np.float64),  # below SERIAL_WORK
-             _csr.contiguous(numpy, np.asfortranarray(rng.normal(size=(300, 70))))]
+             _csr.contiguous(numpy, np.asfortranarray(rng.normal(size=(600, 300)))),
+             _csr.contiguous(numpy, np.asfortranarray(rng.normal(size=(30, 70))))]  # below SERIAL_WORK
     grid = random_pattern(rng, 30, 20, 0.3)
     bsr = blocksparse.Bsr(grid.indptr.astype(np.int32), grid.indices.astype(np.int32), None, (240, 80), (8, 4))
     blocks = rng.normal(size=(bsr.nnzb, 8, 4))
+    assert bsr.nnzb * 8 * 4 * 33 > _backend.SERIAL_WORK > bsr.nnzb * 8 * 4 * 3
     found += [bsr.matmul(numpy, blocks, rng.normal(size=(80, 40)), np.float64, rng.normal(size=240)),
               bsr.matmul(numpy, blocks, rng.normal(size=(240, 40)), np.float64, transpose=True),
-              bsr.sampled(numpy, rng.normal(size=(240, 33)), rng.normal(size=(80, 33)), np.float64)]
+              bsr.sampled(numpy, rng.normal(size=(240, 33)), rng.normal(size=(80, 33)), np.float64),
+              bsr.matmul(numpy, blocks, rng.normal(size=(80, 3)), np.float64),  # below SERIAL_WORK
+              bsr.sampled(numpy, rng.normal(size=(240, 3)), rng.normal(size=(80, 3)), np.float64)]
     return found
 
 
@@ -115,7 +119,7 @@ def test_sparse_kernels_on_torch_threads_give_the_bits_of_the_other_routes(monke
         monkeypatch.setattr(cpu.blocksparse, name, lambda *args, entry=entry: calls.append(args[:2]) or entry(*args))
     team = sparse_outputs(np.random.default_rng(0))
     on_team = [args for args in calls if args[0]]
-    assert len(calls) == (11 if cpu.team.parallel() else 2)  # every product, or the two small ones
+    assert len(calls) == (14 if cpu.team.parallel() else 5)  # every product, or the five small ones
     assert len(on_team) == (9 if cpu.team.parallel() else 0)
     if route == "numba":
         monkeypatch.setattr(cpu.team, "parallel", lambda: 0)
@@ -127,6 +131,6 @@ def test_sparse_kernels_on_torch_threads_give_the_bits_of_the_other_routes(monke
             other = sparse_outputs(np.random.default_rng(0))
         finally:
             torch.set_num_threads(threads)
-    assert len(team) == len(other) == 11
+    assert len(team) == len(other) == 14
     for got, want in zip(team, other):
         np.testing.assert_array_equal(got, want)
