@@ -82,23 +82,26 @@ class Bsr:
         (nnzb, R, C), for a dense (N, n) ``b``: a C-contiguous (M, n) array. With ``transpose``
         it is ``W.T @ b``, read from the same blocks through :meth:`transposed`."""
         xp = backend.xp
-        data = values.astype(dtype, copy=False)
+        data = xp.ascontiguousarray(values.astype(dtype, copy=False))
         if transpose:
             grid_t, slots = self.transposed(backend)
             indptr, indices, m = grid_t.indptr, grid_t.indices, self.shape[1]
-            data = data.transpose(0, 2, 1)  # a view the CPU kernel reads as it is; CUDA takes a copy
-            if backend.on_gpu:
-                data = xp.ascontiguousarray(data)
+            if backend.on_gpu:  # the CPU kernel reads the blocks transposed as they are; CUDA takes a copy
+                data = xp.ascontiguousarray(data.transpose(0, 2, 1))
         else:
             indptr, indices, slots, m = self.indptr, self.indices, xp.arange(self.nnzb, dtype=self.indices.dtype), \
                 self.shape[0]
         out = xp.empty((m, b.shape[1]), dtype)
         if out.size:
             bias = xp.zeros(m, dtype) if bias is None else bias.astype(dtype, copy=False)
-            with backend.use():
-                kernel = (cpu.blocksparse.blocksparse_spmm if not backend.on_gpu
-                          else backend.launcher(cuda.blocksparse.launch_blocksparse_spmm))
-                kernel(indptr, indices, slots, data, _csr.contiguous(backend, b.astype(dtype, copy=False)), bias, out)
+            b = _csr.contiguous(backend, b.astype(dtype, copy=False))
+            if backend.on_gpu:
+                with backend.use():
+                    backend.launcher(cuda.blocksparse.launch_blocksparse_spmm)(indptr, indices, slots, data, b, bias,
+                                                                               out)
+            else:
+                _run(cpu.blocksparse.blocksparse_spmm, cpu.blocksparse.blocksparse_spmm_team, data.size * b.shape[1],
+                     indptr, indices, slots, data, transpose, b, bias, out)
         return out
 
     def sampled(self, backend: Backend, a: Array, b: Array, dtype: np.dtype[Any]) -> Array:
@@ -108,11 +111,23 @@ class Bsr:
         if out.size and a.shape[1]:
             a = _csr.contiguous(backend, a.astype(dtype, copy=False))
             b = _csr.contiguous(backend, b.astype(dtype, copy=False))
-            with backend.use():
-                kernel = (cpu.blocksparse.blocksparse_sddmm if not backend.on_gpu
-                          else backend.launcher(cuda.blocksparse.launch_blocksparse_sddmm))
-                kernel(self.indptr, self.indices, a, b, out)
+            if backend.on_gpu:
+                with backend.use():
+                    backend.launcher(cuda.blocksparse.launch_blocksparse_sddmm)(self.indptr, self.indices, a, b, out)
+            else:
+                _run(cpu.blocksparse.blocksparse_sddmm, cpu.blocksparse.blocksparse_sddmm_team, out.size * a.shape[1],
+                     self.indptr, self.indices, a, b, out)
         return out
+
+
+def _run(kernel: Any, on_team: Any, work: int, *args: Any) -> None:
+    """``kernel(*args)``, a block-sparse product of ``work`` multiply-adds: in parallel on torch's
+    threads or Numba's (``team.run``), or below :data:`~spchain._backend.SERIAL_WORK` its team
+    entry on the calling thread."""
+    if _backend.threads(work) > 1:
+        cpu.team.run(kernel, on_team, *args)
+    else:
+        on_team(0, 1, *args)
 
 
 # --- validation ----------------------------------------------------------------------------

@@ -10,9 +10,17 @@ from spchain.kernels.cpu import blocksparse as cpu_blocksparse
 TARGETS = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda_kernel)]
 
 
+def cpu_spmm(indptr, indices, slots, data, b, bias, out):
+    """``blocksparse_spmm`` on ``data`` (nnzb, R, C) given row-major or as a transposed view of
+    row-major blocks (which the kernel reads with ``transpose``)."""
+    transpose = not data.flags.c_contiguous and data.transpose(0, 2, 1).flags.c_contiguous
+    blocks = data.transpose(0, 2, 1) if transpose else np.ascontiguousarray(data)
+    cpu_blocksparse.blocksparse_spmm(indptr, indices, slots, blocks, transpose, b, bias, out)
+
+
 def kernel(target, op):
     if target == "cpu":
-        return getattr(cpu_blocksparse, op)
+        return cpu_spmm if op == "blocksparse_spmm" else getattr(cpu_blocksparse, op)
     from spchain.kernels.cuda import blocksparse as cuda_blocksparse
 
     return getattr(cuda_blocksparse, f"launch_{op}")
@@ -56,7 +64,7 @@ def test_cpu_spmm_register_panels_match_scipy_with_edges_and_inf(rng, blocksize,
     b[0, n - 1], b[c - 1, 0] = -np.inf, np.nan
     bias = rng.standard_normal(4 * r).astype(dtype)
     out = np.full((4 * r, n), np.nan, dtype)
-    cpu_blocksparse.blocksparse_spmm(indptr, indices, np.arange(indices.size), data, b, bias, out)
+    cpu_spmm(indptr, indices, np.arange(indices.size), data, b, bias, out)
     want = scipy.sparse.bsr_array((data.astype(np.float64), indices, indptr), shape=(4 * r, 3 * c)) @ b + bias[:, None]
     np.testing.assert_allclose(out, want, rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-5)
 
@@ -85,7 +93,7 @@ def test_spmm_by_the_transpose_reads_transposed_blocks_through_slots(rng, small_
     t_indptr = np.concatenate([[0], np.cumsum(np.bincount(indices, minlength=3))])
     b = rng.standard_normal((4 * r, 2))
     out = np.empty((3 * c, 2))
-    blocks = data.transpose(0, 2, 1)  # the CPU kernel reads the view; CUDA gets a contiguous copy
+    blocks = data.transpose(0, 2, 1)  # the CPU kernel reads the blocks transposed; CUDA gets a contiguous copy
     blocks = blocks if target == "cpu" else np.ascontiguousarray(blocks)
     kernel(target, "blocksparse_spmm")(t_indptr, rows[order], order, blocks, b, np.zeros(3 * c), out)
     np.testing.assert_allclose(out, w.T @ b, rtol=1e-12, atol=1e-12)

@@ -4,6 +4,8 @@ runs there."""
 
 import platform
 import sys
+import time
+from types import SimpleNamespace
 
 import numba
 import numpy as np
@@ -19,6 +21,12 @@ from spchain.kernels import cpu  # noqa: E402  (after torch: what the kernels ru
 
 LINUX_WHEEL = pytest.mark.skipif(not (sys.platform.startswith("linux") and platform.machine() == "x86_64"),
                                  reason="torch's Linux x86-64 wheels load GNU OpenMP")
+
+
+@pytest.fixture(autouse=True)
+def uncrowded(monkeypatch):
+    """Torch's team whenever it is found, whatever else runs on the machine (the tests' workers)."""
+    monkeypatch.setattr(cpu.team, "crowded", lambda: False)
 
 
 def outputs(rng):
@@ -71,6 +79,74 @@ def test_torch_threads_are_found_where_torch_loaded_gnu_openmp():
 
 
 def sparse_outputs(rng):
+    """Every sparse and block-sparse team kernel's results, above ``SERIAL_WORK`` (the parallel
+    routes) and below (the team entry on the calling thread): CSR times dense, by
+    the transpose, of a column-major ``b`` (read transposed), SDDMM of row-major and of
+    column-major operands, the parallel transpose, BSR times dense (and by the transpose,
+    which reads the blocks transposed) and the block SDDMM."""
+    from spchain import _csr, blocksparse
+
+    numpy = _backend.NUMPY
+    pattern = random_pattern(rng, 300, 200, 0.1)
+    csr = _csr.Csr(pattern.indptr.astype(np.int32), pattern.indices.astype(np.int32), None, (300, 200))
+    values = rng.normal(size=csr.nnz)
+    b, bias, c = rng.normal(size=(200, 64)), rng.normal(size=300), rng.normal(size=(300, 64))
+    assert csr.nnz * 64 > _backend.SERIAL_WORK
+    found = [csr.matmul(numpy, values, b, np.float64, bias), csr.matmul(numpy, values, c, np.float64, transpose=True),
+             csr.matmul(numpy, values, np.asfortranarray(b), np.float64),
+             csr.matmul(numpy, values, b[:, :3], np.float64),  # below SERIAL_WORK
+             csr.sampled(numpy, c, b, np.float64), csr.sampled(numpy, np.asfortranarray(c), np.asfortranarray(b),
+                                                                np.float64),
+             csr.sampled(numpy, c[:, :3], b[:, :3], np.float64),  # below SERIAL_WORK
+             _csr.contiguous(numpy, np.asfortranarray(rng.normal(size=(600, 300)))),
+             _csr.contiguous(numpy, np.asfortranarray(rng.normal(size=(30, 70))))]  # below SERIAL_WORK
+    grid = random_pattern(rng, 30, 20, 0.3)
+    bsr = blocksparse.Bsr(grid.indptr.astype(np.int32), grid.indices.astype(np.int32), None, (240, 80), (8, 4))
+    blocks = rng.normal(size=(bsr.nnzb, 8, 4))
+    assert bsr.nnzb * 8 * 4 * 33 > _backend.SERIAL_WORK > bsr.nnzb * 8 * 4 * 3
+    found += [bsr.matmul(numpy, blocks, rng.normal(size=(80, 40)), np.float64, rng.normal(size=240)),
+              bsr.matmul(numpy, blocks, rng.normal(size=(240, 40)), np.float64, transpose=True),
+              bsr.sampled(numpy, rng.normal(size=(240, 33)), rng.normal(size=(80, 33)), np.float64),
+              bsr.matmul(numpy, blocks, rng.normal(size=(80, 3)), np.float64),  # below SERIAL_WORK
+              bsr.sampled(numpy, rng.normal(size=(240, 3)), rng.normal(size=(80, 3)), np.float64)]
+    return found
+
+
+def random_pattern(rng, m, n, density):
+    """A random (m, n) pattern: ``indptr`` and ``indices``."""
+    rows, cols = np.nonzero(rng.random((m, n)) < density)
+    return SimpleNamespace(indptr=np.searchsorted(rows, np.arange(m + 1)), indices=cols)
+
+
+@pytest.mark.parametrize("route", ["numba", "one thread"])
+def test_sparse_kernels_on_torch_threads_give_the_bits_of_the_other_routes(monkeypatch, route):
+    calls = []
+    for name in ("sparse_spmm_team", "sparse_sddmm_team", "transpose_team"):
+        entry = getattr(cpu.sparse, name)
+        monkeypatch.setattr(cpu.sparse, name, lambda *args, entry=entry: calls.append(args[:2]) or entry(*args))
+    for name in ("blocksparse_spmm_team", "blocksparse_sddmm_team"):
+        entry = getattr(cpu.blocksparse, name)
+        monkeypatch.setattr(cpu.blocksparse, name, lambda *args, entry=entry: calls.append(args[:2]) or entry(*args))
+    team = sparse_outputs(np.random.default_rng(0))
+    on_team = [args for args in calls if args[0]]
+    assert len(calls) == (14 if cpu.team.parallel() else 5)  # every product, or the five small ones
+    assert len(on_team) == (9 if cpu.team.parallel() else 0)
+    if route == "numba":
+        monkeypatch.setattr(cpu.team, "parallel", lambda: 0)
+        other = sparse_outputs(np.random.default_rng(0))
+    else:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            other = sparse_outputs(np.random.default_rng(0))
+        finally:
+            torch.set_num_threads(threads)
+    assert len(team) == len(other) == 14
+    for got, want in zip(team, other):
+        np.testing.assert_array_equal(got, want)
+
+
+def sparse_chain_outputs(rng):
     """Every sparse chain kernel's results on a CSR ``log_trans``: the scaled forward and backward
     (marginals and the value gradient, summed over chunks of rows), Viterbi, and the log-space
     forward, backward and value gradient (spchain/kernels/cpu/sparse_chain.py), over 70 rows (3
@@ -106,13 +182,13 @@ def test_sparse_chain_kernels_on_torch_threads_give_the_bits_of_the_other_routes
     entry = cpu.sparse_chain_scaled.sparse_chain_backward_scaled_team
     monkeypatch.setattr(cpu.sparse_chain_scaled, "sparse_chain_backward_scaled_team",
                         lambda *args: calls.append(1) or entry(*args))
-    team = sparse_outputs(np.random.default_rng(0))
+    team = sparse_chain_outputs(np.random.default_rng(0))
     assert len(calls) == (1 if cpu.team.parallel() else 0)
     if route == "one thread":
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            other = sparse_outputs(np.random.default_rng(0))
+            other = sparse_chain_outputs(np.random.default_rng(0))
         finally:
             torch.set_num_threads(threads)
     else:
@@ -120,9 +196,27 @@ def test_sparse_chain_kernels_on_torch_threads_give_the_bits_of_the_other_routes
         threads = numba.get_num_threads()
         numba.set_num_threads(1 if route == "one numba thread" else threads)
         try:
-            other = sparse_outputs(np.random.default_rng(0))
+            other = sparse_chain_outputs(np.random.default_rng(0))
         finally:
             numba.set_num_threads(threads)
     assert len(team) == len(other) == 12
     for got, want in zip(team, other):
         np.testing.assert_array_equal(got, want)
+
+
+def test_a_busy_machine_is_crowded_and_sends_kernels_to_numba_threads(monkeypatch):
+    import subprocess
+
+    busy = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 20\nwhile time.time() < end: pass"])
+    try:
+        time.sleep(0.5)
+        assert cpu.team._others_running() >= 1
+        monkeypatch.undo()  # crowded() as it is
+        monkeypatch.setattr(cpu.team, "CROWDED_EVERY", 0.0)
+        assert cpu.team.crowded()
+        monkeypatch.setattr(cpu.team, "parallel", lambda: 12345)  # would crash if it were called
+        calls = []
+        cpu.team.run(lambda *args: calls.append(args), None, 1, 2)
+        assert calls == [(1, 2)]
+    finally:
+        busy.kill()

@@ -19,6 +19,8 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .team import team_rows
+
 _FAST = {"reassoc", "contract"}  # lets the loops vectorise; never assumes no inf/NaN
 
 @njit(cache=True, fastmath=_FAST, inline="always")
@@ -131,27 +133,44 @@ def _panel(typingctx, a, b, o, r, t):
     return types.void(a, b, o, r, t), codegen
 
 
-@njit(parallel=True, cache=True, fastmath=_FAST)
-def blocksparse_spmm(indptr, indices, slots, data, b, bias, out):
+@njit(parallel=True, cache=True)
+def blocksparse_spmm(indptr, indices, slots, data, transpose, b, bias, out):
     """BSR times dense: ``out[rows of block row i] = bias + sum(data[slots[p]] @ b[cols of block p])``.
 
     Inputs: ``indptr`` (M / R + 1), ``indices`` and ``slots`` (nnzb; block ``p`` of the structure
     holds ``data[slots[p]]``, so a transposed structure reads the original blocks), ``data``
-    (any, R, C) with any strides (a transposed view multiplies by the transposed blocks),
-    ``b`` (N, n) C-contiguous, ``bias`` (M). Overwrites ``out`` (M, n), C-contiguous.
-    Block rows run in parallel; each block goes by :func:`_panel` (its edges by :func:`_tile`).
+    (any, R, C) C-contiguous, with ``transpose`` read as ``data.transpose(0, 2, 1)`` (multiplies
+    by the transposed blocks; one compiled kernel for both), ``b`` (N, n) C-contiguous, ``bias``
+    (M). Overwrites ``out`` (M, n), C-contiguous. Block rows run in parallel
+    (:func:`blocksparse_spmm_team`: on torch's threads); each block goes by :func:`_panel` (its
+    edges by :func:`_tile`).
     Complexity: O(nnzb * R * C * n) multiply-adds, O(M * n) writes.
     """
-    rows, cols = data.shape[1], data.shape[2]
+    for i in prange(indptr.shape[0] - 1):
+        _spmm_block_rows(i, i + 1, indptr, indices, slots, data, transpose, b, bias, out)
+
+
+@njit(nogil=True, cache=True)
+def blocksparse_spmm_team(parallel, threads, indptr, indices, slots, data, transpose, b, bias, out):
+    """:func:`blocksparse_spmm` on an OpenMP team (``team.team_rows``)."""
+    return team_rows(parallel, threads, _spmm_block_rows, indptr.shape[0] - 1,
+                     (indptr, indices, slots, data, transpose, b, bias, out))
+
+
+@njit(cache=True, fastmath=_FAST)
+def _spmm_block_rows(lo, hi, indptr, indices, slots, data, transpose, b, bias, out):
+    """Block rows ``lo:hi`` of :func:`blocksparse_spmm`."""
+    rows, cols = (data.shape[2], data.shape[1]) if transpose else (data.shape[1], data.shape[2])
     lanes = _PANEL_BYTES // out.itemsize
     full_rows, full_n = rows - rows % _PANEL_ROWS, b.shape[1] - b.shape[1] % lanes
-    for i in prange(indptr.shape[0] - 1):
+    for i in range(lo, hi):
         o = out[i * rows:(i + 1) * rows]
         for r in range(rows):
             o[r, :] = bias[i * rows + r]
         for p in range(indptr[i], indptr[i + 1]):
             j = indices[p]
-            a, panel = data[slots[p]], b[j * cols:(j + 1) * cols]
+            a = data[slots[p]].T if transpose else data[slots[p]]  # one type, any strides
+            panel = b[j * cols:(j + 1) * cols]
             for t in range(0, full_n, lanes):  # one lane panel of b stays in L1 over the rows
                 for r in range(0, full_rows, _PANEL_ROWS):
                     _panel(a, panel, o, r, t)
@@ -161,7 +180,7 @@ def blocksparse_spmm(indptr, indices, slots, data, b, bias, out):
                 _tile(a[full_rows:], panel, o[full_rows:])
 
 
-@njit(parallel=True, cache=True, fastmath=_FAST)
+@njit(parallel=True, cache=True)
 def blocksparse_sddmm(indptr, indices, a, b, out):
     """Block-sampled dense-dense product: ``out[p] = a[rows of block row i] @ b[cols of block p].T``.
 
@@ -170,20 +189,55 @@ def blocksparse_sddmm(indptr, indices, a, b, out):
     one contiguous (k, C) panel per block column (``b[cols of j].T``); then block rows run
     in parallel, each block as :func:`_panel` products of ``a``'s rows with its panel. The
     edges (R % 4 rows, C % L columns) are dot products over ``k``, two rows by four columns
-    at a time (:func:`_dots`).
+    at a time (:func:`_dots`). :func:`blocksparse_sddmm_team`: on torch's threads.
     Complexity: O(nnzb * R * C * k) multiply-adds, O(N * k) extra memory.
     """
-    rows, cols, k = out.shape[1], out.shape[2], a.shape[1]
-    lanes = _PANEL_BYTES // out.itemsize
-    full_rows, full_cols = rows - rows % _PANEL_ROWS, cols - cols % lanes
-    panels = np.empty((b.shape[0] // cols if full_rows and full_cols else 0, k, cols), out.dtype)
+    panels = _sddmm_panels(b, out)
     for j in prange(panels.shape[0]):
+        _copy_panels(j, j + 1, b, panels)
+    for i in prange(indptr.shape[0] - 1):
+        _sddmm_block_rows(i, i + 1, indptr, indices, a, b, panels, out)
+
+
+@njit(nogil=True, cache=True)
+def blocksparse_sddmm_team(parallel, threads, indptr, indices, a, b, out):
+    """:func:`blocksparse_sddmm` on an OpenMP team (``team.team_rows``)."""
+    panels = _sddmm_panels(b, out)
+    failed = team_rows(parallel, threads, _copy_panels, panels.shape[0], (b, panels))
+    if failed:
+        return failed
+    return team_rows(parallel, threads, _sddmm_block_rows, indptr.shape[0] - 1, (indptr, indices, a, b, panels, out))
+
+
+@njit(cache=True)
+def _sddmm_panels(b, out):
+    """The (uninitialised) panels of :func:`blocksparse_sddmm`: (N / C, k, C), none where the
+    blocks have no whole 4-row by 64-byte panel."""
+    rows, cols, k = out.shape[1], out.shape[2], b.shape[1]
+    lanes = _PANEL_BYTES // out.itemsize
+    whole = rows >= _PANEL_ROWS and cols >= lanes
+    return np.empty((b.shape[0] // cols if whole else 0, k, cols), out.dtype)
+
+
+@njit(cache=True)
+def _copy_panels(lo, hi, b, panels):
+    """Panels ``lo:hi`` of :func:`blocksparse_sddmm`: ``panels[j] = b[cols of j].T``."""
+    cols, k = panels.shape[2], panels.shape[1]
+    for j in range(lo, hi):
         panel = panels[j]
         for c in range(cols):
             row = b[j * cols + c]
             for t in range(k):
                 panel[t, c] = row[t]
-    for i in prange(indptr.shape[0] - 1):
+
+
+@njit(cache=True, fastmath=_FAST)
+def _sddmm_block_rows(lo, hi, indptr, indices, a, b, panels, out):
+    """Block rows ``lo:hi`` of :func:`blocksparse_sddmm`."""
+    rows, cols = out.shape[1], out.shape[2]
+    lanes = _PANEL_BYTES // out.itemsize
+    full_rows, full_cols = rows - rows % _PANEL_ROWS, cols - cols % lanes
+    for i in range(lo, hi):
         a_rows = a[i * rows:(i + 1) * rows]
         for p in range(indptr[i], indptr[i + 1]):
             j, o = indices[p] * cols, out[p]

@@ -18,6 +18,8 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .team import team_rows
+
 _FAST = {"reassoc", "contract"}  # lets the dot products vectorise; never assumes no inf/NaN
 
 
@@ -46,23 +48,32 @@ def sparse_spmm(indptr, indices, data, b, bias, out, threads, transposed):
     with ``transposed`` its transpose (n, k) C-contiguous (a row-major batch ``x`` for
     ``b = x.T``: no transposed copy), ``bias`` (m), ``threads`` >= 1. Overwrites ``out``
     (m, n), C-contiguous. The rows are cut into ``threads`` runs of about equal stored
-    entries, which run in parallel; each run goes over ``b`` one tile of columns at a time
-    (see :func:`_spmm_rows`).
+    entries, which run in parallel (:func:`sparse_spmm_team`: on torch's threads, or with
+    ``threads`` 1 on the calling thread); each run goes over ``b`` one tile of columns at a
+    time (see :func:`_spmm_rows`).
     Complexity: O(nnz * n) multiply-adds, O(m * n) writes.
     """
-    m = out.shape[0]
-    nnz = indptr[m]
     for r in prange(threads):
-        lo = np.searchsorted(indptr[:m], nnz * r // threads)
-        hi = m if r == threads - 1 else np.searchsorted(indptr[:m], nnz * (r + 1) // threads)
-        _spmm_rows(indptr, indices, data, b, bias, out, lo, hi, transposed)
+        _spmm_runs(r, r + 1, indptr, indices, data, b, bias, out, threads, transposed)
+
+
+@njit(nogil=True, cache=True)
+def sparse_spmm_team(parallel, team, indptr, indices, data, b, bias, out, threads, transposed):
+    """:func:`sparse_spmm` on an OpenMP team of ``team`` threads (``team.team_rows``; ``parallel``
+    0 or ``team`` 1: on the calling thread, the small products' route)."""
+    return team_rows(parallel, team, _spmm_runs, threads, (indptr, indices, data, b, bias, out, threads, transposed))
 
 
 @njit(cache=True)
-def sparse_spmm_serial(indptr, indices, data, b, bias, out, transposed):
-    """:func:`sparse_spmm` on one thread (the same arithmetic): for small products, where starting
-    the threads would cost more than the product."""
-    _spmm_rows(indptr, indices, data, b, bias, out, 0, out.shape[0], transposed)
+def _spmm_runs(lo, hi, indptr, indices, data, b, bias, out, threads, transposed):
+    """Runs ``lo:hi`` of the ``threads`` runs of :func:`sparse_spmm` (each row's sums do not
+    depend on the runs: the same bits for any ``threads``)."""
+    m = out.shape[0]
+    nnz = indptr[m]
+    for r in range(lo, hi):
+        start = np.searchsorted(indptr[:m], nnz * r // threads)
+        end = m if r == threads - 1 else np.searchsorted(indptr[:m], nnz * (r + 1) // threads)
+        _spmm_rows(indptr, indices, data, b, bias, out, start, end, transposed)
 
 
 @njit(inline="always")
@@ -257,7 +268,7 @@ def _row_tile(typingctx, indices, data, b, b0, p0, p1, start, out, i, c0, vector
     return types.void(indices, data, b, b0, p0, p1, start, out, i, c0, vectors), codegen
 
 
-@njit(parallel=True, cache=True, fastmath=_FAST)
+@njit(parallel=True, cache=True)
 def sparse_sddmm(indptr, indices, a, b, out, threads, transposed):
     """Sampled dense-dense product: ``out[p] = a[i, :] . b[indices[p], :]`` for entry ``p`` of row ``i``.
 
@@ -265,22 +276,32 @@ def sparse_sddmm(indptr, indices, a, b, out, threads, transposed):
     C-contiguous, or with ``transposed`` their transposes (k, m) and (k, n) C-contiguous (the
     row-major batches of a layer's output gradient and input: no transposed copies),
     ``threads`` >= 1. Overwrites ``out`` (nnz). The rows are cut into ``threads`` runs of about
-    equal stored entries, which run in parallel; each run goes over the columns one slab at a
+    equal stored entries, which run in parallel (:func:`sparse_sddmm_team`: on torch's threads,
+    or with ``threads`` 1 on the calling thread); each run goes over the columns one slab at a
     time (see :func:`_sddmm_rows`).
     Complexity: O(nnz * k) multiply-adds.
     """
-    m = a.shape[1] if transposed else a.shape[0]
-    nnz = indptr[m]
     for r in prange(threads):
-        lo = np.searchsorted(indptr[:m], nnz * r // threads)
-        hi = m if r == threads - 1 else np.searchsorted(indptr[:m], nnz * (r + 1) // threads)
-        _sddmm_rows(indptr, indices, a, b, out, lo, hi, transposed)
+        _sddmm_runs(r, r + 1, indptr, indices, a, b, out, threads, transposed)
+
+
+@njit(nogil=True, cache=True)
+def sparse_sddmm_team(parallel, team, indptr, indices, a, b, out, threads, transposed):
+    """:func:`sparse_sddmm` on an OpenMP team of ``team`` threads (``team.team_rows``; ``parallel``
+    0 or ``team`` 1: on the calling thread, the small products' route)."""
+    return team_rows(parallel, team, _sddmm_runs, threads, (indptr, indices, a, b, out, threads, transposed))
 
 
 @njit(cache=True, fastmath=_FAST)
-def sparse_sddmm_serial(indptr, indices, a, b, out, transposed):
-    """:func:`sparse_sddmm` on one thread (the same arithmetic), for small products."""
-    _sddmm_rows(indptr, indices, a, b, out, 0, a.shape[1] if transposed else a.shape[0], transposed)
+def _sddmm_runs(lo, hi, indptr, indices, a, b, out, threads, transposed):
+    """Runs ``lo:hi`` of the ``threads`` runs of :func:`sparse_sddmm` (each entry's sum does not
+    depend on the runs: the same bits for any ``threads``)."""
+    m = a.shape[1] if transposed else a.shape[0]
+    nnz = indptr[m]
+    for r in range(lo, hi):
+        start = np.searchsorted(indptr[:m], nnz * r // threads)
+        end = m if r == threads - 1 else np.searchsorted(indptr[:m], nnz * (r + 1) // threads)
+        _sddmm_rows(indptr, indices, a, b, out, start, end, transposed)
 
 
 _SLAB = 2
@@ -524,11 +545,25 @@ def _transpose_block(typingctx, a, out, i0, j0):
 def transpose(a, out):
     """``out[j, i] = a[i, j]``: ``a`` (m, n) C-contiguous into ``out`` (n, m) C-contiguous.
 
-    Strips of 16 columns of ``a`` run in parallel; each goes down ``a`` one 16 x 16 block at a
-    time, transposed in vector registers (the edges element by element). Complexity: O(m * n).
+    Strips of 16 columns of ``a`` run in parallel (:func:`transpose_team`: on torch's threads);
+    each goes down ``a`` one 16 x 16 block at a time, transposed in vector registers (the edges
+    element by element). Complexity: O(m * n).
     """
+    for strip in prange((a.shape[1] + _BLOCK - 1) // _BLOCK):
+        _transpose_strips(strip, strip + 1, a, out)
+
+
+@njit(nogil=True, cache=True)
+def transpose_team(parallel, threads, a, out):
+    """:func:`transpose` on an OpenMP team (``team.team_rows``)."""
+    return team_rows(parallel, threads, _transpose_strips, (a.shape[1] + _BLOCK - 1) // _BLOCK, (a, out))
+
+
+@njit(cache=True)
+def _transpose_strips(lo, hi, a, out):
+    """Strips ``lo:hi`` (of 16 columns of ``a``) of :func:`transpose`."""
     m, n = a.shape
-    for strip in prange((n + _BLOCK - 1) // _BLOCK):
+    for strip in range(lo, hi):
         j0 = strip * _BLOCK
         i0 = 0
         if j0 + _BLOCK <= n:
