@@ -157,7 +157,7 @@ def blocksparse_spmm_team(parallel, threads, indptr, indices, slots, data, trans
                      (indptr, indices, slots, data, transpose, b, bias, out))
 
 
-@njit(cache=True, fastmath=_FAST)
+@njit(cache=True, fastmath=_FAST, error_model="numpy")  # a prange body's error model
 def _spmm_block_rows(lo, hi, indptr, indices, slots, data, transpose, b, bias, out):
     """Block rows ``lo:hi`` of :func:`blocksparse_spmm`."""
     rows, cols = (data.shape[2], data.shape[1]) if transpose else (data.shape[1], data.shape[2])
@@ -219,7 +219,7 @@ def _sddmm_panels(b, out):
     return np.empty((b.shape[0] // cols if whole else 0, k, cols), out.dtype)
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")  # a prange body's error model
 def _copy_panels(lo, hi, b, panels):
     """Panels ``lo:hi`` of :func:`blocksparse_sddmm`: ``panels[j] = b[cols of j].T``."""
     cols, k = panels.shape[2], panels.shape[1]
@@ -231,7 +231,7 @@ def _copy_panels(lo, hi, b, panels):
                 panel[t, c] = row[t]
 
 
-@njit(cache=True, fastmath=_FAST)
+@njit(cache=True, fastmath=_FAST, error_model="numpy")  # a prange body's error model
 def _sddmm_block_rows(lo, hi, indptr, indices, a, b, panels, out):
     """Block rows ``lo:hi`` of :func:`blocksparse_sddmm`."""
     rows, cols = out.shape[1], out.shape[2]

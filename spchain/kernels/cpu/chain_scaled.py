@@ -131,7 +131,7 @@ def chain_forward_scaled_team(parallel, threads, x, trans, e, cmax, group, init,
     return team_rows(parallel, threads, _forward_rows, x.shape[0], (x, trans, e, cmax, group, init, lengths, pre, norm))
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")  # a prange body's error model
 def _forward_rows(lo, hi, x, trans, e, cmax, group, init, lengths, pre, norm):
     """Rows ``lo:hi`` of :func:`chain_forward_scaled`."""
     rows, v, c = x.shape
@@ -190,7 +190,7 @@ def chain_logsumexp_scaled_team(parallel, threads, x, e, cmax, group, init, leng
     return team_rows(parallel, threads, _logsumexp_rows, x.shape[0], (x, e, cmax, group, init, lengths, out, lost))
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")  # a prange body's error model
 def _logsumexp_rows(lo, hi, x, e, cmax, group, init, lengths, out, lost):
     """Rows ``lo:hi`` of :func:`chain_logsumexp_scaled`."""
     rows, v, c = x.shape
@@ -266,7 +266,7 @@ def chain_marginals_scaled_team(parallel, threads, x, trans, e_t, cmax, group, l
                      (x, trans, e_t, cmax, group, lengths, pre, norm, marg))
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")  # a prange body's error model
 def _marginals_rows(lo, hi, x, trans, e_t, cmax, group, lengths, pre, norm, marg):
     """Rows ``lo:hi`` of :func:`chain_marginals_scaled`."""
     rows, v, c = x.shape
@@ -375,7 +375,7 @@ def chain_transition_grad_scaled_team(parallel, threads, x, cmax, group, lengths
                      (x, cmax, group, lengths, pre, norm, marg, weight, chunks, acc, ok))
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")  # a prange body's error model
 def _transition_grad_blocks(lo, hi, x, cmax, group, lengths, pre, norm, marg, weight, chunks, acc, ok):
     """Blocks ``lo:hi`` (of the flattened (G, S, K)) of :func:`chain_transition_grad_scaled`."""
     groups, steps, parts, c, _ = acc.shape
@@ -453,7 +453,7 @@ def gemm_backward_step_team(parallel, threads, t, last, weight, pre, x, norm, fo
                      (t, last, weight, pre, x, norm, forward, beta, grad_x, before, y))
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")  # a prange body's error model
 def _backward_step_rows(lo, hi, t, last, weight, pre, x, norm, forward, beta, grad_x, before, y):
     """Rows ``lo:hi`` of :func:`gemm_backward_step`."""
     for b in range(lo, hi):
@@ -615,7 +615,7 @@ def hmm_posteriors_scaled_team(parallel, threads, x, weights, starts, start, tra
                      (x, weights, starts, start, trans, trans_t, post, log_prob, first, counts, sums))
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")  # a prange body's error model
 def _posteriors_parts(lo, hi, x, weights, starts, start, trans, trans_t, post, log_prob, first, counts, sums):
     """Parts ``lo:hi`` (of ``first.shape[0]``) of :func:`hmm_posteriors_scaled`."""
     c = trans.shape[0]

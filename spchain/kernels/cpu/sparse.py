@@ -64,7 +64,7 @@ def sparse_spmm_team(parallel, team, indptr, indices, data, b, bias, out, thread
     return team_rows(parallel, team, _spmm_runs, threads, (indptr, indices, data, b, bias, out, threads, transposed))
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")  # a prange body's error model
 def _spmm_runs(lo, hi, indptr, indices, data, b, bias, out, threads, transposed):
     """Runs ``lo:hi`` of the ``threads`` runs of :func:`sparse_spmm` (each row's sums do not
     depend on the runs: the same bits for any ``threads``)."""
@@ -292,7 +292,7 @@ def sparse_sddmm_team(parallel, team, indptr, indices, a, b, out, threads, trans
     return team_rows(parallel, team, _sddmm_runs, threads, (indptr, indices, a, b, out, threads, transposed))
 
 
-@njit(cache=True, fastmath=_FAST)
+@njit(cache=True, fastmath=_FAST, error_model="numpy")  # a prange body's error model
 def _sddmm_runs(lo, hi, indptr, indices, a, b, out, threads, transposed):
     """Runs ``lo:hi`` of the ``threads`` runs of :func:`sparse_sddmm` (each entry's sum does not
     depend on the runs: the same bits for any ``threads``)."""
@@ -559,7 +559,7 @@ def transpose_team(parallel, threads, a, out):
     return team_rows(parallel, threads, _transpose_strips, (a.shape[1] + _BLOCK - 1) // _BLOCK, (a, out))
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")  # a prange body's error model
 def _transpose_strips(lo, hi, a, out):
     """Strips ``lo:hi`` (of 16 columns of ``a``) of :func:`transpose`."""
     m, n = a.shape

@@ -115,7 +115,7 @@ def sparse_chain_forward_chunks_team(parallel, threads, x, t_indptr, t_rows, t_v
                      (x, t_indptr, t_rows, t_values, init, lengths, pre, norm, chunks))
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")  # a prange body's error model
 def _forward_chunks(lo, hi, x, t_indptr, t_rows, t_values, init, lengths, pre, norm, chunks):
     """Chunks ``lo:hi`` (of ``chunks``) of :func:`sparse_chain_forward_chunks`."""
     rows, v, c = x.shape
@@ -175,7 +175,7 @@ def sparse_chain_backward_chunks_team(parallel, threads, x, indptr, indices, val
                      (x, indptr, indices, values, lengths, norm, beta, chunks))
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")  # a prange body's error model
 def _backward_chunks(lo, hi, x, indptr, indices, values, lengths, norm, beta, chunks):
     """Chunks ``lo:hi`` (of ``chunks``) of :func:`sparse_chain_backward_chunks`."""
     rows, v, c = x.shape
@@ -229,7 +229,7 @@ def sparse_chain_values_grad_team(parallel, threads, x, indptr, indices, values,
                      (x, indptr, indices, values, lengths, pre, norm, marg, weight, partial))
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")  # a prange body's error model
 def _values_grad_chunks(lo, hi, x, indptr, indices, values, lengths, pre, norm, marg, weight, partial):
     """Chunks ``lo:hi`` (of ``partial.shape[0]``) of :func:`sparse_chain_values_grad`."""
     rows, v, c = x.shape
@@ -286,7 +286,7 @@ def sparse_chain_viterbi_team(parallel, threads, x, t_indptr, t_rows, t_values, 
                      (x, t_indptr, t_rows, t_values, init, lengths, work, backptr, score, path))
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")  # a prange body's error model
 def _viterbi_rows(lo, hi, x, t_indptr, t_rows, t_values, init, lengths, work, backptr, score, path):
     """Rows ``lo:hi`` of :func:`sparse_chain_viterbi`."""
     c = x.shape[2]
