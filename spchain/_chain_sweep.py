@@ -208,11 +208,11 @@ def backward_finite(chain: Chain, pre: Array, norm: Array, weight: Array,
         if grad_trans is not None and batched_counts(chain):
             _chain_scaled.transition_grad_gemm(chain, pre, norm, marginals, weight, grad_trans)
         elif grad_trans is not None:
-            args = (chain.x, chain.trans, chain.group, chain.lengths, pre, norm, marginals, weight, grad_trans)
+            counts = (chain.x, chain.trans, chain.group, chain.lengths, pre, norm, marginals, weight, grad_trans)
             if chain.backend.on_gpu:
-                chain.backend.launcher(cuda.chain.launch_chain_transition_grad)(*args)
+                chain.backend.launcher(cuda.chain.launch_chain_transition_grad)(*counts)
             else:
-                cpu.team.run(cpu.chain.chain_transition_grad, cpu.chain.chain_transition_grad_team, *args)
+                cpu.team.run(cpu.chain.chain_transition_grad, cpu.chain.chain_transition_grad_team, *counts)
         grad_x = weighted(xp, marginals, weight)
     return grad_x, grad_trans
 
