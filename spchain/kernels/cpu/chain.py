@@ -136,7 +136,7 @@ def chain_forward_team(parallel, threads, x, trans, group, init, lengths, pre, n
     return team_rows(parallel, threads, _forward_rows, x.shape[0], (x, trans, group, init, lengths, pre, norm))
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")  # a prange body's error model: the same code on both routes
 def _forward_rows(lo, hi, x, trans, group, init, lengths, pre, norm):
     """Rows ``lo:hi`` of :func:`chain_forward`."""
     rows, v, c = x.shape
@@ -178,7 +178,7 @@ def chain_backward_team(parallel, threads, x, trans, group, lengths, norm, beta)
     return team_rows(parallel, threads, _backward_rows, x.shape[0], (x, trans, group, lengths, norm, beta))
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")  # a prange body's error model: the same code on both routes
 def _backward_rows(lo, hi, x, trans, group, lengths, norm, beta):
     """Rows ``lo:hi`` of :func:`chain_backward`."""
     rows, v, c = x.shape
@@ -226,7 +226,7 @@ def chain_transition_grad_team(parallel, threads, x, trans, group, lengths, pre,
                      (x, trans, group, lengths, pre, norm, marg, weight, grad))
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")  # a prange body's error model: the same code on both routes
 def _transition_grad_rows(lo, hi, x, trans, group, lengths, pre, norm, marg, weight, grad):
     """The (g, s, i) rows ``lo:hi`` of ``grad`` (flattened) of :func:`chain_transition_grad`."""
     groups, steps, c, _ = trans.shape
@@ -286,7 +286,7 @@ def chain_viterbi_team(parallel, threads, x, trans, group, init, lengths, work, 
                      (x, trans, group, init, lengths, nan_in, work, backptr, score, path))
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")  # a prange body's error model: the same code on both routes
 def _viterbi_rows(lo, hi, x, trans, group, init, lengths, nan_in, work, backptr, score, path):
     """Rows ``lo:hi`` of :func:`chain_viterbi`; ``nan_in`` (G * S) from :func:`_nan_matrices`."""
     rows, v, c = x.shape
@@ -321,7 +321,7 @@ def _viterbi_rows(lo, hi, x, trans, group, init, lengths, nan_in, work, backptr,
                 path[b, t - 1] = backptr[b, t, path[b, t]]
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")  # a prange body's error model: the same code on both routes
 def _nan_matrices(lo, hi, trans, nan_in):
     """``nan_in[gs]``: whether the matrix ``gs`` (of the flattened (G, S)) of ``trans`` holds a NaN,
     for ``gs`` in ``lo:hi``."""

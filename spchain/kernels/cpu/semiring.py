@@ -117,14 +117,14 @@ def max_matmul_team(parallel, threads, a, b, a_index, b_index, values, argmax):
                      (a, b, a_index, b_index, nan_in_b, values, argmax))
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")  # a prange body's error model: the same code on both routes
 def _nan_matrices(lo, hi, b, nan_in):
     """``nan_in[q]``: whether ``b[q]`` holds a NaN, for ``q`` in ``lo:hi``."""
     for q in range(lo, hi):
         nan_in[q] = has_nan(b[q])
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")  # a prange body's error model: the same code on both routes
 def _max_matmul_rows(lo, hi, a, b, a_index, b_index, nan_in_b, values, argmax):
     """Output rows ``lo:hi`` (of the flattened (P, m)) of :func:`max_matmul`."""
     batches, m, n = values.shape
