@@ -124,7 +124,7 @@ def sparse_chain_sample_team(parallel, threads, alpha, t_indptr, t_rows, t_value
                      (alpha, t_indptr, t_rows, t_values, lengths, possible, uniforms, paths))
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")  # a prange body's error model: the same code on both routes
 def _sparse_sample_rows(lo, hi, alpha, t_indptr, t_rows, t_values, lengths, possible, uniforms, paths):
     """Samples ``lo:hi`` (of the flattened (B, N)) of :func:`sparse_chain_sample`."""
     samples, rows, v = paths.shape
@@ -177,7 +177,7 @@ def chain_sample_team(parallel, threads, alpha, probs, trans_t, trans_probs, tot
                      (alpha, probs, trans_t, trans_probs, totals, tiny, group, lengths, possible, uniforms, paths))
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")  # a prange body's error model: the same code on both routes
 def _sample_rows(lo, hi, alpha, probs, trans_t, trans_probs, totals, tiny, group, lengths, possible, uniforms, paths):
     """Samples ``lo:hi`` (of the flattened (B, N)) of :func:`chain_sample`."""
     samples, rows, v = paths.shape
@@ -270,27 +270,12 @@ def chain_kbest(x, trans, group, init, lengths, work, counts, backptr, scores, p
     ranking). Paths of score ``-inf`` are dropped, so fewer than ``k`` paths leave ``-inf``
     scores and -1 paths. Ties go to the lower (state, rank), as in ``chain.chain_viterbi``. Overwrites
     ``scores`` (k, B; ``+inf`` for a path through a ``+inf`` term) and ``paths`` (k, B, v).
-    O(B * v * c² * k²) time at worst; rows run in parallel (:func:`chain_kbest_team`: on torch's
-    threads).
+    O(B * v * c² * k²) time at worst; rows run in parallel.
     """
-    for b in prange(x.shape[0]):
-        _kbest_rows(b, b + 1, x, trans, group, init, lengths, work, counts, backptr, scores, paths)
-
-
-@njit(nogil=True, cache=True)
-def chain_kbest_team(parallel, threads, x, trans, group, init, lengths, work, counts, backptr, scores, paths):
-    """:func:`chain_kbest` on an OpenMP team (``team.team_rows``)."""
-    return team_rows(parallel, threads, _kbest_rows, x.shape[0],
-                     (x, trans, group, init, lengths, work, counts, backptr, scores, paths))
-
-
-@njit(cache=True)
-def _kbest_rows(lo, hi, x, trans, group, init, lengths, work, counts, backptr, scores, paths):
-    """Rows ``lo:hi`` of :func:`chain_kbest`."""
     rows, v, c = x.shape
     k = scores.shape[0]
     per_step = trans.shape[1] > 1
-    for b in range(lo, hi):
+    for b in prange(rows):
         g = b // group
         _kbest_first(b, x, init, work, counts)
         cur = 0
@@ -312,26 +297,10 @@ def sparse_chain_kbest(x, t_indptr, t_rows, t_values, init, lengths, work, count
     """:func:`chain_kbest` with one sparse transition matrix for all rows and steps, given by
     its transpose's CSR structure (``t_indptr``, ``t_rows``, ``t_values``: the stored entries
     of column ``j`` in order of their row; absent entries are ``-inf``). The candidates of a
-    state are those of its stored predecessors: O(B * v * (c + nnz) * k²) time at worst; rows run
-    in parallel (:func:`sparse_chain_kbest_team`: on torch's threads)."""
-    for b in prange(x.shape[0]):
-        _sparse_kbest_rows(b, b + 1, x, t_indptr, t_rows, t_values, init, lengths, work, counts, backptr, scores, paths)
-
-
-@njit(nogil=True, cache=True)
-def sparse_chain_kbest_team(parallel, threads, x, t_indptr, t_rows, t_values, init, lengths, work, counts, backptr,
-                            scores, paths):
-    """:func:`sparse_chain_kbest` on an OpenMP team (``team.team_rows``)."""
-    return team_rows(parallel, threads, _sparse_kbest_rows, x.shape[0],
-                     (x, t_indptr, t_rows, t_values, init, lengths, work, counts, backptr, scores, paths))
-
-
-@njit(cache=True)
-def _sparse_kbest_rows(lo, hi, x, t_indptr, t_rows, t_values, init, lengths, work, counts, backptr, scores, paths):
-    """Rows ``lo:hi`` of :func:`sparse_chain_kbest`."""
+    state are those of its stored predecessors: O(B * v * (c + nnz) * k²) time at worst."""
     rows, v, c = x.shape
     k = scores.shape[0]
-    for b in range(lo, hi):
+    for b in prange(rows):
         _kbest_first(b, x, init, work, counts)
         cur = 0
         for t in range(lengths[b] - 1):
