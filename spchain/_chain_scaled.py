@@ -92,8 +92,8 @@ def backward(chain: Chain, pre: Array, norm: Array, weight: Array, grad_trans: A
         if ok.all():
             grad_trans[...] = e * acc.sum(axis=2)
         else:  # a scale factor out of range: the exact log-space sums
-            cpu.chain.chain_transition_grad(chain.x, chain.trans, chain.group, chain.lengths, pre, norm, marg, weight,
-                                            grad_trans)
+            cpu.team.run(cpu.chain.chain_transition_grad, cpu.chain.chain_transition_grad_team, chain.x, chain.trans,
+                         chain.group, chain.lengths, pre, norm, marg, weight, grad_trans)
     return marg
 
 
@@ -180,7 +180,7 @@ def _exact_where_not(chain: Chain, pre: Array, norm: Array, marg: Array, weight:
         chain.backend.launcher(cuda.chain.launch_chain_transition_grad_masked)(*args, ok, grad_trans)
     elif not ok.all():
         exact = np.empty_like(grad_trans)
-        cpu.chain.chain_transition_grad(*args, exact)
+        cpu.team.run(cpu.chain.chain_transition_grad, cpu.chain.chain_transition_grad_team, *args, exact)
         grad_trans[...] = np.where(ok[..., None, None], grad_trans, exact)
 
 

@@ -145,9 +145,11 @@ def forward_finite(chain: Chain) -> tuple[Array, Array, Array]:
     elif rows and _chain_scaled.applies(chain):
         _chain_scaled.forward(chain, pre, norm)
     elif rows:
-        kernel = (cpu.chain.chain_forward if not chain.backend.on_gpu
-                  else chain.backend.launcher(cuda.chain.launch_chain_forward))
-        kernel(chain.x, chain.trans, chain.group, chain.init, chain.lengths, pre, norm)
+        args = (chain.x, chain.trans, chain.group, chain.init, chain.lengths, pre, norm)
+        if chain.backend.on_gpu:
+            chain.backend.launcher(cuda.chain.launch_chain_forward)(*args)
+        else:
+            cpu.team.run(cpu.chain.chain_forward, cpu.chain.chain_forward_team, *args)
     inside = xp.arange(v)[None, :] < chain.lengths[:, None]
     log_partition = xp.where(inside, norm, 0).sum(axis=1, dtype=np.float64).astype(chain.x.dtype)
     return log_partition, pre, norm
@@ -206,17 +208,21 @@ def backward_finite(chain: Chain, pre: Array, norm: Array, weight: Array,
         grad_x = weighted(xp, _chain_scaled.backward(chain, pre, norm, weight, grad_trans), weight)
     else:
         beta = xp.empty_like(chain.x)
-        kernel = (cpu.chain.chain_backward if not chain.backend.on_gpu
-                  else chain.backend.launcher(cuda.chain.launch_chain_backward))
-        kernel(chain.x, chain.trans, chain.group, chain.lengths, norm, beta)
+        args = (chain.x, chain.trans, chain.group, chain.lengths, norm, beta)
+        if chain.backend.on_gpu:
+            chain.backend.launcher(cuda.chain.launch_chain_backward)(*args)
+        else:
+            cpu.team.run(cpu.chain.chain_backward, cpu.chain.chain_backward_team, *args)
         inside = (xp.arange(v)[None, :] < chain.lengths[:, None])[..., None]
         marginals, _ = renormalise(xp, xp.where(inside, xp.exp(normalised(xp, pre, chain.x, norm) + beta), 0))
         if grad_trans is not None and batched_counts(chain):
             _chain_scaled.transition_grad_gemm(chain, pre, norm, marginals, weight, grad_trans)
         elif grad_trans is not None:
-            kernel = (cpu.chain.chain_transition_grad if not chain.backend.on_gpu
-                      else chain.backend.launcher(cuda.chain.launch_chain_transition_grad))
-            kernel(chain.x, chain.trans, chain.group, chain.lengths, pre, norm, marginals, weight, grad_trans)
+            counts = (chain.x, chain.trans, chain.group, chain.lengths, pre, norm, marginals, weight, grad_trans)
+            if chain.backend.on_gpu:
+                chain.backend.launcher(cuda.chain.launch_chain_transition_grad)(*counts)
+            else:
+                cpu.team.run(cpu.chain.chain_transition_grad, cpu.chain.chain_transition_grad_team, *counts)
         grad_x = weighted(xp, marginals, weight)
     return grad_x, grad_trans
 
@@ -302,8 +308,10 @@ def viterbi_finite(chain: Chain) -> tuple[Array, Array]:
     if rows:
         work = xp.empty((rows, 2, c), chain.x.dtype)
         backptr = xp.empty((rows, v, c), np.int32)
-        kernel = (cpu.chain.chain_viterbi if not chain.backend.on_gpu
-                  else chain.backend.launcher(cuda.chain.launch_chain_viterbi))
-        kernel(chain.x, chain.trans, chain.group, chain.init, chain.lengths, work, backptr, score, path)
+        args = (chain.x, chain.trans, chain.group, chain.init, chain.lengths, work, backptr, score, path)
+        if chain.backend.on_gpu:
+            chain.backend.launcher(cuda.chain.launch_chain_viterbi)(*args)
+        else:
+            cpu.team.run(cpu.chain.chain_viterbi, cpu.chain.chain_viterbi_team, *args)
         path = xp.where((score == -np.inf)[:, None], -1, path)  # no path: nothing to follow, no gradient
     return score, path

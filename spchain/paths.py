@@ -109,14 +109,17 @@ def _sample(chain: Chain, num_samples: int, seed: int | None) -> Array:
     if num_samples and rows and chain.sparse is not None:
         s = chain.sparse
         t_values = _sparse_chain.transposed_values(chain)
-        cpu.paths.sparse_chain_sample(alpha, s.t_indptr, s.t_rows, t_values, chain.lengths, possible, uniforms, paths)
+        cpu.team.run(cpu.paths.sparse_chain_sample, cpu.paths.sparse_chain_sample_team,
+                     alpha, s.t_indptr, s.t_rows, t_values, chain.lengths, possible, uniforms, paths)
     elif num_samples and rows:
         trans_t = xp.ascontiguousarray(chain.trans.swapaxes(-1, -2))
         probs, trans_probs = _scaled_exp(xp, alpha), _scaled_exp(xp, trans_t)
-        kernel = (cpu.paths.chain_sample if not chain.backend.on_gpu
-                  else chain.backend.launcher(cuda.paths.launch_chain_sample))
-        kernel(alpha, probs, trans_t, trans_probs, _draw_totals(chain, probs, trans_probs), TINY,
-               chain.group, chain.lengths, possible, uniforms, paths)
+        args = (alpha, probs, trans_t, trans_probs, _draw_totals(chain, probs, trans_probs), TINY,
+                chain.group, chain.lengths, possible, uniforms, paths)
+        if chain.backend.on_gpu:
+            chain.backend.launcher(cuda.paths.launch_chain_sample)(*args)
+        else:
+            cpu.team.run(cpu.paths.chain_sample, cpu.paths.chain_sample_team, *args)
     return paths
 
 

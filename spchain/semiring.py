@@ -188,9 +188,11 @@ def _maxmatmul_forward(p: Operands) -> tuple[tuple[Array, Array], MaxProduct]:
         values = xp.empty(a_index.shape + (m, n), a.dtype)
         argmax = xp.empty(values.shape, np.int64)
         if values.size:
-            kernel = (cpu.semiring.max_matmul if not p.backend.on_gpu
-                      else p.backend.launcher(cuda.semiring.launch_max_matmul))
-            kernel(a3, b3, a_index, b_index, values, argmax)
+            if p.backend.on_gpu:
+                p.backend.launcher(cuda.semiring.launch_max_matmul)(a3, b3, a_index, b_index, values, argmax)
+            else:
+                cpu.team.run(cpu.semiring.max_matmul, cpu.semiring.max_matmul_team, a3, b3, a_index, b_index, values,
+                             argmax)
         values, argmax = values.reshape(p.batch_shape + (m, n)), argmax.reshape(p.batch_shape + (m, n))
     return (values, argmax), MaxProduct(values, argmax)
 

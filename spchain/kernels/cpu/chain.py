@@ -25,6 +25,7 @@ from numba import njit, prange
 
 from .exp import exp_nonpositive
 from .semiring import has_nan, max_vecmat
+from .team import team_rows
 
 CHUNK = 16
 """Rows of a transition matrix folded into the running log-sum-exp at a time (kept in L1)."""
@@ -122,11 +123,25 @@ def chain_forward(x, trans, group, init, lengths, pre, norm):
     """Forward sweep: fills ``pre`` (B, v, c) and ``norm`` (B, v), as in the module docstring.
 
     ``x`` (B, v, c), ``trans`` (G, S, c, c), ``init`` (B, c), ``lengths`` (B,) in 1..v.
-    O(B * v * c²) time, O(c) scratch per row; rows run in parallel.
+    O(B * v * c²) time, O(c) scratch per row; rows run in parallel (:func:`chain_forward_team`:
+    on torch's threads).
     """
+    for b in prange(x.shape[0]):
+        _forward_rows(b, b + 1, x, trans, group, init, lengths, pre, norm)
+
+
+@njit(nogil=True, cache=True)
+def chain_forward_team(parallel, threads, x, trans, group, init, lengths, pre, norm):
+    """:func:`chain_forward` on an OpenMP team (``team.team_rows``)."""
+    return team_rows(parallel, threads, _forward_rows, x.shape[0], (x, trans, group, init, lengths, pre, norm))
+
+
+@njit(cache=True, error_model="numpy")  # a prange body's error model: the same code on both routes
+def _forward_rows(lo, hi, x, trans, group, init, lengths, pre, norm):
+    """Rows ``lo:hi`` of :func:`chain_forward`."""
     rows, v, c = x.shape
     per_step = trans.shape[1] > 1
-    for b in prange(rows):
+    for b in range(lo, hi):
         g = b // group
         length = lengths[b]
         u = np.empty(c, x.dtype)
@@ -150,11 +165,25 @@ def chain_forward(x, trans, group, init, lengths, pre, norm):
 def chain_backward(x, trans, group, lengths, norm, beta):
     """Backward sweep: fills ``beta`` (B, v, c) with the normalised backward messages.
 
-    Inputs as for :func:`chain_forward`, plus its ``norm``. O(B * v * c²) time.
+    Inputs as for :func:`chain_forward`, plus its ``norm``. O(B * v * c²) time; rows run in
+    parallel (:func:`chain_backward_team`: on torch's threads).
     """
+    for b in prange(x.shape[0]):
+        _backward_rows(b, b + 1, x, trans, group, lengths, norm, beta)
+
+
+@njit(nogil=True, cache=True)
+def chain_backward_team(parallel, threads, x, trans, group, lengths, norm, beta):
+    """:func:`chain_backward` on an OpenMP team (``team.team_rows``)."""
+    return team_rows(parallel, threads, _backward_rows, x.shape[0], (x, trans, group, lengths, norm, beta))
+
+
+@njit(cache=True, error_model="numpy")  # a prange body's error model: the same code on both routes
+def _backward_rows(lo, hi, x, trans, group, lengths, norm, beta):
+    """Rows ``lo:hi`` of :func:`chain_backward`."""
     rows, v, c = x.shape
     per_step = trans.shape[1] > 1
-    for b in prange(rows):
+    for b in range(lo, hi):
         g = b // group
         length = lengths[b]
         y = np.empty(c, x.dtype)
@@ -181,11 +210,28 @@ def chain_transition_grad(x, trans, group, lengths, pre, norm, marg, weight, gra
 
     over the rows ``b`` of group ``g`` and the steps ``t → t+1`` (``t + 1 < lengths[b]``) that
     use matrix ``s``. ``marg`` (B, v, c) holds the posterior marginals. Parallel over the
-    (g, s, i) rows of ``grad``, so no two threads write one entry. O(B * v * c²) time.
+    (g, s, i) rows of ``grad``, so no two threads write one entry (:func:`chain_transition_grad_team`:
+    on torch's threads). O(B * v * c²) time.
     """
     groups, steps, c, _ = trans.shape
-    per_step = steps > 1
     for gsi in prange(groups * steps * c):
+        _transition_grad_rows(gsi, gsi + 1, x, trans, group, lengths, pre, norm, marg, weight, grad)
+
+
+@njit(nogil=True, cache=True)
+def chain_transition_grad_team(parallel, threads, x, trans, group, lengths, pre, norm, marg, weight, grad):
+    """:func:`chain_transition_grad` on an OpenMP team (``team.team_rows``)."""
+    groups, steps, c, _ = trans.shape
+    return team_rows(parallel, threads, _transition_grad_rows, groups * steps * c,
+                     (x, trans, group, lengths, pre, norm, marg, weight, grad))
+
+
+@njit(cache=True, error_model="numpy")  # a prange body's error model: the same code on both routes
+def _transition_grad_rows(lo, hi, x, trans, group, lengths, pre, norm, marg, weight, grad):
+    """The (g, s, i) rows ``lo:hi`` of ``grad`` (flattened) of :func:`chain_transition_grad`."""
+    groups, steps, c, _ = trans.shape
+    per_step = steps > 1
+    for gsi in range(lo, hi):
         g = gsi // (steps * c)
         s = (gsi // c) % steps
         i = gsi % c
@@ -217,15 +263,36 @@ def chain_viterbi(x, trans, group, init, lengths, work, backptr, score, path):
     Ties go to the lowest state index, from the last position backwards (the last state is the
     lowest best one, each earlier state the lowest best predecessor); NaN wins over numbers.
     Each step is one (SIMD) ``semiring.max_vecmat``; the matrices holding NaN are found first,
-    so that steps with no NaN skip the NaN tests. O(B * v * c²) time; rows run in parallel.
+    so that steps with no NaN skip the NaN tests. O(B * v * c²) time; rows run in parallel
+    (:func:`chain_viterbi_team`: on torch's threads).
     """
-    rows, v, c = x.shape
     groups, steps = trans.shape[:2]
-    per_step = steps > 1
     nan_in = np.empty(groups * steps, np.bool_)
     for gs in prange(groups * steps):
-        nan_in[gs] = has_nan(trans[gs // steps, gs % steps])
-    for b in prange(rows):
+        _nan_matrices(gs, gs + 1, trans, nan_in)
+    for b in prange(x.shape[0]):
+        _viterbi_rows(b, b + 1, x, trans, group, init, lengths, nan_in, work, backptr, score, path)
+
+
+@njit(nogil=True, cache=True)
+def chain_viterbi_team(parallel, threads, x, trans, group, init, lengths, work, backptr, score, path):
+    """:func:`chain_viterbi` on an OpenMP team (``team.team_rows``): the NaN tests, then the rows."""
+    groups, steps = trans.shape[:2]
+    nan_in = np.empty(groups * steps, np.bool_)
+    failed = team_rows(parallel, threads, _nan_matrices, groups * steps, (trans, nan_in))
+    if failed:
+        return failed
+    return team_rows(parallel, threads, _viterbi_rows, x.shape[0],
+                     (x, trans, group, init, lengths, nan_in, work, backptr, score, path))
+
+
+@njit(cache=True, error_model="numpy")  # a prange body's error model: the same code on both routes
+def _viterbi_rows(lo, hi, x, trans, group, init, lengths, nan_in, work, backptr, score, path):
+    """Rows ``lo:hi`` of :func:`chain_viterbi`; ``nan_in`` (G * S) from :func:`_nan_matrices`."""
+    rows, v, c = x.shape
+    steps = trans.shape[1]
+    per_step = steps > 1
+    for b in range(lo, hi):
         g = b // group
         length = lengths[b]
         scratch_best = np.empty(c, work.dtype)
@@ -252,3 +319,12 @@ def chain_viterbi(x, trans, group, init, lengths, work, backptr, score, path):
             path[b, length - 1] = best
             for t in range(length - 1, 0, -1):
                 path[b, t - 1] = backptr[b, t, path[b, t]]
+
+
+@njit(cache=True, error_model="numpy")  # a prange body's error model: the same code on both routes
+def _nan_matrices(lo, hi, trans, nan_in):
+    """``nan_in[gs]``: whether the matrix ``gs`` (of the flattened (G, S)) of ``trans`` holds a NaN,
+    for ``gs`` in ``lo:hi``."""
+    steps = trans.shape[1]
+    for gs in range(lo, hi):
+        nan_in[gs] = has_nan(trans[gs // steps, gs % steps])

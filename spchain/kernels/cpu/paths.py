@@ -12,6 +12,7 @@ from numba import njit, prange
 
 from ..rules import WALK_CHUNK, kbest_insert, kbest_plus
 from .exp import exp_nonpositive
+from .team import team_rows
 
 
 @njit(cache=True)
@@ -109,10 +110,26 @@ def sparse_chain_sample(alpha, t_indptr, t_rows, t_values, lengths, possible, un
     """:func:`chain_sample` with one sparse transition matrix for all rows and steps (the
     transpose's CSR structure, as in :func:`sparse_chain_kbest`): each draw in log space
     (:func:`draw_sparse`) over the stored predecessors of the state drawn after it.
-    O(N * B * v * (c + nnz)) time at worst, no (c, c) matrix."""
+    O(N * B * v * (c + nnz)) time at worst, no (c, c) matrix; samples run in parallel
+    (:func:`sparse_chain_sample_team`: on torch's threads)."""
+    for bn in prange(paths.shape[0] * paths.shape[1]):
+        _sparse_sample_rows(bn, bn + 1, alpha, t_indptr, t_rows, t_values, lengths, possible, uniforms, paths)
+
+
+@njit(nogil=True, cache=True)
+def sparse_chain_sample_team(parallel, threads, alpha, t_indptr, t_rows, t_values, lengths, possible, uniforms,
+                             paths):
+    """:func:`sparse_chain_sample` on an OpenMP team (``team.team_rows``)."""
+    return team_rows(parallel, threads, _sparse_sample_rows, paths.shape[0] * paths.shape[1],
+                     (alpha, t_indptr, t_rows, t_values, lengths, possible, uniforms, paths))
+
+
+@njit(cache=True, error_model="numpy")  # a prange body's error model: the same code on both routes
+def _sparse_sample_rows(lo, hi, alpha, t_indptr, t_rows, t_values, lengths, possible, uniforms, paths):
+    """Samples ``lo:hi`` (of the flattened (B, N)) of :func:`sparse_chain_sample`."""
     samples, rows, v = paths.shape
     none = np.empty((1, 1, 1, 1), alpha.dtype)  # draw_exact reads no transition for state -1
-    for bn in prange(samples * rows):
+    for bn in range(lo, hi):
         b = bn // samples
         n = bn % samples
         length = lengths[b]
@@ -144,11 +161,28 @@ def chain_sample(alpha, probs, trans_t, trans_probs, totals, tiny, group, length
     (N, B, v) are in [0, 1), ``tiny`` is :func:`draw`'s. The last state is drawn from
     â_{L-1}, each earlier one from â_t[i] + trans[i, s_{t+1}]. Impossible rows get -1
     everywhere. Parallel over the N * B samples (those of one row in a run, sharing its
-    messages in cache); O(N * B * v * c) time, about c / 2 multiply-adds a draw.
+    messages in cache; :func:`chain_sample_team`: on torch's threads); O(N * B * v * c) time, about
+    c / 2 multiply-adds a draw.
     """
+    for bn in prange(paths.shape[0] * paths.shape[1]):
+        _sample_rows(bn, bn + 1, alpha, probs, trans_t, trans_probs, totals, tiny, group, lengths, possible, uniforms,
+                     paths)
+
+
+@njit(nogil=True, cache=True)
+def chain_sample_team(parallel, threads, alpha, probs, trans_t, trans_probs, totals, tiny, group, lengths, possible,
+                      uniforms, paths):
+    """:func:`chain_sample` on an OpenMP team (``team.team_rows``)."""
+    return team_rows(parallel, threads, _sample_rows, paths.shape[0] * paths.shape[1],
+                     (alpha, probs, trans_t, trans_probs, totals, tiny, group, lengths, possible, uniforms, paths))
+
+
+@njit(cache=True, error_model="numpy")  # a prange body's error model: the same code on both routes
+def _sample_rows(lo, hi, alpha, probs, trans_t, trans_probs, totals, tiny, group, lengths, possible, uniforms, paths):
+    """Samples ``lo:hi`` (of the flattened (B, N)) of :func:`chain_sample`."""
     samples, rows, v = paths.shape
     per_step = trans_t.shape[1] > 1
-    for bn in prange(samples * rows):
+    for bn in range(lo, hi):
         b = bn // samples
         n = bn % samples
         g = b // group

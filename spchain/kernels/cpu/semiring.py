@@ -9,6 +9,8 @@ whose terms are all ``-inf`` is ``-inf`` with argmax 0.
 import numpy as np
 from numba import njit, prange
 
+from .team import team_rows
+
 
 @njit(inline="always")
 def _fold(ui, mij, k, nan_term, best, arg):
@@ -93,13 +95,40 @@ def max_matmul(a, b, a_index, b_index, values, argmax):
 
     ``a`` (Ba, m, k), ``b`` (Bb, k, n), ``a_index``/``b_index`` (P,); overwrites ``values``
     (P, m, n) and ``argmax`` (P, m, n, int64). With k = 0: ``-inf`` and 0. Parallel over
-    the P * m output rows; O(P * m * k * n) time.
+    the P * m output rows (:func:`max_matmul_team`: on torch's threads); O(P * m * k * n) time.
     """
     batches, m, n = values.shape
     nan_in_b = np.empty(b.shape[0], np.bool_)
     for q in prange(b.shape[0]):
-        nan_in_b[q] = has_nan(b[q])
+        _nan_matrices(q, q + 1, b, nan_in_b)
     for row in prange(batches * m):
+        _max_matmul_rows(row, row + 1, a, b, a_index, b_index, nan_in_b, values, argmax)
+
+
+@njit(nogil=True, cache=True)
+def max_matmul_team(parallel, threads, a, b, a_index, b_index, values, argmax):
+    """:func:`max_matmul` on an OpenMP team (``team.team_rows``): the NaN tests, then the rows."""
+    batches, m, n = values.shape
+    nan_in_b = np.empty(b.shape[0], np.bool_)
+    failed = team_rows(parallel, threads, _nan_matrices, b.shape[0], (b, nan_in_b))
+    if failed:
+        return failed
+    return team_rows(parallel, threads, _max_matmul_rows, batches * m,
+                     (a, b, a_index, b_index, nan_in_b, values, argmax))
+
+
+@njit(cache=True, error_model="numpy")  # a prange body's error model: the same code on both routes
+def _nan_matrices(lo, hi, b, nan_in):
+    """``nan_in[q]``: whether ``b[q]`` holds a NaN, for ``q`` in ``lo:hi``."""
+    for q in range(lo, hi):
+        nan_in[q] = has_nan(b[q])
+
+
+@njit(cache=True, error_model="numpy")  # a prange body's error model: the same code on both routes
+def _max_matmul_rows(lo, hi, a, b, a_index, b_index, nan_in_b, values, argmax):
+    """Output rows ``lo:hi`` (of the flattened (P, m)) of :func:`max_matmul`."""
+    batches, m, n = values.shape
+    for row in range(lo, hi):
         p = row // m
         i = row % m
         max_vecmat(a[a_index[p], i], b[b_index[p]], nan_in_b[b_index[p]], values[p, i], argmax[p, i],

@@ -11,7 +11,7 @@ A kernel is a serial body ``body(lo, hi, *args)`` over rows ``lo:hi`` and two en
 ``prange`` over the rows (Numba's threads) and one that passes the body to :func:`team_rows`
 (torch's), both cached. :func:`run` picks the entry.
 
-    @njit(cache=True)
+    @njit(cache=True, error_model="numpy")  # a prange body's: one compile serves both entries
     def _rows(lo, hi, x, out): ...
 
     @njit(parallel=True, cache=True)
