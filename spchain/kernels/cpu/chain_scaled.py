@@ -200,6 +200,7 @@ def _logsumexp_rows(lo, hi, x, e, cmax, group, init, lengths, out, lost):
     w = np.empty(c)
     for b in range(lo, hi):
         g = b // group
+        like = x[b, 0, 0]  # exponentials to the accuracy of x's type, as the forward sweep's
         for j in range(c):
             w[j] = np.float64(init[b, j]) + x[b, 0, j]
         total = _scaled_exp(w, p)
@@ -210,22 +211,25 @@ def _logsumexp_rows(lo, hi, x, e, cmax, group, init, lengths, out, lost):
             s = t if per_step else 0
             acc[:] = 0.0
             _add_vecmat(acc, p, e[g, s])
-            top = -np.inf
             for j in range(c):
                 w[j] = cmax[g, s, j] + x[b, t + 1, j]
-                top = max(top, w[j])
+            top = -np.inf
             short = 0
             for j in range(c):  # a scaled sum that could have lost terms, or NaN
+                top = w[j] if w[j] > top else top
                 short += 0 if (acc[j] >= TINY or (w[j] == -np.inf and acc[j] == acc[j])) and w[j] == w[j] else 1
             if short or not math.isfinite(top):
                 lost[b] = True
                 break
+            for j in range(c):
+                p[j] = acc[j] * exp_like(like, w[j] - top)
             biggest = 0.0
             for j in range(c):
-                p[j] = acc[j] * exp_nonpositive(w[j] - top)
-                biggest = max(biggest, p[j])
+                biggest = p[j] if p[j] > biggest else biggest
+            scale = 1.0 / biggest
             for j in range(c):
-                p[j] = p[j] / biggest if p[j] >= FLUSH * biggest else 0.0
+                q = p[j] * scale
+                p[j] = q if q >= FLUSH else 0.0
             total += top + math.log(biggest)
         out[b] = total + math.log(_sum(p))
         lost[b] = lost[b] or not math.isfinite(out[b])
