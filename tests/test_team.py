@@ -24,9 +24,10 @@ LINUX_WHEEL = pytest.mark.skipif(not (sys.platform.startswith("linux") and platf
 
 
 @pytest.fixture(autouse=True)
-def uncrowded(monkeypatch):
+def uncrowded():
     """Torch's team whenever it is found, whatever else runs on the machine (the tests' workers)."""
-    monkeypatch.setattr(cpu.team, "crowded", lambda: False)
+    with cpu.team.assume_idle():
+        yield
 
 
 def outputs(rng):
@@ -204,20 +205,22 @@ def test_sparse_chain_kernels_on_torch_threads_give_the_bits_of_the_other_routes
         np.testing.assert_array_equal(got, want)
 
 
-def test_a_busy_machine_is_crowded_and_sends_kernels_to_numba_threads(monkeypatch):
+def test_a_busy_machine_is_crowded_and_runs_kernels_on_the_calling_thread(monkeypatch):
     import subprocess
 
     busy = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 20\nwhile time.time() < end: pass"])
     try:
         time.sleep(0.5)
         assert cpu.team._others_running() >= 1
-        monkeypatch.undo()  # crowded() as it is
+        assert not cpu.team.crowded()  # inside assume_idle()
+        with cpu.team.assume_idle():
+            pass  # leaving it: crowded() reads the machine again
         monkeypatch.setattr(cpu.team, "CROWDED_EVERY", 0.0)
         assert cpu.team.crowded()
-        monkeypatch.setattr(cpu.team, "parallel", lambda: 12345)  # would crash if it were called
+        monkeypatch.setattr(cpu.team, "parallel", lambda: 12345)
         calls = []
-        cpu.team.run(lambda *args: calls.append(args), None, 1, 2)
-        assert calls == [(1, 2)]
+        cpu.team.run(None, lambda *args: calls.append(args) or 0, 1, 2)
+        assert calls == [(12345, 1, 1, 2)]  # one thread: GOMP_parallel is not called
     finally:
         busy.kill()
 
