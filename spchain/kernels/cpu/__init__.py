@@ -34,6 +34,23 @@ MODULES = ("blocksparse", "chain", "chain_scaled", "exp", "paths", "semiring", "
 """The kernel modules, each imported on first access (``cpu.chain``)."""
 
 
+_FORKED = False
+
+
+def _mark_forked() -> None:
+    global _FORKED
+    _FORKED = True
+
+
+os.register_at_fork(after_in_child=_mark_forked)
+
+
+def forked() -> bool:
+    """Whether this process was forked after spchain's kernels were first imported (where torch's
+    OpenMP threads of the parent are gone: ``team.parallel``)."""
+    return _FORKED
+
+
 def __getattr__(name: str) -> ModuleType:
     if name not in MODULES:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -43,6 +43,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from . import forked
+
 _I8P = ir.IntType(8).as_pointer()
 _I32 = ir.IntType(32)
 _I64 = ir.IntType(64)
@@ -117,30 +119,13 @@ def team_rows(typingctx: Any, parallel: Any, threads: Any, body: Any, rows: Any,
 
 def parallel() -> int:
     """The address of ``GOMP_parallel`` in the GNU OpenMP that torch loaded, or 0: torch not
-    imported or built with another OpenMP, or a child process (GNU OpenMP's threads do not
-    survive a fork; a ``DataLoader`` worker runs torch on one thread too): Numba's threads there."""
+    imported or built with another OpenMP, or a process forked after spchain's kernels loaded
+    (GNU OpenMP's threads do not survive a fork; a ``DataLoader`` worker runs torch on one
+    thread too): Numba's threads there. A child started by ``spawn`` has threads of its own."""
     torch = sys.modules.get("torch")
-    if torch is None or _child():
+    if torch is None or forked():
         return 0
     return _gomp_parallel(os.path.dirname(torch.__file__))
-
-
-_FORKED = False
-
-
-def _forked() -> None:
-    global _FORKED
-    _FORKED = True
-
-
-os.register_at_fork(after_in_child=_forked)
-
-
-def _child() -> bool:
-    """Whether this process was forked after this module loaded, or is a ``multiprocessing`` child."""
-    import multiprocessing
-
-    return _FORKED or multiprocessing.parent_process() is not None
 
 
 @functools.cache
