@@ -30,6 +30,25 @@ def uncrowded():
         yield
 
 
+def other_route(outputs, monkeypatch, route):
+    """``outputs(rng)`` on another route than torch's team: Numba's threads (``"numba"``), one
+    Numba thread (``"one numba thread"``) or the calling thread (``"one thread"``)."""
+    if route == "one thread":
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return outputs(np.random.default_rng(0))
+        finally:
+            torch.set_num_threads(threads)
+    monkeypatch.setattr(cpu.team, "parallel", lambda: 0)
+    threads = numba.get_num_threads()
+    numba.set_num_threads(1 if route == "one numba thread" else threads)
+    try:
+        return outputs(np.random.default_rng(0))
+    finally:
+        numba.set_num_threads(threads)
+
+
 def outputs(rng):
     """Every team kernel's results: a scaled chain's forward and backward (marginals and
     transition counts), the GEMM sweep's backward steps, an HMM's E-step."""
@@ -59,16 +78,7 @@ def test_kernels_on_torch_threads_give_the_bits_of_the_other_routes(monkeypatch,
     monkeypatch.setattr(cpu.chain_scaled, "chain_forward_scaled_team", lambda *args: calls.append(1) or entry(*args))
     team = outputs(np.random.default_rng(0))
     assert len(calls) == (1 if cpu.team.parallel() else 0)  # the kernel sweep's forward, where torch's threads are found
-    if route == "numba":
-        monkeypatch.setattr(cpu.team, "parallel", lambda: 0)
-        other = outputs(np.random.default_rng(0))
-    else:
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            other = outputs(np.random.default_rng(0))
-        finally:
-            torch.set_num_threads(threads)
+    other = other_route(outputs, monkeypatch, route)
     assert len(team) == len(other) == 16
     for got, want in zip(team, other):
         np.testing.assert_array_equal(got, want)
@@ -132,16 +142,7 @@ def test_sparse_kernels_on_torch_threads_give_the_bits_of_the_other_routes(monke
     on_team = [args for args in calls if args[0]]
     assert len(calls) == (14 if cpu.team.parallel() else 5)  # every product, or the five small ones
     assert len(on_team) == (9 if cpu.team.parallel() else 0)
-    if route == "numba":
-        monkeypatch.setattr(cpu.team, "parallel", lambda: 0)
-        other = sparse_outputs(np.random.default_rng(0))
-    else:
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            other = sparse_outputs(np.random.default_rng(0))
-        finally:
-            torch.set_num_threads(threads)
+    other = other_route(sparse_outputs, monkeypatch, route)
     assert len(team) == len(other) == 14
     for got, want in zip(team, other):
         np.testing.assert_array_equal(got, want)
@@ -185,21 +186,7 @@ def test_sparse_chain_kernels_on_torch_threads_give_the_bits_of_the_other_routes
                         lambda *args: calls.append(1) or entry(*args))
     team = sparse_chain_outputs(np.random.default_rng(0))
     assert len(calls) == (1 if cpu.team.parallel() else 0)
-    if route == "one thread":
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            other = sparse_chain_outputs(np.random.default_rng(0))
-        finally:
-            torch.set_num_threads(threads)
-    else:
-        monkeypatch.setattr(cpu.team, "parallel", lambda: 0)
-        threads = numba.get_num_threads()
-        numba.set_num_threads(1 if route == "one numba thread" else threads)
-        try:
-            other = sparse_chain_outputs(np.random.default_rng(0))
-        finally:
-            numba.set_num_threads(threads)
+    other = other_route(sparse_chain_outputs, monkeypatch, route)
     assert len(team) == len(other) == 12
     for got, want in zip(team, other):
         np.testing.assert_array_equal(got, want)
@@ -264,16 +251,7 @@ def test_path_kernels_on_torch_threads_give_the_bits_of_the_other_routes(monkeyp
     team = path_outputs(np.random.default_rng(0))
     # every team entry ran, where torch's threads are found
     assert set(calls) == ({name for _, name in entries} if cpu.team.parallel() else set())
-    if route == "numba":
-        monkeypatch.setattr(cpu.team, "parallel", lambda: 0)
-        other = path_outputs(np.random.default_rng(0))
-    else:
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            other = path_outputs(np.random.default_rng(0))
-        finally:
-            torch.set_num_threads(threads)
+    other = other_route(path_outputs, monkeypatch, route)
     assert len(team) == len(other) == 19
     for got, want in zip(team, other):
         np.testing.assert_array_equal(got, want)
