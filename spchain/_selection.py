@@ -3,6 +3,8 @@ CSR, and the drop-and-grow step of dynamic sparsity (SET, RigL)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from . import _backend
@@ -12,21 +14,54 @@ from ._typing import Array, Seed, Shape
 
 _SCORE_BLOCK = 1 << 20
 """Dense gradient entries scored at a time when regrowing by gradient (bounds its memory)."""
+_DIGIT_BITS = 16
+"""Bits of the scores that each pass of :func:`largest`'s radix selection counts."""
+
 
 def largest(backend: Backend, scores: Array, count: int) -> Array:
-    """Sorted positions of the ``count`` largest ``scores`` (1-D); NaN counts as the largest
-    value, and ties go to the lower position. O(len(scores)) (a partition, not a sort)."""
+    """Sorted positions of the ``count`` largest ``scores`` (1-D floats); NaN counts as the
+    largest value, and ties go to the lower position. O(len(scores)) however many scores tie:
+    a radix selection of the threshold (NumPy's partition slows down 20x on the zeros of an
+    already pruned weight).
+
+    >>> import numpy as np, spchain._backend as B
+    >>> largest(B.NUMPY, np.array([0.0, 3.0, np.nan, 0.0, 3.0]), 3)
+    array([1, 2, 4])
+    """
     xp = backend.xp
     size = scores.shape[0]
     if count >= size:
         return xp.arange(size, dtype=np.int64)
     if count == 0:
         return xp.empty(0, np.int64)
-    key = xp.where(xp.isnan(scores), xp.inf, scores)
-    threshold = xp.partition(key, size - count)[size - count]
-    above = xp.flatnonzero(key > threshold)
-    tied = xp.flatnonzero(key == threshold)[: count - above.shape[0]]
+    keys = _ordered_bits(xp, scores)
+    threshold = _kth_largest(xp, keys, count)
+    above = xp.flatnonzero(keys > threshold)
+    tied = xp.flatnonzero(keys == threshold)[: count - above.shape[0]]
     return xp.sort(xp.concatenate([above, tied]))
+
+
+def _ordered_bits(xp: Any, scores: Array) -> Array:
+    """Unsigned integers in the order of the floats ``scores`` (NaN as +inf, -0.0 as 0.0)."""
+    key = xp.where(xp.isnan(scores), xp.inf, scores) + 0  # + 0: -0.0 becomes 0.0
+    bits = key.view(f"u{key.dtype.itemsize}")
+    sign = bits.dtype.type(1 << (8 * key.dtype.itemsize - 1))
+    return xp.where(bits >= sign, ~bits, bits | sign)  # negative floats: all bits flipped
+
+
+def _kth_largest(xp: Any, keys: Array, k: int) -> Any:
+    """The ``k``-th largest of the unsigned ``keys`` (1 <= k <= len(keys)), 16 bits a pass:
+    each pass counts the candidates' digits and keeps those of the digit that holds it."""
+    prefix, candidates = 0, keys
+    for shift in range(8 * keys.dtype.itemsize - _DIGIT_BITS, -1, -_DIGIT_BITS):
+        digits = (candidates >> shift).astype(np.uint16)  # the cast keeps the low 16 bits
+        from_top = xp.cumsum(xp.bincount(digits, minlength=1 << _DIGIT_BITS)[::-1])
+        j = int((from_top < k).sum())  # buckets from the top before the one holding it
+        k -= int(from_top[j - 1]) if j else 0
+        digit = (1 << _DIGIT_BITS) - 1 - j
+        candidates = candidates[digits == digit]
+        prefix |= digit << shift
+    return keys.dtype.type(prefix)
 
 
 def random_positions(backend: Backend, total: int, count: int, taken: Array | None = None,

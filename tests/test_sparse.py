@@ -438,12 +438,23 @@ def test_prune_never_writes_to_a_read_only_input(rng):
 # --- the helpers behind SparseLinear -------------------------------------------------------------
 
 
-@given(st.lists(st.sampled_from([0.0, 1.0, 2.0, 3.0, np.nan]), max_size=12), st.integers(0, 12))
-def test_largest_magnitudes_match_a_plain_sort(scores, count):
-    scores = np.array(scores)
+@given(st.lists(st.sampled_from([0.0, -0.0, 1.0, 2.0, 3.0, 1.5e-5, 6e4, np.nan]), max_size=12), st.integers(0, 12),
+       st.sampled_from([np.float16, np.float32, np.float64]))
+def test_largest_magnitudes_match_a_plain_sort(scores, count, dtype):
+    scores = np.array(scores, dtype)
     count = min(count, scores.size)
     got = _selection.largest(_backend.NUMPY, scores, count)
     np.testing.assert_array_equal(got, reference.largest_positions(scores, count))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_largest_of_a_weight_already_mostly_zero_matches_a_plain_sort(rng, dtype):
+    """An iterative pruning loop scores a weight whose pruned entries tie at zero."""
+    scores = np.abs(rng.standard_normal(20_000)).astype(dtype)
+    scores[rng.random(scores.size) < 0.9] = 0.0
+    for count in (100, int((scores > 0).sum()), 5_000, 19_999):
+        got = _selection.largest(_backend.NUMPY, scores, count)
+        np.testing.assert_array_equal(got, reference.largest_positions(scores, count))
 
 
 @pytest.mark.parametrize("total, count, taken", [(1000, 30, 40), (100, 30, 60), (50, 20, 0), (30, 10, 20)])
