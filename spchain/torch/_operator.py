@@ -40,6 +40,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, cast, overload
 
 import torch
+from torch._compile import _disable_dynamo
 from torch.autograd import forward_ad
 
 from .. import _op
@@ -68,8 +69,10 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def run_eagerly(fn: F) -> F:
-    """``torch.compiler.disable`` (typed): ``torch.compile`` breaks the graph at ``fn`` and runs it eagerly."""
-    return cast(F, torch.compiler.disable(fn))  # type: ignore[no-untyped-call]
+    """``torch.compiler.disable`` on demand: ``torch.compile`` breaks the graph at ``fn`` and
+    runs it eagerly. Dynamo is imported at ``fn``'s first call, not by decorating it (Dynamo's
+    import takes a second, which every ``import spchain.torch`` paid); torch's own lazy form."""
+    return cast(F, _disable_dynamo(fn))
 
 
 def plain_eager(tensors: Iterable[torch.Tensor]) -> bool:
