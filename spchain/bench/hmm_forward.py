@@ -7,10 +7,13 @@ spchain's ``chain_logsumexp`` (log-likelihood) and ``chain_marginals`` (posterio
 ``log_probability`` computes), and its ``forward`` and ``backward`` composed into posteriors
 (its ``forward_backward`` also computes the expected transition counts, which this workload
 does not ask for). pomegranate's recursions are torch loops, one matrix product a step; the
-same loop written out stands beside them (and alone where pomegranate is not installed).
+same loop written out stands beside them (and alone where pomegranate is not installed, and in
+``--quick`` runs: importing pomegranate compiles apricot-select's Numba code, about 3 s of a
+quick run's 25).
 """
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -84,18 +87,8 @@ def make_case(name: str, quick: bool, device: str = "cpu") -> Case:
 
     methods = {"spchain": timed(lambda: st.chain_logsumexp(emissions, log_trans, log_init)) if likelihood else
                timed(lambda: st.chain_marginals(emissions, log_trans, log_init))}
-    # pomegranate's import compiles Numba parallel code (through apricot-select), which would
-    # start Numba's threads on its default layer (GNU OpenMP) before spchain selects TBB
-    _backend.threading_layer()
-    try:
-        from pomegranate.distributions import Exponential
-        from pomegranate.hmm import DenseHMM
-    except ImportError:
-        DenseHMM = None
-    if DenseHMM is not None:  # emissions are given, so the distributions are never evaluated
-        model = DenseHMM([Exponential() for _ in range(log_trans.shape[0])], edges=log_trans.exp(),
-                         starts=log_init.exp(), ends=torch.ones(log_trans.shape[0])).to(device)
-
+    model = None if quick else _pomegranate_model(log_trans, log_init, device)
+    if model is not None:  # emissions are given, so the distributions are never evaluated
         def pomegranate_likelihood() -> torch.Tensor:
             return torch.logsumexp(model.forward(emissions=emissions)[:, -1], dim=-1)
 
@@ -111,3 +104,17 @@ def make_case(name: str, quick: bool, device: str = "cpu") -> Case:
         return torch.logsumexp(f[:, -1], dim=-1) if likelihood else posteriors(f, backward_loop(e, t))
 
     return Case("hmm-forward", name, methods, reference, device)
+
+
+def _pomegranate_model(log_trans: torch.Tensor, log_init: torch.Tensor, device: str) -> Any:
+    """pomegranate's ``DenseHMM`` with these transitions (``None`` where it is not installed)."""
+    # pomegranate's import compiles Numba parallel code (through apricot-select), which would
+    # start Numba's threads on its default layer (GNU OpenMP) before spchain selects TBB
+    _backend.threading_layer()
+    try:
+        from pomegranate.distributions import Exponential
+        from pomegranate.hmm import DenseHMM
+    except ImportError:
+        return None
+    return DenseHMM([Exponential() for _ in range(log_trans.shape[0])], edges=log_trans.exp(),
+                    starts=log_init.exp(), ends=torch.ones(log_trans.shape[0])).to(device)
