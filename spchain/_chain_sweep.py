@@ -19,7 +19,7 @@ from types import ModuleType
 
 import numpy as np
 
-from . import _chain_scaled, _logspace
+from . import _backend, _chain_scaled, _logspace
 from ._backend import read_only
 from ._chain_layout import Chain
 from .kernels import cpu, cuda
@@ -141,7 +141,7 @@ def forward_finite(chain: Chain) -> tuple[Array, Array, Array]:
     pre = xp.empty((rows, v, c), chain.x.dtype)
     norm = xp.empty((rows, v), chain.x.dtype)
     if rows and use_gemm(chain):
-        _forward_gemm(chain, pre, norm)
+        (_forward_gemm_fused if fused_steps(chain) else _forward_gemm)(chain, pre, norm)
     elif rows and _chain_scaled.applies(chain):
         _chain_scaled.forward(chain, pre, norm)
     elif rows:
@@ -165,7 +165,15 @@ def log_partition_finite(chain: Chain) -> Array:
     return forward_finite(chain)[0]
 
 
+def fused_steps(chain: Chain) -> bool:
+    """Whether the GEMM sweep runs each step's elementwise work in one Numba kernel (the CPU:
+    ``_forward_gemm_fused``, ``_backward_gemm_fused``) rather than as array code (the GPU,
+    whose array calls do not synchronise; the CPU tests run it on NumPy arrays)."""
+    return not chain.backend.on_gpu
+
+
 def _forward_gemm(chain: Chain, pre: Array, norm: Array) -> None:
+    """The GEMM sweep's forward as array code (:func:`fused_steps`)."""
     xp = chain.xp
     rows, v, c = chain.x.shape
     groups = chain.trans.shape[0]
@@ -186,6 +194,47 @@ def _forward_gemm(chain: Chain, pre: Array, norm: Array) -> None:
     norm3[:, :, chain.max_length:] = 0
 
 
+def _scaled_transitions(chain: Chain) -> tuple[Array, Array]:
+    """``(e, cmax)`` of the fused GEMM sweep: ``e = exp(trans - cmax)`` in the chain's dtype and
+    the column maxima ``cmax`` (G, S, c) (a subnormal entry of ``e`` makes products below the
+    smallest normal number, which ``_logspace.underflow_threshold`` counts as dropped)."""
+    cmax = chain.trans.max(axis=-2)
+    e = chain.trans - _logspace.finite_or_zero(np, cmax)[..., None, :]
+    np.exp(e, out=e)
+    return e, cmax
+
+
+def _log(a: Array) -> None:
+    """``a = log(a)`` in place (0 gives ``-inf``): NumPy's vectorised logarithm, several times
+    faster than the kernels' scalar one."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        np.log(a, out=a)
+
+
+def _forward_gemm_fused(chain: Chain, pre: Array, norm: Array) -> None:
+    """The GEMM sweep's forward on the CPU: a step is one GEMM (torch's BLAS) and one pass of
+    a Numba kernel over each row (``kernels/cpu/chain_scaled.py``: ``gemm_forward_step``), where
+    the array code takes a dozen passes."""
+    rows, v, c = chain.x.shape
+    groups = chain.trans.shape[0]
+    e, cmax = _scaled_transitions(chain)
+    log_threshold = np.log(_logspace.underflow_threshold(chain.x.dtype, c))
+    tiny = float(np.finfo(chain.x.dtype).tiny)
+    product, u = np.empty((2, rows, c), chain.x.dtype)
+    top = np.empty(rows)
+    kernels = cpu.chain_scaled
+    for t in range(chain.max_length):
+        cpu.team.run(kernels.gemm_forward_step, kernels.gemm_forward_step_team, t, chain.x, chain.trans, cmax,
+                     chain.group, chain.init, chain.lengths, log_threshold, tiny, product, top, u, pre, norm)
+        if t + 1 < chain.max_length:
+            s = t if chain.per_step else 0
+            _backend.matmul(np, u.reshape(groups, chain.group, c), e[:, s],
+                            out=product.reshape(groups, chain.group, c))
+            _log(product)
+    pre[:, chain.max_length:] = -np.inf
+    norm[:, chain.max_length:] = 0
+
+
 def backward_finite(chain: Chain, pre: Array, norm: Array, weight: Array,
                     trans_grad: bool = True) -> tuple[Array, Array | None]:
     """Gradients of ``sum(weight * log_partition)``: ``(d x (B, v, c), d trans (G, S, c, c))``.
@@ -203,7 +252,8 @@ def backward_finite(chain: Chain, pre: Array, norm: Array, weight: Array,
     if not rows:
         return xp.zeros_like(chain.x), grad_trans
     if use_gemm(chain):
-        grad_x = _backward_gemm(chain, pre, norm, weight, grad_trans)
+        sweep = _backward_gemm_fused if fused_steps(chain) else _backward_gemm
+        grad_x = sweep(chain, pre, norm, weight, grad_trans)
     elif _chain_scaled.applies(chain):
         grad_x = weighted(xp, _chain_scaled.backward(chain, pre, norm, weight, grad_trans), weight)
     else:
@@ -228,15 +278,15 @@ def backward_finite(chain: Chain, pre: Array, norm: Array, weight: Array,
 
 
 def batched_counts(chain: Chain) -> bool:
-    """Whether the transition gradient is one batched GEMM after the backward sweep
-    (:func:`_chain_scaled.transition_grad_gemm`): on the GPU, where the alternatives are a
-    kernel that walks each matrix's rows serially and a GEMM sweep's per-step products and
-    synchronisations. The CPU keeps its kernels and per-step products (its measured figures)."""
+    """Whether the kernel sweep's transition gradient is one batched GEMM after the backward
+    sweep (:func:`_chain_scaled.transition_grad_gemm`): on the GPU, where the alternative is a
+    kernel that walks each matrix's rows serially. The CPU keeps its kernel."""
     return chain.backend.on_gpu
 
 
 def _backward_gemm(chain: Chain, pre: Array, norm: Array, weight: Array, grad_trans: Array | None) -> Array:
-    """The backward sweep by scaled GEMMs, one step at a time; fills ``grad_trans`` if given."""
+    """The backward sweep by scaled GEMMs, one step at a time, as array code (:func:`fused_steps`);
+    fills ``grad_trans`` if given, by one batched GEMM after the sweep."""
     xp = chain.xp
     rows, v, c = chain.x.shape
     groups = chain.trans.shape[0]
@@ -246,54 +296,72 @@ def _backward_gemm(chain: Chain, pre: Array, norm: Array, weight: Array, grad_tr
     norm3 = norm.reshape(shape + (v,))
     last = (chain.lengths - 1).reshape(shape)[..., None]
     w = weight.reshape(shape)[..., None]
-    grad_x = xp.zeros(shape + (v, c), chain.x.dtype)  # the marginals, weighted at the end if batched
+    grad_x = xp.zeros(shape + (v, c), chain.x.dtype)  # the marginals, weighted at the end
     beta = xp.full(shape + (c,), -np.inf, chain.x.dtype)
-    batched = grad_trans is not None and batched_counts(chain)
 
     def message(t: int) -> Array:
         return normalised(xp, pre4[:, :, t], x[:, :, t], norm3[:, :, t])
 
     forward = message(chain.max_length - 1)
-    fused = not chain.backend.on_gpu  # a step's elementwise passes in one Numba kernel
-    if fused:
-        forward = xp.ascontiguousarray(forward)
-        before, y = xp.empty(shape + (c,), chain.x.dtype), xp.empty(shape + (c,), chain.x.dtype)
-        step_weight = xp.ones_like(weight) if batched else weight
     for t in range(chain.max_length - 1, -1, -1):
         active = t <= last
-        if fused:
-            cpu.team.run(cpu.chain_scaled.gemm_backward_step, cpu.chain_scaled.gemm_backward_step_team,
-                         t, chain.lengths - 1, step_weight, pre, chain.x, norm,
-                         *(a.reshape(rows, c) for a in (forward, beta)), grad_x.reshape(rows, v, c),
-                         before.reshape(rows, c), y.reshape(rows, c))
-        else:
-            beta = xp.where(last == t, 0, beta)
-            marginals, log_total = renormalise(xp, xp.where(active, xp.exp(forward + beta), 0))
-            beta = beta - log_total
-            grad_x[:, :, t] = marginals if batched else marginals * w
+        beta = xp.where(last == t, 0, beta)
+        grad_x[:, :, t], log_total = renormalise(xp, xp.where(active, xp.exp(forward + beta), 0))
+        beta = beta - log_total
         if t == 0:
             break
         trans = chain.step_matrices(t - 1)
-        if not fused:
-            forward = message(t - 1)
-            before = xp.where(active, forward, -np.inf)
-            y = xp.where(active, x[:, :, t] + beta, -np.inf)
-        if grad_trans is not None and not batched:
-            step = t - 1 if chain.per_step else 0
-            # the forward's product, pre[t], spares recomputing its GEMM where it is small enough to be exact
-            reuse = fused and _logspace.small_magnitude(pre4[:, :, t])
-            _, counts = _logspace.log_matmul_grads(xp, before, trans, pre4[:, :, t], grad_x[:, :, t], need_a=False,
-                                                   reuse_out=reuse)
-            # (G, 1, 1): a group no chain of which takes this step (NumPy's stubs type any(axis=1) of an
-            # array of unknown rank as possibly a scalar)
-            reached = active.any(axis=1)[..., None]  # type: ignore[index]
-            grad_trans[:, step] += xp.where(reached, counts, 0)  # gets 0, even for a NaN matrix
+        forward = message(t - 1)
+        y = xp.where(active, x[:, :, t] + beta, -np.inf)
         d = norm3[:, :, t, None]
         beta = xp.where(d == -np.inf, -np.inf, _logspace.log_matmul(xp, y, trans.swapaxes(-1, -2), posinf=False) - d)
-    if batched:
+    if grad_trans is not None:  # the counts: one batched GEMM (a chunk of rows at a time)
         _chain_scaled.transition_grad_gemm(chain, pre, norm, grad_x.reshape(rows, v, c), weight, grad_trans)
-        grad_x *= w[..., None]
+    grad_x *= w[..., None]
     return grad_x.reshape(rows, v, c)
+
+
+def _backward_gemm_fused(chain: Chain, pre: Array, norm: Array, weight: Array, grad_trans: Array | None) -> Array:
+    """The GEMM sweep's backward on the CPU: a step is one pass of a Numba kernel over each
+    row (``gemm_backward_step``) and two GEMMs (torch's BLAS), the backward messages' and the
+    transition counts'; fills ``grad_trans`` if given. Matrices whose scaled counts could lose
+    their answer get the exact log-space kernel's (``_chain_scaled._exact_where_not``)."""
+    rows, v, c = chain.x.shape
+    groups, steps = chain.trans.shape[:2]
+    dtype = chain.x.dtype
+    e, cmax = _scaled_transitions(chain)
+    log_threshold, tiny = np.log(_logspace.underflow_threshold(dtype, c)), float(np.finfo(dtype).tiny)
+    # each group's weights scaled to at most 1, so that its factors stay in range and a group of
+    # tiny weights is not lost beside one of huge ones (NaN flows through)
+    scale = np.where(np.isfinite(weight), np.abs(weight), 0).reshape(groups, chain.group).max(axis=1)
+    scale = np.where(scale > 0, scale, 1)
+    grad_x = np.zeros_like(chain.x)
+    last = chain.lengths - 1
+    forward = np.ascontiguousarray(normalised(np, pre[:, chain.max_length - 1], chain.x[:, chain.max_length - 1],
+                                              norm[:, chain.max_length - 1]))
+    beta, y, z, product, p, w = np.empty((6, rows, c), dtype)
+    top = np.empty(rows)
+    counts = grad_trans is not None
+    acc = np.zeros(chain.trans.shape, dtype)
+    ok, reached = np.ones((groups, steps), bool), np.zeros((groups, steps), bool)
+    kernels = cpu.chain_scaled
+    shape = (groups, chain.group, c)
+    for t in range(chain.max_length - 1, -1, -1):
+        cpu.team.run(kernels.gemm_backward_step, kernels.gemm_backward_step_team, t, last, weight, 1 / scale,
+                     chain.x, chain.trans, cmax, chain.group, pre, norm, log_threshold, tiny, counts,
+                     forward, beta, y, top, z, product, grad_x, p, w, ok, reached)
+        if t == 0:
+            break
+        s = t - 1 if chain.per_step else 0
+        _backend.matmul(np, z.reshape(shape), e[:, s].swapaxes(-1, -2), out=product.reshape(shape))
+        _log(product)
+        if counts:
+            step_counts = _backend.matmul(np, p.reshape(shape).swapaxes(-1, -2), w.reshape(shape))
+            acc[:, s] += step_counts
+    if grad_trans is not None:
+        grad_trans[...] = np.where(reached[..., None, None], (e * acc) * scale[:, None, None, None], 0)
+        _chain_scaled._exact_where_not(chain, pre, norm, grad_x, np.ones_like(weight), ok, grad_trans)
+    return grad_x
 
 
 def viterbi_finite(chain: Chain) -> tuple[Array, Array]:

@@ -230,7 +230,7 @@ def weighted(xp: ModuleType, marginals: Array, weight: Array) -> Array:
 
 
 def log_matmul_grads(xp: ModuleType, a: Array, b: Array, out: Array, grad: Array, need_a: bool = True,
-                     need_b: bool = True, reuse_out: bool = False) -> tuple[Array | None, Array | None]:
+                     need_b: bool = True) -> tuple[Array | None, Array | None]:
     """Gradients of ``sum(grad * log_matmul(a, b))``: ``(d a, d b)``, of the broadcast batch shape.
 
     ``out`` is the forward result. Never builds an (m, k, n) tensor: with the forward's
@@ -241,10 +241,7 @@ def log_matmul_grads(xp: ModuleType, a: Array, b: Array, out: Array, grad: Array
     gradient as if computed alone, whatever the others' scale. Entries whose ``r`` underflowed
     contribute exactly, in log space, instead. Entries where ``out`` is ``-inf`` have no weight and contribute 0; where
     it is ``+inf``, ``grad`` goes in equal shares to the ``+inf`` terms (:class:`PosInf`).
-    Returns ``None`` for a gradient that is not needed. ``reuse_out`` (CPU) takes ``r`` as
-    ``exp(out - rowmax - colmax)`` instead of its GEMM: exact to ``out``'s rounding, a relative
-    ``|out| · eps``, for callers whose ``out`` is small (:func:`small_magnitude`) and is the product of
-    these very operands.
+    Returns ``None`` for a gradient that is not needed.
     """
     batch_shape = out.shape[:-2]
     m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
@@ -264,10 +261,7 @@ def log_matmul_grads(xp: ModuleType, a: Array, b: Array, out: Array, grad: Array
     a_shift, b_shift = finite_or_zero(xp, a_top), finite_or_zero(xp, b_top)
     u = xp.exp(a - a_shift)
     e = xp.exp(b - b_shift)
-    if reuse_out and infinite is None:
-        scaled = xp.exp(out - a_shift - b_shift)
-    else:
-        scaled = _backend.matmul(xp, u, e)
+    scaled = _backend.matmul(xp, u, e)
     lost = scaled < underflow_threshold(a.dtype, k)
     # weights scaled to at most 1 per batch element, so that grad / r cannot overflow and an
     # element of tiny gradients is not lost beside one of huge ones; NaN flows through
@@ -299,19 +293,6 @@ def log_matmul_grads(xp: ModuleType, a: Array, b: Array, out: Array, grad: Array
             if need_b:
                 _backend.scatter_add(xp, flat_batch(grad_b), (pb[:, None], ks, pc[:, None]), terms)
     return grad_a, grad_b
-
-
-def small_magnitude(out: Array, rel: float = 2.0**-19) -> bool:
-    """Whether every finite entry of ``out`` (a NumPy array) is at most ``rel / eps`` in
-    magnitude (16 in float32, 2**33 in float64), so that its rounding error, once
-    exponentiated, is at most ``rel / 2`` relative (False where ``out`` holds NaN)."""
-    if not out.size:
-        return True
-    bound = rel / float(np.finfo(out.dtype).eps)
-    high, low = float(out.max()), float(out.min())
-    if low == -np.inf:
-        low = float(np.where(out > -np.inf, out, 0).min())
-    return high <= bound and low >= -bound
 
 
 def _without_posinf(xp: ModuleType, a: Array, b: Array) -> tuple[Array, Array, Array]:

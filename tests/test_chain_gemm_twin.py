@@ -43,7 +43,8 @@ def test_batched_counts_match_cpu_path(monkeypatch, rng, sweep, per_row, scale, 
     x, trans, init, lengths = problem(rng, scale, dtype, per_row)
     weight = np.linspace(-0.5, 2.0, x.shape[0]).astype(dtype)
     want = grads(x, trans, init, lengths, weight, sweep)
-    monkeypatch.setattr(_chain_sweep, "batched_counts", lambda chain: True)  # the GPU's path, on NumPy
+    monkeypatch.setattr(_chain_sweep, "batched_counts", lambda chain: True)  # the GPU's paths, on NumPy
+    monkeypatch.setattr(_chain_sweep, "fused_steps", lambda chain: False)
     got = grads(x, trans, init, lengths, weight, sweep)
     tol = 1e-5 if dtype == np.float32 else 1e-12
     for g, w in zip(got, want):

@@ -23,7 +23,7 @@ from .exp import exp_like, exp_nonpositive, log_like
 from .team import team_rows
 
 
-@njit(cache=True)
+@njit(cache=True, fastmath={"contract"})  # FMAs: the exponentials' polynomials vectorise 2x faster
 def _scaled_exp(u, out):
     """``out = exp(u - max(u))`` in float64 (to the accuracy of ``u``'s type), 0 below
     ``FLUSH``; returns ``max(u)`` (-inf if every entry is ``-inf``, NaN if the others are; a NaN
@@ -72,7 +72,7 @@ def _sum(a):
     return total
 
 
-@njit(cache=True)
+@njit(cache=True, fastmath={"contract"})  # FMAs: the exponentials' polynomials vectorise 2x faster
 def _message(q, u, p):
     """From ``q = pre + x`` of one position: ``u = q - lse(q)`` (``u = q`` where that is not
     finite, as ``chain.normalise``) and ``p = exp(u - max u)`` in float64, 0 below ``FLUSH``.
@@ -413,7 +413,7 @@ def _transition_grad_blocks(lo, hi, x, cmax, group, lengths, pre, norm, marg, we
         _add_outer(acc[g, s, k], p[:n], r[:n], p_t)
 
 
-@njit(cache=True)
+@njit(cache=True, fastmath={"contract"})  # FMAs: the exponentials' polynomials vectorise 2x faster
 def _marginal_row(forward, beta, weight, m):
     """``m = weight * exp(forward + beta)`` renormalised (as ``_logspace.renormalise``);
     subtracts the log normaliser from ``beta``."""
@@ -433,58 +433,249 @@ def _marginal_row(forward, beta, weight, m):
 
 
 @njit(parallel=True, cache=True)
-def gemm_backward_step(t, last, weight, pre, x, norm, forward, beta, grad_x, before, y):
-    """The elementwise part of one step ``t`` of the GEMM sweep's backward (``_chain_sweep``),
-    one pass over each row (rows in parallel) instead of a dozen array passes.
+def gemm_forward_step(t, x, trans, cmax, group, init, lengths, log_threshold, tiny, log_product, top, u, pre, norm):
+    """The elementwise part of position ``t`` of the GEMM sweep's forward (``_chain_sweep``):
+    one pass over each row (rows in parallel) around the step's GEMM ``u @ e``, where ``e``
+    (G, S, c, c) is ``exp(trans - cmax)`` (column maxima ``cmax`` (G, S, c) made finite).
 
-    Row ``b`` takes step ``t`` where ``t <= last[b]``. On entry ``forward`` (B, c) holds the
-    normalised forward messages ``â_t`` and ``beta`` (B, c) the backward ones from step
-    ``t + 1`` (reset to 0 where ``t == last[b]``); writes ``grad_x[:, t]`` with the marginals
-    ``exp(â_t + beta)`` renormalised, times ``weight`` (0 where the row takes no step t),
-    subtracts their log normaliser from ``beta``, and for ``t > 0`` overwrites ``forward``
-    with ``â_{t-1}`` (from ``pre``, ``x`` and ``norm``), ``before`` with it and ``y`` with
-    ``x[:, t] + beta``, both ``-inf`` where the row takes no step ``t``
-    (:func:`gemm_backward_step_team`: on torch's threads).
+    For ``t > 0``, ``log_product`` (B, c) holds the log of the GEMM of the scaled messages
+    ``u`` of ``t - 1`` and ``top`` (B,) float64 their maxima: writes ``pre[:, t] = top + cmax +
+    log_product``, recomputing exactly in log space each entry whose product fell below
+    ``exp(log_threshold)`` (``_logspace.underflow_threshold``); ``pre[:, 0] = init``. Then
+    ``norm[:, t]`` and the next operand: ``u = exp(â_t - max â_t)`` (0 below ``tiny``, the
+    smallest normal number of ``x``'s dtype) and ``top = max â_t``. Rows with ``t >=
+    lengths[b]`` get ``pre = -inf``, ``norm = 0`` and ``u = 0``. O(B * c) operations
+    (:func:`gemm_forward_step_team`: on torch's threads).
     """
-    for b in prange(beta.shape[0]):
-        _backward_step_rows(b, b + 1, t, last, weight, pre, x, norm, forward, beta, grad_x, before, y)
+    for b in prange(x.shape[0]):
+        _gemm_forward_rows(b, b + 1, t, x, trans, cmax, group, init, lengths, log_threshold, tiny, log_product, top, u,
+                           pre, norm)
 
 
 @njit(nogil=True, cache=True)
-def gemm_backward_step_team(parallel, threads, t, last, weight, pre, x, norm, forward, beta, grad_x, before, y):
-    """:func:`gemm_backward_step` on an OpenMP team (``team.team_rows``)."""
-    return team_rows(parallel, threads, _backward_step_rows, beta.shape[0],
-                     (t, last, weight, pre, x, norm, forward, beta, grad_x, before, y))
+def gemm_forward_step_team(parallel, threads, t, x, trans, cmax, group, init, lengths, log_threshold, tiny,
+                           log_product, top, u, pre, norm):
+    """:func:`gemm_forward_step` on an OpenMP team (``team.team_rows``)."""
+    return team_rows(parallel, threads, _gemm_forward_rows, x.shape[0],
+                     (t, x, trans, cmax, group, init, lengths, log_threshold, tiny, log_product, top, u, pre, norm))
 
 
 @njit(cache=True, error_model="numpy")  # a prange body's error model
-def _backward_step_rows(lo, hi, t, last, weight, pre, x, norm, forward, beta, grad_x, before, y):
-    """Rows ``lo:hi`` of :func:`gemm_backward_step`."""
+def _gemm_forward_rows(lo, hi, t, x, trans, cmax, group, init, lengths, log_threshold, tiny, log_product, top, u,
+                       pre, norm):
+    """Rows ``lo:hi`` of :func:`gemm_forward_step`."""
+    c = x.shape[2]
+    per_step = trans.shape[1] > 1
+    q = np.empty(c, x.dtype)
+    a = np.empty(c, x.dtype)
     for b in range(lo, hi):
-        active = t <= last[b]
-        if t == last[b]:
-            beta[b, :] = 0.0
-        if active:
-            _marginal_row(forward[b], beta[b], weight[b], grad_x[b, t])
+        out = pre[b, t]
+        if t >= lengths[b]:
+            out[:] = -np.inf
+            norm[b, t] = 0.0
+            u[b, :] = 0.0
+            top[b] = -np.inf
+            continue
+        if t == 0:
+            out[:] = init[b]
         else:
-            grad_x[b, t, :] = 0.0
-        if t > 0:
-            d = norm[b, t - 1]
-            offset = d if math.isfinite(d) else 0.0
-            _add(pre[b, t - 1], x[b, t - 1], -offset, forward[b])
-            if active:
-                before[b, :] = forward[b]
-                _add(x[b, t], beta[b], 0.0, y[b])
-            else:
-                before[b, :] = -np.inf
-                y[b, :] = -np.inf
+            g, s = b // group, (t - 1 if per_step else 0)
+            m = top[b]
+            if not math.isfinite(m):  # no path (-inf), or NaN on one
+                out[:] = m
+            elif _log_scaled(m, cmax[g, s], log_product[b], log_threshold, out):
+                _previous_message(pre[b, t - 1], x[b, t - 1], norm[b, t - 1], a)
+                for j in range(c):
+                    if log_product[b, j] < log_threshold and cmax[g, s, j] != -np.inf:
+                        out[j] = _log_column(a, trans[g, s], j)
+        for j in range(c):
+            q[j] = out[j] + x[b, t, j]
+        norm[b, t], top[b] = _gemm_message(q, a, u[b], tiny)
 
 
 @njit(cache=True)
-def _add(p, q, r, out):
-    """``out = (p + q) + r``."""
+def _log_scaled(top, shift, log_product, log_threshold, out):
+    """``out = top + shift + log_product`` (``shift`` made finite); returns whether an entry
+    of ``log_product`` is below ``log_threshold`` where ``shift`` is not ``-inf`` (its sum may
+    have lost its answer: the caller recomputes it exactly)."""
+    lost = 0
     for j in range(out.shape[0]):
-        out[j] = (p[j] + q[j]) + r
+        sj = shift[j]
+        out[j] = top + (sj if math.isfinite(sj) else 0.0) + log_product[j]
+        lost += 1 if (log_product[j] < log_threshold) & (sj != -np.inf) else 0
+    return lost > 0
+
+
+@njit(cache=True)
+def _previous_message(pre, x, d, out):
+    """``out = â``, the normalised message of one position from the forward's ``pre``, ``x``
+    and normaliser ``d`` (``_logspace.normalised``)."""
+    offset = d if math.isfinite(d) else 0.0
+    for j in range(out.shape[0]):
+        out[j] = (pre[j] + x[j]) - offset
+
+
+@njit(cache=True, fastmath={"contract"})  # FMAs: the exponentials' polynomials vectorise 2x faster
+def _gemm_message(q, u, p, tiny):
+    """:func:`_message` for a GEMM operand: ``u = q - lse(q)``, ``p = exp(u - max u)`` in
+    ``p``'s dtype, 0 below ``tiny`` (so that every term a GEMM drops is below ``tiny``, as
+    ``_logspace.underflow_threshold`` assumes, and none is subnormal); returns ``(lse(q), max u)``."""
+    top = _nan_max(q)
+    if math.isfinite(top):
+        _shifted_exp(q, top, tiny, p)
+        total = _sum(p)
+        if math.isfinite(total):
+            lse = top + log_like(q[0], total)
+            for j in range(q.shape[0]):
+                u[j] = q[j] - lse
+            return lse, top - lse
+    lse = normalise(q, u)  # no path (-inf), or NaN on one
+    p[:] = 0.0 if lse == -np.inf else np.nan
+    return lse, lse
+
+
+@njit(cache=True)
+def _nan_max(a):
+    """``max(a)``: NaN if ``a`` holds NaN, ``-inf`` if it is empty."""
+    top = -np.inf
+    nan = 0
+    for j in range(a.shape[0]):
+        top = a[j] if a[j] > top else top
+        nan += 0 if a[j] == a[j] else 1
+    return top if nan == 0 else np.nan
+
+
+@njit(cache=True, fastmath={"contract"})  # FMAs: the exponentials' polynomials vectorise 2x faster
+def _shifted_exp(a, top, tiny, out):
+    """``out = exp(a - top)`` in ``out``'s dtype (to the accuracy of ``a``'s), 0 below ``tiny``."""
+    like = a[0]
+    for j in range(a.shape[0]):
+        v = exp_like(like, a[j] - top)
+        out[j] = v if v >= tiny else 0.0
+
+
+@njit(parallel=True, cache=True)
+def gemm_backward_step(t, last, weight, inv_scale, x, trans, cmax, group, pre, norm, log_threshold, tiny,
+                       counts, forward, beta, y, top, z, log_product, grad_x, p, w, ok, reached):
+    """The elementwise part of position ``t`` of the GEMM sweep's backward (``_chain_sweep``):
+    one pass over each row (rows in parallel) around the step's two GEMMs, ``z @ e.T`` (the
+    backward messages) and ``p.T @ w`` (the transition counts).
+
+    ``cmax``, ``log_threshold`` and ``tiny`` as for :func:`gemm_forward_step`. Row
+    ``b`` takes position ``t`` where ``t <= last[b]``. On entry ``forward`` (B, c) holds
+    ``â_t``, and for ``t < last[b]`` ``log_product``, ``top`` and ``y`` the log of step ``t +
+    1``'s backward GEMM, its shift and its log operand ``y = x[t + 1] + beta[t + 1]``. Writes
+    ``beta`` (B, c) at ``t`` (0 at ``t == last[b]``; entries whose product fell below
+    ``exp(log_threshold)`` exactly in log space), ``grad_x[:, t]`` with the marginals
+    renormalised times ``weight`` (0 where the row takes no position ``t``), and subtracts
+    their log normaliser from ``beta``. For ``t > 0``: ``forward = â_{t-1}``; the next GEMM's
+    operand ``z = exp(y + cmax - top)`` with ``y = x[t] + beta``, and ``top``; and where
+    ``counts``, the factors of the expected counts of step ``t - 1 -> t``: ``p = exp(â_{t-1}
+    - max)`` and ``w = inv_scale[g] * grad_x[:, t] * exp(max + cmax - pre[:, t])`` (the
+    forward's scaled product, read from ``pre`` to its rounding; ``inv_scale`` (G,) keeps each
+    group's factors in range), so that group ``g``'s counts are ``e * (p.T @ w) /
+    inv_scale[g]``. Rows that take no step have zero factors;
+    ``reached[g, s]`` marks a matrix some row uses, and ``ok[g, s]`` goes False where a
+    factor's scaled product fell below the threshold or is not a number (the caller then takes
+    the exact kernel). O(B * c) operations (:func:`gemm_backward_step_team`: on torch's
+    threads).
+    """
+    for b in prange(x.shape[0]):
+        _gemm_backward_rows(b, b + 1, t, last, weight, inv_scale, x, trans, cmax, group, pre, norm, log_threshold,
+                            tiny, counts, forward, beta, y, top, z, log_product, grad_x, p, w, ok, reached)
+
+
+@njit(nogil=True, cache=True)
+def gemm_backward_step_team(parallel, threads, t, last, weight, inv_scale, x, trans, cmax, group, pre, norm,
+                            log_threshold, tiny, counts, forward, beta, y, top, z, log_product, grad_x, p, w, ok,
+                            reached):
+    """:func:`gemm_backward_step` on an OpenMP team (``team.team_rows``)."""
+    return team_rows(parallel, threads, _gemm_backward_rows, x.shape[0],
+                     (t, last, weight, inv_scale, x, trans, cmax, group, pre, norm, log_threshold, tiny,
+                      counts, forward, beta, y, top, z, log_product, grad_x, p, w, ok, reached))
+
+
+@njit(cache=True, error_model="numpy")  # a prange body's error model
+def _gemm_backward_rows(lo, hi, t, last, weight, inv_scale, x, trans, cmax, group, pre, norm, log_threshold, tiny,
+                        counts, forward, beta, y, top, z, log_product, grad_x, p, w, ok, reached):
+    """Rows ``lo:hi`` of :func:`gemm_backward_step`."""
+    c = x.shape[2]
+    per_step = trans.shape[1] > 1
+    r = np.empty(c, np.float64)
+    zero = np.zeros(c)
+    for b in range(lo, hi):
+        g = b // group
+        here = beta[b]
+        if t == last[b]:
+            here[:] = 0.0
+        elif t < last[b]:
+            s = t if per_step else 0
+            d = norm[b, t + 1]
+            if d == -np.inf:  # the chain died at t + 1: nothing before it has a posterior
+                here[:] = -np.inf
+            elif not math.isfinite(top[b]):  # no path (-inf), or NaN on one
+                here[:] = top[b] - d
+            elif _log_scaled(top[b] - d, zero, log_product[b], log_threshold, here):
+                for i in range(c):
+                    if log_product[b, i] < log_threshold:
+                        here[i] = _log_column(y[b], trans[g, s].T, i) - d
+        if t <= last[b]:
+            _marginal_row(forward[b], here, weight[b], grad_x[b, t])
+        else:
+            grad_x[b, t, :] = 0.0
+        if t == 0:
+            continue
+        _previous_message(pre[b, t - 1], x[b, t - 1], norm[b, t - 1], forward[b])
+        s = t - 1 if per_step else 0
+        if t > last[b]:  # no step t - 1 -> t: nothing to add
+            z[b, :] = 0.0
+            top[b] = -np.inf
+            if counts:
+                p[b, :] = 0.0
+                w[b, :] = 0.0
+            continue
+        if counts:
+            if not reached[g, s]:  # read first: no cache line bounces between the threads
+                reached[g, s] = True
+            if not _count_row(forward[b], cmax[g, s], pre[b, t], grad_x[b, t], inv_scale[g], log_threshold, tiny, p[b],
+                              w[b], r):
+                ok[g, s] = False
+        for j in range(c):
+            y[b, j] = x[b, t, j] + here[j]
+            r[j] = y[b, j] + cmax[g, s, j]
+        top[b] = _nan_max(r)
+        if math.isfinite(top[b]):
+            _shifted_exp(r, top[b], tiny, z[b])
+        else:  # no path (-inf), or NaN on one: the next beta is top[b] - d
+            z[b, :] = 0.0
+
+
+@njit(cache=True, fastmath={"contract"})  # FMAs: the exponentials' polynomials vectorise 2x faster
+def _count_row(a, cmax, pre_next, grad_next, inv_scale, log_threshold, tiny, p, w, r):
+    """The count factors of one row-step of :func:`gemm_backward_step` from ``a = â_t``:
+    ``p`` and ``w`` (0 where ``a`` has no finite entry); ``r`` is float64 scratch. Returns False where a weighted factor's scaled product is
+    below ``exp(log_threshold)`` or not a number, or ``a`` holds NaN (the exact kernel's cases; those
+    factors are 0)."""
+    c = a.shape[0]
+    top = _nan_max(a)
+    if top == -np.inf or top != top:
+        p[:] = 0.0
+        w[:] = 0.0
+        return top == -np.inf
+    _shifted_exp(a, top, tiny, p)
+    like = a[0]
+    for j in range(c):  # the log of the inverse of the forward's scaled product, from pre
+        cj = cmax[j]
+        r[j] = top + (cj if math.isfinite(cj) else 0.0) - pre_next[j]
+    limit = -log_threshold
+    bad = 0
+    for j in range(c):  # w = gm * exp(r), 0 where gm is; r above limit: lost
+        gm = grad_next[j] * inv_scale
+        f = exp_like(like, min(r[j], limit))  # NaN stays
+        fine = r[j] <= limit
+        w[j] = gm * f if (gm != 0.0) & fine else 0.0
+        bad += 0 if fine | (gm == 0.0) else 1
+    return bad == 0
 
 
 @njit(cache=True, fastmath={"contract"})
