@@ -8,6 +8,7 @@ with it and brings them to the sweeps' :class:`Chain` layout.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -49,6 +50,13 @@ class Chain:
     @property
     def xp(self) -> ModuleType:
         return self.backend.xp
+
+    @functools.cached_property
+    def has_plus_inf(self) -> bool:
+        """Whether an input holds ``+inf`` (read once: the forward's scan serves its backward)."""
+        # a == inf: one pass, where isposinf takes three (isinf, signbit and their and); one flag, so
+        # one read of the device on the GPU, not three
+        return bool((self.x == np.inf).any() | (self.trans == np.inf).any() | (self.init == np.inf).any())
 
     @property
     def per_step(self) -> bool:

@@ -28,13 +28,6 @@ def _with(chain: Chain, f: Callable[[Array], Array]) -> Chain:
     return dataclasses.replace(chain, x=f(chain.x), trans=f(chain.trans), init=f(chain.init))
 
 
-def has_plus_inf(chain: Chain) -> bool:
-    """Whether an input of ``chain`` holds ``+inf``."""
-    # a == inf: one pass, where isposinf takes three (isinf, signbit and their and); one flag, so
-    # one read of the device on the GPU, not three
-    return bool((chain.x == np.inf).any() | (chain.trans == np.inf).any() | (chain.init == np.inf).any())
-
-
 def limited(chain: Chain) -> Chain:
     """``chain`` in float64 with ``+inf`` as :data:`LIMIT`: its posterior is the limit one as
     the ``+inf`` terms grow together (the paths through the most ``+inf`` terms)."""
@@ -46,7 +39,7 @@ def _plus_inf_rows(chain: Chain) -> tuple[Array, Array] | tuple[None, None]:
     the rows whose log-partition is ``+inf`` (a path with no ``-inf`` or NaN term goes through
     a ``+inf`` one) and, for those, such a path (the most ``+inf`` terms; Viterbi's ties)."""
     xp = chain.xp
-    if not has_plus_inf(chain):
+    if not chain.has_plus_inf:
         return None, None
     marks = _with(chain, lambda a: xp.where(xp.isposinf(a), 1, xp.where(xp.isfinite(a), 0, a)).astype(a.dtype))
     score, path = viterbi_finite(marks)

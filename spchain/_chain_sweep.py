@@ -335,14 +335,14 @@ def _backward_gemm_fused(chain: Chain, pre: Array, norm: Array, weight: Array, g
     # tiny weights is not lost beside one of huge ones (NaN flows through)
     scale = np.where(np.isfinite(weight), np.abs(weight), 0).reshape(groups, chain.group).max(axis=1)
     scale = np.where(scale > 0, scale, 1)
-    grad_x = np.zeros_like(chain.x)
+    grad_x = np.empty_like(chain.x)  # the kernel writes every position the sweep takes
+    grad_x[:, chain.max_length:] = 0
     last = chain.lengths - 1
     forward = np.ascontiguousarray(normalised(np, pre[:, chain.max_length - 1], chain.x[:, chain.max_length - 1],
                                               norm[:, chain.max_length - 1]))
     beta, y, z, product, p, w = np.empty((6, rows, c), dtype)
     top = np.empty(rows)
-    counts = grad_trans is not None
-    acc = np.zeros(chain.trans.shape, dtype)
+    counts = grad_trans is not None  # summed in place (the caller's zeros), then scaled
     ok, reached = np.ones((groups, steps), bool), np.zeros((groups, steps), bool)
     kernels = cpu.chain_scaled
     shape = (groups, chain.group, c)
@@ -355,11 +355,14 @@ def _backward_gemm_fused(chain: Chain, pre: Array, norm: Array, weight: Array, g
         s = t - 1 if chain.per_step else 0
         _backend.matmul(np, z.reshape(shape), e[:, s].swapaxes(-1, -2), out=product.reshape(shape))
         _log(product)
-        if counts:
-            step_counts = _backend.matmul(np, p.reshape(shape).swapaxes(-1, -2), w.reshape(shape))
-            acc[:, s] += step_counts
+        if grad_trans is not None and chain.per_step:  # each matrix's counts in one GEMM
+            _backend.matmul(np, p.reshape(shape).swapaxes(-1, -2), w.reshape(shape), out=grad_trans[:, s])
+        elif grad_trans is not None:
+            grad_trans[:, 0] += _backend.matmul(np, p.reshape(shape).swapaxes(-1, -2), w.reshape(shape))
     if grad_trans is not None:
-        grad_trans[...] = np.where(reached[..., None, None], (e * acc) * scale[:, None, None, None], 0)
+        grad_trans *= e
+        grad_trans *= scale[:, None, None, None]
+        grad_trans[~reached] = 0  # a matrix no row uses gets 0, even a NaN one
         _chain_scaled._exact_where_not(chain, pre, norm, grad_x, np.ones_like(weight), ok, grad_trans)
     return grad_x
 

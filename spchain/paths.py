@@ -54,7 +54,7 @@ def _limit(chain: Chain) -> Chain:
     as ``_chain_limits.LIMIT``, whose posterior is the limit one as the ``+inf`` terms grow
     together (the paths through the most ``+inf`` terms, weighed by their finite terms), as
     for the gradients of the chain functions."""
-    return _chain_limits.limited(chain) if _chain_limits.has_plus_inf(chain) else chain
+    return _chain_limits.limited(chain) if chain.has_plus_inf else chain
 
 
 def _count(caller: str, name: str, value: object, low: int) -> int:
