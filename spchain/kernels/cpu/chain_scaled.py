@@ -537,12 +537,19 @@ def _gemm_message(q, u, p, tiny):
 @njit(cache=True)
 def _nan_max(a):
     """``max(a)``: NaN if ``a`` holds NaN, ``-inf`` if it is empty."""
-    top = -np.inf
     nan = 0
     for j in range(a.shape[0]):
-        top = a[j] if a[j] > top else top
         nan += 0 if a[j] == a[j] else 1
-    return top if nan == 0 else np.nan
+    return _max_of_numbers(a) if nan == 0 else np.nan
+
+
+@njit(cache=True, fastmath={"nnan", "reassoc"})  # a reduction LLVM vectorises only so
+def _max_of_numbers(a):
+    """``max(a)`` of an array without NaN (``-inf`` if it is empty)."""
+    top = -np.inf
+    for j in range(a.shape[0]):
+        top = max(top, a[j])
+    return top
 
 
 @njit(cache=True, fastmath={"contract"})  # FMAs: the exponentials' polynomials vectorise 2x faster
