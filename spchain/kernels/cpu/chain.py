@@ -148,8 +148,8 @@ def _forward_rows(lo, hi, x, trans, group, init, lengths, pre, norm):
         q = np.empty(c, x.dtype)
         run_max = np.empty(c, x.dtype)
         run_sum = np.empty(c, x.dtype)
-        pre[b, 0, :] = init[b]
-        for j in range(c):
+        for j in range(c):  # (an array assignment compiles Numba's shape-mismatch message: seconds)
+            pre[b, 0, j] = init[b, j]
             q[j] = init[b, j] + x[b, 0, j]
         norm[b, 0] = normalise(q, u)
         for t in range(length - 1):

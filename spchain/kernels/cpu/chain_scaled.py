@@ -143,8 +143,8 @@ def _forward_rows(lo, hi, x, trans, e, cmax, group, init, lengths, pre, norm):
         q = np.empty(c, x.dtype)
         p = np.empty(c, np.float64)
         acc = np.empty(c, np.float64)
-        pre[b, 0, :] = init[b]
-        for j in range(c):
+        for j in range(c):  # (an array assignment compiles Numba's shape-mismatch message: seconds)
+            pre[b, 0, j] = init[b, j]
             q[j] = init[b, j] + x[b, 0, j]
         norm[b, 0], top = _message(q, u, p)
         for t in range(length - 1):
@@ -477,7 +477,8 @@ def _gemm_forward_rows(lo, hi, t, x, trans, cmax, group, init, lengths, log_thre
             top[b] = -np.inf
             continue
         if t == 0:
-            out[:] = init[b]
+            for j in range(c):  # (an array assignment compiles Numba's shape-mismatch message: seconds)
+                out[j] = init[b, j]
         else:
             g, s = b // group, (t - 1 if per_step else 0)
             m = top[b]
@@ -735,7 +736,8 @@ def _hmm_forward(x, weights, start, trans, first, length, alpha, e, s):
     for t in range(length):
         et, a = e[t], alpha[t]
         if weights is None:
-            et[:] = x[first + t]
+            for j in range(c):  # (an array assignment compiles Numba's shape-mismatch message: seconds)
+                et[j] = x[first + t, j]
         else:
             et[:] = 0.0
             _add_vecmat(et, x[first + t], weights)
@@ -862,7 +864,8 @@ def _posteriors_parts(lo, hi, x, weights, starts, start, trans, trans_t, post, l
             if not _hmm_backward(trans_t, length, alpha, e, s, gamma):
                 log_prob[b] = np.nan
                 continue
-            first[part] += gamma[0]
+            for i in range(c):  # (an array assignment compiles Numba's shape-mismatch message: seconds)
+                first[part, i] += gamma[0, i]
             if counts is not None:
                 for i in range(c):
                     _add_vecmat(counts[part, i], alpha[:length - 1, i], e[1:length])

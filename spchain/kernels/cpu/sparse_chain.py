@@ -131,8 +131,8 @@ def _forward_chunks(lo, hi, x, t_indptr, t_rows, t_values, init, lengths, pre, n
         for k in range(width):
             b = b0 + k
             longest = max(longest, lengths[b])
-            pre[b, 0, :] = init[b]
-            for j in range(c):
+            for j in range(c):  # (an array assignment compiles Numba's shape-mismatch message: seconds)
+                pre[b, 0, j] = init[b, j]
                 q[j] = init[b, j] + x[b, 0, j]
             norm[b, 0] = normalise(q, un)
             u[:, k] = un

@@ -157,8 +157,8 @@ def _forward_chunks(lo, hi, x, t_indptr, t_rows, t_values, e, cmax, init, length
         for k in range(width):
             b = b0 + k
             longest = max(longest, lengths[b])
-            pre[b, 0, :] = init[b]
-            for j in range(c):
+            for j in range(c):  # (an array assignment compiles Numba's shape-mismatch message: seconds)
+                pre[b, 0, j] = init[b, j]
                 u[j, k] = init[b, j] + x[b, 0, j]
         for t in range(longest):
             _scale_rows(u, p, shift, top, total, like)  # the flushed terms are below 1e-154 of the sum
