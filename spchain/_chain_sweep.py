@@ -67,12 +67,14 @@ def use_gemm(chain: Chain) -> bool:
     On the CPU, where each transition matrix serves many row-steps (shared transitions), the
     kernel sweep runs the scaled kernels (:mod:`spchain._chain_scaled`). Both do
     ``group · c²`` multiply-adds per step and matrix (``group`` rows share it); BLAS does
-    them faster, but the GEMM sweep pays about 0.6 ms of array calls a step. Fitted on a
-    2-core CPU (forward + backward, float32, v 40, c 8 to 256, 16 to 1024 rows per matrix):
-    the GEMM sweep wins from ``group · c²`` of about 4·10⁶ with one matrix for all steps and
-    10⁶ with one per step (whose exponentials and gradients the kernels pay per step). At the
-    chain workload's sizes (500 rows, c 200, per step) the GEMM sweep is 1.6x faster; at the
-    CRF's (256 rows, c 50, shared) the scaled kernels are 1.6x faster. Otherwise (one matrix
+    them faster, but each step of the GEMM sweep pays its kernel calls and O(c) elementwise
+    work a row, which small states do not repay. Measured on a 2-core CPU (forward + backward,
+    float32, v 40, c 64 to 256, 64 to 512 rows per matrix): the GEMM sweep wins from c 96
+    (1.5x at 128 rows and c 96, per step; 0.8x to 0.9x at c 64 whatever the rows) and
+    ``group · c²`` of about 10⁶ with one matrix per step (whose exponentials and gradients the
+    kernels pay per step) or 2·10⁶ with one for all steps (about even there). At the chain
+    workload's sizes (500 rows, c 200, per step) the GEMM sweep is 3.4x faster; at the CRF's
+    (256 rows, c 50, shared) the scaled kernels are 2x faster. Otherwise (one matrix
     per row and step) the log-space kernels cost about ``rows * c²`` exponentials a step, the
     GEMM sweep a fixed overhead of array calls, ``G * c²`` exponentials and a call per
     transition matrix, and O(rows * c) elementwise work, the ``rows * c²`` multiply-adds going
@@ -88,7 +90,7 @@ def use_gemm(chain: Chain) -> bool:
     if chain.backend.on_gpu:
         return gpu_gemm_wins(rows, c, groups)
     if _chain_scaled.applies(chain):
-        return bool(chain.group * c * c >= (1e6 if chain.trans.shape[1] > 1 else 4e6))
+        return bool(c >= 96 and chain.group * c * c >= (1e6 if chain.trans.shape[1] > 1 else 2e6))
     kernel = rows * (1.0e-9 * c * c + 5e-7)
     gemm = 3e-5 + groups * (1.5e-9 * c * c + 1.5e-6) + 1.5e-8 * rows * c
     return bool(gemm < kernel)
