@@ -1,8 +1,9 @@
 """The two exact sweeps of a chain: scaled GEMMs, or the log-space Numba kernels.
 
 - where many rows share one transition matrix, each step is one GEMM in scaled (exp) space
-  (BLAS / cuBLAS) whose underflowed entries are recomputed in log space
-  (:func:`spchain._logspace.log_product`);
+  (BLAS / cuBLAS) whose underflowed entries are recomputed in log space: on the CPU one Numba
+  pass over the rows does a step's elementwise work (:func:`fused_steps`), on the GPU array
+  code (:func:`spchain._logspace.log_product`);
 - otherwise the Numba kernels of ``spchain/kernels/*/chain.py`` run the whole log-space sweep, an
   online log-sum-exp over chunks of states, one row of the batch per thread (CPU) or block (GPU).
 
