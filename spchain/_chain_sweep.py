@@ -193,8 +193,9 @@ def _forward_gemm(chain: Chain, pre: Array, norm: Array) -> None:
 
         _logspace.log_product(xp, u, _logspace.scaled(xp, trans, -2), before, trans, out=pre4[:, :, t + 1])
         u, norm3[:, :, t + 1] = normalise(xp, pre4[:, :, t + 1] + x[:, :, t + 1])
-    pre4[:, :, chain.max_length:] = -np.inf
-    norm3[:, :, chain.max_length:] = 0
+    outside = xp.arange(v)[None, :] >= chain.lengths[:, None]  # as the kernels leave them (no mask indexing: no sync)
+    xp.copyto(pre, -np.inf, where=outside[..., None])
+    xp.copyto(norm, 0, where=outside)
 
 
 def _scaled_transitions(chain: Chain) -> tuple[Array, Array]:
