@@ -73,28 +73,23 @@ def _sum(a):
 
 
 @njit(cache=True, fastmath={"contract"})  # FMAs: the exponentials' polynomials vectorise 2x faster
-def _message(q, u, p):
+def _message(q, u, p, flush):
     """From ``q = pre + x`` of one position: ``u = q - lse(q)`` (``u = q`` where that is not
-    finite, as ``chain.normalise``) and ``p = exp(u - max u)`` in float64, 0 below ``FLUSH``.
+    finite, as ``chain.normalise``) and ``p = exp(u - max u)`` in ``p``'s dtype, 0 below
+    ``flush`` (``FLUSH`` for the scaled kernels; a GEMM operand's dtype's smallest normal number,
+    so that every term a GEMM drops is below it, as ``_logspace.underflow_threshold`` assumes).
     Returns ``(lse(q), max u)``. The exponentials of ``q`` serve both (one vectorised pass, to
-    the accuracy of ``q``'s type); a non-finite maximum or sum takes ``chain.normalise``."""
-    c = q.shape[0]
-    top = -np.inf
-    for j in range(c):
-        top = q[j] if q[j] > top else top
-    like = q[0]  # a sample of q's type, read once (reread in the loop, it keeps it from vectorising)
+    the accuracy of ``q``'s type); no path (all ``-inf``) or NaN takes ``chain.normalise``."""
+    top = _nan_max(q)
     if math.isfinite(top):
-        for j in range(c):
-            p[j] = exp_like(like, q[j] - top)
-        total = _sum(p)
-        if math.isfinite(total):
-            lse = top + log_like(like, total)
-            for j in range(c):
-                u[j] = q[j] - lse
-                p[j] = p[j] if p[j] >= FLUSH else 0.0
-            return lse, top - lse
+        _shifted_exp(q, top, flush, p)
+        lse = top + log_like(q[0], _sum(p))
+        for j in range(q.shape[0]):
+            u[j] = q[j] - lse
+        return lse, top - lse
     lse = normalise(q, u)
-    return lse, _scaled_exp(u, p)
+    p[:] = 0.0 if lse == -np.inf else np.nan
+    return lse, lse
 
 
 @njit(cache=True)
@@ -146,7 +141,7 @@ def _forward_rows(lo, hi, x, trans, e, cmax, group, init, lengths, pre, norm):
         for j in range(c):  # (an array assignment compiles Numba's shape-mismatch message: seconds)
             pre[b, 0, j] = init[b, j]
             q[j] = init[b, j] + x[b, 0, j]
-        norm[b, 0], top = _message(q, u, p)
+        norm[b, 0], top = _message(q, u, p, FLUSH)
         for t in range(length - 1):
             s = t if per_step else 0
             out = pre[b, t + 1]
@@ -161,7 +156,7 @@ def _forward_rows(lo, hi, x, trans, e, cmax, group, init, lengths, pre, norm):
                             out[j] = -np.inf if cmax[g, s, j] == -np.inf else _log_column(u, trans[g, s], j)
             for j in range(c):
                 q[j] = out[j] + x[b, t + 1, j]
-            norm[b, t + 1], top = _message(q, u, p)
+            norm[b, t + 1], top = _message(q, u, p, FLUSH)
         pre[b, length:, :] = -np.inf
         norm[b, length:] = 0.0
 
@@ -491,7 +486,7 @@ def _gemm_forward_rows(lo, hi, t, x, trans, cmax, group, init, lengths, log_thre
                         out[j] = _log_column(a, trans[g, s], j)
         for j in range(c):
             q[j] = out[j] + x[b, t, j]
-        norm[b, t], top[b] = _gemm_message(q, a, u[b], tiny)
+        norm[b, t], top[b] = _message(q, a, u[b], tiny)
 
 
 @njit(cache=True)
@@ -514,25 +509,6 @@ def _previous_message(pre, x, d, out):
     offset = d if math.isfinite(d) else 0.0
     for j in range(out.shape[0]):
         out[j] = (pre[j] + x[j]) - offset
-
-
-@njit(cache=True, fastmath={"contract"})  # FMAs: the exponentials' polynomials vectorise 2x faster
-def _gemm_message(q, u, p, tiny):
-    """:func:`_message` for a GEMM operand: ``u = q - lse(q)``, ``p = exp(u - max u)`` in
-    ``p``'s dtype, 0 below ``tiny`` (so that every term a GEMM drops is below ``tiny``, as
-    ``_logspace.underflow_threshold`` assumes, and none is subnormal); returns ``(lse(q), max u)``."""
-    top = _nan_max(q)
-    if math.isfinite(top):
-        _shifted_exp(q, top, tiny, p)
-        total = _sum(p)
-        if math.isfinite(total):
-            lse = top + log_like(q[0], total)
-            for j in range(q.shape[0]):
-                u[j] = q[j] - lse
-            return lse, top - lse
-    lse = normalise(q, u)  # no path (-inf), or NaN on one
-    p[:] = 0.0 if lse == -np.inf else np.nan
-    return lse, lse
 
 
 @njit(cache=True)
@@ -675,9 +651,9 @@ def _gemm_backward_rows(lo, hi, t, last, weight, inv_scale, x, trans, cmax, grou
 @njit(cache=True, fastmath={"contract"})  # FMAs: the exponentials' polynomials vectorise 2x faster
 def _count_row(a, cmax, pre_next, grad_next, inv_scale, log_threshold, tiny, p, w, r):
     """The count factors of one row-step of :func:`gemm_backward_step` from ``a = â_t``:
-    ``p`` and ``w`` (0 where ``a`` has no finite entry); ``r`` is float64 scratch. Returns False where a weighted factor's scaled product is
-    below ``exp(log_threshold)`` or not a number, or ``a`` holds NaN (the exact kernel's cases; those
-    factors are 0)."""
+    ``p`` and ``w`` (0 where ``a`` has no finite entry); ``r`` is float64 scratch. Returns
+    False where a weighted factor's scaled product is below ``exp(log_threshold)`` or not a
+    number, or ``a`` holds NaN (the exact kernel's cases; those factors are 0)."""
     c = a.shape[0]
     top = _nan_max(a)
     if top == -np.inf or top != top:
