@@ -255,3 +255,35 @@ def test_path_kernels_on_torch_threads_give_the_bits_of_the_other_routes(monkeyp
     assert len(team) == len(other) == 19
     for got, want in zip(team, other):
         np.testing.assert_array_equal(got, want)
+
+
+@numba.extending.intrinsic
+def _owned(typingctx, array):
+    """Whether ``array`` carries the owner of its memory (a non-null ``meminfo``)."""
+    def codegen(context, builder, signature, args):
+        meminfo = builder.extract_value(args[0], 0)
+        return builder.icmp_unsigned("!=", meminfo, meminfo.type(None))
+    return numba.types.boolean(array), codegen
+
+
+@numba.njit(cache=False)
+def _owner_rows(lo, hi, x, owned):
+    for b in range(lo, hi):
+        owned[b] = _owned(x) or _owned(x[b])
+
+
+@numba.njit(cache=False, nogil=True)
+def _owner_on_team(parallel, threads, x, owned):
+    return cpu.team.team_rows(parallel, threads, _owner_rows, x.shape[0], (x, owned))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_team_bodies_take_arrays_without_their_owner(threads):
+    """A body sees its array arguments as a ``prange`` body does, without the owner of their
+    memory: the views it takes count no references (an atomic add on one cache line from
+    every thread, which kept the chain's GEMM-sweep step from scaling to two threads)."""
+    x = np.zeros((64, 3))
+    owned = np.ones(64, bool)
+    assert _owner_on_team(cpu.team.parallel(), threads, x, owned) == 0
+    assert not owned.any()
+    assert x.base is None and sys.getrefcount(x) == 2  # the caller's array, untouched
