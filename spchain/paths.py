@@ -284,11 +284,14 @@ def _kbest(chain: Chain, k: int) -> tuple[Array, Array]:
         if chain.sparse is not None:
             s = chain.sparse
             t_values = _sparse_chain.transposed_values(chain)
-            cpu.paths.sparse_chain_kbest(chain.x, s.t_indptr, s.t_rows, t_values, chain.init, chain.lengths, *scratch)
+            cpu.team.run(cpu.paths.sparse_chain_kbest, cpu.paths.sparse_chain_kbest_team, chain.x, s.t_indptr,
+                         s.t_rows, t_values, chain.init, chain.lengths, *scratch)
+        elif chain.backend.on_gpu:
+            chain.backend.launcher(cuda.paths.launch_chain_kbest)(chain.x, chain.trans, chain.group, chain.init,
+                                                                   chain.lengths, *scratch)
         else:
-            kernel = (cpu.paths.chain_kbest if not chain.backend.on_gpu
-                      else chain.backend.launcher(cuda.paths.launch_chain_kbest))
-            kernel(chain.x, chain.trans, chain.group, chain.init, chain.lengths, *scratch)
+            cpu.team.run(cpu.paths.chain_kbest, cpu.paths.chain_kbest_team, chain.x, chain.trans, chain.group,
+                         chain.init, chain.lengths, *scratch)
     return scores, paths
 
 

@@ -244,6 +244,7 @@ def test_path_kernels_on_torch_threads_give_the_bits_of_the_other_routes(monkeyp
     entries = [(cpu.chain, "chain_forward_team"), (cpu.chain, "chain_backward_team"),
                (cpu.chain, "chain_transition_grad_team"), (cpu.chain, "chain_viterbi_team"),
                (cpu.paths, "chain_sample_team"), (cpu.paths, "sparse_chain_sample_team"),
+               (cpu.paths, "chain_kbest_team"), (cpu.paths, "sparse_chain_kbest_team"),
                (cpu.semiring, "max_matmul_team")]
     for module, name in entries:
         entry = getattr(module, name)

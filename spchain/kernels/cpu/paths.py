@@ -270,12 +270,27 @@ def chain_kbest(x, trans, group, init, lengths, work, counts, backptr, scores, p
     ranking). Paths of score ``-inf`` are dropped, so fewer than ``k`` paths leave ``-inf``
     scores and -1 paths. Ties go to the lower (state, rank), as in ``chain.chain_viterbi``. Overwrites
     ``scores`` (k, B; ``+inf`` for a path through a ``+inf`` term) and ``paths`` (k, B, v).
-    O(B * v * c² * k²) time at worst; rows run in parallel.
+    O(B * v * c² * k²) time at worst; rows run in parallel (:func:`chain_kbest_team`: on
+    torch's threads).
     """
-    rows, v, c = x.shape
+    for b in prange(x.shape[0]):
+        _kbest_rows(b, b + 1, x, trans, group, init, lengths, work, counts, backptr, scores, paths)
+
+
+@njit(nogil=True, cache=True)
+def chain_kbest_team(parallel, threads, x, trans, group, init, lengths, work, counts, backptr, scores, paths):
+    """:func:`chain_kbest` on an OpenMP team (``team.team_rows``)."""
+    return team_rows(parallel, threads, _kbest_rows, x.shape[0],
+                     (x, trans, group, init, lengths, work, counts, backptr, scores, paths))
+
+
+@njit(cache=True, error_model="numpy")  # a prange body's error model: the same code on both routes
+def _kbest_rows(lo, hi, x, trans, group, init, lengths, work, counts, backptr, scores, paths):
+    """Rows ``lo:hi`` of :func:`chain_kbest`."""
+    c = x.shape[2]
     k = scores.shape[0]
     per_step = trans.shape[1] > 1
-    for b in prange(rows):
+    for b in range(lo, hi):
         g = b // group
         _kbest_first(b, x, init, work, counts)
         cur = 0
@@ -297,10 +312,27 @@ def sparse_chain_kbest(x, t_indptr, t_rows, t_values, init, lengths, work, count
     """:func:`chain_kbest` with one sparse transition matrix for all rows and steps, given by
     its transpose's CSR structure (``t_indptr``, ``t_rows``, ``t_values``: the stored entries
     of column ``j`` in order of their row; absent entries are ``-inf``). The candidates of a
-    state are those of its stored predecessors: O(B * v * (c + nnz) * k²) time at worst."""
-    rows, v, c = x.shape
+    state are those of its stored predecessors: O(B * v * (c + nnz) * k²) time at worst
+    (:func:`sparse_chain_kbest_team`: on torch's threads)."""
+    for b in prange(x.shape[0]):
+        _sparse_kbest_rows(b, b + 1, x, t_indptr, t_rows, t_values, init, lengths, work, counts, backptr, scores,
+                           paths)
+
+
+@njit(nogil=True, cache=True)
+def sparse_chain_kbest_team(parallel, threads, x, t_indptr, t_rows, t_values, init, lengths, work, counts, backptr,
+                            scores, paths):
+    """:func:`sparse_chain_kbest` on an OpenMP team (``team.team_rows``)."""
+    return team_rows(parallel, threads, _sparse_kbest_rows, x.shape[0],
+                     (x, t_indptr, t_rows, t_values, init, lengths, work, counts, backptr, scores, paths))
+
+
+@njit(cache=True, error_model="numpy")  # a prange body's error model: the same code on both routes
+def _sparse_kbest_rows(lo, hi, x, t_indptr, t_rows, t_values, init, lengths, work, counts, backptr, scores, paths):
+    """Rows ``lo:hi`` of :func:`sparse_chain_kbest`."""
+    c = x.shape[2]
     k = scores.shape[0]
-    for b in prange(rows):
+    for b in range(lo, hi):
         _kbest_first(b, x, init, work, counts)
         cur = 0
         for t in range(lengths[b] - 1):
