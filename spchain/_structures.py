@@ -140,9 +140,11 @@ class StructureCache:
         return len(self._entries)
 
 
-def kept(structure: Csr | Bsr, name: str, build: Callable[[], T]) -> T:
+def kept(structure: object, name: str, build: Callable[[], T]) -> T:
     """``build()``, made once per ``structure`` and kept on it under ``name``: what a product
-    derives from a cached structure lives as long as the cache keeps the structure.
+    derives from a cached structure lives as long as the cache keeps the structure (and what
+    a chain's forward derives from its prepared :class:`~spchain._chain_layout.Chain`, as long
+    as its backward may read it).
 
     >>> import numpy as np, spchain._backend as B
     >>> csr, _ = StructureCache().lookup(B.NUMPY, (np.array([0, 1]), np.array([0])), (1, 1), "doc")
