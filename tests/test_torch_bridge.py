@@ -127,3 +127,39 @@ def test_cpu_products_run_on_torch_blas_inside_spchain_torch(monkeypatch):
     np.testing.assert_allclose(small, a[:, :4, :5] @ b[:5, :2], rtol=1e-12)
     assert mixed.dtype == np.float64
     assert _backend.matmul(np, a, b).shape == (3, 40, 20) and len(calls) == 3  # outside: NumPy's
+
+
+def test_cpu_products_run_on_one_torch_thread_while_the_machine_is_crowded(monkeypatch):
+    """On a crowded machine (other processes' threads runnable) spchain's own products run on
+    one torch thread, called from several threads at once too, and torch's count comes back."""
+    import threading
+
+    from spchain import _backend
+    from spchain.kernels import cpu
+
+    seen = []
+    real = torch.matmul
+    monkeypatch.setattr(torch, "matmul", lambda *a, **k: seen.append(torch.get_num_threads()) or real(*a, **k))
+    rng = np.random.default_rng(0)
+    a, b = rng.normal(size=(3, 40, 50)), rng.normal(size=(50, 20))  # above SMALL_PRODUCT
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for crowded in (False, True):
+            monkeypatch.setattr(cpu.team, "crowded", lambda crowded=crowded: crowded)
+
+            def products():
+                with _bridge.bridge(torch.device("cpu")):
+                    for _ in range(20):
+                        np.testing.assert_allclose(_backend.matmul(np, a, b), a @ b, rtol=1e-12)
+
+            threads = [threading.Thread(target=products) for _ in range(3)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert len(seen) == 60 and set(seen) == ({1} if crowded else {2})
+            assert torch.get_num_threads() == 2
+            seen.clear()
+    finally:
+        torch.set_num_threads(before)
