@@ -104,23 +104,6 @@ below it OpenBLAS runs on the calling thread alone, and torch's dispatch would c
 times the product (a 4 x 4 product: 1.6 us against 7 us)."""
 
 
-@contextlib.contextmanager
-def _one_torch_thread() -> Iterator[None]:
-    """torch's operations on one thread inside the block, for spchain's own products while the
-    machine is crowded (``cpu.team.crowded``: other processes' threads are runnable). A GNU
-    OpenMP region ends when every thread of its team has had a time slice, so on a busy
-    machine each of the chain's GEMM-sweep products waited for the scheduler: the chain
-    workload's forward + backward took 968 ms beside two spinning processes against 113 ms
-    idle (the sequential recursion 2.3x slower), 232 ms with torch on one thread. torch's
-    thread count is an OpenMP setting of each thread: the calling thread's comes back after."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def _torch_matmul(a: NDArray[Any], b: NDArray[Any], out: NDArray[Any] | None = None) -> NDArray[Any]:
     """``np.matmul`` computed by torch's BLAS on zero-copy views (NumPy's own for products of
     at most :data:`SMALL_PRODUCT` multiply-adds, which run on one thread, and for operands
@@ -134,10 +117,19 @@ def _torch_matmul(a: NDArray[Any], b: NDArray[Any], out: NDArray[Any] | None = N
     if torch.is_autocast_enabled("cpu"):
         with torch.autocast("cpu", enabled=False):
             return _torch_matmul(a, b, out)
-    if cpu.team.crowded():
-        with _one_torch_thread():
-            return _torch_product(a, b, out)
-    return _torch_product(a, b, out)
+    if not cpu.team.crowded():
+        return _torch_product(a, b, out)
+    # A crowded machine (other processes' threads runnable): one torch thread. A GNU OpenMP
+    # region ends when every thread of its team has had a time slice, so each product of the
+    # chain's GEMM sweep waited for the scheduler: the chain workload's forward + backward took
+    # 968 ms beside two spinning processes against 113 ms idle, 232 ms with torch on one thread.
+    # The count is an OpenMP setting of each thread: the calling thread's comes back after.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _torch_product(a, b, out)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _torch_product(a: NDArray[Any], b: NDArray[Any], out: NDArray[Any] | None) -> NDArray[Any]:
