@@ -22,6 +22,15 @@ def test_in_memory_calls_load_no_dask():
     assert out.strip() == "False"
 
 
+def test_products_on_torch_load_no_numba():
+    """A product that the bridge lends to torch's BLAS asks whether the machine is crowded
+    without loading the kernels (Numba took 0.2 s to import on the first product)."""
+    pytest.importorskip("torch")
+    out = run("import sys, torch, spchain.torch as st; "
+              "st.block_diag_matmul(torch.ones(64, 4, 64), torch.ones(4, 64, 64)); print('numba' in sys.modules)")
+    assert out.strip() == "False"
+
+
 def test_array_api_names_load_on_first_use():
     out = run("import spchain; print(spchain.spmm.__module__, 'viterbi' in dir(spchain), hasattr(spchain, 'torch'))")
     assert out.split() == ["spchain.sparse", "True", "False"]

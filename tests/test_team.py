@@ -26,7 +26,7 @@ LINUX_WHEEL = pytest.mark.skipif(not (sys.platform.startswith("linux") and platf
 @pytest.fixture(autouse=True)
 def uncrowded():
     """Torch's team whenever it is found, whatever else runs on the machine (the tests' workers)."""
-    with cpu.team.assume_idle():
+    with cpu.assume_idle():
         yield
 
 
@@ -198,12 +198,12 @@ def test_a_busy_machine_is_crowded_and_runs_kernels_on_the_calling_thread(monkey
     busy = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 20\nwhile time.time() < end: pass"])
     try:
         time.sleep(0.5)
-        assert cpu.team._others_running() >= 1
-        assert not cpu.team.crowded()  # inside assume_idle()
-        with cpu.team.assume_idle():
+        assert cpu._others_running() >= 1
+        assert not cpu.crowded()  # inside assume_idle()
+        with cpu.assume_idle():
             pass  # leaving it: crowded() reads the machine again
-        monkeypatch.setattr(cpu.team, "CROWDED_EVERY", 0.0)
-        assert cpu.team.crowded()
+        monkeypatch.setattr(cpu, "CROWDED_EVERY", 0.0)
+        assert cpu.crowded()
         monkeypatch.setattr(cpu.team, "parallel", lambda: 12345)
         calls = []
         cpu.team.run(None, lambda *args: calls.append(args) or 0, 1, 2)

@@ -146,7 +146,7 @@ def test_cpu_products_run_on_one_torch_thread_while_the_machine_is_crowded(monke
     torch.set_num_threads(2)
     try:
         for crowded in (False, True):
-            monkeypatch.setattr(cpu.team, "crowded", lambda crowded=crowded: crowded)
+            monkeypatch.setattr(cpu, "crowded", lambda crowded=crowded: crowded)
 
             def products():
                 with _bridge.bridge(torch.device("cpu")):

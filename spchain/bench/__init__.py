@@ -207,7 +207,7 @@ def _compile(name: str, quick: bool) -> str:
     need into Numba's on-disk cache (for :func:`compile_kernels`)."""
     from ..kernels import cpu
 
-    with cpu.team.assume_idle():  # its worker keeps the machine busy: compile what an idle run calls
+    with cpu.assume_idle():  # its worker keeps the machine busy: compile what an idle run calls
         for case_name in cases(name, quick):
             case = make_case(name, case_name, quick)
             for method, fn in case.methods.items():

@@ -117,7 +117,7 @@ def _torch_matmul(a: NDArray[Any], b: NDArray[Any], out: NDArray[Any] | None = N
     if torch.is_autocast_enabled("cpu"):
         with torch.autocast("cpu", enabled=False):
             return _torch_matmul(a, b, out)
-    if not cpu.team.crowded():
+    if not cpu.crowded():
         return _torch_product(a, b, out)
     # A crowded machine (other processes' threads runnable): one torch thread. A GNU OpenMP
     # region ends when every thread of its team has had a time slice, so each product of the
