@@ -111,54 +111,64 @@ def chain_forward_scaled(x, trans, e, cmax, group, init, lengths, pre, norm):
     """``chain.chain_forward`` by scaled products: fills ``pre`` (B, v, c) and ``norm`` (B, v).
 
     ``e`` (G, S, c, c) and ``cmax`` (G, S, c) float64 as in the module docstring, the other
-    inputs as for ``chain.chain_forward``. A step is ``p @ e`` (eight rows a pass) on the
-    scaled message ``p = exp(â_t - max â_t)`` and ``c`` logarithms; the normaliser's
-    exponentials give the next ``p``. O(B * v * c²) multiply-adds, O(B * v * c) exponentials
-    and logarithms; rows run in parallel (:func:`chain_forward_scaled_team`: on torch's threads).
+    inputs as for ``chain.chain_forward``. A step is ``p @ e`` (BLAS, for a block of rows at
+    once: :func:`_product`) on the scaled messages ``p = exp(â_t - max â_t)`` and ``c``
+    logarithms a row; the normaliser's exponentials give the next ``p``. O(B * v * c²)
+    multiply-adds, O(B * v * c) exponentials and logarithms; blocks of rows run in parallel
+    (:func:`chain_forward_scaled_team`: on torch's threads).
     """
-    for b in prange(x.shape[0]):
-        _forward_rows(b, b + 1, x, trans, e, cmax, group, init, lengths, pre, norm)
+    for k in prange(-(-x.shape[0] // BLOCK)):
+        _forward_blocks(k, k + 1, x, trans, e, cmax, group, init, lengths, pre, norm)
 
 
 @njit(nogil=True, cache=True)
 def chain_forward_scaled_team(parallel, threads, x, trans, e, cmax, group, init, lengths, pre, norm):
     """:func:`chain_forward_scaled` on an OpenMP team (``team.team_rows``)."""
-    return team_rows(parallel, threads, _forward_rows, x.shape[0], (x, trans, e, cmax, group, init, lengths, pre, norm))
+    return team_rows(parallel, threads, _forward_blocks, -(-x.shape[0] // BLOCK),
+                     (x, trans, e, cmax, group, init, lengths, pre, norm))
 
 
 @njit(cache=True, error_model="numpy")  # a prange body's error model
-def _forward_rows(lo, hi, x, trans, e, cmax, group, init, lengths, pre, norm):
-    """Rows ``lo:hi`` of :func:`chain_forward_scaled`."""
-    rows, v, c = x.shape
+def _forward_blocks(lo, hi, x, trans, e, cmax, group, init, lengths, pre, norm):
+    """Blocks ``lo:hi`` (of :data:`BLOCK` rows) of :func:`chain_forward_scaled`."""
+    c = x.shape[2]
     per_step = trans.shape[1] > 1
-    for b in range(lo, hi):
-        g = b // group
-        length = lengths[b]
-        u = np.empty(c, x.dtype)
-        q = np.empty(c, x.dtype)
-        p = np.empty(c, np.float64)
-        acc = np.empty(c, np.float64)
-        for j in range(c):  # (an array assignment compiles Numba's shape-mismatch message: seconds)
-            pre[b, 0, j] = init[b, j]
-            q[j] = init[b, j] + x[b, 0, j]
-        norm[b, 0], top = _message(q, u, p, FLUSH)
-        for t in range(length - 1):
+    most = _block_rows(c)
+    u = np.empty((most, c), x.dtype)
+    q = np.empty(c, x.dtype)
+    p = np.zeros((most, c))
+    acc = np.empty((most, c))
+    top = np.empty(most)
+    for b0, b1 in _blocks(lo, hi, x.shape[0], group, most):
+        g = b0 // group
+        steps = 0
+        for r in range(b1 - b0):
+            b = b0 + r
+            for j in range(c):  # (an array assignment compiles Numba's shape-mismatch message: seconds)
+                pre[b, 0, j] = init[b, j]
+                q[j] = init[b, j] + x[b, 0, j]
+            norm[b, 0], top[r] = _message(q, u[r], p[r], FLUSH)
+            steps = max(steps, lengths[b] - 1)
+        for t in range(steps):
             s = t if per_step else 0
-            out = pre[b, t + 1]
-            if not math.isfinite(top):  # no path (-inf), or NaN on one
-                out[:] = top
-            else:
-                acc[:] = 0.0
-                _add_vecmat(acc, p, e[g, s])
-                if _scaled_log(top, cmax[g, s], acc, out):
+            _product(p[:b1 - b0], e[g, s], acc[:b1 - b0])
+            for r in range(b1 - b0):
+                b = b0 + r
+                if t >= lengths[b] - 1:
+                    continue
+                out = pre[b, t + 1]
+                if not math.isfinite(top[r]):  # no path (-inf), or NaN on one
+                    out[:] = top[r]
+                elif _scaled_log(top[r], cmax[g, s], acc[r], out):
                     for j in range(c):
-                        if not acc[j] >= TINY:
-                            out[j] = -np.inf if cmax[g, s, j] == -np.inf else _log_column(u, trans[g, s], j)
-            for j in range(c):
-                q[j] = out[j] + x[b, t + 1, j]
-            norm[b, t + 1], top = _message(q, u, p, FLUSH)
-        pre[b, length:, :] = -np.inf
-        norm[b, length:] = 0.0
+                        if not acc[r, j] >= TINY:
+                            out[j] = -np.inf if cmax[g, s, j] == -np.inf else _log_column(u[r], trans[g, s], j)
+                for j in range(c):
+                    q[j] = out[j] + x[b, t + 1, j]
+                norm[b, t + 1], top[r] = _message(q, u[r], p[r], FLUSH)
+        for b in range(b0, b1):
+            pre[b, lengths[b]:, :] = -np.inf
+            norm[b, lengths[b]:] = 0.0
 
 
 @njit(parallel=True, cache=True)
@@ -168,66 +178,80 @@ def chain_logsumexp_scaled(x, e, cmax, group, init, lengths, out, lost):
     ``out`` is garbage).
 
     Inputs as for :func:`chain_forward_scaled`. The message stays in probability space,
-    float64, scaled to a maximum of 1: a step is ``acc = p @ e`` and ``p' = acc * exp(cmax +
-    x[t + 1] - w)`` (``w`` their largest exponent), ``c`` exponentials and one logarithm.
+    float64, scaled to a maximum of 1: a step is ``acc = p @ e`` (BLAS, a block of rows at
+    once) and ``p' = acc * exp(cmax + x[t + 1] - w)`` (``w`` their largest exponent), ``c``
+    exponentials and one logarithm a row.
     A row is lost where some ``acc[j]`` with a possible ``cmax[j] + x[t + 1, j]`` is below
     ``TINY`` (dropped terms could matter, as in the module docstring), or where a message is
     not finite (``-inf``, NaN, no path): the exact sweep decides those. O(B * v * c²)
-    multiply-adds; rows run in parallel (:func:`chain_logsumexp_scaled_team`: on torch's threads).
+    multiply-adds; blocks of rows run in parallel (:func:`chain_logsumexp_scaled_team`: on
+    torch's threads).
     """
-    for b in prange(x.shape[0]):
-        _logsumexp_rows(b, b + 1, x, e, cmax, group, init, lengths, out, lost)
+    for k in prange(-(-x.shape[0] // BLOCK)):
+        _logsumexp_blocks(k, k + 1, x, e, cmax, group, init, lengths, out, lost)
 
 
 @njit(nogil=True, cache=True)
 def chain_logsumexp_scaled_team(parallel, threads, x, e, cmax, group, init, lengths, out, lost):
     """:func:`chain_logsumexp_scaled` on an OpenMP team (``team.team_rows``)."""
-    return team_rows(parallel, threads, _logsumexp_rows, x.shape[0], (x, e, cmax, group, init, lengths, out, lost))
+    return team_rows(parallel, threads, _logsumexp_blocks, -(-x.shape[0] // BLOCK),
+                     (x, e, cmax, group, init, lengths, out, lost))
 
 
 @njit(cache=True, error_model="numpy")  # a prange body's error model
-def _logsumexp_rows(lo, hi, x, e, cmax, group, init, lengths, out, lost):
-    """Rows ``lo:hi`` of :func:`chain_logsumexp_scaled`."""
-    rows, v, c = x.shape
+def _logsumexp_blocks(lo, hi, x, e, cmax, group, init, lengths, out, lost):
+    """Blocks ``lo:hi`` (of :data:`BLOCK` rows) of :func:`chain_logsumexp_scaled`."""
+    c = x.shape[2]
     per_step = e.shape[1] > 1
-    p = np.empty(c)
-    acc = np.empty(c)
+    most = _block_rows(c)
+    p = np.zeros((most, c))
+    acc = np.empty((most, c))
     w = np.empty(c)
-    for b in range(lo, hi):
-        g = b // group
-        like = x[b, 0, 0]  # exponentials to the accuracy of x's type, as the forward sweep's
-        for j in range(c):
-            w[j] = np.float64(init[b, j]) + x[b, 0, j]
-        total = _scaled_exp(w, p)
-        lost[b] = not math.isfinite(total)
-        for t in range(lengths[b] - 1):
-            if lost[b]:
-                break
+    total = np.empty(most)
+    for b0, b1 in _blocks(lo, hi, x.shape[0], group, most):
+        g = b0 // group
+        like = x[b0, 0, 0]  # exponentials to the accuracy of x's type, as the forward sweep's
+        steps = 0
+        for r in range(b1 - b0):
+            b = b0 + r
+            for j in range(c):
+                w[j] = np.float64(init[b, j]) + x[b, 0, j]
+            total[r] = _scaled_exp(w, p[r])
+            lost[b] = not math.isfinite(total[r])
+            steps = max(steps, lengths[b] - 1)
+        for t in range(steps):
             s = t if per_step else 0
-            acc[:] = 0.0
-            _add_vecmat(acc, p, e[g, s])
-            for j in range(c):
-                w[j] = cmax[g, s, j] + x[b, t + 1, j]
-            top = -np.inf
-            short = 0
-            for j in range(c):  # a scaled sum that could have lost terms, or NaN
-                top = w[j] if w[j] > top else top
-                short += 0 if (acc[j] >= TINY or (w[j] == -np.inf and acc[j] == acc[j])) and w[j] == w[j] else 1
-            if short or not math.isfinite(top):
-                lost[b] = True
-                break
-            for j in range(c):
-                p[j] = acc[j] * exp_like(like, w[j] - top)
-            biggest = 0.0
-            for j in range(c):
-                biggest = p[j] if p[j] > biggest else biggest
-            scale = 1.0 / biggest
-            for j in range(c):
-                q = p[j] * scale
-                p[j] = q if q >= FLUSH else 0.0
-            total += top + math.log(biggest)
-        out[b] = total + math.log(_sum(p))
-        lost[b] = lost[b] or not math.isfinite(out[b])
+            _product(p[:b1 - b0], e[g, s], acc[:b1 - b0])
+            for r in range(b1 - b0):
+                b = b0 + r
+                if lost[b] or t >= lengths[b] - 1:
+                    continue
+                for j in range(c):
+                    w[j] = cmax[g, s, j] + x[b, t + 1, j]
+                top = -np.inf
+                short = 0
+                for j in range(c):  # a scaled sum that could have lost terms, or NaN
+                    top = w[j] if w[j] > top else top
+                    short += 0 if (acc[r, j] >= TINY or (w[j] == -np.inf and acc[r, j] == acc[r, j])) \
+                        and w[j] == w[j] else 1
+                if short or not math.isfinite(top):
+                    lost[b] = True
+                    continue
+                pr = p[r]
+                for j in range(c):
+                    pr[j] = acc[r, j] * exp_like(like, w[j] - top)
+                biggest = 0.0
+                for j in range(c):
+                    biggest = pr[j] if pr[j] > biggest else biggest
+                scale = 1.0 / biggest
+                for j in range(c):
+                    f = pr[j] * scale
+                    pr[j] = f if f >= FLUSH else 0.0
+                total[r] += top + math.log(biggest)
+        for r in range(b1 - b0):
+            b = b0 + r
+            out[b] = total[r] + math.log(_sum(p[r]))
+            lost[b] = lost[b] or not math.isfinite(out[b])
 
 
 @njit(cache=True)
@@ -249,57 +273,70 @@ def chain_marginals_scaled(x, trans, e_t, cmax, group, lengths, pre, norm, marg)
     """The backward sweep by scaled products, straight to the posterior marginals: fills
     ``marg`` (B, v, c), each position renormalised to sum 1 (0 past each length and where a
     chain has no path). ``e_t`` holds the matrices of ``e`` transposed (G, S, c, c), the other
-    inputs as for :func:`chain_forward_scaled`, plus its outputs. A step is ``q @ e_t`` (eight
-    rows a pass) on ``q = exp(z - max z)``, ``z = x[t + 1] + beta[t + 1] + cmax``.
-    O(B * v * c²) multiply-adds; rows run in parallel (:func:`chain_marginals_scaled_team`: on
-    torch's threads).
+    inputs as for :func:`chain_forward_scaled`, plus its outputs. A step is ``q @ e_t`` (BLAS,
+    a block of rows at once) on ``q = exp(z - max z)``, ``z = x[t + 1] + beta[t + 1] + cmax``.
+    O(B * v * c²) multiply-adds; blocks of rows run in parallel
+    (:func:`chain_marginals_scaled_team`: on torch's threads).
     """
-    for b in prange(x.shape[0]):
-        _marginals_rows(b, b + 1, x, trans, e_t, cmax, group, lengths, pre, norm, marg)
+    for k in prange(-(-x.shape[0] // BLOCK)):
+        _marginals_blocks(k, k + 1, x, trans, e_t, cmax, group, lengths, pre, norm, marg)
 
 
 @njit(nogil=True, cache=True)
 def chain_marginals_scaled_team(parallel, threads, x, trans, e_t, cmax, group, lengths, pre, norm, marg):
     """:func:`chain_marginals_scaled` on an OpenMP team (``team.team_rows``)."""
-    return team_rows(parallel, threads, _marginals_rows, x.shape[0],
+    return team_rows(parallel, threads, _marginals_blocks, -(-x.shape[0] // BLOCK),
                      (x, trans, e_t, cmax, group, lengths, pre, norm, marg))
 
 
 @njit(cache=True, error_model="numpy")  # a prange body's error model
-def _marginals_rows(lo, hi, x, trans, e_t, cmax, group, lengths, pre, norm, marg):
-    """Rows ``lo:hi`` of :func:`chain_marginals_scaled`."""
-    rows, v, c = x.shape
+def _marginals_blocks(lo, hi, x, trans, e_t, cmax, group, lengths, pre, norm, marg):
+    """Blocks ``lo:hi`` (of :data:`BLOCK` rows) of :func:`chain_marginals_scaled`; the rows of a
+    block take each step together, each from its own last one."""
+    c = x.shape[2]
     per_step = trans.shape[1] > 1
-    for b in range(lo, hi):
-        g = b // group
-        length = lengths[b]
-        beta = np.zeros(c, x.dtype)
-        y = np.empty(c, x.dtype)
-        z = np.empty(c, x.dtype)
-        q = np.empty(c, np.float64)
-        acc = np.empty(c, np.float64)
-        zero = np.zeros(c)
-        marg[b, length:, :] = 0.0
-        _marginals(pre[b, length - 1], x[b, length - 1], norm[b, length - 1], beta, marg[b, length - 1])
-        for t in range(length - 2, -1, -1):
+    most = _block_rows(c)
+    beta = np.empty((most, c), x.dtype)
+    y = np.empty((most, c), x.dtype)
+    z = np.empty(c, x.dtype)
+    q = np.zeros((most, c))
+    acc = np.empty((most, c))
+    top = np.empty(most)
+    zero = np.zeros(c)
+    for b0, b1 in _blocks(lo, hi, x.shape[0], group, most):
+        g = b0 // group
+        steps = 0
+        for r in range(b1 - b0):
+            b = b0 + r
+            length = lengths[b]
+            beta[r] = 0.0
+            marg[b, length:, :] = 0.0
+            _marginals(pre[b, length - 1], x[b, length - 1], norm[b, length - 1], beta[r], marg[b, length - 1])
+            steps = max(steps, length - 1)
+        for t in range(steps - 1, -1, -1):
             s = t if per_step else 0
-            d = norm[b, t + 1]
-            for j in range(c):
-                y[j] = x[b, t + 1, j] + beta[j]
-                z[j] = y[j] + cmax[g, s, j]
-            top = _scaled_exp(z, q)
-            if d == -np.inf:  # the chain died at t + 1: nothing before it has a posterior
-                beta[:] = -np.inf
-            elif not math.isfinite(top):  # no path (-inf), or NaN on one
-                beta[:] = top
-            else:
-                acc[:] = 0.0
-                _add_vecmat(acc, q, e_t[g, s])
-                if _scaled_log(top - d, zero, acc, beta):
+            for r in range(b1 - b0):
+                b = b0 + r
+                if t < lengths[b] - 1:
+                    for j in range(c):
+                        y[r, j] = x[b, t + 1, j] + beta[r, j]
+                        z[j] = y[r, j] + cmax[g, s, j]
+                    top[r] = _scaled_exp(z, q[r])
+            _product(q[:b1 - b0], e_t[g, s], acc[:b1 - b0])
+            for r in range(b1 - b0):
+                b = b0 + r
+                if t >= lengths[b] - 1:
+                    continue
+                d = norm[b, t + 1]
+                if d == -np.inf:  # the chain died at t + 1: nothing before it has a posterior
+                    beta[r] = -np.inf
+                elif not math.isfinite(top[r]):  # no path (-inf), or NaN on one
+                    beta[r] = top[r]
+                elif _scaled_log(top[r] - d, zero, acc[r], beta[r]):
                     for i in range(c):
-                        if not acc[i] >= TINY:
-                            beta[i] = _log_column(y, trans[g, s].T, i) - d
-            _marginals(pre[b, t], x[b, t], norm[b, t], beta, marg[b, t])
+                        if not acc[r, i] >= TINY:
+                            beta[r, i] = _log_column(y[r], trans[g, s].T, i) - d
+                _marginals(pre[b, t], x[b, t], norm[b, t], beta[r], marg[b, t])
 
 
 BUFFER = 64
@@ -338,15 +375,14 @@ def _count_factors(a, cmax, pre_next, marg_next, w, p, r):
 
 
 @njit(cache=True)
-def _add_outer(out, p, r, p_t):
-    """``out += p.T @ r`` for ``p`` and ``r`` (n, c): eight rows of ``r`` a pass over each row
-    of ``out`` (``p_t`` (c, >= n) is scratch)."""
+def _add_outer(out, p, r, product):
+    """``out += p.T @ r`` for ``p`` and ``r`` (n, c), by BLAS (:func:`_product`) a few rows at
+    a time (``product`` (c, c) is scratch)."""
     n, c = p.shape
-    for k in range(n):
-        for i in range(c):
-            p_t[i, k] = p[k, i]
-    for i in range(c):
-        _add_vecmat(out[i], p_t[i, :n], r)
+    most = max(1, SMALL_GEMM // max(c * c, 1))
+    for k in range(0, n, most):
+        _product(p[k:k + most].T, r[k:k + most], product)
+        out += product
 
 
 @njit(parallel=True, cache=True)
@@ -359,7 +395,7 @@ def chain_transition_grad_scaled(x, cmax, group, lengths, pre, norm, marg, weigh
     matrix ``s``, so that ``e * acc.sum(2)`` is ``chain.chain_transition_grad``'s result.
     Sets ``ok[g, s, k]`` False where a scale factor exceeds ``exp(LIMIT)`` or is not a number (the
     caller then uses the exact kernel). Parallel over the (g, s, k) blocks of ``acc``; the
-    factors of ``BUFFER`` row-steps are added at once, eight a pass over each row of ``acc``.
+    factors of ``BUFFER`` row-steps are added at once (BLAS products).
     O(B * v * c²) multiply-adds (:func:`chain_transition_grad_scaled_team`: on torch's threads).
     """
     for gsk in prange(acc.shape[0] * acc.shape[1] * acc.shape[2]):
@@ -386,7 +422,7 @@ def _transition_grad_blocks(lo, hi, x, cmax, group, lengths, pre, norm, marg, we
         a = np.empty(c, x.dtype)
         p = np.empty((BUFFER, c), np.float64)
         r = np.empty((BUFFER, c), np.float64)
-        p_t = np.empty((c, BUFFER), np.float64)
+        product = np.empty((c, c))
         n = 0
         start = g * group + k * chunks
         for b in range(start, min(start + chunks, (g + 1) * group)):
@@ -403,9 +439,9 @@ def _transition_grad_blocks(lo, hi, x, cmax, group, lengths, pre, norm, marg, we
                 if use:
                     n += 1
                 if n == BUFFER:
-                    _add_outer(acc[g, s, k], p, r, p_t)
+                    _add_outer(acc[g, s, k], p, r, product)
                     n = 0
-        _add_outer(acc[g, s, k], p[:n], r[:n], p_t)
+        _add_outer(acc[g, s, k], p[:n], r[:n], product)
 
 
 @njit(cache=True, fastmath={"contract"})  # FMAs: the exponentials' polynomials vectorise 2x faster
@@ -674,6 +710,51 @@ def _count_row(a, cmax, pre_next, grad_next, inv_scale, log_threshold, tiny, p, 
         w[j] = gm * f if (gm != 0.0) & fine else 0.0
         bad += 0 if fine | (gm == 0.0) else 1
     return bad == 0
+
+
+BLOCK = 8
+"""Rows of one transition matrix that the scaled sweeps step at once: their products are one
+BLAS product a step (:func:`_product`; 4-6x the multiply-adds a second of a row at a time)."""
+
+SMALL_GEMM = 2**18
+"""Multiply-adds up to which :func:`_product` calls BLAS: OpenBLAS runs such a product on the
+calling thread (``m·n·k <= 4 · 65536``), and its own threads stay asleep beside torch's."""
+
+
+@njit(cache=True)
+def _blocks(lo, hi, rows, group, most):
+    """The row ranges ``(b0, b1)`` that a sweep steps together in blocks ``lo:hi`` of
+    :data:`BLOCK` rows: at most ``most`` rows, of one transition matrix (``group`` rows each).
+    They depend on the blocks alone, so that every route and thread count groups a row with
+    the same others, and gets the same bits from BLAS."""
+    out = []
+    for k in range(lo, hi):
+        b0, end = k * BLOCK, min(rows, (k + 1) * BLOCK)
+        while b0 < end:
+            b1 = min(end, b0 + most, (b0 // group + 1) * group)
+            out.append((b0, b1))
+            b0 = b1
+    return out
+
+
+@njit(cache=True)
+def _block_rows(c):
+    """The rows a block of the scaled sweeps takes for ``c`` states: :data:`BLOCK`, fewer where
+    their product would exceed :data:`SMALL_GEMM`."""
+    return max(1, min(BLOCK, SMALL_GEMM // max(c * c, 1)))
+
+
+@njit(cache=True)
+def _product(p, m, out):
+    """``out = p @ m`` for ``p`` (n, k), ``m`` (k, c), float64: BLAS's ``dgemm`` up to
+    :data:`SMALL_GEMM` multiply-adds, else a row at a time (:func:`_add_vecmat`)."""
+    n, k = p.shape
+    if n * k * m.shape[1] <= SMALL_GEMM:
+        np.dot(p, m, out)
+        return
+    for r in range(n):
+        out[r] = 0.0
+        _add_vecmat(out[r], p[r], m)
 
 
 @njit(cache=True, fastmath={"contract"})
