@@ -376,12 +376,11 @@ def _count_factors(a, cmax, pre_next, marg_next, w, p, r):
 
 @njit(cache=True)
 def _add_outer(out, p, r, product):
-    """``out += p.T @ r`` for ``p`` and ``r`` (n, c), by BLAS (:func:`_product`) a few rows at
-    a time (``product`` (c, c) is scratch)."""
-    n, c = p.shape
-    most = max(1, SMALL_GEMM // max(c * c, 1))
-    for k in range(0, n, most):
-        _product(p[k:k + most].T, r[k:k + most], product)
+    """``out += p.T @ r`` for ``p`` (n, c) and ``r`` (n, k), by BLAS (:func:`_product`) a few
+    rows at a time (``product`` (c, k) is scratch)."""
+    most = max(1, SMALL_GEMM // max(p.shape[1] * r.shape[1], 1))
+    for i in range(0, p.shape[0], most):
+        _product(p[i:i + most].T, r[i:i + most], product)
         out += product
 
 
@@ -757,6 +756,14 @@ def _product(p, m, out):
         _add_vecmat(out[r], p[r], m)
 
 
+@njit(cache=True)
+def _product_rows(p, m, out):
+    """``out = p @ m`` as :func:`_product`, a chunk of rows of ``p`` at a time."""
+    most = max(1, SMALL_GEMM // max(m.shape[0] * m.shape[1], 1))
+    for r in range(0, p.shape[0], most):
+        _product(p[r:r + most], m, out[r:r + most])
+
+
 @njit(cache=True, fastmath={"contract"})
 def _add_vecmat(acc, w, m):
     """``acc += w @ m``: ``acc`` (c,), ``w`` (k,), ``m`` (k, c); eight rows of ``m`` a pass over ``acc``."""
@@ -790,14 +797,13 @@ def _hmm_forward(x, weights, start, trans, first, length, alpha, e, s):
     factor is below ``TINY`` or not a number (then the outputs are incomplete)."""
     c = alpha.shape[1]
     log_prob = 0.0
+    if weights is not None:
+        _product_rows(x[first:first + length], weights, e[:length])
     for t in range(length):
         et, a = e[t], alpha[t]
         if weights is None:
             for j in range(c):  # (an array assignment compiles Numba's shape-mismatch message: seconds)
                 et[j] = x[first + t, j]
-        else:
-            et[:] = 0.0
-            _add_vecmat(et, x[first + t], weights)
         top = -np.inf
         for j in range(c):
             top = max(top, et[j])
@@ -904,6 +910,7 @@ def _posteriors_parts(lo, hi, x, weights, starts, start, trans, trans_t, post, l
         e = np.empty((longest, c))
         s = np.empty(longest)
         g = np.empty((longest if post is None else 0, c))
+        square, wide = np.empty((c, c)), np.empty((c, x.shape[1]))
         first[part] = 0.0
         if counts is not None:
             counts[part] = 0.0
@@ -924,8 +931,6 @@ def _posteriors_parts(lo, hi, x, weights, starts, start, trans, trans_t, post, l
             for i in range(c):  # (an array assignment compiles Numba's shape-mismatch message: seconds)
                 first[part, i] += gamma[0, i]
             if counts is not None:
-                for i in range(c):
-                    _add_vecmat(counts[part, i], alpha[:length - 1, i], e[1:length])
+                _add_outer(counts[part], alpha[:length - 1], e[1:length], square)
             if sums is not None:
-                for i in range(c):
-                    _add_vecmat(sums[part, i], gamma[:, i], x[begin:begin + length])
+                _add_outer(sums[part], gamma, x[begin:begin + length], wide)
