@@ -92,7 +92,8 @@ def test_the_log_partition_alone_is_the_forward_sweeps(rng, monkeypatch, dtype):
 ])
 def test_blocks_of_rows_step_together_as_rows_alone(rng, batch, v, c, per_step):
     """The scaled sweeps step blocks of rows of one matrix together (one BLAS product a step):
-    rows of other lengths, of other matrices and without a path give what each gives alone."""
+    rows of other lengths, of other matrices, without a path or with NaN give what each gives
+    alone."""
     rows = int(np.prod(batch))
     x = rng.normal(size=(*batch, v, c))
     trans = rng.normal(size=(batch[0], 1, c, c) if len(batch) == 2 else (1, v - 1, c, c) if per_step else (c, c))
@@ -102,14 +103,18 @@ def test_blocks_of_rows_step_together_as_rows_alone(rng, batch, v, c, per_step):
     x.reshape(rows, v, c)[rows // 2, 1] = -np.inf  # no path
     assert _chain_scaled.applies(_chain_layout.prepare(x, trans, init, lengths, "t"))
     weight = rng.normal(size=batch)
-    got_z, (got_x, got_trans, got_init) = sweep(x, trans, init, lengths, weight)
     steps = trans[:, :, None] if len(batch) == 2 else trans  # (3, 1, c, c): one matrix for all steps of 5 rows
     per_row = np.broadcast_to(steps, (*batch, v - 1, c, c)).reshape(rows, v - 1, c, c).copy()
-    want_z, (want_x, want_trans, want_init) = sweep(x.reshape(rows, v, c), per_row, init, lengths.ravel(),
-                                                    weight.ravel())
-    np.testing.assert_allclose(got_z.ravel(), want_z, rtol=1e-12)
-    np.testing.assert_allclose(got_x.reshape(rows, v, c), want_x, rtol=1e-11, atol=1e-12)
-    np.testing.assert_allclose(got_init, want_init, rtol=1e-11, atol=1e-12)
-    summed = want_trans.reshape(*batch, v - 1, c, c)
-    summed = summed.sum((1, 2)) if len(batch) == 2 else summed.sum(0) if per_step else summed.sum((0, 1))
-    np.testing.assert_allclose(got_trans, summed.reshape(trans.shape), rtol=1e-10, atol=1e-10 * rows * v)
+    for nan in (False, True):
+        if nan:  # NaN in one row of a block: in that row's results alone (and the gradient of its matrix)
+            x.reshape(rows, v, c)[rows // 3, 0, 1] = np.nan
+        got_z, (got_x, got_trans, got_init) = sweep(x, trans, init, lengths, weight)
+        want_z, (want_x, want_trans, want_init) = sweep(x.reshape(rows, v, c), per_row, init, lengths.ravel(),
+                                                        weight.ravel())
+        np.testing.assert_allclose(got_z.ravel(), want_z, rtol=1e-12)
+        np.testing.assert_allclose(got_x.reshape(rows, v, c), want_x, rtol=1e-11, atol=1e-12)
+        assert np.isnan(got_x.reshape(rows, v, c)).any(axis=(1, 2)).sum() == nan
+        np.testing.assert_allclose(got_init, want_init, rtol=1e-11, atol=1e-12)
+        summed = want_trans.reshape(*batch, v - 1, c, c)
+        summed = summed.sum((1, 2)) if len(batch) == 2 else summed.sum(0) if per_step else summed.sum((0, 1))
+        np.testing.assert_allclose(got_trans, summed.reshape(trans.shape), rtol=1e-10, atol=1e-10 * rows * v)
