@@ -213,13 +213,6 @@ def _scaled_transitions(chain: Chain) -> tuple[Array, Array]:
     return _structures.kept(chain, "scaled_transitions", build)
 
 
-def _log(a: Array) -> None:
-    """``a = log(a)`` in place (0 gives ``-inf``): NumPy's vectorised logarithm, several times
-    faster than the kernels' scalar one."""
-    with np.errstate(divide="ignore", invalid="ignore"):
-        np.log(a, out=a)
-
-
 def _forward_gemm_fused(chain: Chain, pre: Array, norm: Array) -> None:
     """The GEMM sweep's forward on the CPU: a step is one GEMM (torch's BLAS) and one pass of
     a Numba kernel over each row (``kernels/cpu/chain_scaled.py``: ``gemm_forward_step``), where
@@ -238,8 +231,7 @@ def _forward_gemm_fused(chain: Chain, pre: Array, norm: Array) -> None:
         if t + 1 < chain.max_length:
             s = t if chain.per_step else 0
             _backend.matmul(np, u.reshape(groups, chain.group, c), e[:, s],
-                            out=product.reshape(groups, chain.group, c))
-            _log(product)
+                            out=product.reshape(groups, chain.group, c), log=True)
     pre[:, chain.max_length:] = -np.inf
     norm[:, chain.max_length:] = 0
 
@@ -362,8 +354,7 @@ def _backward_gemm_fused(chain: Chain, pre: Array, norm: Array, weight: Array, g
         if t == 0:
             break
         s = t - 1 if chain.per_step else 0
-        _backend.matmul(np, z.reshape(shape), e[:, s].swapaxes(-1, -2), out=product.reshape(shape))
-        _log(product)
+        _backend.matmul(np, z.reshape(shape), e[:, s].swapaxes(-1, -2), out=product.reshape(shape), log=True)
         if grad_trans is not None and chain.per_step:  # each matrix's counts in one GEMM
             _backend.matmul(np, p.reshape(shape).swapaxes(-1, -2), w.reshape(shape), out=grad_trans[:, s])
         elif grad_trans is not None:

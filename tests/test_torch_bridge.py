@@ -1,5 +1,7 @@
 """The DLPack bridge between torch tensors and NumPy/CuPy arrays (spchain/torch/_bridge.py)."""
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -127,6 +129,33 @@ def test_cpu_products_run_on_torch_blas_inside_spchain_torch(monkeypatch):
     np.testing.assert_allclose(small, a[:, :4, :5] @ b[:5, :2], rtol=1e-12)
     assert mixed.dtype == np.float64
     assert _backend.matmul(np, a, b).shape == (3, 40, 20) and len(calls) == 3  # outside: NumPy's
+
+
+def test_logarithms_of_products_on_every_route():
+    """``matmul(..., log=True)`` (the GEMM sweeps' scaled products): the logarithm of the
+    product in place, 0 giving ``-inf``, on torch's route (into ``out``, strided or not, and
+    without one) and NumPy's (small, read-only), inside the bridge and outside."""
+    from spchain import _backend
+
+    rng = np.random.default_rng(0)
+    a, b = rng.random((3, 40, 50)), rng.random((50, 20))  # above SMALL_PRODUCT
+    a[0, 1] = 0.0  # a zero row of the product: -inf
+    read_only = a.copy()
+    read_only.flags.writeable = False
+    with np.errstate(divide="ignore"):
+        want = np.log(a @ b)
+    for inside in (True, False):
+        with _bridge.bridge(torch.device("cpu")) if inside else contextlib.nullcontext():
+            out = np.empty((40, 3, 20)).swapaxes(0, 1)
+            batched_out = np.empty((3, 40, 20))
+            found = [_backend.matmul(np, a, b, log=True), _backend.matmul(np, a, b, out=out, log=True), out,
+                     _backend.matmul(np, a, np.broadcast_to(b, (3, 50, 20)).copy(), out=batched_out, log=True),
+                     batched_out, _backend.matmul(np, read_only, b, log=True)]
+            small = _backend.matmul(np, a[:, :4, :5], b[:5, :2], log=True)
+        for got in found:
+            np.testing.assert_allclose(got, want, rtol=1e-12)
+            assert (got[0, 1] == -np.inf).all()
+        np.testing.assert_allclose(np.exp(small), a[:, :4, :5] @ b[:5, :2], rtol=1e-12)
 
 
 def test_cpu_products_run_on_one_torch_thread_while_the_machine_is_crowded(monkeypatch):

@@ -104,21 +104,22 @@ below it OpenBLAS runs on the calling thread alone, and torch's dispatch would c
 times the product (a 4 x 4 product: 1.6 us against 7 us)."""
 
 
-def _torch_matmul(a: NDArray[Any], b: NDArray[Any], out: NDArray[Any] | None = None) -> NDArray[Any]:
-    """``np.matmul`` computed by torch's BLAS on zero-copy views (NumPy's own for products of
-    at most :data:`SMALL_PRODUCT` multiply-adds, which run on one thread, and for operands
-    torch cannot take as they are: read-only, negatively strided, or of mixed dtypes), in the
-    operands' dtype also under ``torch.autocast`` (which would round to bfloat16)."""
+def _torch_matmul(a: NDArray[Any], b: NDArray[Any], out: NDArray[Any] | None = None,
+                  log: bool = False) -> NDArray[Any]:
+    """:func:`spchain._backend.numpy_matmul` computed by torch on zero-copy views (NumPy's own
+    for products of at most :data:`SMALL_PRODUCT` multiply-adds, which run on one thread, and
+    for operands torch cannot take as they are: read-only, negatively strided, or of mixed
+    dtypes), in the operands' dtype also under ``torch.autocast`` (which would round to bfloat16)."""
     if a.size * b.shape[-1] <= SMALL_PRODUCT and b.size * a.shape[-2] <= SMALL_PRODUCT:
-        return np.matmul(a, b, out=out)
+        return _backend.numpy_matmul(a, b, out, log)
     operands = [t for t in (a, b, out) if t is not None]
     if not all(t.flags.writeable and min(t.strides, default=0) >= 0 and t.dtype == a.dtype for t in operands):
-        return np.matmul(a, b, out=out)
+        return _backend.numpy_matmul(a, b, out, log)
     if torch.is_autocast_enabled("cpu"):
         with torch.autocast("cpu", enabled=False):
-            return _torch_matmul(a, b, out)
+            return _torch_matmul(a, b, out, log)
     if not cpu.crowded():
-        return _torch_product(a, b, out)
+        return _torch_product(a, b, out, log)
     # A crowded machine (other processes' threads runnable): one torch thread. A GNU OpenMP
     # region ends when every thread of its team has had a time slice, so each product of the
     # chain's GEMM sweep waited for the scheduler: the chain workload's forward + backward took
@@ -127,17 +128,21 @@ def _torch_matmul(a: NDArray[Any], b: NDArray[Any], out: NDArray[Any] | None = N
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _torch_product(a, b, out)
+        return _torch_product(a, b, out, log)
     finally:
         torch.set_num_threads(threads)
 
 
-def _torch_product(a: NDArray[Any], b: NDArray[Any], out: NDArray[Any] | None) -> NDArray[Any]:
-    """:func:`_torch_matmul`'s product by torch, once the operands are known to suit it."""
+def _torch_product(a: NDArray[Any], b: NDArray[Any], out: NDArray[Any] | None, log: bool) -> NDArray[Any]:
+    """:func:`_torch_matmul`'s product (and logarithm) by torch, once the operands are known to suit it."""
     if out is not None and a.ndim == b.ndim == out.ndim:  # straight into out, strided or not
-        torch.matmul(torch.from_numpy(a), torch.from_numpy(b), out=torch.from_numpy(out))
+        into = torch.from_numpy(out)
+        torch.matmul(torch.from_numpy(a), torch.from_numpy(b), out=into)
+        if log:
+            into.log_()
         return out
-    product = torch.matmul(torch.from_numpy(a), torch.from_numpy(b)).numpy()
+    tensor = torch.matmul(torch.from_numpy(a), torch.from_numpy(b))
+    product = (tensor.log_() if log else tensor).numpy()
     if out is None:
         return product
     np.copyto(out, product)  # torch folds broadcast batches into rows, which a strided out resists
