@@ -57,7 +57,7 @@ def forward(chain: Chain, pre: Array, norm: Array) -> None:
     """Fills ``pre`` and ``norm`` as ``chain_forward`` does."""
     e, cmax = _scaled(chain)
     kernels = cpu.chain_scaled
-    cpu.team.run(kernels.chain_forward_scaled, kernels.chain_forward_scaled_team,
+    cpu.team.run(kernels.chain_forward_scaled,
                  chain.x, chain.trans, e, cmax, chain.group, chain.init, chain.lengths, pre, norm)
 
 
@@ -67,7 +67,7 @@ def log_partition(chain: Chain) -> tuple[Array, Array]:
     e, cmax = _scaled(chain)
     out, lost = np.empty(chain.x.shape[0]), np.empty(chain.x.shape[0], bool)
     kernels = cpu.chain_scaled
-    cpu.team.run(kernels.chain_logsumexp_scaled, kernels.chain_logsumexp_scaled_team,
+    cpu.team.run(kernels.chain_logsumexp_scaled,
                  chain.x, e, cmax, chain.group, chain.init, chain.lengths, out, lost)
     return out, lost
 
@@ -79,7 +79,7 @@ def backward(chain: Chain, pre: Array, norm: Array, weight: Array, grad_trans: A
     marg = np.empty_like(chain.x)
     e_t = np.ascontiguousarray(e.swapaxes(-1, -2))
     kernels = cpu.chain_scaled
-    cpu.team.run(kernels.chain_marginals_scaled, kernels.chain_marginals_scaled_team,
+    cpu.team.run(kernels.chain_marginals_scaled,
                  chain.x, chain.trans, e_t, cmax, chain.group, chain.lengths, pre, norm, marg)
     if grad_trans is not None:
         groups, steps = chain.trans.shape[:2]
@@ -87,12 +87,12 @@ def backward(chain: Chain, pre: Array, norm: Array, weight: Array, grad_trans: A
         chunks = -(-chain.group // parts)
         acc = np.zeros(chain.trans.shape[:2] + (parts,) + chain.trans.shape[2:])
         ok = np.ones((groups, steps, parts), bool)
-        cpu.team.run(kernels.chain_transition_grad_scaled, kernels.chain_transition_grad_scaled_team,
+        cpu.team.run(kernels.chain_transition_grad_scaled,
                      chain.x, cmax, chain.group, chain.lengths, pre, norm, marg, weight, chunks, acc, ok)
         if ok.all():
             grad_trans[...] = e * acc.sum(axis=2)
         else:  # a scale factor out of range: the exact log-space sums
-            cpu.team.run(cpu.chain.chain_transition_grad, cpu.chain.chain_transition_grad_team, chain.x, chain.trans,
+            cpu.team.run(cpu.chain.chain_transition_grad, chain.x, chain.trans,
                          chain.group, chain.lengths, pre, norm, marg, weight, grad_trans)
     return marg
 
@@ -180,7 +180,7 @@ def _exact_where_not(chain: Chain, pre: Array, norm: Array, marg: Array, weight:
         chain.backend.launcher(cuda.chain.launch_chain_transition_grad_masked)(*args, ok, grad_trans)
     elif not ok.all():
         exact = np.empty_like(grad_trans)
-        cpu.team.run(cpu.chain.chain_transition_grad, cpu.chain.chain_transition_grad_team, *args, exact)
+        cpu.team.run(cpu.chain.chain_transition_grad, *args, exact)
         grad_trans[...] = np.where(ok[..., None, None], grad_trans, exact)
 
 
@@ -220,9 +220,8 @@ def hmm_posteriors(backend: Backend, x: Array, weights: Array | None, starts: Ar
     counts = np.empty((parts, c, c)) if transitions else None
     totals = np.empty((parts, c, x.shape[1])) if sums else None
     kernels = cpu.chain_scaled
-    cpu.team.run(
-        kernels.hmm_posteriors_scaled, kernels.hmm_posteriors_scaled_team, x, None if weights is None else np.ascontiguousarray(weights, dtype=np.float64), starts,
-        np.ascontiguousarray(startprob, dtype=np.float64), np.ascontiguousarray(transmat, dtype=np.float64), parts,
-        post, log_prob, first, counts, totals)
+    weights = None if weights is None else np.ascontiguousarray(weights, dtype=np.float64)
+    cpu.team.run(kernels.hmm_posteriors_scaled, x, weights, starts, np.ascontiguousarray(startprob, dtype=np.float64),
+                 np.ascontiguousarray(transmat, dtype=np.float64), parts, post, log_prob, first, counts, totals)
     return (log_prob, post, first.sum(axis=0), None if counts is None else transmat * counts.sum(axis=0),
             None if totals is None else totals.sum(axis=0))

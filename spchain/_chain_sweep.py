@@ -152,7 +152,7 @@ def forward_finite(chain: Chain) -> tuple[Array, Array, Array]:
         if chain.backend.on_gpu:
             chain.backend.launcher(cuda.chain.launch_chain_forward)(*args)
         else:
-            cpu.team.run(cpu.chain.chain_forward, cpu.chain.chain_forward_team, *args)
+            cpu.team.run(cpu.chain.chain_forward, *args)
     inside = xp.arange(v)[None, :] < chain.lengths[:, None]
     log_partition = xp.where(inside, norm, 0).sum(axis=1, dtype=np.float64).astype(chain.x.dtype)
     return log_partition, pre, norm
@@ -226,7 +226,7 @@ def _forward_gemm_fused(chain: Chain, pre: Array, norm: Array) -> None:
     top = np.empty(rows)
     kernels = cpu.chain_scaled
     for t in range(chain.max_length):
-        cpu.team.run(kernels.gemm_forward_step, kernels.gemm_forward_step_team, t, chain.x, chain.trans, cmax,
+        cpu.team.run(kernels.gemm_forward_step, t, chain.x, chain.trans, cmax,
                      chain.group, chain.init, chain.lengths, log_threshold, tiny, product, top, u, pre, norm)
         if t + 1 < chain.max_length:
             s = t if chain.per_step else 0
@@ -263,7 +263,7 @@ def backward_finite(chain: Chain, pre: Array, norm: Array, weight: Array,
         if chain.backend.on_gpu:
             chain.backend.launcher(cuda.chain.launch_chain_backward)(*args)
         else:
-            cpu.team.run(cpu.chain.chain_backward, cpu.chain.chain_backward_team, *args)
+            cpu.team.run(cpu.chain.chain_backward, *args)
         inside = (xp.arange(v)[None, :] < chain.lengths[:, None])[..., None]
         marginals, _ = renormalise(xp, xp.where(inside, xp.exp(normalised(xp, pre, chain.x, norm) + beta), 0))
         if grad_trans is not None and batched_counts(chain):
@@ -273,7 +273,7 @@ def backward_finite(chain: Chain, pre: Array, norm: Array, weight: Array,
             if chain.backend.on_gpu:
                 chain.backend.launcher(cuda.chain.launch_chain_transition_grad)(*counts)
             else:
-                cpu.team.run(cpu.chain.chain_transition_grad, cpu.chain.chain_transition_grad_team, *counts)
+                cpu.team.run(cpu.chain.chain_transition_grad, *counts)
         grad_x = weighted(xp, marginals, weight)
     return grad_x, grad_trans
 
@@ -348,7 +348,7 @@ def _backward_gemm_fused(chain: Chain, pre: Array, norm: Array, weight: Array, g
     kernels = cpu.chain_scaled
     shape = (groups, chain.group, c)
     for t in range(chain.max_length - 1, -1, -1):
-        cpu.team.run(kernels.gemm_backward_step, kernels.gemm_backward_step_team, t, last, weight, 1 / scale,
+        cpu.team.run(kernels.gemm_backward_step, t, last, weight, 1 / scale,
                      chain.x, chain.trans, cmax, chain.group, pre, norm, log_threshold, tiny, counts,
                      forward, beta, y, top, z, product, grad_x, p, w, ok, reached)
         if t == 0:
@@ -383,6 +383,6 @@ def viterbi_finite(chain: Chain) -> tuple[Array, Array]:
         if chain.backend.on_gpu:
             chain.backend.launcher(cuda.chain.launch_chain_viterbi)(*args)
         else:
-            cpu.team.run(cpu.chain.chain_viterbi, cpu.chain.chain_viterbi_team, *args)
+            cpu.team.run(cpu.chain.chain_viterbi, *args)
         path = xp.where((score == -np.inf)[:, None], -1, path)  # no path: nothing to follow, no gradient
     return score, path

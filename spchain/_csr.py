@@ -94,7 +94,7 @@ class Csr:
             transposed = not b.flags.c_contiguous and b.flags.f_contiguous and cpu.sparse.packs_transposed(b.shape[0])
             args = (csr.indptr, csr.indices, values, b.T if transposed else contiguous(backend, b),
                     np.zeros(m, dtype) if bias is None else bias, out)
-            _run(cpu.sparse.sparse_spmm, cpu.sparse.sparse_spmm_team, args, _backend.threads(csr.nnz * n), transposed)
+            _run(cpu.sparse.sparse_spmm, args, _backend.threads(csr.nnz * n), transposed)
         return out
 
     def sampled(self, backend: Backend, a: Array, b: Array, dtype: np.dtype[Any]) -> Array:
@@ -115,19 +115,18 @@ class Csr:
         transposed = all(not t.flags.c_contiguous and t.flags.f_contiguous and cpu.sparse.packs_transposed(t.shape[0])
                          for t in (a, b))
         a, b = (a.T, b.T) if transposed else (contiguous(backend, a), contiguous(backend, b))
-        _run(cpu.sparse.sparse_sddmm, cpu.sparse.sparse_sddmm_team, (self.indptr, self.indices, a, b, out), threads,
-             transposed)
+        _run(cpu.sparse.sparse_sddmm, (self.indptr, self.indices, a, b, out), threads, transposed)
         return out
 
 
-def _run(kernel: Any, on_team: Any, args: tuple[Any, ...], threads: int, transposed: bool) -> None:
-    """``kernel(*args, threads, transposed)``, a sparse product in ``threads`` runs: in parallel on
-    torch's threads or Numba's (``team.run``), or for ``threads`` 1 (below
-    :data:`~spchain._backend.SERIAL_WORK`) its team entry on the calling thread."""
+def _run(kernel: Any, args: tuple[Any, ...], threads: int, transposed: bool) -> None:
+    """A sparse product in ``threads`` runs: in parallel on torch's threads or Numba's
+    (``team.run``), or for ``threads`` 1 (below :data:`~spchain._backend.SERIAL_WORK`) on the
+    calling thread."""
     if threads > 1:
-        cpu.team.run(kernel, on_team, *args, threads, transposed)
+        cpu.team.run(kernel, *args, threads, transposed)
     else:
-        on_team(0, 1, *args, 1, transposed)
+        kernel(0, 1, *args, 1, transposed)
 
 
 def structure_nbytes(structure: Any) -> int:
@@ -339,9 +338,9 @@ def contiguous(backend: Backend, a: Array) -> Array:
     if not backend.on_gpu and a.ndim == 2 and a.flags.f_contiguous:
         out = np.empty(a.shape, a.dtype)
         if _backend.threads(a.size) > 1:
-            cpu.team.run(cpu.sparse.transpose, cpu.sparse.transpose_team, a.T, out)
+            cpu.team.run(cpu.sparse.transpose, a.T, out)
         else:  # small: on the calling thread
-            cpu.sparse.transpose_team(0, 1, a.T, out)
+            cpu.sparse.transpose(0, 1, a.T, out)
         return out
     return backend.xp.ascontiguousarray(a)
 

@@ -138,7 +138,7 @@ def forward(chain: Chain) -> tuple[Array, Array, Array]:
     if rows and not chain.backend.on_gpu:
         scaled = _scaled(chain)
         kernels = cpu.sparse_chain_scaled
-        cpu.team.run(kernels.sparse_chain_forward_scaled, kernels.sparse_chain_forward_scaled_team,
+        cpu.team.run(kernels.sparse_chain_forward_scaled,
                      chain.x, s.t_indptr, s.t_rows, scaled.t_values, scaled.t_e, scaled.cmax, chain.init,
                      chain.lengths, pre, norm, cpu.sparse_chain.chunks(rows))
     elif rows:  # the GPU: scaled SpMVs too, the stored values exponentiated once in the data's dtype
@@ -250,7 +250,7 @@ def _backward_scaled(chain: Chain, pre: Array, norm: Array, weight: Array,
     grad_x = np.empty_like(chain.x)
     values = read_only(np.ascontiguousarray(_values(chain)))
     kernels = cpu.sparse_chain_scaled
-    cpu.team.run(kernels.sparse_chain_backward_scaled, kernels.sparse_chain_backward_scaled_team,
+    cpu.team.run(kernels.sparse_chain_backward_scaled,
                  chain.x, s.indptr, s.indices, values, scaled.row_e, scaled.rmax, s.t_indptr, s.t_rows,
                  scaled.t_values, s.order, scaled.e, scaled.cmax, chain.lengths, pre, norm, weight, grad_x, partial)
     if grad_trans is not None:
@@ -273,7 +273,7 @@ def viterbi(chain: Chain) -> tuple[Array, Array]:
         if chain.backend.on_gpu:
             chain.backend.launcher(cuda.sparse_chain.launch_sparse_chain_viterbi)(*args)
         else:
-            cpu.team.run(cpu.sparse_chain.sparse_chain_viterbi, cpu.sparse_chain.sparse_chain_viterbi_team, *args)
+            cpu.team.run(cpu.sparse_chain.sparse_chain_viterbi, *args)
         path = xp.where((score == -np.inf)[:, None], -1, path)
     return score, path
 

@@ -109,7 +109,7 @@ def _sample(chain: Chain, num_samples: int, seed: int | None) -> Array:
     if num_samples and rows and chain.sparse is not None:
         s = chain.sparse
         t_values = _sparse_chain.transposed_values(chain)
-        cpu.team.run(cpu.paths.sparse_chain_sample, cpu.paths.sparse_chain_sample_team,
+        cpu.team.run(cpu.paths.sparse_chain_sample,
                      alpha, s.t_indptr, s.t_rows, t_values, chain.lengths, possible, uniforms, paths)
     elif num_samples and rows:
         trans_t = xp.ascontiguousarray(chain.trans.swapaxes(-1, -2))
@@ -119,7 +119,7 @@ def _sample(chain: Chain, num_samples: int, seed: int | None) -> Array:
         if chain.backend.on_gpu:
             chain.backend.launcher(cuda.paths.launch_chain_sample)(*args)
         else:
-            cpu.team.run(cpu.paths.chain_sample, cpu.paths.chain_sample_team, *args)
+            cpu.team.run(cpu.paths.chain_sample, *args)
     return paths
 
 
@@ -284,13 +284,13 @@ def _kbest(chain: Chain, k: int) -> tuple[Array, Array]:
         if chain.sparse is not None:
             s = chain.sparse
             t_values = _sparse_chain.transposed_values(chain)
-            cpu.team.run(cpu.paths.sparse_chain_kbest, cpu.paths.sparse_chain_kbest_team, chain.x, s.t_indptr,
+            cpu.team.run(cpu.paths.sparse_chain_kbest, chain.x, s.t_indptr,
                          s.t_rows, t_values, chain.init, chain.lengths, *scratch)
         elif chain.backend.on_gpu:
             chain.backend.launcher(cuda.paths.launch_chain_kbest)(chain.x, chain.trans, chain.group, chain.init,
                                                                    chain.lengths, *scratch)
         else:
-            cpu.team.run(cpu.paths.chain_kbest, cpu.paths.chain_kbest_team, chain.x, chain.trans, chain.group,
+            cpu.team.run(cpu.paths.chain_kbest, chain.x, chain.trans, chain.group,
                          chain.init, chain.lengths, *scratch)
     return scores, paths
 

@@ -191,7 +191,7 @@ def _maxmatmul_forward(p: Operands) -> tuple[tuple[Array, Array], MaxProduct]:
             if p.backend.on_gpu:
                 p.backend.launcher(cuda.semiring.launch_max_matmul)(a3, b3, a_index, b_index, values, argmax)
             else:
-                cpu.team.run(cpu.semiring.max_matmul, cpu.semiring.max_matmul_team, a3, b3, a_index, b_index, values,
+                cpu.team.run(cpu.semiring.max_matmul, a3, b3, a_index, b_index, values,
                              argmax)
         values, argmax = values.reshape(p.batch_shape + (m, n)), argmax.reshape(p.batch_shape + (m, n))
     return (values, argmax), MaxProduct(values, argmax)

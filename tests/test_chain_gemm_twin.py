@@ -11,6 +11,7 @@ import positional
 import spchain
 from spchain import _chain_layout, _chain_scaled, _chain_sweep, _logspace
 from spchain.kernels.cpu import chain as cpu_chain
+from spchain.kernels.cpu import team
 
 
 def problem(rng, scale, dtype, per_row, B=8, v=6, c=5):
@@ -57,8 +58,8 @@ def layout_and_marginals(rng, scale, per_row):
     chain = _chain_layout.prepare(x, trans, init, lengths, "t")
     rows, v, c = chain.x.shape
     pre, norm, beta = np.empty_like(chain.x), np.empty((rows, v)), np.empty_like(chain.x)
-    cpu_chain.chain_forward(chain.x, chain.trans, chain.group, chain.init, chain.lengths, pre, norm)
-    cpu_chain.chain_backward(chain.x, chain.trans, chain.group, chain.lengths, norm, beta)
+    team.run(cpu_chain.chain_forward, chain.x, chain.trans, chain.group, chain.init, chain.lengths, pre, norm)
+    team.run(cpu_chain.chain_backward, chain.x, chain.trans, chain.group, chain.lengths, norm, beta)
     inside = (np.arange(v)[None, :] < chain.lengths[:, None])[..., None]
     with np.errstate(invalid="ignore"):
         marg, _ = _logspace.renormalise(
@@ -74,7 +75,7 @@ def test_transition_grad_gemm_matches_kernel(monkeypatch, rng, per_row, scale, c
     chain, pre, norm, marg = layout_and_marginals(rng, scale, per_row)
     weight = np.linspace(0.5, 2.0, chain.x.shape[0])
     want = np.empty_like(chain.trans)
-    cpu_chain.chain_transition_grad(chain.x, chain.trans, chain.group, chain.lengths, pre, norm, marg, weight, want)
+    team.run(cpu_chain.chain_transition_grad, chain.x, chain.trans, chain.group, chain.lengths, pre, norm, marg, weight, want)
     fixed = []
     original = _chain_scaled._exact_where_not
     monkeypatch.setattr(_chain_scaled, "_exact_where_not",
@@ -90,7 +91,7 @@ def test_transition_grad_gemm_nan_and_single_position(rng):
     weight = np.ones(chain.x.shape[0])
     weight[0] = np.nan
     want, got = np.empty_like(chain.trans), np.empty_like(chain.trans)
-    cpu_chain.chain_transition_grad(chain.x, chain.trans, chain.group, chain.lengths, pre, norm, marg, weight, want)
+    team.run(cpu_chain.chain_transition_grad, chain.x, chain.trans, chain.group, chain.lengths, pre, norm, marg, weight, want)
     _chain_scaled.transition_grad_gemm(chain, pre, norm, marg, weight, got)
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)

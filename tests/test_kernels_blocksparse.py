@@ -5,7 +5,9 @@ import pytest
 import scipy.sparse
 
 import reference
+from kernel_calls import entry
 from spchain.kernels.cpu import blocksparse as cpu_blocksparse
+from spchain.kernels.cpu import team
 
 TARGETS = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda_kernel)]
 
@@ -15,12 +17,12 @@ def cpu_spmm(indptr, indices, slots, data, b, bias, out):
     row-major blocks (which the kernel reads with ``transpose``)."""
     transpose = not data.flags.c_contiguous and data.transpose(0, 2, 1).flags.c_contiguous
     blocks = data.transpose(0, 2, 1) if transpose else np.ascontiguousarray(data)
-    cpu_blocksparse.blocksparse_spmm(indptr, indices, slots, blocks, transpose, b, bias, out)
+    team.run(cpu_blocksparse.blocksparse_spmm, indptr, indices, slots, blocks, transpose, b, bias, out)
 
 
 def kernel(target, op):
     if target == "cpu":
-        return cpu_spmm if op == "blocksparse_spmm" else getattr(cpu_blocksparse, op)
+        return cpu_spmm if op == "blocksparse_spmm" else entry(cpu_blocksparse, "", op)
     from spchain.kernels.cuda import blocksparse as cuda_blocksparse
 
     return getattr(cuda_blocksparse, f"launch_{op}")
@@ -128,7 +130,7 @@ def test_cpu_sddmm_register_panels_match_the_dense_product_with_edges_and_inf(rn
     if k > 1:
         a[0, 1], b[c - 1, 0] = np.inf, np.nan
     out = np.full((indices.size, r, c), np.nan, dtype)
-    cpu_blocksparse.blocksparse_sddmm(indptr, indices, a, b, out)
+    team.run(cpu_blocksparse.blocksparse_sddmm, indptr, indices, a, b, out)
     product = a.astype(np.float64) @ b.astype(np.float64).T
     rows = np.repeat(np.arange(3), np.diff(indptr))
     want = np.stack([product[i * r:(i + 1) * r, j * c:(j + 1) * c] for i, j in zip(rows, indices)])

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import reference
+from kernel_calls import entry
 from spchain.kernels.cpu import chain as cpu_chain
 
 
@@ -28,15 +29,15 @@ def run(module, prefix, x, trans, group, init, lengths):
     rows, v, c = x.shape
     pre, norm = np.empty_like(x), np.empty((rows, v), x.dtype)
     beta = np.empty_like(x)
-    getattr(module, prefix + "chain_forward")(x, trans, group, init, lengths, pre, norm)
-    getattr(module, prefix + "chain_backward")(x, trans, group, lengths, norm, beta)
+    entry(module, prefix, "chain_forward")(x, trans, group, init, lengths, pre, norm)
+    entry(module, prefix, "chain_backward")(x, trans, group, lengths, norm, beta)
     inside = (np.arange(v)[None, :] < lengths[:, None])[..., None]
     offset = np.where(np.isfinite(norm), norm, 0)[..., None]
     with np.errstate(invalid="ignore"):
         marg = np.where(inside, np.exp(pre + x - offset + beta), 0)
     weight = np.linspace(0.5, 2.0, rows).astype(x.dtype)
     grad = np.empty_like(trans)
-    getattr(module, prefix + "chain_transition_grad")(x, trans, group, lengths, pre, norm, marg, weight, grad)
+    entry(module, prefix, "chain_transition_grad")(x, trans, group, lengths, pre, norm, marg, weight, grad)
     return pre, norm, marg, grad
 
 
@@ -82,7 +83,7 @@ def test_cuda_kernels_skip_empty_launches(small_launch):
 def run_viterbi(module, prefix, x, trans, group, init, lengths):
     rows, v, c = x.shape
     score, path = np.empty(rows, x.dtype), np.empty((rows, v), np.int64)
-    getattr(module, prefix + "chain_viterbi")(x, trans, group, init, lengths, np.empty((rows, 2, c), x.dtype),
+    entry(module, prefix, "chain_viterbi")(x, trans, group, init, lengths, np.empty((rows, 2, c), x.dtype),
                                         np.empty((rows, v, c), np.int32), score, path)
     return score, path
 

@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 
 import reference
+from kernel_calls import entry
 from spchain.kernels.cpu import chain as cpu_chain
 from spchain.kernels.cpu import paths as cpu_paths
+from spchain.kernels.cpu import team
 from spchain.kernels.rules import TINY
 from spchain.paths import _scaled_exp
 from test_kernels_chain import normalised_problem
@@ -19,7 +21,7 @@ def forward_messages(x, trans, group, init, lengths):
     """The normalised forward messages â_t and whether each row has a path."""
     rows, v, c = x.shape
     pre, norm = np.empty_like(x), np.empty((rows, v), x.dtype)
-    cpu_chain.chain_forward(x, trans, group, init, lengths, pre, norm)
+    team.run(cpu_chain.chain_forward, x, trans, group, init, lengths, pre, norm)
     with np.errstate(invalid="ignore"):
         alpha = pre + x - np.where(np.isfinite(norm), norm, 0)[..., None]
         log_partition = np.where(np.arange(v) < lengths[:, None], norm, 0).sum(1)
@@ -36,7 +38,7 @@ def run_sample(module, prefix, x, trans, group, init, lengths, samples=6, seed=0
     totals = np.empty((rows, v - 1, c))
     for b, t in np.ndindex(rows, v - 1):
         totals[b, t] = trans_probs[b // group, t if trans.shape[1] > 1 else 0] @ probs[b, t]
-    getattr(module, prefix + "chain_sample")(alpha, probs, trans_t, trans_probs, totals, TINY, group,
+    entry(module, prefix, "chain_sample")(alpha, probs, trans_t, trans_probs, totals, TINY, group,
                                              lengths, possible, uniforms, paths)
     return paths
 
@@ -44,7 +46,7 @@ def run_sample(module, prefix, x, trans, group, init, lengths, samples=6, seed=0
 def run_kbest(module, prefix, x, trans, group, init, lengths, k):
     rows, v, c = x.shape
     scores, paths = np.empty((k, rows), x.dtype), np.empty((k, rows, v), np.int64)
-    getattr(module, prefix + "chain_kbest")(x, trans, group, init, lengths, np.empty((rows, 2, c, k), x.dtype),
+    entry(module, prefix, "chain_kbest")(x, trans, group, init, lengths, np.empty((rows, 2, c, k), x.dtype),
                                             np.empty((rows, 2, c, k), np.int64), np.empty((rows, v, c, k), np.int64),
                                             scores, paths)
     return scores, paths

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 import reference
+from kernel_calls import entry
 from spchain.kernels.cpu import semiring as cpu_semiring
 
 
@@ -26,7 +27,7 @@ def run(fn, a, b, a_index, b_index):
 
 def test_cpu_kernel_matches_reference(rng):
     a, b, a_index, b_index = problem(rng)
-    values, argmax = run(cpu_semiring.max_matmul, a, b, a_index, b_index)
+    values, argmax = run(entry(cpu_semiring, "", "max_matmul"), a, b, a_index, b_index)
     want_values, want_argmax = reference.max_matmul(a[a_index], b[b_index])
     np.testing.assert_array_equal(values, want_values)
     np.testing.assert_array_equal(argmax, want_argmax)
@@ -37,7 +38,7 @@ def test_cuda_kernel_matches_cpu_twin(small_launch, rng):
     from spchain.kernels.cuda import semiring as cuda_semiring
 
     operands = problem(rng)
-    want = run(cpu_semiring.max_matmul, *operands)
+    want = run(entry(cpu_semiring, "", "max_matmul"), *operands)
     got = run(cuda_semiring.launch_max_matmul, *operands)
     np.testing.assert_array_equal(got[0], want[0])
     np.testing.assert_array_equal(got[1], want[1])
@@ -56,7 +57,7 @@ def infinite_problem(rng):
 
 def test_cpu_kernel_plus_inf_beside_minus_inf_is_minus_inf(rng):
     a, b, a_index, b_index = infinite_problem(rng)
-    values, argmax = run(cpu_semiring.max_matmul, a, b, a_index, b_index)
+    values, argmax = run(entry(cpu_semiring, "", "max_matmul"), a, b, a_index, b_index)
     terms = reference.semiring_terms(a[a_index], b[b_index])
     np.testing.assert_array_equal(values, np.take_along_axis(terms, argmax[..., None, :], axis=-2)[..., 0, :])
     np.testing.assert_array_equal(argmax, np.argmax(terms, axis=-2))
@@ -68,7 +69,7 @@ def test_cuda_kernel_matches_cpu_twin_with_infinities(small_launch, rng):
     from spchain.kernels.cuda import semiring as cuda_semiring
 
     operands = infinite_problem(rng)
-    want = run(cpu_semiring.max_matmul, *operands)
+    want = run(entry(cpu_semiring, "", "max_matmul"), *operands)
     got = run(cuda_semiring.launch_max_matmul, *operands)
     np.testing.assert_array_equal(got[0], want[0])
     np.testing.assert_array_equal(got[1], want[1])

@@ -6,6 +6,7 @@ import scipy.sparse
 
 import reference
 from spchain.kernels.cpu import sparse as cpu_sparse
+from spchain.kernels.cpu import team
 
 
 def random_csr(rng, m, n, density, index_dtype=np.int32):
@@ -15,13 +16,13 @@ def random_csr(rng, m, n, density, index_dtype=np.int32):
 
 
 def spmm(threads, indptr, indices, data, b, bias, out, transposed=False):
-    """``sparse_spmm_team`` on the calling thread (threads 0) or ``sparse_spmm``; ``b`` given as its
-    transpose with ``transposed``."""
+    """``sparse_spmm`` on the calling thread (threads 0) or on a team (``team.run``); ``b`` given
+    as its transpose with ``transposed``."""
     b = np.ascontiguousarray(b.T) if transposed else b
     if threads:
-        cpu_sparse.sparse_spmm(indptr, indices, data, b, bias, out, threads, transposed)
+        team.run(cpu_sparse.sparse_spmm, indptr, indices, data, b, bias, out, threads, transposed)
     else:
-        cpu_sparse.sparse_spmm_team(0, 1, indptr, indices, data, b, bias, out, 1, transposed)
+        cpu_sparse.sparse_spmm(0, 1, indptr, indices, data, b, bias, out, 1, transposed)
 
 
 @pytest.mark.parametrize("transposed", [False, True])
@@ -32,8 +33,8 @@ def spmm(threads, indptr, indices, data, b, bias, out, transposed=False):
 @pytest.mark.parametrize("k", [23, 37])
 def test_spmm_matches_scipy_with_bias(rng, index_dtype, dtype, threads, n, k, transposed):
     """Whole tiles of 2 vectors, partial ones (1 vector) and columns past the last vector
-    (n = 9, 100, 257), empty rows, duplicates; ``sparse_spmm_team`` on the calling thread
-    (threads 0) and ``sparse_spmm`` with more runs of rows than some rows have entries; ``b`` as
+    (n = 9, 100, 257), empty rows, duplicates; ``sparse_spmm`` on the calling thread
+    (threads 0) and on a team with more runs of rows than some rows have entries; ``b`` as
     it is or ``transposed`` (its tiles transposed into the buffer in 16 x 16 blocks and edges:
     k = 23, 37)."""
     indptr, indices, data = random_csr(rng, 37, k, 0.2, index_dtype)
@@ -87,7 +88,7 @@ def test_transpose(rng, shape, dtype):
     """16 x 16 blocks go through vector shuffles of the stored bytes (a bool is a byte)."""
     a = (rng.standard_normal(shape) * 50).astype(dtype)
     out = np.empty(shape[::-1], dtype)
-    cpu_sparse.transpose(a, out)
+    team.run(cpu_sparse.transpose, a, out)
     np.testing.assert_array_equal(out, a.T)
 
 
@@ -98,9 +99,9 @@ TARGETS = ["cpu", "cpu serial", pytest.param("cuda", marks=pytest.mark.cuda_kern
 
 def sddmm(target, indptr, indices, a, b, out):
     if target == "cpu serial":
-        cpu_sparse.sparse_sddmm_team(0, 1, indptr, indices, a, b, out, 1, False)
+        cpu_sparse.sparse_sddmm(0, 1, indptr, indices, a, b, out, 1, False)
     elif target == "cpu":
-        cpu_sparse.sparse_sddmm(indptr, indices, a, b, out, 2, False)
+        team.run(cpu_sparse.sparse_sddmm, indptr, indices, a, b, out, 2, False)
     else:
         from spchain.kernels.cuda import sparse as cuda_sparse
 
@@ -155,7 +156,7 @@ def test_sddmm_slabs_match_float64(rng, index_dtype, dtype, threads, k, n, trans
     """Whole slabs of 2 vectors, a last slab of 1 (k = 16, 40 in float32), columns past the last
     vector (k = 9, 100, 257), groups of 8 entries and the rest one by one, empty rows and
     duplicates; more entries than rows of ``b`` (its slab copied, n = 20) and fewer (read in
-    place, n = 300); ``sparse_sddmm_team`` on the calling thread (threads 0) and ``sparse_sddmm``
+    place, n = 300); ``sparse_sddmm`` on the calling thread (threads 0) and on a team
     with more runs of rows than some rows have entries; ``a`` and ``b`` as they are or ``transposed`` (their slabs
     transposed into the buffers, 16 x 16 blocks and edges, from a run's first row on)."""
     indptr, indices, _ = random_csr(rng, 53, n, 0.6 if n == 20 else 0.01, index_dtype)
@@ -164,9 +165,9 @@ def test_sddmm_slabs_match_float64(rng, index_dtype, dtype, threads, k, n, trans
     out = np.full(indices.size, np.nan, dtype)
     given = (np.ascontiguousarray(a.T), np.ascontiguousarray(b.T)) if transposed else (a, b)
     if threads:
-        cpu_sparse.sparse_sddmm(indptr, indices, *given, out, threads, transposed)
+        team.run(cpu_sparse.sparse_sddmm, indptr, indices, *given, out, threads, transposed)
     else:
-        cpu_sparse.sparse_sddmm_team(0, 1, indptr, indices, *given, out, 1, transposed)
+        cpu_sparse.sparse_sddmm(0, 1, indptr, indices, *given, out, 1, transposed)
     rows, cols = reference.entries(indptr, indices)
     want = reference.sampled_product(rows, cols, a.astype(np.float64), b.astype(np.float64))
     np.testing.assert_allclose(out, want, rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-5)

@@ -6,8 +6,10 @@ import numpy as np
 import pytest
 import scipy.sparse
 
+from kernel_calls import entry
 from spchain.kernels.cpu import chain as cpu_chain
 from spchain.kernels.cpu import sparse_chain as cpu_sparse
+from spchain.kernels.cpu import team
 
 
 def problem(rng, rows=7, v=5, c=6, dtype=np.float64):
@@ -41,10 +43,10 @@ def run(module, prefix, x, matrix, transpose, init, lengths, chunks=3):
         marg = np.where(inside, np.exp(pre + x - offset + beta), 0).astype(x.dtype)
     weight = np.linspace(0.5, 2.0, rows).astype(x.dtype)
     partial = np.empty((chunks, matrix.nnz), x.dtype)
-    getattr(module, prefix + "sparse_chain_values_grad")(x, matrix.indptr, matrix.indices, matrix.data, lengths, pre,
+    entry(module, prefix, "sparse_chain_values_grad")(x, matrix.indptr, matrix.indices, matrix.data, lengths, pre,
                                                          norm, marg, weight, partial)
     score, path = np.empty(rows, x.dtype), np.empty((rows, v), np.int64)
-    getattr(module, prefix + "sparse_chain_viterbi")(x, transpose.indptr, transpose.indices, transpose.data, init,
+    entry(module, prefix, "sparse_chain_viterbi")(x, transpose.indptr, transpose.indices, transpose.data, init,
                                                      lengths, np.empty((rows, 2, c), x.dtype),
                                                      np.empty((rows, v, c), np.int32), score, path)
     return pre, norm, marg, partial.sum(0), score, path
@@ -55,15 +57,15 @@ def test_cpu_kernels_equal_the_dense_kernels(rng):
     pre, norm, marg, grad, score, path = run(cpu_sparse, "", x, matrix, transpose, init, lengths)
     trans = dense[None, None]
     want_pre, want_norm = np.empty_like(x), np.empty_like(norm)
-    cpu_chain.chain_forward(x, trans, 7, init, lengths, want_pre, want_norm)
+    team.run(cpu_chain.chain_forward, x, trans, 7, init, lengths, want_pre, want_norm)
     np.testing.assert_allclose(pre, want_pre, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(norm, want_norm, rtol=1e-12, atol=1e-12)
     want_grad = np.empty_like(trans)
-    cpu_chain.chain_transition_grad(x, trans, 7, lengths, pre, norm, marg, np.linspace(0.5, 2.0, 7), want_grad)
+    team.run(cpu_chain.chain_transition_grad, x, trans, 7, lengths, pre, norm, marg, np.linspace(0.5, 2.0, 7), want_grad)
     entry_rows = np.repeat(np.arange(6), np.diff(matrix.indptr))
     np.testing.assert_allclose(grad, want_grad[0, 0][entry_rows, matrix.indices], rtol=1e-12, atol=1e-12)
     want_score, want_path = np.empty_like(score), np.empty_like(path)
-    cpu_chain.chain_viterbi(x, trans, 7, init, lengths, np.empty((7, 2, 6)), np.empty((7, 5, 6), np.int32), want_score,
+    team.run(cpu_chain.chain_viterbi, x, trans, 7, init, lengths, np.empty((7, 2, 6)), np.empty((7, 5, 6), np.int32), want_score,
                             want_path)
     np.testing.assert_array_equal(score, want_score)
     np.testing.assert_array_equal(path[score > -np.inf], want_path[score > -np.inf])

@@ -144,9 +144,8 @@ def test_a_column_major_x_is_read_in_place_and_a_stack_of_layers_copies_no_activ
     y = first(x)
     assert not y.is_contiguous() and y.t().is_contiguous()  # the kernel's layout, transposed
     transposes = []
-    real, real_team = cpu.sparse.transpose, cpu.sparse.transpose_team
+    real = cpu.sparse.transpose
     monkeypatch.setattr(cpu.sparse, "transpose", lambda *a: (transposes.append(1), real(*a))[1])
-    monkeypatch.setattr(cpu.sparse, "transpose_team", lambda *a: (transposes.append(1), real_team(*a))[1])
     z = second(y)
     assert transposes == []
     want = second(y.contiguous())
@@ -194,9 +193,8 @@ def test_a_row_major_x_and_gradient_are_read_as_they_are_by_forward_and_backward
     x = torch.randn(40, 64, requires_grad=True)
     grad_y = torch.randn(40, 48)
     transposes = []
-    real, real_team = cpu.sparse.transpose, cpu.sparse.transpose_team
-    monkeypatch.setattr(cpu.sparse, "transpose", lambda *a: (transposes.append(a[0].shape), real(*a))[1])
-    monkeypatch.setattr(cpu.sparse, "transpose_team", lambda *a: (transposes.append(a[2].shape), real_team(*a))[1])
+    real = cpu.sparse.transpose
+    monkeypatch.setattr(cpu.sparse, "transpose", lambda *a: (transposes.append(a[2].shape), real(*a))[1])
     layer(x).backward(grad_y)
     assert transposes == [(64, 40)] and x.grad.is_contiguous()
     w = layer.to_dense().weight.detach()

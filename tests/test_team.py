@@ -1,7 +1,9 @@
-"""Row kernels on torch's OpenMP threads (spchain/kernels/cpu/team.py): the same bits as on
-Numba's threads (on any number of them) and on the calling thread alone, for every kernel that
-runs there."""
+"""Row kernels on a team of threads (spchain/kernels/cpu/team.py): on torch's OpenMP threads the
+same bits as on Numba's threads (on any number of them) and on the calling thread alone, for
+every kernel."""
 
+import math
+import os
 import platform
 import sys
 import time
@@ -31,8 +33,9 @@ def uncrowded():
 
 
 def other_route(outputs, monkeypatch, route):
-    """``outputs(rng)`` on another route than torch's team: Numba's threads (``"numba"``), one
-    Numba thread (``"one numba thread"``) or the calling thread (``"one thread"``)."""
+    """``outputs(rng)`` on another route than torch's team: Numba's threads (``"numba"``, the
+    route without torch), one Numba thread (``"one numba thread"``) or the calling thread
+    (``"one thread"``)."""
     if route == "one thread":
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
@@ -74,14 +77,26 @@ def outputs(rng):
 @pytest.mark.parametrize("route", ["numba", "one thread"])
 def test_kernels_on_torch_threads_give_the_bits_of_the_other_routes(monkeypatch, route):
     calls = []
-    entry = cpu.chain_scaled.chain_forward_scaled_team
-    monkeypatch.setattr(cpu.chain_scaled, "chain_forward_scaled_team", lambda *args: calls.append(1) or entry(*args))
+    entry = cpu.chain_scaled.chain_forward_scaled
+    monkeypatch.setattr(cpu.chain_scaled, "chain_forward_scaled", lambda *args: calls.append(args[0]) or entry(*args))
     team = outputs(np.random.default_rng(0))
-    assert len(calls) == (1 if cpu.team.parallel() else 0)  # the kernel sweep's forward, where torch's threads are found
+    assert calls == [launcher()]  # the kernel sweep's forward
     other = other_route(outputs, monkeypatch, route)
     assert len(team) == len(other) == 16
     for got, want in zip(team, other):
         np.testing.assert_array_equal(got, want)
+
+
+def launcher():
+    """The team's launcher here: torch's ``GOMP_parallel`` where found, else Numba's threads."""
+    return cpu.team.parallel() or cpu.team.numba_parallel()
+
+
+def team_size():
+    """The team's threads here (``team.run``, the machine taken as idle)."""
+    if cpu.team.parallel():
+        return min(torch.get_num_threads(), numba.get_num_threads())
+    return numba.get_num_threads()
 
 
 @LINUX_WHEEL
@@ -132,16 +147,16 @@ def random_pattern(rng, m, n, density):
 @pytest.mark.parametrize("route", ["numba", "one thread"])
 def test_sparse_kernels_on_torch_threads_give_the_bits_of_the_other_routes(monkeypatch, route):
     calls = []
-    for name in ("sparse_spmm_team", "sparse_sddmm_team", "transpose_team"):
+    for name in ("sparse_spmm", "sparse_sddmm", "transpose"):
         entry = getattr(cpu.sparse, name)
         monkeypatch.setattr(cpu.sparse, name, lambda *args, entry=entry: calls.append(args[:2]) or entry(*args))
-    for name in ("blocksparse_spmm_team", "blocksparse_sddmm_team"):
+    for name in ("blocksparse_spmm", "blocksparse_sddmm"):
         entry = getattr(cpu.blocksparse, name)
         monkeypatch.setattr(cpu.blocksparse, name, lambda *args, entry=entry: calls.append(args[:2]) or entry(*args))
     team = sparse_outputs(np.random.default_rng(0))
-    on_team = [args for args in calls if args[0]]
-    assert len(calls) == (14 if cpu.team.parallel() else 5)  # every product, or the five small ones
-    assert len(on_team) == (9 if cpu.team.parallel() else 0)
+    # every product: nine on the team, the five small ones on the calling thread
+    assert [args for args in calls if args[0]] == [(launcher(), team_size())] * 9
+    assert [args for args in calls if not args[0]] == [(0, 1)] * 5
     other = other_route(sparse_outputs, monkeypatch, route)
     assert len(team) == len(other) == 14
     for got, want in zip(team, other):
@@ -173,19 +188,19 @@ def sparse_chain_outputs(rng):
     inside = (np.arange(v)[None, :] < lengths[:, None])[..., None]
     with np.errstate(invalid="ignore"):
         marg = np.where(inside, np.exp(pre + x - np.where(np.isfinite(norm), norm, 0)[..., None] + beta), 0)
-    cpu.team.run(cpu.sparse_chain.sparse_chain_values_grad, cpu.sparse_chain.sparse_chain_values_grad_team, x,
-                 matrix.indptr, matrix.indices, matrix.data, lengths, pre, norm, marg, np.abs(weight), partial)
+    cpu.team.run(cpu.sparse_chain.sparse_chain_values_grad, x, matrix.indptr, matrix.indices, matrix.data, lengths, pre,
+                 norm, marg, np.abs(weight), partial)
     return found + [pre, norm, beta, partial]
 
 
 @pytest.mark.parametrize("route", ["numba", "one numba thread", "one thread"])
 def test_sparse_chain_kernels_on_torch_threads_give_the_bits_of_the_other_routes(monkeypatch, route):
     calls = []
-    entry = cpu.sparse_chain_scaled.sparse_chain_backward_scaled_team
-    monkeypatch.setattr(cpu.sparse_chain_scaled, "sparse_chain_backward_scaled_team",
-                        lambda *args: calls.append(1) or entry(*args))
+    entry = cpu.sparse_chain_scaled.sparse_chain_backward_scaled
+    monkeypatch.setattr(cpu.sparse_chain_scaled, "sparse_chain_backward_scaled",
+                        lambda *args: calls.append(args[0]) or entry(*args))
     team = sparse_chain_outputs(np.random.default_rng(0))
-    assert len(calls) == (1 if cpu.team.parallel() else 0)
+    assert calls == [launcher()]
     other = other_route(sparse_chain_outputs, monkeypatch, route)
     assert len(team) == len(other) == 12
     for got, want in zip(team, other):
@@ -206,7 +221,7 @@ def test_a_busy_machine_is_crowded_and_runs_kernels_on_the_calling_thread(monkey
         assert cpu.crowded()
         monkeypatch.setattr(cpu.team, "parallel", lambda: 12345)
         calls = []
-        cpu.team.run(None, lambda *args: calls.append(args) or 0, 1, 2)
+        cpu.team.run(lambda *args: calls.append(args) or 0, 1, 2)
         assert calls == [(12345, 1, 1, 2)]  # one thread: GOMP_parallel is not called
     finally:
         busy.kill()
@@ -241,17 +256,16 @@ def path_outputs(rng):
 @pytest.mark.parametrize("route", ["numba", "one thread"])
 def test_path_kernels_on_torch_threads_give_the_bits_of_the_other_routes(monkeypatch, route):
     calls = []
-    entries = [(cpu.chain, "chain_forward_team"), (cpu.chain, "chain_backward_team"),
-               (cpu.chain, "chain_transition_grad_team"), (cpu.chain, "chain_viterbi_team"),
-               (cpu.paths, "chain_sample_team"), (cpu.paths, "sparse_chain_sample_team"),
-               (cpu.paths, "chain_kbest_team"), (cpu.paths, "sparse_chain_kbest_team"),
-               (cpu.semiring, "max_matmul_team")]
+    entries = [(cpu.chain, "chain_forward"), (cpu.chain, "chain_backward"),
+               (cpu.chain, "chain_transition_grad"), (cpu.chain, "chain_viterbi"),
+               (cpu.paths, "chain_sample"), (cpu.paths, "sparse_chain_sample"),
+               (cpu.paths, "chain_kbest"), (cpu.paths, "sparse_chain_kbest"),
+               (cpu.semiring, "max_matmul")]
     for module, name in entries:
         entry = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *args, entry=entry, name=name: calls.append(name) or entry(*args))
     team = path_outputs(np.random.default_rng(0))
-    # every team entry ran, where torch's threads are found
-    assert set(calls) == ({name for _, name in entries} if cpu.team.parallel() else set())
+    assert set(calls) == {name for _, name in entries}  # every kernel ran
     other = other_route(path_outputs, monkeypatch, route)
     assert len(team) == len(other) == 19
     for got, want in zip(team, other):
@@ -279,12 +293,40 @@ def _owner_on_team(parallel, threads, x, owned):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_team_bodies_take_arrays_without_their_owner(threads):
+@pytest.mark.parametrize("launch", ["torch", "numba"])
+def test_team_bodies_take_arrays_without_their_owner(threads, launch):
     """A body sees its array arguments as a ``prange`` body does, without the owner of their
     memory: the views it takes count no references (an atomic add on one cache line from
     every thread, which kept the chain's GEMM-sweep step from scaling to two threads)."""
     x = np.zeros((64, 3))
     owned = np.ones(64, bool)
-    assert _owner_on_team(cpu.team.parallel(), threads, x, owned) == 0
+    address = cpu.team.parallel() if launch == "torch" else cpu.team.numba_parallel()
+    assert _owner_on_team(address, threads, x, owned) == 0
     assert not owned.any()
     assert x.base is None and sys.getrefcount(x) == 2  # the caller's array, untouched
+
+
+@numba.njit(cache=False)
+def _thread_rows(lo, hi, ids):
+    for b in range(lo, hi):
+        total = 0.0
+        for i in range(2_000_000):  # about a millisecond a row: time for every thread to join
+            total += math.sqrt(i + b)
+        ids[b] = numba.get_thread_id() if total > 0 else -2
+
+
+@numba.njit(cache=False, nogil=True)
+def _threads_on_team(parallel, threads, ids):
+    return cpu.team.team_rows(parallel, threads, _thread_rows, ids.shape[0], (ids,))
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core")
+def test_numbas_threads_share_a_team_without_torch():
+    """The launcher for a process without torch (or a forked child) runs the rows on Numba's
+    threads: every row done once, by two threads; on the calling thread alone with one."""
+    ids = np.full(256, -1)
+    assert _threads_on_team(cpu.team.numba_parallel(), 2, ids) == 0
+    assert set(ids) == {0, 1}
+    ids[:] = -1
+    assert _threads_on_team(cpu.team.numba_parallel(), 1, ids) == 0
+    assert set(ids) == {0}

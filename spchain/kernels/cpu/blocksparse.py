@@ -15,7 +15,7 @@ columns per pass (``blocksparse_spmm``) or dot products (``blocksparse_sddmm``).
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -133,8 +133,8 @@ def _panel(typingctx, a, b, o, r, t):
     return types.void(a, b, o, r, t), codegen
 
 
-@njit(parallel=True, cache=True)
-def blocksparse_spmm(indptr, indices, slots, data, transpose, b, bias, out):
+@njit(nogil=True, cache=True)
+def blocksparse_spmm(parallel, threads, indptr, indices, slots, data, transpose, b, bias, out):
     """BSR times dense: ``out[rows of block row i] = bias + sum(data[slots[p]] @ b[cols of block p])``.
 
     Inputs: ``indptr`` (M / R + 1), ``indices`` and ``slots`` (nnzb; block ``p`` of the structure
@@ -142,22 +142,15 @@ def blocksparse_spmm(indptr, indices, slots, data, transpose, b, bias, out):
     (any, R, C) C-contiguous, with ``transpose`` read as ``data.transpose(0, 2, 1)`` (multiplies
     by the transposed blocks; one compiled kernel for both), ``b`` (N, n) C-contiguous, ``bias``
     (M). Overwrites ``out`` (M, n), C-contiguous. Block rows run in parallel
-    (:func:`blocksparse_spmm_team`: on torch's threads); each block goes by :func:`_panel` (its
+    (on a team of threads: ``team.run``); each block goes by :func:`_panel` (its
     edges by :func:`_tile`).
     Complexity: O(nnzb * R * C * n) multiply-adds, O(M * n) writes.
     """
-    for i in prange(indptr.shape[0] - 1):
-        _spmm_block_rows(i, i + 1, indptr, indices, slots, data, transpose, b, bias, out)
-
-
-@njit(nogil=True, cache=True)
-def blocksparse_spmm_team(parallel, threads, indptr, indices, slots, data, transpose, b, bias, out):
-    """:func:`blocksparse_spmm` on an OpenMP team (``team.team_rows``)."""
     return team_rows(parallel, threads, _spmm_block_rows, indptr.shape[0] - 1,
                      (indptr, indices, slots, data, transpose, b, bias, out))
 
 
-@njit(cache=True, fastmath=_FAST, error_model="numpy")  # a prange body's error model
+@njit(cache=True, fastmath=_FAST, error_model="numpy")  # division by zero gives inf or NaN
 def _spmm_block_rows(lo, hi, indptr, indices, slots, data, transpose, b, bias, out):
     """Block rows ``lo:hi`` of :func:`blocksparse_spmm`."""
     rows, cols = (data.shape[2], data.shape[1]) if transpose else (data.shape[1], data.shape[2])
@@ -180,8 +173,8 @@ def _spmm_block_rows(lo, hi, indptr, indices, slots, data, transpose, b, bias, o
                 _tile(a[full_rows:], panel, o[full_rows:])
 
 
-@njit(parallel=True, cache=True)
-def blocksparse_sddmm(indptr, indices, a, b, out):
+@njit(nogil=True, cache=True)
+def blocksparse_sddmm(parallel, threads, indptr, indices, a, b, out):
     """Block-sampled dense-dense product: ``out[p] = a[rows of block row i] @ b[cols of block p].T``.
 
     Inputs: ``indptr`` (M / R + 1), ``indices`` (nnzb), ``a`` (M, k) and ``b`` (N, k), both
@@ -189,19 +182,9 @@ def blocksparse_sddmm(indptr, indices, a, b, out):
     one contiguous (k, C) panel per block column (``b[cols of j].T``); then block rows run
     in parallel, each block as :func:`_panel` products of ``a``'s rows with its panel. The
     edges (R % 4 rows, C % L columns) are dot products over ``k``, two rows by four columns
-    at a time (:func:`_dots`). :func:`blocksparse_sddmm_team`: on torch's threads.
+    at a time (:func:`_dots`). Both run on a team of threads (``team.run``).
     Complexity: O(nnzb * R * C * k) multiply-adds, O(N * k) extra memory.
     """
-    panels = _sddmm_panels(b, out)
-    for j in prange(panels.shape[0]):
-        _copy_panels(j, j + 1, b, panels)
-    for i in prange(indptr.shape[0] - 1):
-        _sddmm_block_rows(i, i + 1, indptr, indices, a, b, panels, out)
-
-
-@njit(nogil=True, cache=True)
-def blocksparse_sddmm_team(parallel, threads, indptr, indices, a, b, out):
-    """:func:`blocksparse_sddmm` on an OpenMP team (``team.team_rows``)."""
     panels = _sddmm_panels(b, out)
     failed = team_rows(parallel, threads, _copy_panels, panels.shape[0], (b, panels))
     if failed:
@@ -219,7 +202,7 @@ def _sddmm_panels(b, out):
     return np.empty((b.shape[0] // cols if whole else 0, k, cols), out.dtype)
 
 
-@njit(cache=True, error_model="numpy")  # a prange body's error model
+@njit(cache=True, error_model="numpy")  # division by zero gives inf or NaN
 def _copy_panels(lo, hi, b, panels):
     """Panels ``lo:hi`` of :func:`blocksparse_sddmm`: ``panels[j] = b[cols of j].T``."""
     cols, k = panels.shape[2], panels.shape[1]
@@ -231,7 +214,7 @@ def _copy_panels(lo, hi, b, panels):
                 panel[t, c] = row[t]
 
 
-@njit(cache=True, fastmath=_FAST, error_model="numpy")  # a prange body's error model
+@njit(cache=True, fastmath=_FAST, error_model="numpy")  # division by zero gives inf or NaN
 def _sddmm_block_rows(lo, hi, indptr, indices, a, b, panels, out):
     """Block rows ``lo:hi`` of :func:`blocksparse_sddmm`."""
     rows, cols = out.shape[1], out.shape[2]

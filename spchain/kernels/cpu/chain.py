@@ -21,7 +21,7 @@ Every reduction is max-shifted and guards ``-inf``; NaN propagates; no fastmath.
 import math
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 from .exp import exp_nonpositive
 from .semiring import has_nan, max_vecmat
@@ -118,25 +118,17 @@ def normalise(q, out):
     return lse
 
 
-@njit(parallel=True, cache=True)
-def chain_forward(x, trans, group, init, lengths, pre, norm):
+@njit(nogil=True, cache=True)
+def chain_forward(parallel, threads, x, trans, group, init, lengths, pre, norm):
     """Forward sweep: fills ``pre`` (B, v, c) and ``norm`` (B, v), as in the module docstring.
 
     ``x`` (B, v, c), ``trans`` (G, S, c, c), ``init`` (B, c), ``lengths`` (B,) in 1..v.
-    O(B * v * c²) time, O(c) scratch per row; rows run in parallel (:func:`chain_forward_team`:
-    on torch's threads).
+    O(B * v * c²) time, O(c) scratch per row; rows run in parallel (on a team of threads: ``team.run``).
     """
-    for b in prange(x.shape[0]):
-        _forward_rows(b, b + 1, x, trans, group, init, lengths, pre, norm)
-
-
-@njit(nogil=True, cache=True)
-def chain_forward_team(parallel, threads, x, trans, group, init, lengths, pre, norm):
-    """:func:`chain_forward` on an OpenMP team (``team.team_rows``)."""
     return team_rows(parallel, threads, _forward_rows, x.shape[0], (x, trans, group, init, lengths, pre, norm))
 
 
-@njit(cache=True, error_model="numpy")  # a prange body's error model: the same code on both routes
+@njit(cache=True, error_model="numpy")  # division by zero gives inf or NaN
 def _forward_rows(lo, hi, x, trans, group, init, lengths, pre, norm):
     """Rows ``lo:hi`` of :func:`chain_forward`."""
     rows, v, c = x.shape
@@ -161,24 +153,17 @@ def _forward_rows(lo, hi, x, trans, group, init, lengths, pre, norm):
         norm[b, length:] = 0.0
 
 
-@njit(parallel=True, cache=True)
-def chain_backward(x, trans, group, lengths, norm, beta):
+@njit(nogil=True, cache=True)
+def chain_backward(parallel, threads, x, trans, group, lengths, norm, beta):
     """Backward sweep: fills ``beta`` (B, v, c) with the normalised backward messages.
 
     Inputs as for :func:`chain_forward`, plus its ``norm``. O(B * v * c²) time; rows run in
-    parallel (:func:`chain_backward_team`: on torch's threads).
+    parallel (on a team of threads: ``team.run``).
     """
-    for b in prange(x.shape[0]):
-        _backward_rows(b, b + 1, x, trans, group, lengths, norm, beta)
-
-
-@njit(nogil=True, cache=True)
-def chain_backward_team(parallel, threads, x, trans, group, lengths, norm, beta):
-    """:func:`chain_backward` on an OpenMP team (``team.team_rows``)."""
     return team_rows(parallel, threads, _backward_rows, x.shape[0], (x, trans, group, lengths, norm, beta))
 
 
-@njit(cache=True, error_model="numpy")  # a prange body's error model: the same code on both routes
+@njit(cache=True, error_model="numpy")  # division by zero gives inf or NaN
 def _backward_rows(lo, hi, x, trans, group, lengths, norm, beta):
     """Rows ``lo:hi`` of :func:`chain_backward`."""
     rows, v, c = x.shape
@@ -202,31 +187,23 @@ def _backward_rows(lo, hi, x, trans, group, lengths, norm, beta):
                     beta[b, t, i] -= d
 
 
-@njit(parallel=True, cache=True)
-def chain_transition_grad(x, trans, group, lengths, pre, norm, marg, weight, grad):
+@njit(nogil=True, cache=True)
+def chain_transition_grad(parallel, threads, x, trans, group, lengths, pre, norm, marg, weight, grad):
     """The expected transition counts: overwrites ``grad`` (G, S, c, c) with
 
     ``sum_{b, t} weight[b] * marg[b, t+1, j] * exp(â_t[i] + trans[g, s, i, j] - pre[b, t+1, j])``
 
     over the rows ``b`` of group ``g`` and the steps ``t → t+1`` (``t + 1 < lengths[b]``) that
     use matrix ``s``. ``marg`` (B, v, c) holds the posterior marginals. Parallel over the
-    (g, s, i) rows of ``grad``, so no two threads write one entry (:func:`chain_transition_grad_team`:
-    on torch's threads). O(B * v * c²) time.
+    (g, s, i) rows of ``grad``, so no two threads write one entry (on a team of threads:
+    ``team.run``). O(B * v * c²) time.
     """
-    groups, steps, c, _ = trans.shape
-    for gsi in prange(groups * steps * c):
-        _transition_grad_rows(gsi, gsi + 1, x, trans, group, lengths, pre, norm, marg, weight, grad)
-
-
-@njit(nogil=True, cache=True)
-def chain_transition_grad_team(parallel, threads, x, trans, group, lengths, pre, norm, marg, weight, grad):
-    """:func:`chain_transition_grad` on an OpenMP team (``team.team_rows``)."""
     groups, steps, c, _ = trans.shape
     return team_rows(parallel, threads, _transition_grad_rows, groups * steps * c,
                      (x, trans, group, lengths, pre, norm, marg, weight, grad))
 
 
-@njit(cache=True, error_model="numpy")  # a prange body's error model: the same code on both routes
+@njit(cache=True, error_model="numpy")  # division by zero gives inf or NaN
 def _transition_grad_rows(lo, hi, x, trans, group, lengths, pre, norm, marg, weight, grad):
     """The (g, s, i) rows ``lo:hi`` of ``grad`` (flattened) of :func:`chain_transition_grad`."""
     groups, steps, c, _ = trans.shape
@@ -254,8 +231,8 @@ def _transition_grad_rows(lo, hi, x, trans, group, lengths, pre, norm, marg, wei
                         out[j] += w * gm * exp_nonpositive(a + trans[g, s, i, j] - pre[b, t + 1, j])
 
 
-@njit(parallel=True, cache=True)
-def chain_viterbi(x, trans, group, init, lengths, work, backptr, score, path):
+@njit(nogil=True, cache=True)
+def chain_viterbi(parallel, threads, x, trans, group, init, lengths, work, backptr, score, path):
     """Max-product sweep with backpointers, then backtracking: the best path of each row.
 
     Inputs as for :func:`chain_forward`. ``work`` (B, 2, c) and ``backptr`` (B, v, c, int32)
@@ -264,19 +241,8 @@ def chain_viterbi(x, trans, group, init, lengths, work, backptr, score, path):
     lowest best one, each earlier state the lowest best predecessor); NaN wins over numbers.
     Each step is one (SIMD) ``semiring.max_vecmat``; the matrices holding NaN are found first,
     so that steps with no NaN skip the NaN tests. O(B * v * c²) time; rows run in parallel
-    (:func:`chain_viterbi_team`: on torch's threads).
+    (on a team of threads: ``team.run``).
     """
-    groups, steps = trans.shape[:2]
-    nan_in = np.empty(groups * steps, np.bool_)
-    for gs in prange(groups * steps):
-        _nan_matrices(gs, gs + 1, trans, nan_in)
-    for b in prange(x.shape[0]):
-        _viterbi_rows(b, b + 1, x, trans, group, init, lengths, nan_in, work, backptr, score, path)
-
-
-@njit(nogil=True, cache=True)
-def chain_viterbi_team(parallel, threads, x, trans, group, init, lengths, work, backptr, score, path):
-    """:func:`chain_viterbi` on an OpenMP team (``team.team_rows``): the NaN tests, then the rows."""
     groups, steps = trans.shape[:2]
     nan_in = np.empty(groups * steps, np.bool_)
     failed = team_rows(parallel, threads, _nan_matrices, groups * steps, (trans, nan_in))
@@ -286,7 +252,7 @@ def chain_viterbi_team(parallel, threads, x, trans, group, init, lengths, work, 
                      (x, trans, group, init, lengths, nan_in, work, backptr, score, path))
 
 
-@njit(cache=True, error_model="numpy")  # a prange body's error model: the same code on both routes
+@njit(cache=True, error_model="numpy")  # division by zero gives inf or NaN
 def _viterbi_rows(lo, hi, x, trans, group, init, lengths, nan_in, work, backptr, score, path):
     """Rows ``lo:hi`` of :func:`chain_viterbi`; ``nan_in`` (G * S) from :func:`_nan_matrices`."""
     rows, v, c = x.shape
@@ -321,7 +287,7 @@ def _viterbi_rows(lo, hi, x, trans, group, init, lengths, nan_in, work, backptr,
                 path[b, t - 1] = backptr[b, t, path[b, t]]
 
 
-@njit(cache=True, error_model="numpy")  # a prange body's error model: the same code on both routes
+@njit(cache=True, error_model="numpy")  # division by zero gives inf or NaN
 def _nan_matrices(lo, hi, trans, nan_in):
     """``nan_in[gs]``: whether the matrix ``gs`` (of the flattened (G, S)) of ``trans`` holds a NaN,
     for ``gs`` in ``lo:hi``."""

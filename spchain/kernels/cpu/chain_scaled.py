@@ -15,7 +15,7 @@ recomputed in log space, exactly as ``chain.py`` does (``spchain/kernels/rules.p
 import math
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 from ..rules import FLUSH, LIMIT, TINY
 from .chain import normalise
@@ -103,8 +103,8 @@ def _scaled_log(top, shift, acc, out):
     return lost > 0
 
 
-@njit(parallel=True, cache=True)
-def chain_forward_scaled(x, trans, e, cmax, group, init, lengths, pre, norm):
+@njit(nogil=True, cache=True)
+def chain_forward_scaled(parallel, threads, x, trans, e, cmax, group, init, lengths, pre, norm):
     """``chain.chain_forward`` by scaled products: fills ``pre`` (B, v, c) and ``norm`` (B, v).
 
     ``e`` (G, S, c, c) and ``cmax`` (G, S, c) float64 as in the module docstring, the other
@@ -112,20 +112,13 @@ def chain_forward_scaled(x, trans, e, cmax, group, init, lengths, pre, norm):
     once: :func:`_product`) on the scaled messages ``p = exp(â_t - max â_t)`` and ``c``
     logarithms a row; the normaliser's exponentials give the next ``p``. O(B * v * c²)
     multiply-adds, O(B * v * c) exponentials and logarithms; blocks of rows run in parallel
-    (:func:`chain_forward_scaled_team`: on torch's threads).
+    (on a team of threads: ``team.run``).
     """
-    for k in prange(-(-x.shape[0] // BLOCK)):
-        _forward_blocks(k, k + 1, x, trans, e, cmax, group, init, lengths, pre, norm)
-
-
-@njit(nogil=True, cache=True)
-def chain_forward_scaled_team(parallel, threads, x, trans, e, cmax, group, init, lengths, pre, norm):
-    """:func:`chain_forward_scaled` on an OpenMP team (``team.team_rows``)."""
     return team_rows(parallel, threads, _forward_blocks, -(-x.shape[0] // BLOCK),
                      (x, trans, e, cmax, group, init, lengths, pre, norm))
 
 
-@njit(cache=True, error_model="numpy")  # a prange body's error model
+@njit(cache=True, error_model="numpy")  # division by zero gives inf or NaN
 def _forward_blocks(lo, hi, x, trans, e, cmax, group, init, lengths, pre, norm):
     """Blocks ``lo:hi`` (of :data:`BLOCK` rows) of :func:`chain_forward_scaled`."""
     c = x.shape[2]
@@ -168,8 +161,8 @@ def _forward_blocks(lo, hi, x, trans, e, cmax, group, init, lengths, pre, norm):
             norm[b, lengths[b]:] = 0.0
 
 
-@njit(parallel=True, cache=True)
-def chain_logsumexp_scaled(x, e, cmax, group, init, lengths, out, lost):
+@njit(nogil=True, cache=True)
+def chain_logsumexp_scaled(parallel, threads, x, e, cmax, group, init, lengths, out, lost):
     """The log-partition alone, without the messages a gradient reads: fills ``out`` (B,)
     float64, and ``lost`` (B,) True where a row needs :func:`chain_forward_scaled` (then its
     ``out`` is garbage).
@@ -181,21 +174,13 @@ def chain_logsumexp_scaled(x, e, cmax, group, init, lengths, out, lost):
     A row is lost where some ``acc[j]`` with a possible ``cmax[j] + x[t + 1, j]`` is below
     ``TINY`` (dropped terms could matter, as in the module docstring), or where a message is
     not finite (``-inf``, NaN, no path): the exact sweep decides those. O(B * v * c²)
-    multiply-adds; blocks of rows run in parallel (:func:`chain_logsumexp_scaled_team`: on
-    torch's threads).
+    multiply-adds; blocks of rows run in parallel (on a team of threads: ``team.run``).
     """
-    for k in prange(-(-x.shape[0] // BLOCK)):
-        _logsumexp_blocks(k, k + 1, x, e, cmax, group, init, lengths, out, lost)
-
-
-@njit(nogil=True, cache=True)
-def chain_logsumexp_scaled_team(parallel, threads, x, e, cmax, group, init, lengths, out, lost):
-    """:func:`chain_logsumexp_scaled` on an OpenMP team (``team.team_rows``)."""
     return team_rows(parallel, threads, _logsumexp_blocks, -(-x.shape[0] // BLOCK),
                      (x, e, cmax, group, init, lengths, out, lost))
 
 
-@njit(cache=True, error_model="numpy")  # a prange body's error model
+@njit(cache=True, error_model="numpy")  # division by zero gives inf or NaN
 def _logsumexp_blocks(lo, hi, x, e, cmax, group, init, lengths, out, lost):
     """Blocks ``lo:hi`` (of :data:`BLOCK` rows) of :func:`chain_logsumexp_scaled`."""
     c = x.shape[2]
@@ -262,28 +247,21 @@ def _marginals(pre, x, d, beta, out):
             out[i] /= total
 
 
-@njit(parallel=True, cache=True)
-def chain_marginals_scaled(x, trans, e_t, cmax, group, lengths, pre, norm, marg):
+@njit(nogil=True, cache=True)
+def chain_marginals_scaled(parallel, threads, x, trans, e_t, cmax, group, lengths, pre, norm, marg):
     """The backward sweep by scaled products, straight to the posterior marginals: fills
     ``marg`` (B, v, c), each position renormalised to sum 1 (0 past each length and where a
     chain has no path). ``e_t`` holds the matrices of ``e`` transposed (G, S, c, c), the other
     inputs as for :func:`chain_forward_scaled`, plus its outputs. A step is ``q @ e_t`` (BLAS,
     a block of rows at once) on ``q = exp(z - max z)``, ``z = x[t + 1] + beta[t + 1] + cmax``.
     O(B * v * c²) multiply-adds; blocks of rows run in parallel
-    (:func:`chain_marginals_scaled_team`: on torch's threads).
+    (on a team of threads: ``team.run``).
     """
-    for k in prange(-(-x.shape[0] // BLOCK)):
-        _marginals_blocks(k, k + 1, x, trans, e_t, cmax, group, lengths, pre, norm, marg)
-
-
-@njit(nogil=True, cache=True)
-def chain_marginals_scaled_team(parallel, threads, x, trans, e_t, cmax, group, lengths, pre, norm, marg):
-    """:func:`chain_marginals_scaled` on an OpenMP team (``team.team_rows``)."""
     return team_rows(parallel, threads, _marginals_blocks, -(-x.shape[0] // BLOCK),
                      (x, trans, e_t, cmax, group, lengths, pre, norm, marg))
 
 
-@njit(cache=True, error_model="numpy")  # a prange body's error model
+@njit(cache=True, error_model="numpy")  # division by zero gives inf or NaN
 def _marginals_blocks(lo, hi, x, trans, e_t, cmax, group, lengths, pre, norm, marg):
     """Blocks ``lo:hi`` (of :data:`BLOCK` rows) of :func:`chain_marginals_scaled`; the rows of a
     block take each step together, each from its own last one."""
@@ -378,8 +356,8 @@ def _add_outer(out, p, r, product):
         out += product
 
 
-@njit(parallel=True, cache=True)
-def chain_transition_grad_scaled(x, cmax, group, lengths, pre, norm, marg, weight, chunks, acc, ok):
+@njit(nogil=True, cache=True)
+def chain_transition_grad_scaled(parallel, threads, x, cmax, group, lengths, pre, norm, marg, weight, chunks, acc, ok):
     """Scaled sums of the expected transition counts: adds to ``acc`` (G, S, K, c, c) float64
 
     ``acc[g, s, k, i, j] += sum_{b, t} exp(â_t[i] - amax) * weight[b] * marg[b, t+1, j] * exp(amax + cmax[j] - pre[b, t+1, j])``
@@ -389,21 +367,13 @@ def chain_transition_grad_scaled(x, cmax, group, lengths, pre, norm, marg, weigh
     Sets ``ok[g, s, k]`` False where a scale factor exceeds ``exp(LIMIT)`` or is not a number (the
     caller then uses the exact kernel). Parallel over the (g, s, k) blocks of ``acc``; the
     factors of ``BUFFER`` row-steps are added at once (BLAS products).
-    O(B * v * c²) multiply-adds (:func:`chain_transition_grad_scaled_team`: on torch's threads).
+    O(B * v * c²) multiply-adds (on a team of threads: ``team.run``).
     """
-    for gsk in prange(acc.shape[0] * acc.shape[1] * acc.shape[2]):
-        _transition_grad_blocks(gsk, gsk + 1, x, cmax, group, lengths, pre, norm, marg, weight, chunks, acc, ok)
-
-
-@njit(nogil=True, cache=True)
-def chain_transition_grad_scaled_team(parallel, threads, x, cmax, group, lengths, pre, norm, marg, weight, chunks, acc,
-                                      ok):
-    """:func:`chain_transition_grad_scaled` on an OpenMP team (``team.team_rows``)."""
     return team_rows(parallel, threads, _transition_grad_blocks, acc.shape[0] * acc.shape[1] * acc.shape[2],
                      (x, cmax, group, lengths, pre, norm, marg, weight, chunks, acc, ok))
 
 
-@njit(cache=True, error_model="numpy")  # a prange body's error model
+@njit(cache=True, error_model="numpy")  # division by zero gives inf or NaN
 def _transition_grad_blocks(lo, hi, x, cmax, group, lengths, pre, norm, marg, weight, chunks, acc, ok):
     """Blocks ``lo:hi`` (of the flattened (G, S, K)) of :func:`chain_transition_grad_scaled`."""
     groups, steps, parts, c, _ = acc.shape
@@ -456,8 +426,9 @@ def _marginal_row(forward, beta, weight, m):
             beta[j] -= log_total
 
 
-@njit(parallel=True, cache=True)
-def gemm_forward_step(t, x, trans, cmax, group, init, lengths, log_threshold, tiny, log_product, top, u, pre, norm):
+@njit(nogil=True, cache=True)
+def gemm_forward_step(parallel, threads, t, x, trans, cmax, group, init, lengths, log_threshold, tiny, log_product,
+                      top, u, pre, norm):
     """The elementwise part of position ``t`` of the GEMM sweep's forward (``_chain_sweep``):
     one pass over each row (rows in parallel) around the step's GEMM ``u @ e``, where ``e``
     (G, S, c, c) is ``exp(trans - cmax)`` (column maxima ``cmax`` (G, S, c) made finite).
@@ -469,22 +440,13 @@ def gemm_forward_step(t, x, trans, cmax, group, init, lengths, log_threshold, ti
     ``norm[:, t]`` and the next operand: ``u = exp(â_t - max â_t)`` (0 below ``tiny``, the
     smallest normal number of ``x``'s dtype) and ``top = max â_t``. Rows with ``t >=
     lengths[b]`` get ``pre = -inf``, ``norm = 0`` and ``u = 0``. O(B * c) operations
-    (:func:`gemm_forward_step_team`: on torch's threads).
+    (on a team of threads: ``team.run``).
     """
-    for b in prange(x.shape[0]):
-        _gemm_forward_rows(b, b + 1, t, x, trans, cmax, group, init, lengths, log_threshold, tiny, log_product, top, u,
-                           pre, norm)
-
-
-@njit(nogil=True, cache=True)
-def gemm_forward_step_team(parallel, threads, t, x, trans, cmax, group, init, lengths, log_threshold, tiny,
-                           log_product, top, u, pre, norm):
-    """:func:`gemm_forward_step` on an OpenMP team (``team.team_rows``)."""
     return team_rows(parallel, threads, _gemm_forward_rows, x.shape[0],
                      (t, x, trans, cmax, group, init, lengths, log_threshold, tiny, log_product, top, u, pre, norm))
 
 
-@njit(cache=True, error_model="numpy")  # a prange body's error model
+@njit(cache=True, error_model="numpy")  # division by zero gives inf or NaN
 def _gemm_forward_rows(lo, hi, t, x, trans, cmax, group, init, lengths, log_threshold, tiny, log_product, top, u,
                        pre, norm):
     """Rows ``lo:hi`` of :func:`gemm_forward_step`."""
@@ -582,9 +544,9 @@ def _shifted_exp(a, top, tiny, out):
         out[j] = v if v >= tiny else 0.0
 
 
-@njit(parallel=True, cache=True)
-def gemm_backward_step(t, last, weight, inv_scale, x, trans, cmax, group, pre, norm, log_threshold, tiny,
-                       counts, forward, beta, y, top, z, log_product, grad_x, p, w, ok, reached):
+@njit(nogil=True, cache=True)
+def gemm_backward_step(parallel, threads, t, last, weight, inv_scale, x, trans, cmax, group, pre, norm, log_threshold,
+                       tiny, counts, forward, beta, y, top, z, log_product, grad_x, p, w, ok, reached):
     """The elementwise part of position ``t`` of the GEMM sweep's backward (``_chain_sweep``):
     one pass over each row (rows in parallel) around the step's two GEMMs, ``z @ e.T`` (the
     backward messages) and ``p.T @ w`` (the transition counts).
@@ -605,25 +567,14 @@ def gemm_backward_step(t, last, weight, inv_scale, x, trans, cmax, group, pre, n
     inv_scale[g]``. Rows that take no step have zero factors;
     ``reached[g, s]`` marks a matrix some row uses, and ``ok[g, s]`` goes False where a
     factor's scaled product fell below the threshold or is not a number (the caller then takes
-    the exact kernel). O(B * c) operations (:func:`gemm_backward_step_team`: on torch's
-    threads).
+    the exact kernel). O(B * c) operations (on a team of threads: ``team.run``).
     """
-    for b in prange(x.shape[0]):
-        _gemm_backward_rows(b, b + 1, t, last, weight, inv_scale, x, trans, cmax, group, pre, norm, log_threshold,
-                            tiny, counts, forward, beta, y, top, z, log_product, grad_x, p, w, ok, reached)
-
-
-@njit(nogil=True, cache=True)
-def gemm_backward_step_team(parallel, threads, t, last, weight, inv_scale, x, trans, cmax, group, pre, norm,
-                            log_threshold, tiny, counts, forward, beta, y, top, z, log_product, grad_x, p, w, ok,
-                            reached):
-    """:func:`gemm_backward_step` on an OpenMP team (``team.team_rows``)."""
     return team_rows(parallel, threads, _gemm_backward_rows, x.shape[0],
                      (t, last, weight, inv_scale, x, trans, cmax, group, pre, norm, log_threshold, tiny,
                       counts, forward, beta, y, top, z, log_product, grad_x, p, w, ok, reached))
 
 
-@njit(cache=True, error_model="numpy")  # a prange body's error model
+@njit(cache=True, error_model="numpy")  # division by zero gives inf or NaN
 def _gemm_backward_rows(lo, hi, t, last, weight, inv_scale, x, trans, cmax, group, pre, norm, log_threshold, tiny,
                         counts, forward, beta, y, top, z, log_product, grad_x, p, w, ok, reached):
     """Rows ``lo:hi`` of :func:`gemm_backward_step`."""
@@ -856,8 +807,9 @@ def _hmm_backward(trans_t, length, alpha, e, s, post):
     return True
 
 
-@njit(parallel=True, cache=True)
-def hmm_posteriors_scaled(x, weights, starts, start, trans, parts, post, log_prob, first, counts, sums):
+@njit(nogil=True, cache=True)
+def hmm_posteriors_scaled(parallel, threads, x, weights, starts, start, trans, parts, post, log_prob, first, counts,
+                          sums):
     """The E-step of an HMM in probability space (Rabiner's scaling), the sequences in parallel.
 
     Sequence ``b`` is rows ``starts[b]:starts[b + 1]`` of ``x`` (n, k) float64, its emission
@@ -871,25 +823,14 @@ def hmm_posteriors_scaled(x, weights, starts, start, trans, parts, post, log_pro
     ``trans`` is the expected transition counts, and ``sums`` (parts, c, k) to sums whose total is
     ``posteriors.T @ x`` (either None: not computed). Every probability lost below float64's
     range weighs below 1e-170 of its sequence's likelihood. O(n * c * (c + k)) operations,
-    scratch memory at most 3n * c plus the sums (:func:`hmm_posteriors_scaled_team`: on torch's
-    threads).
+    scratch memory at most 3n * c plus the sums (on a team of threads: ``team.run``).
     """
-    trans_t = np.ascontiguousarray(trans.T)
-    for part in prange(parts):
-        _posteriors_parts(part, part + 1, x, weights, starts, start, trans, trans_t, post, log_prob, first, counts,
-                          sums)
-
-
-@njit(nogil=True, cache=True)
-def hmm_posteriors_scaled_team(parallel, threads, x, weights, starts, start, trans, parts, post, log_prob, first,
-                               counts, sums):
-    """:func:`hmm_posteriors_scaled` on an OpenMP team (``team.team_rows``)."""
     trans_t = np.ascontiguousarray(trans.T)
     return team_rows(parallel, threads, _posteriors_parts, parts,
                      (x, weights, starts, start, trans, trans_t, post, log_prob, first, counts, sums))
 
 
-@njit(cache=True, error_model="numpy")  # a prange body's error model
+@njit(cache=True, error_model="numpy")  # division by zero gives inf or NaN
 def _posteriors_parts(lo, hi, x, weights, starts, start, trans, trans_t, post, log_prob, first, counts, sums):
     """Parts ``lo:hi`` (of ``first.shape[0]``) of :func:`hmm_posteriors_scaled`."""
     c = trans.shape[0]

@@ -8,7 +8,7 @@ Paths are int64, -1 past each row's length.
 import math
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 from ..rules import WALK_CHUNK, kbest_insert, kbest_plus
 from .exp import exp_nonpositive
@@ -105,26 +105,18 @@ def draw_sparse(alpha, b, t, t_indptr, t_rows, t_values, state, u):
     return last  # rounding: the cumulative sum fell short of the threshold
 
 
-@njit(parallel=True, cache=True)
-def sparse_chain_sample(alpha, t_indptr, t_rows, t_values, lengths, possible, uniforms, paths):
+@njit(nogil=True, cache=True)
+def sparse_chain_sample(parallel, threads, alpha, t_indptr, t_rows, t_values, lengths, possible, uniforms, paths):
     """:func:`chain_sample` with one sparse transition matrix for all rows and steps (the
     transpose's CSR structure, as in :func:`sparse_chain_kbest`): each draw in log space
     (:func:`draw_sparse`) over the stored predecessors of the state drawn after it.
     O(N * B * v * (c + nnz)) time at worst, no (c, c) matrix; samples run in parallel
-    (:func:`sparse_chain_sample_team`: on torch's threads)."""
-    for bn in prange(paths.shape[0] * paths.shape[1]):
-        _sparse_sample_rows(bn, bn + 1, alpha, t_indptr, t_rows, t_values, lengths, possible, uniforms, paths)
-
-
-@njit(nogil=True, cache=True)
-def sparse_chain_sample_team(parallel, threads, alpha, t_indptr, t_rows, t_values, lengths, possible, uniforms,
-                             paths):
-    """:func:`sparse_chain_sample` on an OpenMP team (``team.team_rows``)."""
+    (on a team of threads: ``team.run``)."""
     return team_rows(parallel, threads, _sparse_sample_rows, paths.shape[0] * paths.shape[1],
                      (alpha, t_indptr, t_rows, t_values, lengths, possible, uniforms, paths))
 
 
-@njit(cache=True, error_model="numpy")  # a prange body's error model: the same code on both routes
+@njit(cache=True, error_model="numpy")  # division by zero gives inf or NaN
 def _sparse_sample_rows(lo, hi, alpha, t_indptr, t_rows, t_values, lengths, possible, uniforms, paths):
     """Samples ``lo:hi`` (of the flattened (B, N)) of :func:`sparse_chain_sample`."""
     samples, rows, v = paths.shape
@@ -147,8 +139,9 @@ def _sparse_sample_rows(lo, hi, alpha, t_indptr, t_rows, t_values, lengths, poss
             paths[n, b, :] = -1
 
 
-@njit(parallel=True, cache=True)
-def chain_sample(alpha, probs, trans_t, trans_probs, totals, tiny, group, lengths, possible, uniforms, paths):
+@njit(nogil=True, cache=True)
+def chain_sample(parallel, threads, alpha, probs, trans_t, trans_probs, totals, tiny, group, lengths, possible,
+                 uniforms, paths):
     """Backward sampling from the normalised forward messages: fills ``paths`` (N, B, v).
 
     ``alpha`` (B, v, c) holds the normalised forward messages â_t (log p(s_t | x_0..t) up to
@@ -161,23 +154,14 @@ def chain_sample(alpha, probs, trans_t, trans_probs, totals, tiny, group, length
     (N, B, v) are in [0, 1), ``tiny`` is :func:`draw`'s. The last state is drawn from
     â_{L-1}, each earlier one from â_t[i] + trans[i, s_{t+1}]. Impossible rows get -1
     everywhere. Parallel over the N * B samples (those of one row in a run, sharing its
-    messages in cache; :func:`chain_sample_team`: on torch's threads); O(N * B * v * c) time, about
+    messages in cache; on a team of threads: ``team.run``); O(N * B * v * c) time, about
     c / 2 multiply-adds a draw.
     """
-    for bn in prange(paths.shape[0] * paths.shape[1]):
-        _sample_rows(bn, bn + 1, alpha, probs, trans_t, trans_probs, totals, tiny, group, lengths, possible, uniforms,
-                     paths)
-
-
-@njit(nogil=True, cache=True)
-def chain_sample_team(parallel, threads, alpha, probs, trans_t, trans_probs, totals, tiny, group, lengths, possible,
-                      uniforms, paths):
-    """:func:`chain_sample` on an OpenMP team (``team.team_rows``)."""
     return team_rows(parallel, threads, _sample_rows, paths.shape[0] * paths.shape[1],
                      (alpha, probs, trans_t, trans_probs, totals, tiny, group, lengths, possible, uniforms, paths))
 
 
-@njit(cache=True, error_model="numpy")  # a prange body's error model: the same code on both routes
+@njit(cache=True, error_model="numpy")  # division by zero gives inf or NaN
 def _sample_rows(lo, hi, alpha, probs, trans_t, trans_probs, totals, tiny, group, lengths, possible, uniforms, paths):
     """Samples ``lo:hi`` (of the flattened (B, N)) of :func:`chain_sample`."""
     samples, rows, v = paths.shape
@@ -258,8 +242,8 @@ def _kbest_last(b, length, cur, work, counts, backptr, scores, paths):
                 entry = backptr[b, t, state, entry % k]
 
 
-@njit(parallel=True, cache=True)
-def chain_kbest(x, trans, group, init, lengths, work, counts, backptr, scores, paths):
+@njit(nogil=True, cache=True)
+def chain_kbest(parallel, threads, x, trans, group, init, lengths, work, counts, backptr, scores, paths):
     """Exact k-best Viterbi: the ``k`` best paths of each row, best first.
 
     Inputs as for ``chain.chain_viterbi``; ``work`` (B, 2, c, k) and ``counts`` (B, 2, c, k, int64)
@@ -270,21 +254,13 @@ def chain_kbest(x, trans, group, init, lengths, work, counts, backptr, scores, p
     ranking). Paths of score ``-inf`` are dropped, so fewer than ``k`` paths leave ``-inf``
     scores and -1 paths. Ties go to the lower (state, rank), as in ``chain.chain_viterbi``. Overwrites
     ``scores`` (k, B; ``+inf`` for a path through a ``+inf`` term) and ``paths`` (k, B, v).
-    O(B * v * c² * k²) time at worst; rows run in parallel (:func:`chain_kbest_team`: on
-    torch's threads).
+    O(B * v * c² * k²) time at worst; rows run in parallel (on a team of threads: ``team.run``).
     """
-    for b in prange(x.shape[0]):
-        _kbest_rows(b, b + 1, x, trans, group, init, lengths, work, counts, backptr, scores, paths)
-
-
-@njit(nogil=True, cache=True)
-def chain_kbest_team(parallel, threads, x, trans, group, init, lengths, work, counts, backptr, scores, paths):
-    """:func:`chain_kbest` on an OpenMP team (``team.team_rows``)."""
     return team_rows(parallel, threads, _kbest_rows, x.shape[0],
                      (x, trans, group, init, lengths, work, counts, backptr, scores, paths))
 
 
-@njit(cache=True, error_model="numpy")  # a prange body's error model: the same code on both routes
+@njit(cache=True, error_model="numpy")  # division by zero gives inf or NaN
 def _kbest_rows(lo, hi, x, trans, group, init, lengths, work, counts, backptr, scores, paths):
     """Rows ``lo:hi`` of :func:`chain_kbest`."""
     c = x.shape[2]
@@ -307,27 +283,19 @@ def _kbest_rows(lo, hi, x, trans, group, init, lengths, work, counts, backptr, s
         _kbest_last(b, lengths[b], cur, work, counts, backptr, scores, paths)
 
 
-@njit(parallel=True, cache=True)
-def sparse_chain_kbest(x, t_indptr, t_rows, t_values, init, lengths, work, counts, backptr, scores, paths):
+@njit(nogil=True, cache=True)
+def sparse_chain_kbest(parallel, threads, x, t_indptr, t_rows, t_values, init, lengths, work, counts, backptr, scores,
+                       paths):
     """:func:`chain_kbest` with one sparse transition matrix for all rows and steps, given by
     its transpose's CSR structure (``t_indptr``, ``t_rows``, ``t_values``: the stored entries
     of column ``j`` in order of their row; absent entries are ``-inf``). The candidates of a
     state are those of its stored predecessors: O(B * v * (c + nnz) * k²) time at worst
-    (:func:`sparse_chain_kbest_team`: on torch's threads)."""
-    for b in prange(x.shape[0]):
-        _sparse_kbest_rows(b, b + 1, x, t_indptr, t_rows, t_values, init, lengths, work, counts, backptr, scores,
-                           paths)
-
-
-@njit(nogil=True, cache=True)
-def sparse_chain_kbest_team(parallel, threads, x, t_indptr, t_rows, t_values, init, lengths, work, counts, backptr,
-                            scores, paths):
-    """:func:`sparse_chain_kbest` on an OpenMP team (``team.team_rows``)."""
+    (on a team of threads: ``team.run``)."""
     return team_rows(parallel, threads, _sparse_kbest_rows, x.shape[0],
                      (x, t_indptr, t_rows, t_values, init, lengths, work, counts, backptr, scores, paths))
 
 
-@njit(cache=True, error_model="numpy")  # a prange body's error model: the same code on both routes
+@njit(cache=True, error_model="numpy")  # division by zero gives inf or NaN
 def _sparse_kbest_rows(lo, hi, x, t_indptr, t_rows, t_values, init, lengths, work, counts, backptr, scores, paths):
     """Rows ``lo:hi`` of :func:`sparse_chain_kbest`."""
     c = x.shape[2]

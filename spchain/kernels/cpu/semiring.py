@@ -7,7 +7,7 @@ whose terms are all ``-inf`` is ``-inf`` with argmax 0.
 """
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 from .team import team_rows
 
@@ -89,25 +89,14 @@ def has_nan(m):
     return found
 
 
-@njit(parallel=True, cache=True)
-def max_matmul(a, b, a_index, b_index, values, argmax):
+@njit(nogil=True, cache=True)
+def max_matmul(parallel, threads, a, b, a_index, b_index, values, argmax):
     """``values[p, i, j] = max_k a[a_index[p], i, k] + b[b_index[p], k, j]`` and its ``argmax``.
 
     ``a`` (Ba, m, k), ``b`` (Bb, k, n), ``a_index``/``b_index`` (P,); overwrites ``values``
     (P, m, n) and ``argmax`` (P, m, n, int64). With k = 0: ``-inf`` and 0. Parallel over
-    the P * m output rows (:func:`max_matmul_team`: on torch's threads); O(P * m * k * n) time.
+    the P * m output rows (on a team of threads: ``team.run``); O(P * m * k * n) time.
     """
-    batches, m, n = values.shape
-    nan_in_b = np.empty(b.shape[0], np.bool_)
-    for q in prange(b.shape[0]):
-        _nan_matrices(q, q + 1, b, nan_in_b)
-    for row in prange(batches * m):
-        _max_matmul_rows(row, row + 1, a, b, a_index, b_index, nan_in_b, values, argmax)
-
-
-@njit(nogil=True, cache=True)
-def max_matmul_team(parallel, threads, a, b, a_index, b_index, values, argmax):
-    """:func:`max_matmul` on an OpenMP team (``team.team_rows``): the NaN tests, then the rows."""
     batches, m, n = values.shape
     nan_in_b = np.empty(b.shape[0], np.bool_)
     failed = team_rows(parallel, threads, _nan_matrices, b.shape[0], (b, nan_in_b))
@@ -117,14 +106,14 @@ def max_matmul_team(parallel, threads, a, b, a_index, b_index, values, argmax):
                      (a, b, a_index, b_index, nan_in_b, values, argmax))
 
 
-@njit(cache=True, error_model="numpy")  # a prange body's error model: the same code on both routes
+@njit(cache=True, error_model="numpy")  # division by zero gives inf or NaN
 def _nan_matrices(lo, hi, b, nan_in):
     """``nan_in[q]``: whether ``b[q]`` holds a NaN, for ``q`` in ``lo:hi``."""
     for q in range(lo, hi):
         nan_in[q] = has_nan(b[q])
 
 
-@njit(cache=True, error_model="numpy")  # a prange body's error model: the same code on both routes
+@njit(cache=True, error_model="numpy")  # division by zero gives inf or NaN
 def _max_matmul_rows(lo, hi, a, b, a_index, b_index, nan_in_b, values, argmax):
     """Output rows ``lo:hi`` (of the flattened (P, m)) of :func:`max_matmul`."""
     batches, m, n = values.shape

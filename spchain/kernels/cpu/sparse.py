@@ -14,7 +14,7 @@ buffer, transposing 16 x 16 blocks in registers on the way: no transposed copy o
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -40,8 +40,8 @@ def packs_transposed(k: int) -> bool:
     return k * _TILE * _VECTOR <= _PANEL
 
 
-@njit(parallel=True, cache=True)
-def sparse_spmm(indptr, indices, data, b, bias, out, threads, transposed):
+@njit(nogil=True, cache=True)
+def sparse_spmm(parallel, team, indptr, indices, data, b, bias, out, threads, transposed):
     """CSR times dense: ``out[i, :] = bias[i] + sum(data[p] * b[indices[p], :])`` over row ``i``.
 
     Inputs: ``indptr`` (m + 1), ``indices`` and ``data`` (nnz), ``b`` (k, n) C-contiguous, or
@@ -50,18 +50,10 @@ def sparse_spmm(indptr, indices, data, b, bias, out, threads, transposed):
     (m, n), C-contiguous. The work is cut into parts, tiles of ``_TILE`` vectors of columns
     first (each part copies only its own tile of ``b``), then, where the tiles are fewer than
     ``threads``, runs of rows of about equal stored entries (:func:`_parts`); the parts run in
-    parallel (:func:`sparse_spmm_team`: on torch's threads, or with ``threads`` 1 on the
-    calling thread), each as :func:`_spmm_part`.
+    parallel on a team of ``team`` threads (``team.run``; ``parallel`` 0 or ``team`` 1: on the
+    calling thread, the small products' route), each as :func:`_spmm_part`.
     Complexity: O(nnz * n) multiply-adds, O(m * n) writes.
     """
-    for q in prange(_parts(out, threads)[2]):
-        _spmm_parts(q, q + 1, indptr, indices, data, b, bias, out, threads, transposed)
-
-
-@njit(nogil=True, cache=True)
-def sparse_spmm_team(parallel, team, indptr, indices, data, b, bias, out, threads, transposed):
-    """:func:`sparse_spmm` on an OpenMP team of ``team`` threads (``team.team_rows``; ``parallel``
-    0 or ``team`` 1: on the calling thread, the small products' route)."""
     return team_rows(parallel, team, _spmm_parts, _parts(out, threads)[2],
                      (indptr, indices, data, b, bias, out, threads, transposed))
 
@@ -82,7 +74,7 @@ def _parts(out, threads):
     return tiles, runs, tiles * runs
 
 
-@njit(cache=True, error_model="numpy")  # a prange body's error model
+@njit(cache=True, error_model="numpy")  # division by zero gives inf or NaN
 def _spmm_parts(lo, hi, indptr, indices, data, b, bias, out, threads, transposed):
     """Parts ``lo:hi`` of :func:`sparse_spmm` (see :func:`_parts`; each row's sums do not depend
     on the parts: the same bits for any ``threads``)."""
@@ -287,31 +279,23 @@ def _row_tile(typingctx, indices, data, b, b0, p0, p1, start, out, i, c0, vector
     return types.void(indices, data, b, b0, p0, p1, start, out, i, c0, vectors), codegen
 
 
-@njit(parallel=True, cache=True)
-def sparse_sddmm(indptr, indices, a, b, out, threads, transposed):
+@njit(nogil=True, cache=True)
+def sparse_sddmm(parallel, team, indptr, indices, a, b, out, threads, transposed):
     """Sampled dense-dense product: ``out[p] = a[i, :] . b[indices[p], :]`` for entry ``p`` of row ``i``.
 
     Inputs: ``indptr`` (m + 1), ``indices`` (nnz), ``a`` (m, k) and ``b`` (n, k), both
     C-contiguous, or with ``transposed`` their transposes (k, m) and (k, n) C-contiguous (the
     row-major batches of a layer's output gradient and input: no transposed copies),
     ``threads`` >= 1. Overwrites ``out`` (nnz). The rows are cut into ``threads`` runs of about
-    equal stored entries, which run in parallel (:func:`sparse_sddmm_team`: on torch's threads,
-    or with ``threads`` 1 on the calling thread); each run goes over the columns one slab at a
+    equal stored entries, which run in parallel on a team of ``team`` threads (``team.run``; ``parallel`` 0
+    or ``team`` 1: on the calling thread); each run goes over the columns one slab at a
     time (see :func:`_sddmm_rows`).
     Complexity: O(nnz * k) multiply-adds.
     """
-    for r in prange(threads):
-        _sddmm_runs(r, r + 1, indptr, indices, a, b, out, threads, transposed)
-
-
-@njit(nogil=True, cache=True)
-def sparse_sddmm_team(parallel, team, indptr, indices, a, b, out, threads, transposed):
-    """:func:`sparse_sddmm` on an OpenMP team of ``team`` threads (``team.team_rows``; ``parallel``
-    0 or ``team`` 1: on the calling thread, the small products' route)."""
     return team_rows(parallel, team, _sddmm_runs, threads, (indptr, indices, a, b, out, threads, transposed))
 
 
-@njit(cache=True, fastmath=_FAST, error_model="numpy")  # a prange body's error model
+@njit(cache=True, fastmath=_FAST, error_model="numpy")  # division by zero gives inf or NaN
 def _sddmm_runs(lo, hi, indptr, indices, a, b, out, threads, transposed):
     """Runs ``lo:hi`` of the ``threads`` runs of :func:`sparse_sddmm` (each entry's sum does not
     depend on the runs: the same bits for any ``threads``)."""
@@ -560,25 +544,18 @@ def _transpose_block(typingctx, a, out, i0, j0):
     return types.void(a, out, i0, j0), codegen
 
 
-@njit(parallel=True, cache=True)
-def transpose(a, out):
+@njit(nogil=True, cache=True)
+def transpose(parallel, threads, a, out):
     """``out[j, i] = a[i, j]``: ``a`` (m, n) C-contiguous into ``out`` (n, m) C-contiguous.
 
-    Strips of 16 columns of ``a`` run in parallel (:func:`transpose_team`: on torch's threads);
+    Strips of 16 columns of ``a`` run in parallel (on a team of threads: ``team.run``);
     each goes down ``a`` one 16 x 16 block at a time, transposed in vector registers (the edges
     element by element). Complexity: O(m * n).
     """
-    for strip in prange((a.shape[1] + _BLOCK - 1) // _BLOCK):
-        _transpose_strips(strip, strip + 1, a, out)
-
-
-@njit(nogil=True, cache=True)
-def transpose_team(parallel, threads, a, out):
-    """:func:`transpose` on an OpenMP team (``team.team_rows``)."""
     return team_rows(parallel, threads, _transpose_strips, (a.shape[1] + _BLOCK - 1) // _BLOCK, (a, out))
 
 
-@njit(cache=True, error_model="numpy")  # a prange body's error model
+@njit(cache=True, error_model="numpy")  # division by zero gives inf or NaN
 def _transpose_strips(lo, hi, a, out):
     """Strips ``lo:hi`` (of 16 columns of ``a``) of :func:`transpose`."""
     m, n = a.shape

@@ -16,15 +16,14 @@ Viterbi runs here on the CPU; the CPU forward and backward sweeps run the scaled
 ``spchain/kernels/cuda/sparse_chain.py`` (tested against each other and against the dense chain).
 
 Each parallel kernel here and in ``sparse_chain_scaled.py`` is a serial body over a range of
-chunks of rows (:func:`chunks`, a function of the batch alone) or of rows, with two cached
-entries: the kernel (a ``prange``, Numba's threads) and ``<kernel>_team`` (torch's OpenMP
-threads, ``team.py``); either gives the same bits.
+chunks of rows (:func:`chunks`, a function of the batch alone) or of rows, run on a team of
+threads (``team.py``); any team gives the same bits.
 """
 
 import math
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 from . import team
 from .chain import normalise
@@ -96,26 +95,17 @@ def sparse_chain_forward(x, t_indptr, t_rows, t_values, init, lengths, pre, norm
     does, over the transpose's CSR structure. Chunks of rows (:func:`chunks`) run in parallel
     (on torch's threads where torch runs, ``team.run``), each one step at a time for all its
     rows. O(B * v * (c + nnz)) time, O(c * B) scratch."""
-    team.run(sparse_chain_forward_chunks, sparse_chain_forward_chunks_team, x, t_indptr, t_rows, t_values, init,
-             lengths, pre, norm, chunks(x.shape[0]))
-
-
-@njit(parallel=True, cache=True)
-def sparse_chain_forward_chunks(x, t_indptr, t_rows, t_values, init, lengths, pre, norm, chunks):
-    """:func:`sparse_chain_forward` in ``chunks`` chunks of rows."""
-    for chunk in prange(chunks):
-        _forward_chunks(chunk, chunk + 1, x, t_indptr, t_rows, t_values, init, lengths, pre, norm, chunks)
+    team.run(sparse_chain_forward_chunks, x, t_indptr, t_rows, t_values, init, lengths, pre, norm, chunks(x.shape[0]))
 
 
 @njit(nogil=True, cache=True)
-def sparse_chain_forward_chunks_team(parallel, threads, x, t_indptr, t_rows, t_values, init, lengths, pre, norm,
-                                     chunks):
-    """:func:`sparse_chain_forward_chunks` on an OpenMP team (``team.team_rows``)."""
+def sparse_chain_forward_chunks(parallel, threads, x, t_indptr, t_rows, t_values, init, lengths, pre, norm, chunks):
+    """:func:`sparse_chain_forward` in ``chunks`` chunks of rows."""
     return team_rows(parallel, threads, _forward_chunks, chunks,
                      (x, t_indptr, t_rows, t_values, init, lengths, pre, norm, chunks))
 
 
-@njit(cache=True, error_model="numpy")  # a prange body's error model
+@njit(cache=True, error_model="numpy")  # division by zero gives inf or NaN
 def _forward_chunks(lo, hi, x, t_indptr, t_rows, t_values, init, lengths, pre, norm, chunks):
     """Chunks ``lo:hi`` (of ``chunks``) of :func:`sparse_chain_forward_chunks`."""
     rows, v, c = x.shape
@@ -157,25 +147,17 @@ def _forward_chunks(lo, hi, x, t_indptr, t_rows, t_values, init, lengths, pre, n
 def sparse_chain_backward(x, indptr, indices, values, lengths, norm, beta):
     """Backward sweep: fills ``beta`` (B, v, c) as ``chain.chain_backward`` does; chunks of
     rows in parallel as in :func:`sparse_chain_forward`. O(B * v * (c + nnz)) time."""
-    team.run(sparse_chain_backward_chunks, sparse_chain_backward_chunks_team, x, indptr, indices, values, lengths, norm,
-             beta, chunks(x.shape[0]))
-
-
-@njit(parallel=True, cache=True)
-def sparse_chain_backward_chunks(x, indptr, indices, values, lengths, norm, beta, chunks):
-    """:func:`sparse_chain_backward` in ``chunks`` chunks of rows."""
-    for chunk in prange(chunks):
-        _backward_chunks(chunk, chunk + 1, x, indptr, indices, values, lengths, norm, beta, chunks)
+    team.run(sparse_chain_backward_chunks, x, indptr, indices, values, lengths, norm, beta, chunks(x.shape[0]))
 
 
 @njit(nogil=True, cache=True)
-def sparse_chain_backward_chunks_team(parallel, threads, x, indptr, indices, values, lengths, norm, beta, chunks):
-    """:func:`sparse_chain_backward_chunks` on an OpenMP team (``team.team_rows``)."""
+def sparse_chain_backward_chunks(parallel, threads, x, indptr, indices, values, lengths, norm, beta, chunks):
+    """:func:`sparse_chain_backward` in ``chunks`` chunks of rows."""
     return team_rows(parallel, threads, _backward_chunks, chunks,
                      (x, indptr, indices, values, lengths, norm, beta, chunks))
 
 
-@njit(cache=True, error_model="numpy")  # a prange body's error model
+@njit(cache=True, error_model="numpy")  # division by zero gives inf or NaN
 def _backward_chunks(lo, hi, x, indptr, indices, values, lengths, norm, beta, chunks):
     """Chunks ``lo:hi`` (of ``chunks``) of :func:`sparse_chain_backward_chunks`."""
     rows, v, c = x.shape
@@ -206,8 +188,8 @@ def _backward_chunks(lo, hi, x, indptr, indices, values, lengths, norm, beta, ch
                         beta[b, t, i] = -np.inf if d == -np.inf else out[i, k] - d
 
 
-@njit(parallel=True, cache=True)
-def sparse_chain_values_grad(x, indptr, indices, values, lengths, pre, norm, marg, weight, partial):
+@njit(nogil=True, cache=True)
+def sparse_chain_values_grad(parallel, threads, x, indptr, indices, values, lengths, pre, norm, marg, weight, partial):
     """The expected count of each stored transition: overwrites ``partial`` (K, nnz) with the
     sums over rows ``b`` of chunk ``k`` (rows ``k * B // K`` to ``(k + 1) * B // K - 1``) of
 
@@ -215,21 +197,13 @@ def sparse_chain_values_grad(x, indptr, indices, values, lengths, pre, norm, mar
 
     for each entry ``q = (i, j)``; the gradient is ``partial.sum(0)``. Chunks run in parallel
     (no two threads write one entry), each one step at a time for all its rows (innermost).
-    O(B * v * (c + nnz)) time (:func:`sparse_chain_values_grad_team`: on torch's threads).
+    O(B * v * (c + nnz)) time (on a team of threads: ``team.run``).
     """
-    for chunk in prange(partial.shape[0]):
-        _values_grad_chunks(chunk, chunk + 1, x, indptr, indices, values, lengths, pre, norm, marg, weight, partial)
-
-
-@njit(nogil=True, cache=True)
-def sparse_chain_values_grad_team(parallel, threads, x, indptr, indices, values, lengths, pre, norm, marg, weight,
-                                  partial):
-    """:func:`sparse_chain_values_grad` on an OpenMP team (``team.team_rows``)."""
     return team_rows(parallel, threads, _values_grad_chunks, partial.shape[0],
                      (x, indptr, indices, values, lengths, pre, norm, marg, weight, partial))
 
 
-@njit(cache=True, error_model="numpy")  # a prange body's error model
+@njit(cache=True, error_model="numpy")  # division by zero gives inf or NaN
 def _values_grad_chunks(lo, hi, x, indptr, indices, values, lengths, pre, norm, marg, weight, partial):
     """Chunks ``lo:hi`` (of ``partial.shape[0]``) of :func:`sparse_chain_values_grad`."""
     rows, v, c = x.shape
@@ -269,24 +243,16 @@ def _values_grad_chunks(lo, hi, x, indptr, indices, values, lengths, pre, norm, 
                     out[q] += acc
 
 
-@njit(parallel=True, cache=True)
-def sparse_chain_viterbi(x, t_indptr, t_rows, t_values, init, lengths, work, backptr, score, path):
+@njit(nogil=True, cache=True)
+def sparse_chain_viterbi(parallel, threads, x, t_indptr, t_rows, t_values, init, lengths, work, backptr, score, path):
     """Max-product sweep and backtracking as ``chain.chain_viterbi``, over the stored entries (those
     of a column in order of their row, so that ties go to the lowest state index); rows run in
-    parallel (:func:`sparse_chain_viterbi_team`: on torch's threads)."""
-    for b in prange(x.shape[0]):
-        _viterbi_rows(b, b + 1, x, t_indptr, t_rows, t_values, init, lengths, work, backptr, score, path)
-
-
-@njit(nogil=True, cache=True)
-def sparse_chain_viterbi_team(parallel, threads, x, t_indptr, t_rows, t_values, init, lengths, work, backptr, score,
-                              path):
-    """:func:`sparse_chain_viterbi` on an OpenMP team (``team.team_rows``)."""
+    parallel (on a team of threads: ``team.run``)."""
     return team_rows(parallel, threads, _viterbi_rows, x.shape[0],
                      (x, t_indptr, t_rows, t_values, init, lengths, work, backptr, score, path))
 
 
-@njit(cache=True, error_model="numpy")  # a prange body's error model
+@njit(cache=True, error_model="numpy")  # division by zero gives inf or NaN
 def _viterbi_rows(lo, hi, x, t_indptr, t_rows, t_values, init, lengths, work, backptr, score, path):
     """Rows ``lo:hi`` of :func:`sparse_chain_viterbi`."""
     c = x.shape[2]

@@ -20,7 +20,7 @@ gradient of the stored values.
 import math
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 from ..rules import FLUSH, LIMIT, TINY
 from .exp import exp_like, exp_nonpositive, log_like
@@ -120,21 +120,14 @@ def _scaled_spmm(indptr, indices, values, e, top_of, z, zoff, p, shift, top, acc
                     out[r, k] = _lse(indptr, indices, values, z, zoff[k], k, r)
 
 
-@njit(parallel=True, cache=True, error_model="numpy")
-def sparse_chain_forward_scaled(x, t_indptr, t_rows, t_values, e, cmax, init, lengths, pre, norm, chunks):
+@njit(nogil=True, cache=True)
+def sparse_chain_forward_scaled(parallel, threads, x, t_indptr, t_rows, t_values, e, cmax, init, lengths, pre, norm,
+                                chunks):
     """Forward sweep: fills ``pre`` (B, v, c) and ``norm`` (B, v) as ``chain.chain_forward``
     does, over the transpose (``t_indptr``, ``t_rows``, ``t_values``: the entries of each column)
     with ``e``, ``cmax`` of :func:`sparse_chain_shifted_exp` on it. ``chunks`` of rows (``chunk_of``) run in
-    parallel, each one step at a time for all its rows (:func:`sparse_chain_forward_scaled_team`:
-    on torch's threads). O(B * v * (c + nnz)), O(c * B) scratch."""
-    for chunk in prange(chunks):
-        _forward_chunks(chunk, chunk + 1, x, t_indptr, t_rows, t_values, e, cmax, init, lengths, pre, norm, chunks)
-
-
-@njit(nogil=True, cache=True)
-def sparse_chain_forward_scaled_team(parallel, threads, x, t_indptr, t_rows, t_values, e, cmax, init, lengths, pre,
-                                     norm, chunks):
-    """:func:`sparse_chain_forward_scaled` on an OpenMP team (``team.team_rows``)."""
+    parallel, each one step at a time for all its rows (on a team of threads: ``team.run``).
+    O(B * v * (c + nnz)), O(c * B) scratch."""
     return team_rows(parallel, threads, _forward_chunks, chunks,
                      (x, t_indptr, t_rows, t_values, e, cmax, init, lengths, pre, norm, chunks))
 
@@ -234,9 +227,9 @@ def _values_grad(indptr, indices, t_indptr, t_rows, t_values, order, cmax, a, gm
             acc[q] += _dot(pi, r[indices[q]])
 
 
-@njit(parallel=True, cache=True, error_model="numpy")
-def sparse_chain_backward_scaled(x, indptr, indices, values, row_e, rmax, t_indptr, t_rows, t_values, order, e, cmax,
-                                 lengths, pre, norm, weight, grad_x, partial):
+@njit(nogil=True, cache=True)
+def sparse_chain_backward_scaled(parallel, threads, x, indptr, indices, values, row_e, rmax, t_indptr, t_rows,
+                                 t_values, order, e, cmax, lengths, pre, norm, weight, grad_x, partial):
     """Backward sweep: fills ``grad_x`` (B, v, c) with ``weight[b]`` times the posterior
     marginals (each position renormalised to sum 1 where that sum is positive and finite, 0
     past each length), and ``partial`` (K, nnz) float64 with the value gradient of each of K
@@ -246,17 +239,8 @@ def sparse_chain_backward_scaled(x, indptr, indices, values, row_e, rmax, t_indp
     :func:`sparse_chain_shifted_exp` on it) for the backward messages, its transpose (``t_*``; entry ``qq``
     of it is entry ``order[qq]`` of the matrix) with ``e`` (in CSR order) and ``cmax`` for the
     value gradient; ``pre``, ``norm`` from :func:`sparse_chain_forward_scaled`. O(B * v * (c + nnz)) time
-    (:func:`sparse_chain_backward_scaled_team`: on torch's threads).
+    (on a team of threads: ``team.run``).
     """
-    for chunk in prange(partial.shape[0]):
-        _backward_chunks(chunk, chunk + 1, x, indptr, indices, values, row_e, rmax, t_indptr, t_rows, t_values, order,
-                         e, cmax, lengths, pre, norm, weight, grad_x, partial)
-
-
-@njit(nogil=True, cache=True)
-def sparse_chain_backward_scaled_team(parallel, threads, x, indptr, indices, values, row_e, rmax, t_indptr, t_rows,
-                                      t_values, order, e, cmax, lengths, pre, norm, weight, grad_x, partial):
-    """:func:`sparse_chain_backward_scaled` on an OpenMP team (``team.team_rows``)."""
     return team_rows(parallel, threads, _backward_chunks, partial.shape[0],
                      (x, indptr, indices, values, row_e, rmax, t_indptr, t_rows, t_values, order, e, cmax, lengths,
                       pre, norm, weight, grad_x, partial))

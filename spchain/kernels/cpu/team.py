@@ -1,4 +1,5 @@
-"""Row kernels on torch's own OpenMP threads, where torch is loaded.
+"""Parallel CPU kernels on a team of threads: torch's own OpenMP threads where torch is loaded,
+Numba's threads elsewhere.
 
 After each operator torch's OpenMP threads spin for milliseconds, waiting for the next one. A
 kernel that starts then on Numba's threads (TBB) shares the cores with them and runs at one
@@ -7,23 +8,21 @@ thread's speed: the HMM forward kernel (batch 256, v 64, 50 states) takes 4.6 ms
 wheels), a kernel runs on torch's threads instead, through ``GOMP_parallel``: 5.0 ms alone and
 5.3 ms after torch ops (docs/design.rst, "Threads").
 
-A kernel is a serial body ``body(lo, hi, *args)`` over rows ``lo:hi`` and two entries: a
-``prange`` over the rows (Numba's threads) and one that passes the body to :func:`team_rows`
-(torch's), both cached. :func:`run` picks the entry.
+A kernel is a serial body ``body(lo, hi, *args)`` over rows ``lo:hi`` and one cached entry,
+which passes the body to :func:`team_rows` with a launcher of ``GOMP_parallel``'s shape:
+torch's own (:func:`parallel`) or :func:`numba_parallel`, which hands the team to Numba's
+threading layer (the ``numba_parallel_for`` that Numba's ``prange`` loops call). :func:`run`
+picks the launcher and the number of threads. A process compiles each kernel once, and
+never a parfor (Numba's ``prange`` pass took 10-15 s of a cold compile for some kernels).
 
-    @njit(cache=True, error_model="numpy")  # a prange body's: one compile serves both entries
+    @njit(cache=True, error_model="numpy")
     def _rows(lo, hi, x, out): ...
 
-    @njit(parallel=True, cache=True)
-    def kernel(x, out):
-        for b in prange(x.shape[0]):
-            _rows(b, b + 1, x, out)
-
     @njit(nogil=True, cache=True)
-    def kernel_team(parallel, threads, x, out):
+    def kernel(parallel, threads, x, out):
         return team_rows(parallel, threads, _rows, x.shape[0], (x, out))
 
-    team.run(kernel, kernel_team, x, out)
+    team.run(kernel, x, out)
 """
 
 from __future__ import annotations
@@ -154,19 +153,63 @@ def _gomp_parallel(torch_dir: str) -> int:
     return 0
 
 
-def run(kernel: Callable[..., Any], on_team: Callable[..., Any], *args: Any) -> None:
-    """``on_team(parallel, threads, *args)`` on torch's OpenMP threads where :func:`parallel`
-    finds them, as many as both torch and Numba allow; on the calling thread alone
-    (``on_team(0, 1, *args)``) while the machine is :func:`crowded`; ``kernel(*args)`` (Numba's
-    threads) where torch's are not found. A process with torch so compiles one entry a kernel."""
-    address = parallel()
-    if not address:
-        kernel(*args)
-        return
-    import numba
-    import torch
+@functools.cache
+def numba_parallel() -> int:
+    """The address of a launcher of ``GOMP_parallel``'s shape, ``(fn, data, threads, flags)``,
+    that runs ``fn(data)`` on ``threads`` of Numba's threads (its threading layer, chosen by
+    ``cpu.threading_layer``) through ``numba_parallel_for``, the entry of Numba's own
+    parallel loops: a team for :func:`team_rows` where torch's is not found. Built once a
+    process (a few LLVM instructions)."""
+    from numba.core.compiler_lock import global_compiler_lock
+    from numba.core.registry import cpu_target
+    from numba.np.ufunc import parallel as numba_threads
 
-    threads = 1 if crowded() else min(torch.get_num_threads(), numba.get_num_threads())
-    failed = on_team(address, threads, *args)
+    numba_threads._launch_threads()  # registers numba_parallel_for with LLVM
+    member = ir.FunctionType(ir.VoidType(), [_I8P]).as_pointer()
+    pack_type = ir.LiteralStructType([member, _I8P])  # the member and its data
+    library = cpu_target.target_context.codegen().create_library("spchain_numba_parallel")
+    module = library.create_ir_module("spchain_numba_parallel")
+    # what numba_parallel_for runs on each thread, a gufunc's shape: (args, dimensions, steps, data)
+    each = ir.Function(module, ir.FunctionType(ir.VoidType(), [_I8P.as_pointer(), _I64.as_pointer(),
+                                                                _I64.as_pointer(), _I8P]), "spchain_numba_member")
+    b = ir.IRBuilder(each.append_basic_block())
+    pack = b.bitcast(each.args[3], pack_type.as_pointer())
+    b.call(b.load(b.gep(pack, [_I32(0), _I32(0)])), [b.load(b.gep(pack, [_I32(0), _I32(1)]))])
+    b.ret_void()
+    launcher = ir.Function(module, ir.FunctionType(ir.VoidType(), [member, _I8P, _I32, _I32]), "spchain_numba_parallel")
+    parallel_for = ir.Function(module, ir.FunctionType(ir.VoidType(), [_I8P] * 5 + [_I64] * 3), "numba_parallel_for")
+    b = ir.IRBuilder(launcher.append_basic_block())
+    fn, data, threads, _ = launcher.args
+    pack = b.alloca(pack_type)
+    b.store(fn, b.gep(pack, [_I32(0), _I32(0)]))
+    b.store(data, b.gep(pack, [_I32(0), _I32(1)]))
+    count = b.zext(threads, _I64)
+    dimensions, steps = b.alloca(_I64), b.alloca(_I64)  # one loop of ``threads`` iterations, no arrays
+    b.store(count, dimensions)
+    b.store(_I64(0), steps)
+    b.call(parallel_for, [b.bitcast(each, _I8P), ir.Constant(_I8P, None), b.bitcast(dimensions, _I8P),
+                          b.bitcast(steps, _I8P), b.bitcast(pack, _I8P), _I64(0), _I64(0), count])
+    b.ret_void()
+    with global_compiler_lock:
+        library.add_ir_module(module)
+        library.finalize()
+        return int(library.get_pointer_to_function("spchain_numba_parallel"))
+
+
+def run(kernel: Callable[..., Any], *args: Any) -> None:
+    """``kernel(parallel, threads, *args)`` on torch's OpenMP threads where :func:`parallel`
+    finds them, as many as both torch and Numba allow, or on the calling thread alone while
+    the machine is :func:`crowded`; elsewhere on Numba's threads (:func:`numba_parallel`,
+    ``numba.set_num_threads``), whose threading layer copes with a busy machine by itself."""
+    import numba
+
+    address = parallel()
+    if address:
+        import torch
+
+        threads = 1 if crowded() else min(torch.get_num_threads(), numba.get_num_threads())
+    else:
+        address, threads = numba_parallel(), numba.get_num_threads()
+    failed = kernel(address, threads, *args)
     if failed:
-        raise RuntimeError(f"{on_team.__name__}: {failed} chunks of rows failed")  # kernels check their inputs first
+        raise RuntimeError(f"{kernel.__name__}: {failed} chunks of rows failed")  # kernels check their inputs first
