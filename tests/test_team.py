@@ -323,9 +323,14 @@ def _threads_on_team(parallel, threads, ids):
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core")
 def test_numbas_threads_share_a_team_without_torch():
     """The launcher for a process without torch (or a forked child) runs the rows on Numba's
-    threads: every row done once, by two threads; on the calling thread alone with one."""
-    ids = np.full(256, -1)
-    assert _threads_on_team(cpu.team.numba_parallel(), 2, ids) == 0
+    threads: every row done once, by two threads (in one of three tries: a busy machine may
+    not give the second thread a time slice in one); on the calling thread alone with one."""
+    for _ in range(3):
+        ids = np.full(256, -1)
+        assert _threads_on_team(cpu.team.numba_parallel(), 2, ids) == 0
+        assert set(ids) <= {0, 1}  # every row done, by the team's threads
+        if set(ids) == {0, 1}:
+            break
     assert set(ids) == {0, 1}
     ids[:] = -1
     assert _threads_on_team(cpu.team.numba_parallel(), 1, ids) == 0
