@@ -193,7 +193,12 @@ def numba_parallel() -> int:
     with global_compiler_lock:
         library.add_ir_module(module)
         library.finalize()
+        _LAUNCHERS.append(library)  # its machine code lives as long as the library
         return int(library.get_pointer_to_function("spchain_numba_parallel"))
+
+
+_LAUNCHERS: list[Any] = []
+"""The code library of :func:`numba_parallel`'s launcher, kept for the process's lifetime."""
 
 
 def run(kernel: Callable[..., Any], *args: Any) -> None:
