@@ -1,8 +1,8 @@
 """``@njit(cache=True)`` CPU kernels: raw arrays in, preallocated outputs filled.
 
-A dispatcher imports this package (``from .kernels import cpu``) and calls a kernel by its module
-attribute, ``cpu.chain.chain_forward(...)``: go-to-definition and ``grep`` lead from the call to
-the kernel. A kernel module is imported on first access, after :func:`threading_layer` chose
+A dispatcher imports this package (``from .kernels import cpu``) and names a kernel by its module
+attribute, ``cpu.team.run(cpu.chain.chain_forward, ...)`` (a parallel kernel, on a team of
+threads: ``team.py``): go-to-definition and ``grep`` lead from the call to the kernel. A kernel module is imported on first access, after :func:`threading_layer` chose
 Numba's threading layer, so ``import spchain`` imports no Numba.
 """
 
