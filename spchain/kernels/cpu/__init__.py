@@ -2,8 +2,9 @@
 
 A dispatcher imports this package (``from .kernels import cpu``) and names a kernel by its module
 attribute, ``cpu.team.run(cpu.chain.chain_forward, ...)`` (a parallel kernel, on a team of
-threads: ``team.py``): go-to-definition and ``grep`` lead from the call to the kernel. A kernel module is imported on first access, after :func:`threading_layer` chose
-Numba's threading layer, so ``import spchain`` imports no Numba.
+threads: ``team.py``): go-to-definition and ``grep`` lead from the call to the kernel. A kernel
+module is imported on first access, after :func:`threading_layer` chose Numba's threading
+layer, so ``import spchain`` imports no Numba.
 """
 
 from __future__ import annotations
