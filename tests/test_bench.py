@@ -89,6 +89,16 @@ def test_measure_times_alternating_methods_and_measures_memory():
     assert big.peak_bytes > 16e6 or math.isnan(big.peak_bytes)
 
 
+def test_a_timed_run_of_a_small_case_is_the_mean_of_its_calls():
+    calls = []
+    case = core.Case("w", "c", {"spchain": lambda: calls.append(len(calls)) or len(calls)}, calls=5)
+    (ours,) = core.measure(case, repeat=2, budget_s=10.0)
+    assert len(ours.times) == 2 and len(calls) == 5 + 2 * 5 + 1  # warm-up, two timed runs, memory (one call)
+    assert math.isnan(ours.max_rel_error)  # no reference: no error figure
+    out, seconds = core.timed(lambda: calls.append(0) or len(calls), "cpu", calls=3)
+    assert out == len(calls) and seconds >= 0  # the last call's result
+
+
 def test_measure_stops_a_baseline_at_the_budget_but_runs_spchain_every_round():
     import time
 

@@ -44,6 +44,9 @@ class Case:
     spchain_methods: set[str] = field(default_factory=set)
     """Methods besides those named ``spchain...`` that run spchain's kernels (spchain's other
     functions as the baselines of one, say): the first run's compiling step runs them too."""
+    calls: int = 1
+    """Calls that make one timed run, whose time is their mean: a call of microseconds timed
+    alone measures the caches that the other method left cold, and the timer."""
 
 
 @dataclass
@@ -196,21 +199,24 @@ class _CupyPeakHook:
         return suppress
 
 
-def timed(fn: Callable[[], object], device: str) -> tuple[object, float]:
-    """``(fn(), seconds)``: wall-clock time on the CPU; on CUDA the time between two CUDA events
-    recorded on torch's current stream around ``fn`` (which synchronises before it returns)."""
+def timed(fn: Callable[[], object], device: str, calls: int = 1) -> tuple[object, float]:
+    """``(fn(), seconds)``, the seconds a call's mean over ``calls`` calls: wall-clock time on
+    the CPU; on CUDA the time between two CUDA events recorded on torch's current stream
+    around the calls (each synchronises before it returns)."""
     if device != "cuda":
         start = time.perf_counter()
-        out = fn()
-        return out, time.perf_counter() - start
+        for _ in range(calls):
+            out = fn()
+        return out, (time.perf_counter() - start) / calls
     import torch
 
     begin, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))  # type: ignore[no-untyped-call]
     begin.record()
-    out = fn()
+    for _ in range(calls):
+        out = fn()
     end.record()
     end.synchronize()
-    return out, begin.elapsed_time(end) / 1e3
+    return out, begin.elapsed_time(end) / 1e3 / calls
 
 
 def measure(case: Case, repeat: int, budget_s: float, tick: Callable[[], None] = lambda: None) -> list[Result]:
@@ -230,7 +236,7 @@ def measure(case: Case, repeat: int, budget_s: float, tick: Callable[[], None] =
     errors: dict[str, float] = {}
 
     def run(name: str) -> object:
-        out, seconds = timed(case.methods[name], case.device)
+        out, seconds = timed(case.methods[name], case.device, case.calls)
         times[name].append(seconds)
         if name not in errors:
             errors[name] = math.nan if reference is None or out is None else max_rel_error(out, reference)
@@ -240,7 +246,8 @@ def measure(case: Case, repeat: int, budget_s: float, tick: Callable[[], None] =
         if name in case.slow:
             peaks[name] = peak(lambda: run(name))
         else:
-            fn()  # warm-up: compiles kernels, fills caches
+            for _ in range(case.calls):
+                fn()  # warm-up: compiles kernels, fills caches
         tick()
     for _ in range(repeat):
         for name in case.methods:
