@@ -21,6 +21,7 @@ from types import ModuleType
 import numpy as np
 
 from . import _backend, _chain_scaled, _logspace, _structures
+from ._backend import read_only
 from ._chain_layout import Chain
 from .kernels import cpu, cuda
 from ._logspace import normalised, renormalise, weighted
@@ -242,6 +243,7 @@ def backward_finite(chain: Chain, pre: Array, norm: Array, weight: Array,
     ``d x`` holds ``weight`` times the posterior marginals; ``d init`` is ``d x[:, 0]``.
     ``d trans`` is ``None`` unless ``trans_grad``.
     """
+    pre, norm, weight = (read_only(a) for a in (pre, norm, weight))  # one kernel signature, as the inputs
     if chain.sparse is not None:
         from . import _sparse_chain
         return _sparse_chain.backward(chain, pre, norm, weight, trans_grad)

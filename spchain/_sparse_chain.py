@@ -248,7 +248,7 @@ def _backward_scaled(chain: Chain, pre: Array, norm: Array, weight: Array,
     nnz = scaled.e.shape[0] if grad_trans is not None else 0
     partial = np.empty((cpu.sparse_chain.chunks(rows), nnz))  # per chunk: the same bits on any number of threads
     grad_x = np.empty_like(chain.x)
-    values = np.ascontiguousarray(_values(chain))
+    values = read_only(np.ascontiguousarray(_values(chain)))
     kernels = cpu.sparse_chain_scaled
     cpu.team.run(kernels.sparse_chain_backward_scaled,
                  chain.x, s.indptr, s.indices, values, scaled.row_e, scaled.rmax, s.t_indptr, s.t_rows,

@@ -1,5 +1,5 @@
 """Kernel entries as the kernel tests call them: a CPU kernel on a team of threads (``team.run``),
-a CUDA kernel through its ``launch_`` function; and a spy on a CPU kernel's calls."""
+a CUDA kernel through its ``launch_`` function."""
 
 import functools
 
@@ -12,14 +12,3 @@ def entry(module, prefix, name):
     if prefix:
         return getattr(module, prefix + name)
     return functools.partial(team.run, getattr(module, name))
-
-
-def spy(kernel, record):
-    """``kernel`` calling ``record(args)`` first (``parallel`` and ``threads`` lead them): a
-    stand-in for a CPU kernel that ``team.run`` takes as the kernel (read-only arguments too)."""
-    def call(*args):
-        record(args)
-        return kernel(*args)
-
-    call.reads, call.__name__ = kernel.reads, kernel.__name__
-    return call

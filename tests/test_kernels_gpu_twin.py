@@ -53,7 +53,6 @@ def test_log_product_fixup_matches_numpy_twin(small_launch, rng, dtype):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_warp_sddmm_matches_cpu_twin(small_launch, rng, d, dtype):
     from spchain.kernels.cpu import sparse as cpu_sparse
-    from spchain.kernels.cpu import team
     from spchain.kernels.cuda import sparse as cuda_sparse
 
     indptr = np.array([0, 0, 3, 3, 7, 9], np.int64)  # empty rows first and between
@@ -62,7 +61,7 @@ def test_warp_sddmm_matches_cpu_twin(small_launch, rng, d, dtype):
     a = rng.standard_normal((5, d)).astype(dtype)
     b = rng.standard_normal((6, d)).astype(dtype)
     want, got = np.empty(9, dtype), np.full(9, np.nan, dtype)
-    team.serial(cpu_sparse.sparse_sddmm, indptr, indices, a, b, want, 1, False)
+    cpu_sparse.sparse_sddmm(0, 1, indptr, indices, a, b, want, 1, False)
     cuda_sparse.launch_sparse_sddmm(indptr, indices, a, b, got)
     np.testing.assert_allclose(got, want, rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-6)
 

@@ -16,13 +16,13 @@ def random_csr(rng, m, n, density, index_dtype=np.int32):
 
 
 def spmm(threads, indptr, indices, data, b, bias, out, transposed=False):
-    """``sparse_spmm`` on the calling thread (threads 0: ``team.serial``) or on a team (``team.run``); ``b`` given
+    """``sparse_spmm`` on the calling thread (threads 0) or on a team (``team.run``); ``b`` given
     as its transpose with ``transposed``."""
     b = np.ascontiguousarray(b.T) if transposed else b
     if threads:
         team.run(cpu_sparse.sparse_spmm, indptr, indices, data, b, bias, out, threads, transposed)
     else:
-        team.serial(cpu_sparse.sparse_spmm, indptr, indices, data, b, bias, out, 1, transposed)
+        cpu_sparse.sparse_spmm(0, 1, indptr, indices, data, b, bias, out, 1, transposed)
 
 
 @pytest.mark.parametrize("transposed", [False, True])
@@ -99,7 +99,7 @@ TARGETS = ["cpu", "cpu serial", pytest.param("cuda", marks=pytest.mark.cuda_kern
 
 def sddmm(target, indptr, indices, a, b, out):
     if target == "cpu serial":
-        team.serial(cpu_sparse.sparse_sddmm, indptr, indices, a, b, out, 1, False)
+        cpu_sparse.sparse_sddmm(0, 1, indptr, indices, a, b, out, 1, False)
     elif target == "cpu":
         team.run(cpu_sparse.sparse_sddmm, indptr, indices, a, b, out, 2, False)
     else:
@@ -167,7 +167,7 @@ def test_sddmm_slabs_match_float64(rng, index_dtype, dtype, threads, k, n, trans
     if threads:
         team.run(cpu_sparse.sparse_sddmm, indptr, indices, *given, out, threads, transposed)
     else:
-        team.serial(cpu_sparse.sparse_sddmm, indptr, indices, *given, out, 1, transposed)
+        cpu_sparse.sparse_sddmm(0, 1, indptr, indices, *given, out, 1, transposed)
     rows, cols = reference.entries(indptr, indices)
     want = reference.sampled_product(rows, cols, a.astype(np.float64), b.astype(np.float64))
     np.testing.assert_allclose(out, want, rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-5)

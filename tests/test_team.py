@@ -15,7 +15,6 @@ import pytest
 import scipy.sparse
 
 import positional
-from kernel_calls import spy
 import spchain
 from spchain import _backend, _chain_scaled
 
@@ -79,7 +78,7 @@ def outputs(rng):
 def test_kernels_on_torch_threads_give_the_bits_of_the_other_routes(monkeypatch, route):
     calls = []
     entry = cpu.chain_scaled.chain_forward_scaled
-    monkeypatch.setattr(cpu.chain_scaled, "chain_forward_scaled", spy(entry, lambda args: calls.append(args[0])))
+    monkeypatch.setattr(cpu.chain_scaled, "chain_forward_scaled", lambda *args: calls.append(args[0]) or entry(*args))
     team = outputs(np.random.default_rng(0))
     assert calls == [launcher()]  # the kernel sweep's forward
     other = other_route(outputs, monkeypatch, route)
@@ -150,10 +149,10 @@ def test_sparse_kernels_on_torch_threads_give_the_bits_of_the_other_routes(monke
     calls = []
     for name in ("sparse_spmm", "sparse_sddmm", "transpose"):
         entry = getattr(cpu.sparse, name)
-        monkeypatch.setattr(cpu.sparse, name, spy(entry, lambda args: calls.append(args[:2])))
+        monkeypatch.setattr(cpu.sparse, name, lambda *args, entry=entry: calls.append(args[:2]) or entry(*args))
     for name in ("blocksparse_spmm", "blocksparse_sddmm"):
         entry = getattr(cpu.blocksparse, name)
-        monkeypatch.setattr(cpu.blocksparse, name, spy(entry, lambda args: calls.append(args[:2])))
+        monkeypatch.setattr(cpu.blocksparse, name, lambda *args, entry=entry: calls.append(args[:2]) or entry(*args))
     team = sparse_outputs(np.random.default_rng(0))
     # every product: nine on the team, the five small ones on the calling thread
     assert [args for args in calls if args[0]] == [(launcher(), team_size())] * 9
@@ -199,7 +198,7 @@ def test_sparse_chain_kernels_on_torch_threads_give_the_bits_of_the_other_routes
     calls = []
     entry = cpu.sparse_chain_scaled.sparse_chain_backward_scaled
     monkeypatch.setattr(cpu.sparse_chain_scaled, "sparse_chain_backward_scaled",
-                        spy(entry, lambda args: calls.append(args[0])))
+                        lambda *args: calls.append(args[0]) or entry(*args))
     team = sparse_chain_outputs(np.random.default_rng(0))
     assert calls == [launcher()]
     other = other_route(sparse_chain_outputs, monkeypatch, route)
@@ -222,13 +221,7 @@ def test_a_busy_machine_is_crowded_and_runs_kernels_on_the_calling_thread(monkey
         assert cpu.crowded()
         monkeypatch.setattr(cpu.team, "parallel", lambda: 12345)
         calls = []
-
-        def kernel(*args):
-            calls.append(args)
-            return 0
-
-        kernel.reads = ()  # reads no array (writes(...) with every argument)
-        cpu.team.run(kernel, 1, 2)
+        cpu.team.run(lambda *args: calls.append(args) or 0, 1, 2)
         assert calls == [(12345, 1, 1, 2)]  # one thread: GOMP_parallel is not called
     finally:
         busy.kill()
@@ -270,7 +263,7 @@ def test_path_kernels_on_torch_threads_give_the_bits_of_the_other_routes(monkeyp
                (cpu.semiring, "max_matmul")]
     for module, name in entries:
         entry = getattr(module, name)
-        monkeypatch.setattr(module, name, spy(entry, lambda args, name=name: calls.append(name)))
+        monkeypatch.setattr(module, name, lambda *args, entry=entry, name=name: calls.append(name) or entry(*args))
     team = path_outputs(np.random.default_rng(0))
     assert set(calls) == {name for _, name in entries}  # every kernel ran
     other = other_route(path_outputs, monkeypatch, route)
@@ -342,49 +335,3 @@ def test_numbas_threads_share_a_team_without_torch():
     ids[:] = -1
     assert _threads_on_team(cpu.team.numba_parallel(), 1, ids) == 0
     assert set(ids) == {0}
-
-
-def team_kernels():
-    """Every CPU kernel of the team form ``kernel(parallel, threads, *args)``."""
-    import importlib
-    import inspect
-    import pkgutil
-
-    modules = [importlib.import_module(f"{cpu.__name__}.{m.name}") for m in pkgutil.iter_modules(cpu.__path__)]
-    return [f for m in modules for f in vars(m).values()
-            if hasattr(f, "py_func") and f.__module__ == m.__name__
-            and list(inspect.signature(f.py_func).parameters)[:1] == ["parallel"]]
-
-
-def test_every_team_kernel_names_the_arguments_it_writes():
-    kernels = team_kernels()
-    assert len(kernels) >= 27
-    for kernel in kernels:
-        assert kernel.reads, kernel.__name__  # writes(...) marked it, and it reads something
-
-
-def test_read_only_and_writable_arrays_compile_one_signature_of_a_kernel(rng):
-    """team.run and team.serial pass what a kernel only reads read-only, whatever the caller's
-    flags: a product on read-only arrays (a broadcast, a frozen caller's array) and on fresh
-    writable ones runs one compiled signature."""
-    a = scipy.sparse.random(30, 20, density=0.3, format="csr", random_state=1)
-    b = rng.standard_normal((20, 5))
-    spchain.spmm(a, b)
-    spchain.sddmm(a, np.ones((30, 5)), b)
-    before = {k.__name__: len(k.signatures) for k in team_kernels()}
-    assert before["sparse_spmm"] and before["sparse_sddmm"]
-    for x in (a.data, a.indices, a.indptr, b):
-        x.flags.writeable = False
-    spchain.spmm(a, b)
-    spchain.sddmm(a, np.broadcast_to(np.ones(5), (30, 5)), b)
-    assert {k.__name__: len(k.signatures) for k in team_kernels()} == before
-
-
-def test_writes_names_arguments_of_the_kernel():
-    from numba import njit
-
-    def kernel(parallel, threads, x, out):
-        pass
-
-    with pytest.raises(TypeError, match="has no arguments"):
-        cpu.team.writes("output")(njit(kernel))

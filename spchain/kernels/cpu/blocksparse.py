@@ -19,7 +19,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .team import team_rows, writes
+from .team import team_rows
 
 _FAST = {"reassoc", "contract"}  # lets the loops vectorise; never assumes no inf/NaN
 
@@ -133,7 +133,6 @@ def _panel(typingctx, a, b, o, r, t):
     return types.void(a, b, o, r, t), codegen
 
 
-@writes("out")
 @njit(nogil=True, cache=True)
 def blocksparse_spmm(parallel, threads, indptr, indices, slots, data, transpose, b, bias, out):
     """BSR times dense: ``out[rows of block row i] = bias + sum(data[slots[p]] @ b[cols of block p])``.
@@ -174,7 +173,6 @@ def _spmm_block_rows(lo, hi, indptr, indices, slots, data, transpose, b, bias, o
                 _tile(a[full_rows:], panel, o[full_rows:])
 
 
-@writes("out")
 @njit(nogil=True, cache=True)
 def blocksparse_sddmm(parallel, threads, indptr, indices, a, b, out):
     """Block-sampled dense-dense product: ``out[p] = a[rows of block row i] @ b[cols of block p].T``.

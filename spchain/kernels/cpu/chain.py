@@ -25,7 +25,7 @@ from numba import njit
 
 from .exp import exp_nonpositive
 from .semiring import has_nan, max_vecmat
-from .team import team_rows, writes
+from .team import team_rows
 
 CHUNK = 16
 """Rows of a transition matrix folded into the running log-sum-exp at a time (kept in L1)."""
@@ -118,7 +118,6 @@ def normalise(q, out):
     return lse
 
 
-@writes("pre", "norm")
 @njit(nogil=True, cache=True)
 def chain_forward(parallel, threads, x, trans, group, init, lengths, pre, norm):
     """Forward sweep: fills ``pre`` (B, v, c) and ``norm`` (B, v), as in the module docstring.
@@ -154,7 +153,6 @@ def _forward_rows(lo, hi, x, trans, group, init, lengths, pre, norm):
         norm[b, length:] = 0.0
 
 
-@writes("beta")
 @njit(nogil=True, cache=True)
 def chain_backward(parallel, threads, x, trans, group, lengths, norm, beta):
     """Backward sweep: fills ``beta`` (B, v, c) with the normalised backward messages.
@@ -189,7 +187,6 @@ def _backward_rows(lo, hi, x, trans, group, lengths, norm, beta):
                     beta[b, t, i] -= d
 
 
-@writes("grad")
 @njit(nogil=True, cache=True)
 def chain_transition_grad(parallel, threads, x, trans, group, lengths, pre, norm, marg, weight, grad):
     """The expected transition counts: overwrites ``grad`` (G, S, c, c) with
@@ -234,7 +231,6 @@ def _transition_grad_rows(lo, hi, x, trans, group, lengths, pre, norm, marg, wei
                         out[j] += w * gm * exp_nonpositive(a + trans[g, s, i, j] - pre[b, t + 1, j])
 
 
-@writes("work", "backptr", "score", "path")
 @njit(nogil=True, cache=True)
 def chain_viterbi(parallel, threads, x, trans, group, init, lengths, work, backptr, score, path):
     """Max-product sweep with backpointers, then backtracking: the best path of each row.

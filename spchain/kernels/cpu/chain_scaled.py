@@ -20,7 +20,7 @@ from numba import njit
 from ..rules import FLUSH, LIMIT, TINY
 from .chain import normalise
 from .exp import exp_like, exp_nonpositive, log_like
-from .team import team_rows, writes
+from .team import team_rows
 
 
 @njit(cache=True, fastmath={"contract"})  # FMAs: the exponentials' polynomials vectorise 2x faster
@@ -103,7 +103,6 @@ def _scaled_log(top, shift, acc, out):
     return lost > 0
 
 
-@writes("pre", "norm")
 @njit(nogil=True, cache=True)
 def chain_forward_scaled(parallel, threads, x, trans, e, cmax, group, init, lengths, pre, norm):
     """``chain.chain_forward`` by scaled products: fills ``pre`` (B, v, c) and ``norm`` (B, v).
@@ -162,7 +161,6 @@ def _forward_blocks(lo, hi, x, trans, e, cmax, group, init, lengths, pre, norm):
             norm[b, lengths[b]:] = 0.0
 
 
-@writes("out", "lost")
 @njit(nogil=True, cache=True)
 def chain_logsumexp_scaled(parallel, threads, x, e, cmax, group, init, lengths, out, lost):
     """The log-partition alone, without the messages a gradient reads: fills ``out`` (B,)
@@ -249,7 +247,6 @@ def _marginals(pre, x, d, beta, out):
             out[i] /= total
 
 
-@writes("marg")
 @njit(nogil=True, cache=True)
 def chain_marginals_scaled(parallel, threads, x, trans, e_t, cmax, group, lengths, pre, norm, marg):
     """The backward sweep by scaled products, straight to the posterior marginals: fills
@@ -359,7 +356,6 @@ def _add_outer(out, p, r, product):
         out += product
 
 
-@writes("acc", "ok")
 @njit(nogil=True, cache=True)
 def chain_transition_grad_scaled(parallel, threads, x, cmax, group, lengths, pre, norm, marg, weight, chunks, acc, ok):
     """Scaled sums of the expected transition counts: adds to ``acc`` (G, S, K, c, c) float64
@@ -430,7 +426,6 @@ def _marginal_row(forward, beta, weight, m):
             beta[j] -= log_total
 
 
-@writes("top", "u", "pre", "norm")
 @njit(nogil=True, cache=True)
 def gemm_forward_step(parallel, threads, t, x, trans, cmax, group, init, lengths, log_threshold, tiny, log_product,
                       top, u, pre, norm):
@@ -549,7 +544,6 @@ def _shifted_exp(a, top, tiny, out):
         out[j] = v if v >= tiny else 0.0
 
 
-@writes("forward", "beta", "y", "top", "z", "grad_x", "p", "w", "ok", "reached")
 @njit(nogil=True, cache=True)
 def gemm_backward_step(parallel, threads, t, last, weight, inv_scale, x, trans, cmax, group, pre, norm, log_threshold,
                        tiny, counts, forward, beta, y, top, z, log_product, grad_x, p, w, ok, reached):
@@ -813,7 +807,6 @@ def _hmm_backward(trans_t, length, alpha, e, s, post):
     return True
 
 
-@writes("post", "log_prob", "first", "counts", "sums")
 @njit(nogil=True, cache=True)
 def hmm_posteriors_scaled(parallel, threads, x, weights, starts, start, trans, parts, post, log_prob, first, counts,
                           sums):

@@ -12,7 +12,7 @@ from numba import njit
 
 from ..rules import WALK_CHUNK, kbest_insert, kbest_plus
 from .exp import exp_nonpositive
-from .team import team_rows, writes
+from .team import team_rows
 
 
 @njit(cache=True)
@@ -105,7 +105,6 @@ def draw_sparse(alpha, b, t, t_indptr, t_rows, t_values, state, u):
     return last  # rounding: the cumulative sum fell short of the threshold
 
 
-@writes("paths")
 @njit(nogil=True, cache=True)
 def sparse_chain_sample(parallel, threads, alpha, t_indptr, t_rows, t_values, lengths, possible, uniforms, paths):
     """:func:`chain_sample` with one sparse transition matrix for all rows and steps (the
@@ -140,7 +139,6 @@ def _sparse_sample_rows(lo, hi, alpha, t_indptr, t_rows, t_values, lengths, poss
             paths[n, b, :] = -1
 
 
-@writes("paths")
 @njit(nogil=True, cache=True)
 def chain_sample(parallel, threads, alpha, probs, trans_t, trans_probs, totals, tiny, group, lengths, possible,
                  uniforms, paths):
@@ -244,7 +242,6 @@ def _kbest_last(b, length, cur, work, counts, backptr, scores, paths):
                 entry = backptr[b, t, state, entry % k]
 
 
-@writes("work", "counts", "backptr", "scores", "paths")
 @njit(nogil=True, cache=True)
 def chain_kbest(parallel, threads, x, trans, group, init, lengths, work, counts, backptr, scores, paths):
     """Exact k-best Viterbi: the ``k`` best paths of each row, best first.
@@ -286,7 +283,6 @@ def _kbest_rows(lo, hi, x, trans, group, init, lengths, work, counts, backptr, s
         _kbest_last(b, lengths[b], cur, work, counts, backptr, scores, paths)
 
 
-@writes("work", "counts", "backptr", "scores", "paths")
 @njit(nogil=True, cache=True)
 def sparse_chain_kbest(parallel, threads, x, t_indptr, t_rows, t_values, init, lengths, work, counts, backptr, scores,
                        paths):

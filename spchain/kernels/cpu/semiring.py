@@ -9,7 +9,7 @@ whose terms are all ``-inf`` is ``-inf`` with argmax 0.
 import numpy as np
 from numba import njit
 
-from .team import team_rows, writes
+from .team import team_rows
 
 
 @njit(inline="always")
@@ -89,7 +89,6 @@ def has_nan(m):
     return found
 
 
-@writes("values", "argmax")
 @njit(nogil=True, cache=True)
 def max_matmul(parallel, threads, a, b, a_index, b_index, values, argmax):
     """``values[p, i, j] = max_k a[a_index[p], i, k] + b[b_index[p], k, j]`` and its ``argmax``.

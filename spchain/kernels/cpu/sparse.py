@@ -18,7 +18,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .team import team_rows, writes
+from .team import team_rows
 
 _FAST = {"reassoc", "contract"}  # lets the dot products vectorise; never assumes no inf/NaN
 
@@ -40,7 +40,6 @@ def packs_transposed(k: int) -> bool:
     return k * _TILE * _VECTOR <= _PANEL
 
 
-@writes("out")
 @njit(nogil=True, cache=True)
 def sparse_spmm(parallel, team, indptr, indices, data, b, bias, out, threads, transposed):
     """CSR times dense: ``out[i, :] = bias[i] + sum(data[p] * b[indices[p], :])`` over row ``i``.
@@ -280,7 +279,6 @@ def _row_tile(typingctx, indices, data, b, b0, p0, p1, start, out, i, c0, vector
     return types.void(indices, data, b, b0, p0, p1, start, out, i, c0, vectors), codegen
 
 
-@writes("out")
 @njit(nogil=True, cache=True)
 def sparse_sddmm(parallel, team, indptr, indices, a, b, out, threads, transposed):
     """Sampled dense-dense product: ``out[p] = a[i, :] . b[indices[p], :]`` for entry ``p`` of row ``i``.
@@ -546,7 +544,6 @@ def _transpose_block(typingctx, a, out, i0, j0):
     return types.void(a, out, i0, j0), codegen
 
 
-@writes("out")
 @njit(nogil=True, cache=True)
 def transpose(parallel, threads, a, out):
     """``out[j, i] = a[i, j]``: ``a`` (m, n) C-contiguous into ``out`` (n, m) C-contiguous.

@@ -28,7 +28,7 @@ from numba import njit
 from . import team
 from .chain import normalise
 from .exp import exp_nonpositive
-from .team import team_rows, writes
+from .team import team_rows
 
 
 @njit(cache=True)
@@ -98,7 +98,6 @@ def sparse_chain_forward(x, t_indptr, t_rows, t_values, init, lengths, pre, norm
     team.run(sparse_chain_forward_chunks, x, t_indptr, t_rows, t_values, init, lengths, pre, norm, chunks(x.shape[0]))
 
 
-@writes("pre", "norm")
 @njit(nogil=True, cache=True)
 def sparse_chain_forward_chunks(parallel, threads, x, t_indptr, t_rows, t_values, init, lengths, pre, norm, chunks):
     """:func:`sparse_chain_forward` in ``chunks`` chunks of rows."""
@@ -151,7 +150,6 @@ def sparse_chain_backward(x, indptr, indices, values, lengths, norm, beta):
     team.run(sparse_chain_backward_chunks, x, indptr, indices, values, lengths, norm, beta, chunks(x.shape[0]))
 
 
-@writes("beta")
 @njit(nogil=True, cache=True)
 def sparse_chain_backward_chunks(parallel, threads, x, indptr, indices, values, lengths, norm, beta, chunks):
     """:func:`sparse_chain_backward` in ``chunks`` chunks of rows."""
@@ -190,7 +188,6 @@ def _backward_chunks(lo, hi, x, indptr, indices, values, lengths, norm, beta, ch
                         beta[b, t, i] = -np.inf if d == -np.inf else out[i, k] - d
 
 
-@writes("partial")
 @njit(nogil=True, cache=True)
 def sparse_chain_values_grad(parallel, threads, x, indptr, indices, values, lengths, pre, norm, marg, weight, partial):
     """The expected count of each stored transition: overwrites ``partial`` (K, nnz) with the
@@ -246,7 +243,6 @@ def _values_grad_chunks(lo, hi, x, indptr, indices, values, lengths, pre, norm, 
                     out[q] += acc
 
 
-@writes("work", "backptr", "score", "path")
 @njit(nogil=True, cache=True)
 def sparse_chain_viterbi(parallel, threads, x, t_indptr, t_rows, t_values, init, lengths, work, backptr, score, path):
     """Max-product sweep and backtracking as ``chain.chain_viterbi``, over the stored entries (those

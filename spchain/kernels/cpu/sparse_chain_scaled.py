@@ -25,7 +25,7 @@ from numba import njit
 from ..rules import FLUSH, LIMIT, TINY
 from .exp import exp_like, exp_nonpositive, log_like
 from .sparse_chain import chunk_of
-from .team import team_rows, writes
+from .team import team_rows
 
 BLOCK = 64
 """States per block where a sweep moves data between (B, v, c) arrays and its (c, W) ones."""
@@ -120,7 +120,6 @@ def _scaled_spmm(indptr, indices, values, e, top_of, z, zoff, p, shift, top, acc
                     out[r, k] = _lse(indptr, indices, values, z, zoff[k], k, r)
 
 
-@writes("pre", "norm")
 @njit(nogil=True, cache=True)
 def sparse_chain_forward_scaled(parallel, threads, x, t_indptr, t_rows, t_values, e, cmax, init, lengths, pre, norm,
                                 chunks):
@@ -228,7 +227,6 @@ def _values_grad(indptr, indices, t_indptr, t_rows, t_values, order, cmax, a, gm
             acc[q] += _dot(pi, r[indices[q]])
 
 
-@writes("grad_x", "partial")
 @njit(nogil=True, cache=True)
 def sparse_chain_backward_scaled(parallel, threads, x, indptr, indices, values, row_e, rmax, t_indptr, t_rows,
                                  t_values, order, e, cmax, lengths, pre, norm, weight, grad_x, partial):

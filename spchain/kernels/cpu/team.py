@@ -18,39 +18,28 @@ never a parfor (Numba's ``prange`` pass took 10-15 s of a cold compile for some 
     @njit(cache=True, error_model="numpy")
     def _rows(lo, hi, x, out): ...
 
-    @writes("out")
     @njit(nogil=True, cache=True)
     def kernel(parallel, threads, x, out):
         return team_rows(parallel, threads, _rows, x.shape[0], (x, out))
 
     team.run(kernel, x, out)
-
-:func:`writes` names the arguments a kernel writes; :func:`run` (and :func:`serial`, the
-calling thread alone) passes its other arrays as read-only views, so that Numba compiles one
-signature a kernel and dtype whatever the flags of the arrays it is given (a caller's
-read-only array, a broadcast, torch's saved results): each mix of flags was a compile of
-its own, 2-7 s.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import inspect
 import os
 import sys
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
-import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import crowded, forked
-
-K = TypeVar("K", bound=Callable[..., Any])
 
 _I8P = ir.IntType(8).as_pointer()
 _I32 = ir.IntType(32)
@@ -212,48 +201,6 @@ _LAUNCHERS: list[Any] = []
 """The code library of :func:`numba_parallel`'s launcher, kept for the process's lifetime."""
 
 
-def writes(*names: str) -> Callable[[K], K]:
-    """Name the arguments (after ``parallel`` and ``threads``) that a kernel writes: the
-    others reach it read-only (:func:`run`, :func:`serial`).
-
-    >>> from numba import njit
-    >>> @writes("out")
-    ... @njit
-    ... def double(parallel, threads, x, out):
-    ...     out[:] = 2 * x
-    >>> serial(double, np.ones(2), out := np.empty(2)); out
-    array([2., 2.])
-    """
-    def mark(kernel: K) -> K:
-        params = list(inspect.signature(kernel.py_func).parameters)[2:]  # type: ignore[attr-defined]
-        unknown = set(names) - set(params)
-        if unknown:
-            raise TypeError(f"{kernel.__name__} has no arguments {sorted(unknown)}")
-        kernel.reads = tuple(k for k, name in enumerate(params) if name not in names)  # type: ignore[attr-defined]
-        return kernel
-
-    return mark
-
-
-def _read_only(kernel: Callable[..., Any], args: tuple[Any, ...]) -> list[Any]:
-    """``args`` with the NumPy arrays that ``kernel`` only reads as read-only views."""
-    out = list(args)
-    for k in kernel.reads:  # type: ignore[attr-defined]  # set by writes()
-        a = out[k]
-        if type(a) is np.ndarray and a.flags.writeable:
-            a = a.view()
-            a.flags.writeable = False
-            out[k] = a
-    return out
-
-
-def serial(kernel: Callable[..., Any], *args: Any) -> None:
-    """``kernel(0, 1, *args)``: on the calling thread alone (a small product's route)."""
-    failed = kernel(0, 1, *_read_only(kernel, args))
-    if failed:
-        raise RuntimeError(f"{kernel.__name__}: {failed} chunks of rows failed")
-
-
 def run(kernel: Callable[..., Any], *args: Any) -> None:
     """``kernel(parallel, threads, *args)`` on torch's OpenMP threads where :func:`parallel`
     finds them, as many as both torch and Numba allow, or on the calling thread alone while
@@ -268,6 +215,6 @@ def run(kernel: Callable[..., Any], *args: Any) -> None:
         threads = 1 if crowded() else min(torch.get_num_threads(), numba.get_num_threads())
     else:
         address, threads = numba_parallel(), numba.get_num_threads()
-    failed = kernel(address, threads, *_read_only(kernel, args))
+    failed = kernel(address, threads, *args)
     if failed:
         raise RuntimeError(f"{kernel.__name__}: {failed} chunks of rows failed")  # kernels check their inputs first
