@@ -29,7 +29,7 @@ FULL_ONLY = CASES[:3]
 2 cores with a cold cache, half of the quick run's minute (``--only torch-layer`` runs them)."""
 GROUPS = 4
 SMALL_CALLS = 200
-"""Calls that make one timed run of a small case (about 2-60 ms): one call alone, after the
+"""Calls that make one timed run of a small case (3-150 ms here): one call alone, after the
 other method's, timed the caches it left cold (``nn.Linear(64, 64)``'s forward at 68 us
 against 12 us in a loop)."""
 
