@@ -97,10 +97,14 @@ class StructureCache:
         found = self._by_content(sizes, arrays) if by_content else None
         if found is not None:
             return found, None
-        key = (address(first), address(second), first.dtype, second.dtype, *sizes)
+        at = address(first), address(second)
+        key = (*at, first.dtype, second.dtype, *sizes)
         entry = None if by_content else self._entries.get(key)
         if entry is not None and entry.indices.shape == arrays[1].shape and entry.indptr.shape == arrays[0].shape:
-            if _owns(entry, arrays):
+            given = at if key_arrays is None else (address(arrays[0]), address(arrays[1]))
+            if given == kept(entry, "addresses", lambda: (address(entry.indptr), address(entry.indices))):
+                # arrays are the entry's own private copies: a backward handed the arrays its
+                # forward ran on, which nothing else writes to, needs no comparison
                 self._entries.move_to_end(key)
                 return entry, None
             if backend.on_gpu:
@@ -162,12 +166,6 @@ def _equal(structure: Csr | Bsr, arrays: tuple[Array, Array]) -> bool:
     """Whether ``arrays`` hold ``structure``'s index arrays (on the GPU: waits for the device)."""
     return (structure.indptr.shape == arrays[0].shape and structure.indices.shape == arrays[1].shape
             and bool((structure.indices == arrays[1]).all()) and bool((structure.indptr == arrays[0]).all()))
-
-
-def _owns(structure: Csr | Bsr, arrays: tuple[Array, Array]) -> bool:
-    """Whether ``arrays`` are ``structure``'s own private copies (by address): a backward handed
-    the arrays its forward ran on, which nothing else writes to, needs no comparison."""
-    return address(arrays[0]) == address(structure.indptr) and address(arrays[1]) == address(structure.indices)
 
 
 def _same_on_device(structure: Csr | Bsr, arrays: tuple[Array, Array]) -> Array:
