@@ -126,7 +126,7 @@ def _run(kernel: Any, args: tuple[Any, ...], threads: int, transposed: bool) -> 
     if threads > 1:
         cpu.team.run(kernel, *args, threads, transposed)
     else:
-        kernel(0, 1, *args, 1, transposed)
+        cpu.team.serial(kernel, *args, 1, transposed)
 
 
 def structure_nbytes(structure: Any) -> int:
@@ -340,7 +340,7 @@ def contiguous(backend: Backend, a: Array) -> Array:
         if _backend.threads(a.size) > 1:
             cpu.team.run(cpu.sparse.transpose, a.T, out)
         else:  # small: on the calling thread
-            cpu.sparse.transpose(0, 1, a.T, out)
+            cpu.team.serial(cpu.sparse.transpose, a.T, out)
         return out
     return backend.xp.ascontiguousarray(a)
 

@@ -126,7 +126,7 @@ def _run(kernel: Any, work: int, *args: Any) -> None:
     if _backend.threads(work) > 1:
         cpu.team.run(kernel, *args)
     else:
-        kernel(0, 1, *args)
+        cpu.team.serial(kernel, *args)
 
 
 # --- validation ----------------------------------------------------------------------------

@@ -335,3 +335,24 @@ def test_numbas_threads_share_a_team_without_torch():
     ids[:] = -1
     assert _threads_on_team(cpu.team.numba_parallel(), 1, ids) == 0
     assert set(ids) == {0}
+
+
+@numba.njit(cache=False)
+def _failing_rows(lo, hi, out):
+    for b in range(lo, hi):
+        if b == 3:
+            raise ValueError("row 3")
+        out[b] = b
+
+
+@numba.njit(cache=False, nogil=True)
+def _failing_kernel(parallel, threads, out):
+    return cpu.team.team_rows(parallel, threads, _failing_rows, out.shape[0], (out,))
+
+
+def test_a_failed_chunk_raises_on_the_calling_thread_as_on_a_team():
+    """A body that raises leaves its chunk's rows unwritten: ``team.serial`` (the small calls'
+    route) raises as ``team.run`` does, never returns a partly written result."""
+    for call in (cpu.team.serial, cpu.team.run):
+        with pytest.raises(RuntimeError, match="_failing_kernel: 1 chunks of rows failed"):
+            call(_failing_kernel, np.zeros(8))

@@ -22,7 +22,7 @@ never a parfor (Numba's ``prange`` pass took 10-15 s of a cold compile for some 
     def kernel(parallel, threads, x, out):
         return team_rows(parallel, threads, _rows, x.shape[0], (x, out))
 
-    team.run(kernel, x, out)
+    team.run(kernel, x, out)       # team.serial(kernel, x, out): on the calling thread
 """
 
 from __future__ import annotations
@@ -215,6 +215,15 @@ def run(kernel: Callable[..., Any], *args: Any) -> None:
         threads = 1 if crowded() else min(torch.get_num_threads(), numba.get_num_threads())
     else:
         address, threads = numba_parallel(), numba.get_num_threads()
-    failed = kernel(address, threads, *args)
+    _check(kernel, kernel(address, threads, *args))
+
+
+def serial(kernel: Callable[..., Any], *args: Any) -> None:
+    """``kernel(0, 1, *args)``: on the calling thread alone (a small product's route)."""
+    _check(kernel, kernel(0, 1, *args))
+
+
+def _check(kernel: Callable[..., Any], failed: int) -> None:
+    """A ``RuntimeError`` where chunks of rows failed (their rows were not written)."""
     if failed:
         raise RuntimeError(f"{kernel.__name__}: {failed} chunks of rows failed")  # kernels check their inputs first
