@@ -36,17 +36,22 @@ def largest(backend: Backend, scores: Array, count: int) -> Array:
         return xp.empty(0, np.int64)
     keys = _ordered_bits(xp, scores)
     threshold = _kth_largest(xp, keys, count)
-    above = xp.flatnonzero(keys > threshold)
-    tied = xp.flatnonzero(keys == threshold)[: count - above.shape[0]]
-    return xp.sort(xp.concatenate([above, tied]))
+    chosen = keys > threshold
+    tied = xp.flatnonzero(keys == threshold)[: count - int(xp.count_nonzero(chosen))]
+    chosen[tied] = True
+    return xp.flatnonzero(chosen)  # in order: no sort
 
 
 def _ordered_bits(xp: Any, scores: Array) -> Array:
     """Unsigned integers in the order of the floats ``scores`` (NaN as +inf, -0.0 as 0.0)."""
-    key = xp.where(xp.isnan(scores), xp.inf, scores) + 0  # + 0: -0.0 becomes 0.0
-    bits = key.view(f"u{key.dtype.itemsize}")
-    sign = bits.dtype.type(1 << (8 * key.dtype.itemsize - 1))
-    return xp.where(bits >= sign, ~bits, bits | sign)  # negative floats: all bits flipped
+    key = scores + 0  # -0.0 becomes 0.0
+    if xp.isnan(key).any():
+        key = xp.where(xp.isnan(key), xp.inf, key)
+    width = 8 * key.dtype.itemsize
+    signed = key.view(f"i{key.dtype.itemsize}")
+    bits = signed.view(f"u{key.dtype.itemsize}")
+    # negative floats: every bit flipped; the others: the sign bit set
+    return bits ^ ((signed >> (width - 1)).view(bits.dtype) | bits.dtype.type(1 << (width - 1)))
 
 
 def _kth_largest(xp: Any, keys: Array, k: int) -> Any:

@@ -447,6 +447,16 @@ def test_largest_magnitudes_match_a_plain_sort(scores, count, dtype):
     np.testing.assert_array_equal(got, reference.largest_positions(scores, count))
 
 
+@given(st.lists(st.sampled_from([0.0, -0.0, 1.0, -1.0, -2.0, 3.0, -1.5e-5, np.inf, -np.inf, np.nan]), max_size=12),
+       st.integers(0, 12), st.sampled_from([np.float16, np.float32, np.float64]))
+def test_largest_of_signed_scores_orders_by_value(scores, count, dtype):
+    """Negative scores (every bit of their keys flipped) rank below the others; NaN above all."""
+    scores = np.array(scores, dtype)
+    count = min(count, scores.size)
+    order = sorted(range(scores.size), key=lambda p: (0 if np.isnan(scores[p]) else 1, -float(scores[p]), p))
+    np.testing.assert_array_equal(_selection.largest(_backend.NUMPY, scores, count), np.sort(order[:count]))
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_largest_of_a_weight_already_mostly_zero_matches_a_plain_sort(rng, dtype):
     """An iterative pruning loop scores a weight whose pruned entries tie at zero."""
