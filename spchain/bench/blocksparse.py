@@ -7,38 +7,50 @@ layer. Forward (under ``torch.no_grad``) and forward + backward (``x`` requires 
 is the output and the input gradient). torch is imported when a case is built.
 """
 
+from __future__ import annotations
+
+import functools
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from .core import Case
+
+if TYPE_CHECKING:
+    import torch
 
 CASES = [f"{name} {kind}" for name in ("90% block 16", "90% block 32", "75% block 16", "75% block 32", "2:4")
          for kind in ("forward", "forward+backward")]
 METHODS = ["spchain", "nn.Linear (dense)", "SparseLinear (unstructured)"]
+_Method = tuple[Callable[["torch.Tensor"], "torch.Tensor"], Sequence["torch.Tensor"]]
+"""A method's layer and the leaves whose gradients it sets."""
 
 SIZES = {False: {"batch": 256, "features": 4096}, True: {"batch": 64, "features": 2048}}
 
 
-def make_case(name: str, quick: bool, device: str = "cpu") -> Case:
+@functools.lru_cache(maxsize=1)
+def _layers(pattern: str, quick: bool, device: str) -> tuple[dict[str, _Method], torch.nn.Linear]:
+    """The methods' layers and the dense layer, holding the same weights, of one sparsity
+    pattern (``"90% block 16"``, ``"2:4"``): built once for its forward and its forward +
+    backward case, which run one after the other (pruning the weights twice took a second of
+    the quick run)."""
     import torch
 
     import spchain as sc
     import spchain.torch as st
 
-    *pattern, kind = name.split(" ")
-    backward = kind == "forward+backward"
-    batch, features = SIZES[quick].values()
+    _, features = SIZES[quick].values()
     torch.manual_seed(0)
     dense = torch.nn.Linear(features, features)
     weight = dense.weight.detach().numpy()
-    if pattern == ["2:4"]:
+    if pattern == "2:4":
         mask = sc.prune(weight, method="n:m", n=2, m=4).toarray() != 0
         with torch.no_grad():
             dense.weight.mul_(torch.from_numpy(mask))
         layer = st.SparseLinear.from_dense(dense, 0.5).to(device)
-        methods: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], Sequence[torch.Tensor]]] = {
-            "spchain": (layer, list(layer.parameters()))}
+        methods: dict[str, _Method] = {"spchain": (layer, list(layer.parameters()))}
     else:
-        sparsity, block = int(pattern[0].rstrip("%")) / 100, int(pattern[2])
+        percent, _, size = pattern.split(" ")
+        sparsity, block = int(percent.rstrip("%")) / 100, int(size)
         bsr = sc.prune(weight, sparsity, method="random", seed=0, block=(block, block))
         with torch.no_grad():
             dense.weight.copy_(torch.from_numpy(bsr.toarray()))
@@ -55,8 +67,19 @@ def make_case(name: str, quick: bool, device: str = "cpu") -> Case:
                    "SparseLinear (unstructured)": (unstructured, list(unstructured.parameters()))}
     dense = dense.to(device)
     methods["nn.Linear (dense)"] = (dense, list(dense.parameters()))
-    x = torch.randn(batch, features).to(device).requires_grad_(backward)
-    grad_y = torch.randn(batch, features).to(device)
+    return methods, dense
+
+
+def make_case(name: str, quick: bool, device: str = "cpu") -> Case:
+    import torch
+
+    pattern, kind = name.rsplit(" ", 1)
+    backward = kind == "forward+backward"
+    batch, features = SIZES[quick].values()
+    methods, dense = _layers(pattern, quick, device)
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(batch, features, generator=generator).to(device).requires_grad_(backward)
+    grad_y = torch.randn(batch, features, generator=generator).to(device)
 
     def synchronize() -> None:
         if device == "cuda":
