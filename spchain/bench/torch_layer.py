@@ -28,8 +28,8 @@ FULL_ONLY = CASES[:3]
 """Cases that ``bench --quick`` leaves out: torch.compile takes 20-30 s for the three models on
 2 cores with a cold cache, half of the quick run's minute (``--only torch-layer`` runs them)."""
 GROUPS = 4
-SMALL_CALLS = 200
-"""Calls that make one timed run of a small case (3-150 ms here): one call alone, after the
+SMALL_CALLS = 100
+"""Calls that make one timed run of a small case (1.5-70 ms here): one call alone, after the
 other method's, timed the caches it left cold (``nn.Linear(64, 64)``'s forward at 68 us
 against 12 us in a loop)."""
 
