@@ -28,7 +28,7 @@ from .chain import sequential
 from .core import Case
 
 CASES = ["forward + backward", "path functions (peak memory)"]
-SIZES = {False: {"batch": 64, "v": 500, "c": 4096}, True: {"batch": 4, "v": 8, "c": 1024}}
+SIZES = {False: {"batch": 64, "v": 500, "c": 4096}, True: {"batch": 4, "v": 8, "c": 512}}
 PATH_SIZES = {False: {"batch": 8, "v": 64, "c": 4096}, True: {"batch": 2, "v": 8, "c": 1024}}
 """The sizes of the path functions' case."""
 DENSE_SIZE = {"spchain dense chain": (64, 3), "torch sequential logsumexp": (4, 3)}
