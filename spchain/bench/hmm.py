@@ -11,7 +11,9 @@
   size it runs one sequence of 10 steps (its label gives the factor by which its time scales)
   and gets no error figure.
 - ``sparse marginals``: one :func:`spchain.chain_marginals` call on the sparse case's data and
-  starting model, the yardstick of its peak memory (the fit should stay within 2x of it).
+  starting model, the yardstick of its peak memory (the fit should stay within 2x of it); its
+  float64 reference is the scaled forward-backward recursion in NumPy and SciPy
+  (:mod:`spchain.bench.reference`).
 
 ``python -m spchain.bench.hmm`` times the Gaussian case alone, the two fits alternating.
 """
@@ -24,6 +26,7 @@ import numpy as np
 import scipy.sparse
 
 from .. import chain_marginals, hmm
+from . import reference
 from .core import Case
 
 CASES = ["gaussian diag", "sparse categorical", "sparse marginals"]
@@ -136,9 +139,13 @@ def make_case(name: str, quick: bool, device: str = "cpu") -> Case:
         def marginals(log_trans: Any) -> Callable[[], object]:
             return lambda: chain_marginals(x, log_trans, np.log(start["startprob_"]))
 
-        with np.errstate(divide="ignore"):
-            dense = np.log(start["transmat_"].toarray())
-        return Case("hmm-fit", name, {"spchain": marginals(log_trans)}, marginals(dense), device)
+        probabilities = start["transmat_"]
+
+        def exact() -> object:
+            return reference.chain_marginals(x, lambda a, t: (probabilities.T @ a.T).T,
+                                             lambda b, t: (probabilities @ b.T).T, np.log(start["startprob_"]))
+
+        return Case("hmm-fit", name, {"spchain": marginals(log_trans)}, exact, device)
     small_seq, small_steps = (len(lengths), int(lengths[0])) if quick else HMMLEARN_SPARSE_SIZE
     baseline = "hmmlearn (dense transmat_)"
     if not quick:
