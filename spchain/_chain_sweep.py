@@ -73,10 +73,17 @@ def use_gemm(chain: Chain) -> bool:
     float32, v 40, c 64 to 256, 64 to 512 rows per matrix): the GEMM sweep wins from c 96
     (1.5x at 128 rows and c 96, per step; 0.8x to 0.9x at c 64 whatever the rows) and
     ``group · c²`` of about 10⁶ with one matrix per step (whose exponentials and gradients the
-    kernels pay per step) or 2·10⁶ with one for all steps (about even there). At the chain
-    workload's sizes (500 rows, c 200, per step) the GEMM sweep is 3.4x faster; at the CRF's
-    (256 rows, c 50, shared) the scaled kernels are 2x faster. Otherwise (one matrix
-    per row and step) the log-space kernels cost about ``rows * c²`` exponentials a step, the
+    kernels pay per step) or 2·10⁶ with one for all steps (about even there). With few rows
+    a matrix the GEMM sweep wins at smaller products too, since a block of the scaled kernels
+    takes fewer rows as ``c`` grows (4 at c 256, 1 from c 363), each block reading the whole
+    matrix a step. Measured on a 2-core Intel Xeon (v 16, 1 to 64 rows a matrix, 2026-11-29):
+    with a matrix per step the kernel sweep took 1.1-1.8x the GEMM sweep's time at c 128 and
+    1.3-9.5x from c 192, whatever the rows; with one for all steps 1.1-4.3x from c 384 and
+    1.2-1.35x at c 256 with 4 to 16 rows, while it stayed ahead at c 128 and below, and at c
+    256 with one or two rows. At the chain workload's sizes (500 rows, c 200, per step) the
+    GEMM sweep is 3.4x faster; at the CRF's (256 rows, c 50, shared) the scaled kernels are 2x
+    faster. Otherwise (one matrix per row and step) the log-space kernels cost about
+    ``rows * c²`` exponentials a step, the
     GEMM sweep a fixed overhead of array calls, ``G * c²`` exponentials and a call per
     transition matrix, and O(rows * c) elementwise work, the ``rows * c²`` multiply-adds going
     to BLAS; the constants are seconds fitted on a 2-core CPU. The GPU has a model of its own
@@ -91,7 +98,11 @@ def use_gemm(chain: Chain) -> bool:
     if chain.backend.on_gpu:
         return gpu_gemm_wins(rows, c, groups)
     if _chain_scaled.applies(chain):
-        return bool(c >= 96 and chain.group * c * c >= (1e6 if chain.trans.shape[1] > 1 else 2e6))
+        if c < 96:
+            return False
+        if chain.trans.shape[1] > 1:  # a matrix per step
+            return bool(c >= 128 or chain.group * c * c >= 1e6)
+        return bool(chain.group * c * c >= 2e6 or c >= 384 or (c >= 256 and chain.group >= 4))
     kernel = rows * (1.0e-9 * c * c + 5e-7)
     gemm = 3e-5 + groups * (1.5e-9 * c * c + 1.5e-6) + 1.5e-8 * rows * c
     return bool(gemm < kernel)
