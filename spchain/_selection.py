@@ -86,9 +86,9 @@ def random_positions(backend: Backend, total: int, count: int, taken: Array | No
         chosen = np.empty(0, np.int64)
         while chosen.shape[0] < count:
             draws = np.concatenate([chosen, rng.integers(0, total, 2 * (count - chosen.shape[0]) + 16)])
-            first = np.sort(np.unique(draws, return_index=True)[1])  # first draws of each value, in order
-            fresh = draws[first]
-            chosen = fresh[~np.isin(fresh, taken, assume_unique=True)][:count]
+            values, first = np.unique(draws, return_index=True)  # each value once, where first drawn
+            at = np.minimum(np.searchsorted(taken, values), taken.shape[0] - 1)  # both sorted: no np.isin sort
+            chosen = draws[np.sort(first[taken[at] != values])[:count]]  # the free values' first draws, in order
     else:
         chosen = rng.choice(np.setdiff1d(np.arange(total), taken, assume_unique=True), count, replace=False)
     return backend.xp.asarray(np.sort(chosen).astype(np.int64))
