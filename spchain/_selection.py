@@ -165,13 +165,18 @@ def _largest_gradients(backend: Backend, grad_y: Array, x: Array, block: Shape, 
         dense = _backend.matmul(xp, grad_y[:, r0 * r:r1 * r].T, x)
         blocks = dense.ravel() if block == (1, 1) else dense.reshape(r1 - r0, r, n, c)
         scores = magnitudes(backend, blocks, axes=(1, 3)).ravel()
-        free = xp.ones(scores.shape[0], bool)
+        if best_scores.shape[0] < count:
+            free = xp.ones(scores.shape[0], bool)
+        else:  # a later position enters only above the least kept score (NaN counts as the largest)
+            kept = best_scores[~xp.isnan(best_scores)]
+            if not kept.shape[0]:
+                break  # all NaN: nothing later comes before them
+            free = (scores > kept.min()) | xp.isnan(scores)
         lo, hi = (int(i) for i in xp.searchsorted(taken, xp.asarray([r0 * n, r1 * n])))
         free[taken[lo:hi] - r0 * n] = False
         candidates = xp.flatnonzero(free)
-        pick = largest(backend, scores[candidates], count)
-        best_scores = xp.concatenate([best_scores, scores[candidates[pick]]])
-        best_positions = xp.concatenate([best_positions, candidates[pick] + r0 * n])
+        best_scores = xp.concatenate([best_scores, scores[candidates]])
+        best_positions = xp.concatenate([best_positions, candidates + r0 * n])
         keep = largest(backend, best_scores, count)
         best_scores, best_positions = best_scores[keep], best_positions[keep]
     return best_positions

@@ -492,11 +492,18 @@ def test_drop_and_grow_keeps_nnz_drops_the_smallest_and_grows_at_free_positions(
     np.testing.assert_array_equal(new_rows[new] * 20 + new_cols[new], old_rows[old] * 20 + old_cols[old])
 
 
-def test_drop_and_grow_by_gradient_picks_the_largest_dense_gradient_outside_the_kept_entries(rng, monkeypatch):
+@pytest.mark.parametrize("scores", ["distinct", "tied", "nan"])
+def test_drop_and_grow_by_gradient_picks_the_largest_dense_gradient_outside_the_kept_entries(rng, monkeypatch, scores):
+    """Scored a row block at a time, each later block passing only what beats the least kept
+    score: ties go to the earlier position and NaN counts as the largest, as for one block."""
     monkeypatch.setattr(_selection, "_SCORE_BLOCK", 37)  # several row blocks
     csr, values = canonical(rng, 12, 9, 0.3)
     grad_y, x = rng.standard_normal((5, 12)), rng.standard_normal((5, 9))
-    n_move = 6
+    if scores == "tied":
+        grad_y, x = np.sign(grad_y), np.sign(x)  # a handful of distinct products
+    elif scores == "nan":
+        grad_y[:, [2, 9]] = np.nan  # two rows of NaN scores, one in a late block
+    n_move = 6 if scores != "nan" else 20
     indptr, indices, old, new = _selection.drop_and_grow(
         _backend.NUMPY, csr, values, n_move, grad_y=grad_y, x=x, caller="t")
     rows, cols = reference.entries(csr.indptr, csr.indices)
