@@ -86,8 +86,12 @@ def use_gemm(chain: Chain) -> bool:
     ``rows * c²`` exponentials a step, the
     GEMM sweep a fixed overhead of array calls, ``G * c²`` exponentials and a call per
     transition matrix, and O(rows * c) elementwise work, the ``rows * c²`` multiply-adds going
-    to BLAS; the constants are seconds fitted on a 2-core CPU. The GPU has a model of its own
-    (:func:`gpu_gemm_wins`).
+    to BLAS; the constants are seconds fitted on a 2-core CPU. From c 256 a row's matrix
+    leaves the core's cache and the kernels slow down 2-3x, which the model misses: with one
+    matrix per row (v 16, 1 to 16 rows, 2026-11-29) the kernel sweep took 1.9-2x the GEMM
+    sweep's time at c 256 with 1 to 4 rows (even at 16) and 1.3-2.6x at c 512, while it kept
+    ahead up to c 64 and was within 10-30 % either way at c 128. The GPU has a model of its
+    own (:func:`gpu_gemm_wins`).
     """
     rows, _, c = chain.x.shape
     if c == 0:  # nothing to multiply: the kernels' empty sums give -inf
@@ -103,6 +107,8 @@ def use_gemm(chain: Chain) -> bool:
         if chain.trans.shape[1] > 1:  # a matrix per step
             return bool(c >= 128 or chain.group * c * c >= 1e6)
         return bool(chain.group * c * c >= 2e6 or c >= 384 or (c >= 256 and chain.group >= 4))
+    if c >= 256:
+        return True
     kernel = rows * (1.0e-9 * c * c + 5e-7)
     gemm = 3e-5 + groups * (1.5e-9 * c * c + 1.5e-6) + 1.5e-8 * rows * c
     return bool(gemm < kernel)
