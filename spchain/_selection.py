@@ -43,15 +43,18 @@ def largest(backend: Backend, scores: Array, count: int) -> Array:
 
 
 def _ordered_bits(xp: Any, scores: Array) -> Array:
-    """Unsigned integers in the order of the floats ``scores`` (NaN as +inf, -0.0 as 0.0)."""
-    key = scores + 0  # -0.0 becomes 0.0
-    if xp.isnan(key).any():
-        key = xp.where(xp.isnan(key), xp.inf, key)
+    """Unsigned integers in the order of the floats ``scores``: every NaN one key above +inf,
+    -0.0 as 0.0."""
+    key = scores + 0  # a copy, -0.0 made 0.0; the steps below work in place on it
+    nan = xp.isnan(key)
+    if nan.any():
+        key[nan] = xp.nan  # the positive quiet NaN, whose bits lie above +inf's
     width = 8 * key.dtype.itemsize
-    signed = key.view(f"i{key.dtype.itemsize}")
-    bits = signed.view(f"u{key.dtype.itemsize}")
-    # negative floats: every bit flipped; the others: the sign bit set
-    return bits ^ ((signed >> (width - 1)).view(bits.dtype) | bits.dtype.type(1 << (width - 1)))
+    bits = key.view(f"u{key.dtype.itemsize}")
+    flip = (key.view(f"i{key.dtype.itemsize}") >> (width - 1)).view(bits.dtype)  # all ones for negatives
+    flip |= bits.dtype.type(1 << (width - 1))
+    bits ^= flip  # negative floats: every bit flipped; the others: the sign bit set
+    return bits
 
 
 def _kth_largest(xp: Any, keys: Array, k: int) -> Any:

@@ -457,6 +457,20 @@ def test_largest_of_signed_scores_orders_by_value(scores, count, dtype):
     np.testing.assert_array_equal(_selection.largest(_backend.NUMPY, scores, count), np.sort(order[:count]))
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_nan_ranks_above_inf_and_every_nan_alike(dtype):
+    """NaN counts as the largest value: above +inf (which it used to tie with, the earlier
+    position winning), a negative NaN too, NaNs' ties going to the earlier position."""
+    nan = np.array(np.nan, dtype)
+    scores = np.array([np.inf, nan, np.inf, -nan], dtype)  # -nan: the sign bit set
+    assert np.signbit(scores[3])
+    for count, kept in ((1, [1]), (2, [1, 3]), (3, [0, 1, 3])):
+        np.testing.assert_array_equal(_selection.largest(_backend.NUMPY, scores, count), kept)
+    if dtype != np.float16:  # prune takes float32 and float64
+        pruned = sc.prune(np.array([[np.inf, np.nan], [-np.inf, 1.0]], dtype), 0.75)
+        assert pruned.nnz == 1 and pruned.indices[0] == 1 and np.isnan(pruned.data[0])
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_largest_of_a_weight_already_mostly_zero_matches_a_plain_sort(rng, dtype):
     """An iterative pruning loop scores a weight whose pruned entries tie at zero."""
