@@ -214,7 +214,13 @@ def sampled_product(rows, cols, a, b):
 def largest_positions(w, keep):
     """Sorted flat positions of the ``keep`` largest ``|w|``: NaN first, then by magnitude, ties to
     the earlier position (a plain Python sort)."""
-    flat = np.abs(np.asarray(w, np.float64)).ravel()
+    return largest_values(np.abs(np.asarray(w, np.float64)), keep)
+
+
+def largest_values(scores, keep):
+    """Sorted flat positions of the ``keep`` largest ``scores`` by value: NaN first, ties to the
+    earlier position (a plain Python sort)."""
+    flat = np.asarray(scores, np.float64).ravel()
     order = sorted(range(flat.size), key=lambda p: (0 if np.isnan(flat[p]) else 1, -flat[p], p))
     return np.sort(np.array(order[:keep], dtype=np.int64))
 

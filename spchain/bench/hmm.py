@@ -136,16 +136,13 @@ def make_case(name: str, quick: bool, device: str = "cpu") -> Case:
         steps = int(lengths[0])
         x = np.log(start["emissionprob_"]).T[X[:, 0]].reshape(len(lengths), steps, -1)
 
-        def marginals(log_trans: Any) -> Callable[[], object]:
-            return lambda: chain_marginals(x, log_trans, np.log(start["startprob_"]))
-
-        probabilities = start["transmat_"]
+        probabilities, log_init = start["transmat_"], np.log(start["startprob_"])
 
         def exact() -> object:
             return reference.chain_marginals(x, lambda a, t: (probabilities.T @ a.T).T,
-                                             lambda b, t: (probabilities @ b.T).T, np.log(start["startprob_"]))
+                                             lambda b, t: (probabilities @ b.T).T, log_init)
 
-        return Case("hmm-fit", name, {"spchain": marginals(log_trans)}, exact, device)
+        return Case("hmm-fit", name, {"spchain": lambda: chain_marginals(x, log_trans, log_init)}, exact, device)
     small_seq, small_steps = (len(lengths), int(lengths[0])) if quick else HMMLEARN_SPARSE_SIZE
     baseline = "hmmlearn (dense transmat_)"
     if not quick:
