@@ -280,6 +280,9 @@ def _check_group_sizes(caller: str, group_sizes: Sequence[int] | Array, groups: 
     sizes = np.asarray(group_sizes)
     if sizes.size == 0:
         sizes = sizes.astype(np.int64)
+    if sizes.dtype.kind in "iu" and isinstance(group_sizes, (list, tuple)) \
+            and any(isinstance(v, (bool, np.bool_)) for v in group_sizes):  # [True, 5] is an int64 array
+        raise TypeError(f"{caller}: group_sizes must hold integers, not bool")
     if sizes.dtype.kind not in "iu" and not (sizes.dtype == object and all(map(_is_int, sizes.flat))):
         raise TypeError(f"{caller}: group_sizes must hold integers, not {sizes.dtype}")
     if sizes.shape != (groups,):

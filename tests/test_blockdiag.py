@@ -245,13 +245,15 @@ def test_grouped_matmul_any_layout(xp, rng, layout):
         (5, ValueError, r"group_sizes has shape \(\) but w has 2 groups"),
         ([2.0, 3.0], TypeError, r"group_sizes must hold integers, not float64"),
         ([True, True], TypeError, r"group_sizes must hold integers, not bool"),
+        ([True, 4], TypeError, r"group_sizes must hold integers, not bool"),
+        ((np.True_, 4), TypeError, r"group_sizes must hold integers, not bool"),
         ([2**62, 2**62 + 5], ValueError, r"group_sizes must each be at most the 5 rows of x"),
         (np.array([2**63 - 1, 2**63 - 1, 7], np.int64)[1:], ValueError, r"group_sizes must each be at most the 5 rows of x"),
         (np.array([2**64 - 1, 6], np.uint64), ValueError, r"group_sizes must each be at most the 5 rows of x, got \[18446744073709551615, 6\]"),
         ([2**70, 5], ValueError, r"group_sizes must each be at most the 5 rows of x"),
         ([2, 3.0], TypeError, r"group_sizes must hold integers, not float64"),
     ],
-    ids=["short-sum", "long-sum", "negative", "too-few", "2-d", "scalar", "floats", "bools",
+    ids=["short-sum", "long-sum", "negative", "too-few", "2-d", "scalar", "floats", "bools", "bool-and-int", "numpy-bool-and-int",
          "int64-wraps", "int64-max", "uint64-max", "past-int64", "mixed"],
 )
 def test_bad_group_sizes(group_sizes, error, message):
