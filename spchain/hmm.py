@@ -463,7 +463,8 @@ class _BaseHMM:
         return self._score(X, lengths)[0]
 
     def predict_proba(self, X: Any, lengths: Any = None) -> Array:
-        """The posterior state probabilities of each sample, (n_samples, n_components)."""
+        """The posterior state probabilities of each sample, (n_samples, n_components); zeros
+        for the samples of a sequence that no state path can produce (hmmlearn gives NaN)."""
         return self._score(X, lengths)[1]
 
     def decode(self, X: Any, lengths: Any = None, algorithm: str | None = None) -> tuple[float, Array]:
@@ -471,7 +472,10 @@ class _BaseHMM:
 
         ``algorithm="viterbi"`` gives the best state sequence and its log-probability;
         ``"map"`` each sample's most probable state and, as hmmlearn does, the sum of those
-        posterior probabilities. The default is the ``algorithm`` parameter.
+        posterior probabilities. The default is the ``algorithm`` parameter. With ``"viterbi"``
+        a sequence that no state path can produce (log-probability ``-inf``) gets state ``-1``
+        at every sample, as :func:`spchain.viterbi` gives (hmmlearn returns an arbitrary path):
+        check for it before indexing parameters with the states.
         """
         algorithm = algorithm or self.algorithm
         if algorithm not in DECODER_ALGORITHMS:
@@ -489,7 +493,8 @@ class _BaseHMM:
         return float(score.sum()), seqs.unpad(path[..., None])[:, 0]
 
     def predict(self, X: Any, lengths: Any = None) -> Array:
-        """The most likely state of each sample (by ``algorithm``), (n_samples,)."""
+        """The most likely state of each sample (by ``algorithm``), (n_samples,); ``-1`` for
+        the samples of an impossible sequence under ``"viterbi"`` (see :meth:`decode`)."""
         return self.decode(X, lengths)[1]
 
     def sample(self, n_samples: int = 1, random_state: Any = None,

@@ -235,6 +235,26 @@ def test_unreachable_state_stays_finite(rng):
     assert np.all(np.isfinite(model.emissionprob_)) and np.all(model.emissionprob_[2] == 0)
 
 
+def test_impossible_sequence_decodes_to_minus_one():
+    """A sequence with a symbol no state emits: score -inf (as hmmlearn), Viterbi states -1 and
+    zero posteriors (documented; hmmlearn gives an arbitrary path and NaN), the other sequence
+    decoded as hmmlearn decodes it."""
+    model = hmm.CategoricalHMM(2, init_params="", n_features=3)
+    model.startprob_ = np.array([0.6, 0.4])
+    model.transmat_ = np.array([[0.7, 0.3], [0.2, 0.8]])
+    model.emissionprob_ = np.array([[0.5, 0.5, 0.0], [0.3, 0.7, 0.0]])  # symbol 2: impossible
+    X, lengths = np.array([[0], [1], [2], [1], [0], [1]]), np.array([3, 3])
+    ref = H.CategoricalHMM(2, init_params="", n_features=3)
+    ref.startprob_, ref.transmat_, ref.emissionprob_ = model.startprob_, model.transmat_, model.emissionprob_
+    assert model.score(X, lengths) == -np.inf == ref.score(X, lengths)
+    states = model.predict(X, lengths)
+    np.testing.assert_array_equal(states[:3], -1)
+    np.testing.assert_array_equal(states[3:], ref.predict(X[3:]))
+    posteriors = model.predict_proba(X, lengths)
+    np.testing.assert_array_equal(posteriors[:3], 0.0)
+    close(posteriors[3:], ref.predict_proba(X[3:]), rtol=1e-10)
+
+
 def test_get_set_params_and_repr():
     model = hmm.GaussianHMM(3, covariance_type="full", tol=5)
     params = model.get_params()
