@@ -221,6 +221,30 @@ def test_sparse_linear_holds_half_precision_values(dtype):
     assert layer.weight_values.grad.dtype == dtype and x.grad.dtype == dtype
 
 
+@pytest.mark.parametrize("method", ["magnitude", "random"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_linear_converts_as_its_float32_copy(dtype, method):
+    """from_dense and sparsify of a float16/bfloat16 nn.Linear (they raised TypeError on the CSR
+    path): the structure of its exact float32 copy, the kept weights and the bias in its dtype."""
+    torch.manual_seed(0)
+    dense = torch.nn.Linear(12, 7).to(dtype)
+    wide = torch.nn.Linear(12, 7)
+    with torch.no_grad():
+        wide.weight.copy_(dense.weight.float())
+        wide.bias.copy_(dense.bias.float())
+    torch.manual_seed(1)
+    low = st.SparseLinear.from_dense(dense, 0.6, method)
+    torch.manual_seed(1)
+    ref = st.SparseLinear.from_dense(wide, 0.6, method)
+    assert low.weight_values.dtype == low.bias.dtype == dtype
+    for name in ("indptr", "indices"):
+        assert torch.equal(getattr(low, name), getattr(ref, name)), name
+    assert torch.equal(low.weight_values.float(), ref.weight_values) and torch.equal(low.bias, dense.bias)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 7).to(dtype))
+    st.sparsify(model, 0.5)
+    assert isinstance(model[0], st.SparseLinear) and model[0].weight_values.dtype == dtype
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_layers_prune_and_regrow_as_their_float32_copies(dtype):
     from spchain.torch.pruning import prune_to

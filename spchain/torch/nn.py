@@ -254,8 +254,9 @@ class SparseLinear(torch.nn.Module):
         seed = _torch_seed() if method == "random" else None
         if block is None and pattern is None:
             assert sparsity is not None  # checked above: no pattern, so a sparsity
-            csr = prune(weight, sparsity, method=method, seed=seed)
-            indptr, indices, values = csr.crow_indices(), csr.col_indices(), csr.values().clone()
+            low = weight.dtype in (torch.float16, torch.bfloat16)  # prune takes float32/64: an exact copy
+            csr = prune(weight.float() if low else weight, sparsity, method=method, seed=seed)
+            indptr, indices, values = csr.crow_indices(), csr.col_indices(), csr.values().to(weight.dtype, copy=True)
         else:
             if block is not None:
                 _block_layer.check_block(caller, block, tuple(weight.shape))
