@@ -172,7 +172,14 @@ def _expected_score(chain: Chain, pre: Array, norm: Array, fwd: Array) -> Array:
     last = (chain.lengths - 1)[:, None, None]
     alpha = xp.take_along_axis(_normalised(xp, pre, chain.x, norm), last, axis=1)[:, 0]
     at_end = xp.take_along_axis(fwd, last, axis=1)[:, 0]
-    return _weighted(xp, xp.exp(alpha), at_end).sum(axis=-1)
+    return _weighted(xp, _sum_to_one(xp, xp.exp(alpha)), at_end).sum(axis=-1)
+
+
+def _sum_to_one(xp: ModuleType, p: Array) -> Array:
+    """``p`` (..., c) divided by its sums over the last axis where they are positive: weights
+    that sum to 1 to the last bit (see the module's docstring)."""
+    total = p.sum(axis=-1, keepdims=True)
+    return p / xp.where(total > 0, total, 1)
 
 
 def entropy_grads(chain: Chain, saved: Sequence[Array], weight: Array,
@@ -200,7 +207,7 @@ def entropy_grads(chain: Chain, saved: Sequence[Array], weight: Array,
         beta = xp.where(last == t, 0, beta)
         bwd = xp.where(last == t, 0, bwd)
         active = t <= last
-        m = xp.where(active, xp.exp(alpha[:, :, t] + beta), 0)
+        m = _sum_to_one(xp, xp.where(active, xp.exp(alpha[:, :, t] + beta), 0))
         gx[:, :, t] = w * _weighted(xp, m, fwd4[:, :, t] + bwd - e)
         if t == 0:
             break
@@ -215,6 +222,8 @@ def entropy_grads(chain: Chain, saved: Sequence[Array], weight: Array,
             grad_trans[:, step] += on.rows_summed(on.edge(w) * counts)
         new_beta = on.logsumexp_to_src(trans + later)
         q = xp.where(on.src(xp.isfinite(new_beta)), xp.exp(trans + later - on.src(new_beta)), 0)
+        total = on.to_src(q)
+        q = q / on.src(xp.where(total > 0, total, 1))  # sums to 1 to the last bit, as p
         bwd = xp.where(active, on.to_src(_weighted(xp, q, gain)), 0)
         beta = xp.where(active & xp.isfinite(d), new_beta, -np.inf)
     return grad_x, grad_trans

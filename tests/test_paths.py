@@ -287,6 +287,29 @@ def test_entropy_with_plus_inf_is_that_of_the_limit_posterior(seed, v, c, per_st
         np.testing.assert_allclose(got[b], -(p[p > 0] * np.log(p[p > 0])).sum(), rtol=1e-8, atol=1e-8)
 
 
+@pytest.mark.parametrize("v", [1, 2, 4])
+def test_entropy_with_plus_inf_at_the_last_position_is_exact(v):
+    """``+inf`` in states of each chain's last position, where the expected scores carry
+    ``2**20`` a term and the weights summing to 1 decide the bits: the limit entropy to 1e-9
+    (it was 2.6e-5 off) and a gradient for ``log_init`` whose entries sum to 0 (to 1e-8 of the
+    largest; 1.6e-5 before)."""
+    torch = pytest.importorskip("torch")
+    import spchain.torch as st
+
+    rng = np.random.default_rng(v)
+    x, trans, init = rng.normal(size=(3, v, 3)), rng.normal(size=(3, 3)), rng.normal(size=3)
+    lengths = np.array([v, max(v - 1, 1), v])
+    for b, last in enumerate(lengths - 1):
+        x[b, last, : 3 - b % 2] = np.inf  # two or three states of the last position
+    got = sc.chain_entropy(x, trans, init, lengths=lengths)
+    for b in range(3):
+        p = limit_posterior(*limit_paths(*chain_of(b, x, trans, init, lengths))[:2])
+        np.testing.assert_allclose(got[b], -(p[p > 0] * np.log(p[p > 0])).sum(), rtol=1e-9)
+    log_init = torch.tensor(init, requires_grad=True)
+    st.chain_entropy(torch.tensor(x), torch.tensor(trans), log_init, lengths=torch.tensor(lengths)).sum().backward()
+    assert abs(float(log_init.grad.sum())) < 1e-8 * float(log_init.grad.abs().max())
+
+
 @pytest.mark.parametrize("seed, v, c, per_step", [(0, 3, 3, True), (1, 4, 2, False), (3, 5, 2, True)])
 def test_samples_with_plus_inf_follow_the_limit_posterior(seed, v, c, per_step):
     x, trans, init, lengths = plus_inf_problem(seed, v, c, per_step)
