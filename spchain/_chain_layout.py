@@ -58,6 +58,21 @@ class Chain:
         # one read of the device on the GPU, not three
         return bool((self.x == np.inf).any() | (self.trans == np.inf).any() | (self.init == np.inf).any())
 
+    def reads_nan(self) -> Array:
+        """(B,) whether each row reads a NaN: in ``x`` before its length, in ``init``, or in
+        the transition matrix of one of its steps (a sparse ``log_trans``: in any stored value)."""
+        xp = self.xp
+        rows, v, _ = self.x.shape
+        positions = xp.arange(v)
+        nan = (xp.isnan(self.x).any(axis=2) & (positions < self.lengths[:, None])).any(axis=1)
+        nan |= xp.isnan(self.init).any(axis=1)
+        if rows and v > 1:
+            matrices = xp.isnan(self.trans).any(axis=-1)  # (G, S) for sparse values, (G, S, c) dense
+            matrices = matrices if self.sparse is not None else matrices.any(axis=-1)
+            used = positions[:matrices.shape[1]] < self.lengths[:, None] - 1  # (B, S): the steps each row takes
+            nan |= (xp.repeat(matrices, self.group, axis=0) & used).any(axis=1)
+        return nan
+
     @property
     def per_step(self) -> bool:
         """Whether step t uses its own matrix ``trans[:, t]`` (else all use ``trans[:, 0]``)."""

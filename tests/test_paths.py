@@ -2,6 +2,7 @@
 brute-force enumeration over all paths (tests/reference.py)."""
 
 import numpy as np
+import scipy.sparse
 import pytest
 from scipy import stats
 
@@ -285,6 +286,26 @@ def test_entropy_with_plus_inf_is_that_of_the_limit_posterior(seed, v, c, per_st
     for b in range(len(x)):
         p = limit_posterior(*limit_paths(*chain_of(b, x, trans, init, lengths))[:2])
         np.testing.assert_allclose(got[b], -(p[p > 0] * np.log(p[p > 0])).sum(), rtol=1e-8, atol=1e-8)
+
+
+def test_sample_is_minus_one_for_every_draw_of_a_chain_that_reads_a_nan():
+    """A NaN input makes every draw of its chain -1, also a NaN off every possible path (on a
+    transition out of a state of weight 0, where draws mixed -1 and paths); a NaN past a
+    chain's length or in a step it does not take leaves it alone."""
+    x = np.zeros((4, 3, 2))
+    x[0, 0, 0] = -np.inf  # chain 0 leaves state 0 of position 0 never: its NaN below is on no path
+    x[1, 2, 1] = np.nan  # past chain 1's length: not read
+    x[2, 1, 0] = np.nan
+    trans = np.zeros((4, 2, 2, 2))  # per row and step
+    trans[0, 0, 0, 0] = np.nan
+    trans[3, 1, 1, 1] = np.nan  # chain 3's second step, which it does not take
+    lengths = np.array([3, 2, 3, 2])
+    paths = sc.chain_sample(x, trans, lengths=lengths, num_samples=50, seed=0)
+    np.testing.assert_array_equal(paths[:, [0, 2]], -1)
+    assert (paths[:, [1, 3], :2] >= 0).all() and (paths[:, [1, 3], 2] == -1).all()
+    sparse = scipy.sparse.csr_matrix(np.array([[np.nan, 1.0], [1.0, 1.0]]))
+    np.testing.assert_array_equal(sc.chain_sample(x[:1], sparse, num_samples=5, seed=0), -1)
+    assert (sc.chain_sample(x[:1, :1], sparse, num_samples=5, seed=0) >= 0).all()  # one position: no step
 
 
 @pytest.mark.parametrize("v", [1, 2, 4])
