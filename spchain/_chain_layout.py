@@ -9,6 +9,7 @@ with it and brings them to the sweeps' :class:`Chain` layout.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -52,17 +53,31 @@ class Chain:
         return self.backend.xp
 
     @functools.cached_property
+    def _maxima(self) -> tuple[float, ...]:
+        """The largest entry of x, the transitions and init (NaN where one holds NaN: NaN wins
+        a max; ``-inf`` where one is empty): one pass each without a temporary, and one read of
+        the device on the GPU, which tells the usual case (no ``+inf``, no NaN) at once."""
+        xp = self.xp
+        found = [xp.asarray(a.max() if a.size else -np.inf, np.float64) for a in (self.x, self.trans, self.init)]
+        return tuple(float(m) for m in self.backend.to_host(xp.stack(found)))
+
+    @functools.cached_property
     def has_plus_inf(self) -> bool:
         """Whether an input holds ``+inf`` (read once: the forward's scan serves its backward)."""
-        # a == inf: one pass, where isposinf takes three (isinf, signbit and their and); one flag, so
-        # one read of the device on the GPU, not three
+        if not any(math.isnan(m) for m in self._maxima):
+            return any(m == np.inf for m in self._maxima)
+        # NaN hides a +inf from the max; a == inf: one pass, where isposinf takes three
         return bool((self.x == np.inf).any() | (self.trans == np.inf).any() | (self.init == np.inf).any())
 
-    def reads_nan(self) -> Array:
+    @functools.cached_property
+    def nan_rows(self) -> Array:
         """(B,) whether each row reads a NaN: in ``x`` before its length, in ``init``, or in
-        the transition matrix of one of its steps (a sparse ``log_trans``: in any stored value)."""
+        the transition matrix of one of its steps (a sparse ``log_trans``: in any stored value);
+        found once, for a forward and its backward."""
         xp = self.xp
         rows, v, _ = self.x.shape
+        if not any(math.isnan(m) for m in self._maxima):
+            return xp.zeros(rows, bool)
         positions = xp.arange(v)
         nan = (xp.isnan(self.x).any(axis=2) & (positions < self.lengths[:, None])).any(axis=1)
         nan |= xp.isnan(self.init).any(axis=1)

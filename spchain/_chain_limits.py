@@ -53,20 +53,30 @@ def _without_plus_inf(chain: Chain) -> Chain:
 
 
 def forward(chain: Chain) -> tuple[Array, Array, Array]:
-    """:func:`forward_finite`, with ``+inf`` where a possible path goes through a ``+inf``."""
+    """:func:`forward_finite`, with ``+inf`` where a possible path goes through a ``+inf`` and
+    NaN where a row reads a NaN (:func:`nan_where_read`)."""
     infinite, _ = _plus_inf_rows(chain)
     if infinite is None:
-        return forward_finite(chain)
+        log_partition, pre, norm = forward_finite(chain)
+        return nan_where_read(chain, log_partition), pre, norm
     log_partition, pre, norm = forward_finite(_without_plus_inf(chain))
-    return chain.xp.where(infinite, np.inf, log_partition).astype(chain.x.dtype), pre, norm
+    return nan_where_read(chain, chain.xp.where(infinite, np.inf, log_partition).astype(chain.x.dtype)), pre, norm
 
 
 def log_partition(chain: Chain) -> Array:
     """:func:`forward`'s log-partition alone (no messages: nothing for a gradient)."""
     infinite, _ = _plus_inf_rows(chain)
     if infinite is None:
-        return log_partition_finite(chain)
-    return chain.xp.where(infinite, np.inf, log_partition_finite(_without_plus_inf(chain))).astype(chain.x.dtype)
+        return nan_where_read(chain, log_partition_finite(chain))
+    finite = log_partition_finite(_without_plus_inf(chain))
+    return nan_where_read(chain, chain.xp.where(infinite, np.inf, finite).astype(chain.x.dtype))
+
+
+def nan_where_read(chain: Chain, log_partition: Array) -> Array:
+    """``log_partition`` with NaN for the rows that read a NaN (:attr:`Chain.nan_rows`), also
+    one on no possible path, whichever sweep ran: the kernel sweeps pass over the transitions
+    out of a state of weight 0, the GEMM sweep's ``0 · NaN`` is NaN."""
+    return chain.xp.where(chain.nan_rows, np.nan, log_partition).astype(log_partition.dtype)
 
 
 def backward(chain: Chain, pre: Array, norm: Array, weight: Array,
@@ -75,16 +85,18 @@ def backward(chain: Chain, pre: Array, norm: Array, weight: Array,
     log-partition gets the limit of its gradient as its ``+inf`` terms grow together: the
     posterior of the paths with the most ``+inf`` terms."""
     xp = chain.xp
+    nan = (chain.nan_rows & (weight != 0))[:, None, None]  # NaN out, NaN gradient: as for any sweep's
     infinite, _ = _plus_inf_rows(chain)
     if infinite is None:
-        return backward_finite(chain, pre, norm, weight, trans_grad)
+        grad_x, grad_trans = backward_finite(chain, pre, norm, weight, trans_grad)
+        return xp.where(nan, np.nan, grad_x).astype(grad_x.dtype), grad_trans
     grad_x, grad_trans = backward_finite(_without_plus_inf(chain), pre, norm, xp.where(infinite, 0, weight),
                                          trans_grad)
     limit = limited(chain)
     _, limit_pre, limit_norm = forward_finite(limit)
     limit_x, limit_trans = backward_finite(limit, limit_pre, limit_norm,
                                            xp.where(infinite, weight, 0).astype(np.float64), trans_grad)
-    grad_x = xp.where(infinite[:, None, None], limit_x.astype(chain.x.dtype), grad_x)
+    grad_x = xp.where(nan, np.nan, xp.where(infinite[:, None, None], limit_x.astype(chain.x.dtype), grad_x))
     if grad_trans is not None and limit_trans is not None:
         grad_trans = grad_trans + limit_trans.astype(chain.x.dtype)
     return grad_x, grad_trans

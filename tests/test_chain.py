@@ -169,6 +169,25 @@ def test_nan_reaches_only_the_affected_chains(algorithm, rng):
     assert np.isnan(marg[1]).any() and np.isfinite(marg[[0, 2]]).all()
 
 
+def test_nan_on_no_possible_path_is_nan_on_either_sweep(algorithm):
+    """A NaN on a transition out of a state of weight 0 lies on no possible path, but the chain
+    reads it: NaN log-partition, marginals, entropy and x gradient on either sweep (the kernel
+    sweep gave log 2, the GEMM sweep NaN, so the answer hung on the batch size), the other
+    chains untouched; a NaN in a step past a chain's length is not read."""
+    x = np.zeros((3, 3, 2))
+    x[:, 0, 0] = -np.inf
+    trans = np.zeros((3, 2, 2, 2))  # per row and step
+    trans[1, 0, 0, 0] = np.nan
+    trans[2, 1, 0, 0] = np.nan  # chain 2 takes one step only
+    lengths = np.array([3, 3, 2])
+    got = sc.chain_logsumexp(x, trans, lengths=lengths)
+    assert np.isnan(got[1]) and np.allclose(got[[0, 2]], [2 * np.log(2), np.log(2)])
+    marg = sc.chain_marginals(x, trans, lengths=lengths)
+    assert np.isnan(marg[1]).all() and not np.isnan(marg[[0, 2]]).any()
+    entropy = sc.chain_entropy(x, trans, lengths=lengths)
+    assert np.isnan(entropy[1]) and not np.isnan(entropy[[0, 2]]).any()
+
+
 @pytest.mark.parametrize("dtype, offset", [(np.float32, -1e4), (np.float64, -1e300)])
 def test_very_negative_logs_stay_finite_and_accurate(algorithm, rng, dtype, offset):
     x, trans, init = random_chain(rng, (3,), 5, 4)
