@@ -87,9 +87,10 @@ def chain_logsumexp(x: ArrayLike, log_trans: ArrayLike | Sparse, log_init: Array
         ``+inf`` where a path with no ``-inf`` term goes through a ``+inf`` one (a ``+inf``
         on impossible paths only changes nothing), never NaN for ``+inf`` inputs; NaN where a
         chain reads a NaN (in ``x`` before its length, in ``log_init`` or in the ``log_trans``
-        of a step it takes), also one that lies on no possible path. The gradient of a ``+inf`` output goes in equal shares to
-        the ``+inf`` terms of each reduction (the limit as they grow together: the posterior
-        of the paths with the most ``+inf`` terms), 0 elsewhere.
+        of a step it takes), also one that lies on no possible path. The gradient of a
+        ``+inf`` output goes in equal shares to the ``+inf`` terms of each reduction (the limit
+        as they grow together: the posterior of the paths with the most ``+inf`` terms), 0
+        elsewhere.
 
     Examples
     --------

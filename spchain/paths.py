@@ -105,7 +105,7 @@ def _sample(chain: Chain, num_samples: int, seed: int | None) -> Array:
     alpha = xp.ascontiguousarray(_normalised(xp, pre, chain.x, norm))
     uniforms = xp.random.default_rng(seed).random((num_samples, rows, v))
     paths = xp.empty((num_samples, rows, v), np.int64)
-    possible = xp.isfinite(log_partition) & (c > 0) & ~chain.nan_rows  # a NaN off every path too
+    possible = xp.isfinite(log_partition) & (c > 0)  # NaN where a chain reads a NaN, off every path too
     if num_samples and rows and chain.sparse is not None:
         s = chain.sparse
         t_values = _sparse_chain.transposed_values(chain)
