@@ -61,10 +61,15 @@ class Chain:
         found = [xp.asarray(a.max() if a.size else -np.inf, np.float64) for a in (self.x, self.trans, self.init)]
         return tuple(float(m) for m in self.backend.to_host(xp.stack(found)))
 
+    @property
+    def has_nan(self) -> bool:
+        """Whether an input holds NaN (anywhere: also past a length or in an untaken step)."""
+        return any(math.isnan(m) for m in self._maxima)
+
     @functools.cached_property
     def has_plus_inf(self) -> bool:
         """Whether an input holds ``+inf`` (read once: the forward's scan serves its backward)."""
-        if not any(math.isnan(m) for m in self._maxima):
+        if not self.has_nan:
             return any(m == np.inf for m in self._maxima)
         # NaN hides a +inf from the max; a == inf: one pass, where isposinf takes three
         return bool((self.x == np.inf).any() | (self.trans == np.inf).any() | (self.init == np.inf).any())
@@ -76,7 +81,7 @@ class Chain:
         found once, for a forward and its backward."""
         xp = self.xp
         rows, v, _ = self.x.shape
-        if not any(math.isnan(m) for m in self._maxima):
+        if not self.has_nan:
             return xp.zeros(rows, bool)
         positions = xp.arange(v)
         nan = (xp.isnan(self.x).any(axis=2) & (positions < self.lengths[:, None])).any(axis=1)

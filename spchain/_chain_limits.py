@@ -76,7 +76,9 @@ def nan_where_read(chain: Chain, log_partition: Array) -> Array:
     """``log_partition`` with NaN for the rows that read a NaN (:attr:`Chain.nan_rows`), also
     one on no possible path, whichever sweep ran: the kernel sweeps pass over the transitions
     out of a state of weight 0, the GEMM sweep's ``0 · NaN`` is NaN."""
-    return chain.xp.where(chain.nan_rows, np.nan, log_partition).astype(log_partition.dtype)
+    if not chain.has_nan:
+        return log_partition
+    return chain.xp.where(chain.nan_rows, np.nan, log_partition).astype(log_partition.dtype, copy=False)
 
 
 def backward(chain: Chain, pre: Array, norm: Array, weight: Array,
@@ -85,21 +87,28 @@ def backward(chain: Chain, pre: Array, norm: Array, weight: Array,
     log-partition gets the limit of its gradient as its ``+inf`` terms grow together: the
     posterior of the paths with the most ``+inf`` terms."""
     xp = chain.xp
-    nan = (chain.nan_rows & (weight != 0))[:, None, None]  # NaN out, NaN gradient: as for any sweep's
     infinite, _ = _plus_inf_rows(chain)
     if infinite is None:
         grad_x, grad_trans = backward_finite(chain, pre, norm, weight, trans_grad)
-        return xp.where(nan, np.nan, grad_x).astype(grad_x.dtype), grad_trans
+        return _nan_rows_nan(chain, weight, grad_x), grad_trans
     grad_x, grad_trans = backward_finite(_without_plus_inf(chain), pre, norm, xp.where(infinite, 0, weight),
                                          trans_grad)
     limit = limited(chain)
     _, limit_pre, limit_norm = forward_finite(limit)
     limit_x, limit_trans = backward_finite(limit, limit_pre, limit_norm,
                                            xp.where(infinite, weight, 0).astype(np.float64), trans_grad)
-    grad_x = xp.where(nan, np.nan, xp.where(infinite[:, None, None], limit_x.astype(chain.x.dtype), grad_x))
+    grad_x = xp.where(infinite[:, None, None], limit_x.astype(chain.x.dtype), grad_x)
     if grad_trans is not None and limit_trans is not None:
         grad_trans = grad_trans + limit_trans.astype(chain.x.dtype)
-    return grad_x, grad_trans
+    return _nan_rows_nan(chain, weight, grad_x), grad_trans
+
+
+def _nan_rows_nan(chain: Chain, weight: Array, grad_x: Array) -> Array:
+    """``grad_x`` NaN in the rows that read a NaN and have a gradient: a NaN output's, whichever
+    sweep ran (in place; nothing to do, and no copy, without a NaN input)."""
+    if chain.has_nan:
+        grad_x[chain.nan_rows & (weight != 0)] = np.nan
+    return grad_x
 
 
 def viterbi(chain: Chain) -> tuple[Array, Array]:
