@@ -54,25 +54,25 @@ def _without_plus_inf(chain: Chain) -> Chain:
 
 def forward(chain: Chain) -> tuple[Array, Array, Array]:
     """:func:`forward_finite`, with ``+inf`` where a possible path goes through a ``+inf`` and
-    NaN where a row reads a NaN (:func:`nan_where_read`)."""
+    NaN where a row reads a NaN (:func:`_nan_where_read`)."""
     infinite, _ = _plus_inf_rows(chain)
     if infinite is None:
         log_partition, pre, norm = forward_finite(chain)
-        return nan_where_read(chain, log_partition), pre, norm
+        return _nan_where_read(chain, log_partition), pre, norm
     log_partition, pre, norm = forward_finite(_without_plus_inf(chain))
-    return nan_where_read(chain, chain.xp.where(infinite, np.inf, log_partition).astype(chain.x.dtype)), pre, norm
+    return _nan_where_read(chain, chain.xp.where(infinite, np.inf, log_partition).astype(chain.x.dtype)), pre, norm
 
 
 def log_partition(chain: Chain) -> Array:
     """:func:`forward`'s log-partition alone (no messages: nothing for a gradient)."""
     infinite, _ = _plus_inf_rows(chain)
     if infinite is None:
-        return nan_where_read(chain, log_partition_finite(chain))
+        return _nan_where_read(chain, log_partition_finite(chain))
     finite = log_partition_finite(_without_plus_inf(chain))
-    return nan_where_read(chain, chain.xp.where(infinite, np.inf, finite).astype(chain.x.dtype))
+    return _nan_where_read(chain, chain.xp.where(infinite, np.inf, finite).astype(chain.x.dtype))
 
 
-def nan_where_read(chain: Chain, log_partition: Array) -> Array:
+def _nan_where_read(chain: Chain, log_partition: Array) -> Array:
     """``log_partition`` with NaN for the rows that read a NaN (:attr:`Chain.nan_rows`), also
     one on no possible path, whichever sweep ran: the kernel sweeps pass over the transitions
     out of a state of weight 0, the GEMM sweep's ``0 · NaN`` is NaN."""
@@ -90,7 +90,7 @@ def backward(chain: Chain, pre: Array, norm: Array, weight: Array,
     infinite, _ = _plus_inf_rows(chain)
     if infinite is None:
         grad_x, grad_trans = backward_finite(chain, pre, norm, weight, trans_grad)
-        return _nan_rows_nan(chain, weight, grad_x), grad_trans
+        return _nan_gradients(chain, weight, grad_x), grad_trans
     grad_x, grad_trans = backward_finite(_without_plus_inf(chain), pre, norm, xp.where(infinite, 0, weight),
                                          trans_grad)
     limit = limited(chain)
@@ -100,10 +100,10 @@ def backward(chain: Chain, pre: Array, norm: Array, weight: Array,
     grad_x = xp.where(infinite[:, None, None], limit_x.astype(chain.x.dtype), grad_x)
     if grad_trans is not None and limit_trans is not None:
         grad_trans = grad_trans + limit_trans.astype(chain.x.dtype)
-    return _nan_rows_nan(chain, weight, grad_x), grad_trans
+    return _nan_gradients(chain, weight, grad_x), grad_trans
 
 
-def _nan_rows_nan(chain: Chain, weight: Array, grad_x: Array) -> Array:
+def _nan_gradients(chain: Chain, weight: Array, grad_x: Array) -> Array:
     """``grad_x`` NaN in the rows that read a NaN and have a gradient: a NaN output's, whichever
     sweep ran (in place; nothing to do, and no copy, without a NaN input)."""
     if chain.has_nan:
