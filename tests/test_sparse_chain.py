@@ -255,6 +255,11 @@ def test_path_functions_on_the_stored_entries_equal_the_dense_chain(rng, dtype, 
     lengths = np.array([6, 6, 2, 5, 1])
     kw = {"lengths": lengths}
     tol = dict(rtol=2e-5, atol=2e-5) if dtype == np.float32 else dict(rtol=1e-10, atol=1e-12)
+    if special == "+inf" and dtype == np.float64:
+        # the +inf limit's expected scores carry 2**20 a term (_chain_limits.LIMIT), so the two
+        # sweeps' roundings differ by 2**20 ulp of them: up to 2e-9 of the largest gradient
+        # entry over 60 random chains
+        tol["atol"] = 1e-8
     got, want = (sc.chain_entropy(x, t, init, **kw) for t in (matrix, dense))
     assert got.dtype == dtype
     np.testing.assert_allclose(got, want, **tol)
