@@ -188,17 +188,18 @@ def kernels_cached() -> bool:
     return 2 * sum(index.is_file() for index in indexes) >= len(indexes)
 
 
-COMPILE_ORDER = ["hmm-fit", "hmm-forward", "crf", "chains-at-scale", "chain", "logmatmul", "block-diag", "grouped",
-                 "viterbi", "torch-layer", "sparse-linear", "block-sparse", "sparse-chain"]
+COMPILE_ORDER = ["torch-layer", "hmm-fit", "hmm-forward", "crf", "chains-at-scale", "chain", "logmatmul", "block-diag",
+                 "grouped", "viterbi", "sparse-linear", "block-sparse", "sparse-chain"]
 """The order in which :func:`compile_kernels` compiles the workloads: this process from the
-front, the worker processes from the back. The front holds the workloads whose cases import
-other libraries (hmmlearn, pomegranate, Dask, the CRFs; the run then has them imported), the
-back those with the most kernels; workloads that share kernels sit together, and the
-quickest sit in the middle, where the two ends meet. Measured alone on an empty cache (CPU
-seconds at quick sizes, 2026-11-25, a machine at a load of 4-6): hmm-fit 29, sparse-chain 21,
-block-sparse 20, crf 10, hmm-forward 9, chains-at-scale 7, sparse-linear 6, torch-layer 6,
-viterbi 5, the others 1-2; crf, hmm-forward and chains-at-scale share 3-7 s of kernels, as do
-block-sparse, sparse-linear and torch-layer."""
+front, the worker processes from the back. torch-layer comes first: its small calls need the
+chain kernels of hmm-forward and crf and the sparse ones of block-sparse and sparse-linear, so
+these are in the cache before either end reaches a workload that shares them (where the ends
+met at torch-layer, both processes compiled ``sparse_sddmm``, 6 s each). Then the workloads
+whose cases import other libraries (hmmlearn, pomegranate, Dask, the CRFs; the run then has
+them imported); the back holds those with the most kernels of their own; workloads that share
+kernels sit together, and the quickest sit in the middle, where the two ends meet. Measured
+alone on an empty cache (seconds at quick sizes, 2026-11-29, an idle machine): torch-layer 29,
+sparse-chain 29, hmm-fit 24, block-sparse 7 after torch-layer (20 before it)."""
 
 
 def _compile(name: str, quick: bool) -> str:
