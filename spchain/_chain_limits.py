@@ -90,7 +90,7 @@ def backward(chain: Chain, pre: Array, norm: Array, weight: Array,
     infinite, _ = _plus_inf_rows(chain)
     if infinite is None:
         grad_x, grad_trans = backward_finite(chain, pre, norm, weight, trans_grad)
-        return _nan_gradients(chain, weight, grad_x), grad_trans
+        return nan_gradients(chain, weight, grad_x), grad_trans
     grad_x, grad_trans = backward_finite(_without_plus_inf(chain), pre, norm, xp.where(infinite, 0, weight),
                                          trans_grad)
     limit = limited(chain)
@@ -100,12 +100,12 @@ def backward(chain: Chain, pre: Array, norm: Array, weight: Array,
     grad_x = xp.where(infinite[:, None, None], limit_x.astype(chain.x.dtype), grad_x)
     if grad_trans is not None and limit_trans is not None:
         grad_trans = grad_trans + limit_trans.astype(chain.x.dtype)
-    return _nan_gradients(chain, weight, grad_x), grad_trans
+    return nan_gradients(chain, weight, grad_x), grad_trans
 
 
-def _nan_gradients(chain: Chain, weight: Array, grad_x: Array) -> Array:
+def nan_gradients(chain: Chain, weight: Array, grad_x: Array) -> Array:
     """``grad_x`` NaN in the rows that read a NaN and have a gradient: a NaN output's, whichever
-    sweep ran (in place; nothing to do, and no copy, without a NaN input)."""
+    sweep ran or path it took (in place; nothing to do, and no copy, without a NaN input)."""
     if chain.has_nan:
         grad_x[chain.nan_rows & (weight != 0)] = np.nan
     return grad_x
@@ -113,10 +113,23 @@ def _nan_gradients(chain: Chain, weight: Array, grad_x: Array) -> Array:
 
 def viterbi(chain: Chain) -> tuple[Array, Array]:
     """:func:`viterbi_finite`, with score ``+inf`` and a path through ``+inf`` terms where a
-    possible path goes through one."""
+    possible path goes through one, and score NaN and path -1 where a row reads a NaN."""
     infinite, marked_path = _plus_inf_rows(chain)
     if infinite is None:
-        return viterbi_finite(chain)
-    score, path = viterbi_finite(_without_plus_inf(chain))
-    xp = chain.xp
-    return xp.where(infinite, np.inf, score).astype(chain.x.dtype), xp.where(infinite[:, None], marked_path, path)
+        score, path = viterbi_finite(chain)
+    else:
+        score, path = viterbi_finite(_without_plus_inf(chain))
+        xp = chain.xp
+        score = xp.where(infinite, np.inf, score).astype(chain.x.dtype)
+        path = xp.where(infinite[:, None], marked_path, path)
+    return nan_paths(chain, score, path)
+
+
+def nan_paths(chain: Chain, scores: Array, paths: Array) -> tuple[Array, Array]:
+    """``scores`` NaN and ``paths`` -1 in the rows that read a NaN (:attr:`Chain.nan_rows`;
+    ``scores`` (..., B), ``paths`` (..., B, v)): no path of such a chain is meaningful (in
+    place; nothing to do without a NaN input)."""
+    if chain.has_nan:
+        scores[..., chain.nan_rows] = np.nan
+        paths[..., chain.nan_rows, :] = -1
+    return scores, paths

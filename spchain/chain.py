@@ -256,9 +256,10 @@ def viterbi(x: ArrayLike, log_trans: ArrayLike | Sparse, log_init: ArrayLike | N
         path through ``+inf`` terms, where a path with no ``-inf`` term has one).
     path : int64 array (..., v)
         The best path; -1 past each chain's length, and -1 everywhere for an impossible chain
-        (score ``-inf``), whose score then has zero gradients in ``spchain.torch``. Ties go to the lowest state index, from
-        the last position backwards: the last state is the lowest best one, each earlier state
-        the lowest best predecessor of the next.
+        (score ``-inf``), whose score then has zero gradients in ``spchain.torch``, and for a
+        chain that reads a NaN (score NaN, as for :func:`chain_logsumexp`; NaN ``x`` gradient).
+        Ties go to the lowest state index, from the last position backwards: the last state is
+        the lowest best one, each earlier state the lowest best predecessor of the next.
 
     Examples
     --------
@@ -299,14 +300,15 @@ def _viterbi_forward(problem: ChainProblem) -> tuple[tuple[Array, Array], BestPa
 
 def _viterbi_backward(problem: ChainProblem, saved: BestPath, grads: Sequence[Array | None],
                       needs: Sequence[bool]) -> ChainGrads:
-    """Sub-gradients of ``sum(grad * score)``: ``grad`` on every step of the best path."""
+    """Sub-gradients of ``sum(grad * score)``: ``grad`` on every step of the best path (NaN in
+    ``x``'s gradient for a chain that reads a NaN, whose score is NaN)."""
     chain = problem.chain
     v = chain.x.shape[1]
     assert grads[0] is not None  # the operator gives zeros for an unused output
     with chain.backend.use():
         weight = chain.rows(grads[0].astype(chain.x.dtype, copy=False))
         grad_x, grad_trans = _viterbi_grads(chain, chain.rows(saved.path, (v,)), weight, needs[1])
-        return _input_grads(problem, needs, grad_x, grad_trans)
+        return _input_grads(problem, needs, _chain_limits.nan_gradients(chain, weight, grad_x), grad_trans)
 
 
 VITERBI: Op[ChainProblem, BestPath] = _FromOutputs(prepare_chain, _viterbi_forward, BestPath, _viterbi_backward)

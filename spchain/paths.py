@@ -319,7 +319,8 @@ def chain_kbest(x: ArrayLike, log_trans: ArrayLike | Sparse, log_init: ArrayLike
         limit where the ``+inf`` terms grow together: by their number of ``+inf`` terms, then
         by the sum of their finite terms.
     paths : int64 array (k, *batch, v)
-        The paths (-1 past each length, and -1 everywhere for an unlisted path). Ties go to
+        The paths (-1 past each length, and -1 everywhere for an unlisted path and for a chain
+        that reads a NaN, whose scores are NaN, as for :func:`spchain.viterbi`). Ties go to
         the lower state, from the last position backwards, so ``k = 1`` gives
         :func:`spchain.viterbi`'s path wherever its score is finite.
 
@@ -354,7 +355,7 @@ def prepare_kbest(x: Any, log_trans: Any, log_init: Any = None, lengths: Any = N
 def _kbest_forward(p: KBestProblem) -> tuple[tuple[Array, Array], Saved]:
     chain = p.chain
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"), chain.backend.use():
-        scores, paths = _kbest(chain, p.k)
+        scores, paths = _chain_limits.nan_paths(chain, *_kbest(chain, p.k))
         return (_leading(chain, scores.T[..., None])[..., 0], _leading(chain, paths.transpose(1, 0, 2))), Saved()
 
 

@@ -308,6 +308,34 @@ def test_sample_is_minus_one_for_every_draw_of_a_chain_that_reads_a_nan():
     assert (sc.chain_sample(x[:1, :1], sparse, num_samples=5, seed=0) >= 0).all()  # one position: no step
 
 
+def test_viterbi_and_kbest_of_a_chain_that_reads_a_nan_are_nan_and_minus_one():
+    """A chain that reads a NaN scores NaN with path -1 (a real-looking path came back before),
+    in ``viterbi`` and ``chain_kbest``, dense per step and sparse, its torch ``x`` gradient NaN;
+    a NaN past a chain's length or in a step it does not take leaves it alone."""
+    x = np.zeros((4, 3, 2))
+    x[0, 0, 0] = -np.inf  # chain 0 leaves state 0 of position 0 never: its NaN below is on no path
+    x[1, 2, 1] = np.nan  # past chain 1's length: not read
+    x[2, 1, 0] = np.nan
+    trans = np.zeros((4, 2, 2, 2))  # per row and step
+    trans[0, 0, 0, 0] = np.nan
+    trans[3, 1, 1, 1] = np.nan  # chain 3's second step, which it does not take
+    lengths = np.array([3, 2, 3, 2])
+    score, path = sc.viterbi(x, trans, lengths=lengths)
+    scores, paths = sc.chain_kbest(x, trans, lengths=lengths, k=2)
+    for s, p in ((score, path), (scores, paths)):
+        assert np.isnan(s[..., [0, 2]]).all() and (p[..., [0, 2], :] == -1).all()
+        assert np.isfinite(s[..., [1, 3]]).all() and (p[..., [1, 3], :2] >= 0).all()
+    sparse = scipy.sparse.csr_matrix(np.array([[np.nan, 1.0], [1.0, 1.0]]))
+    for s, p in (sc.viterbi(x[:1], sparse), sc.chain_kbest(x[:1], sparse, k=2)):
+        assert np.isnan(s).all() and (p == -1).all()
+    torch = pytest.importorskip("torch")
+    import spchain.torch as st
+
+    xt = torch.tensor(x, requires_grad=True)
+    st.viterbi(xt, torch.tensor(trans), lengths=torch.tensor(lengths))[0].sum().backward()
+    assert xt.grad[[0, 2]].isnan().all() and not xt.grad[[1, 3]].isnan().any()
+
+
 @pytest.mark.parametrize("v", [1, 2, 4])
 def test_entropy_with_plus_inf_at_the_last_position_is_exact(v):
     """``+inf`` in states of each chain's last position, where the expected scores carry

@@ -292,7 +292,8 @@ class LinearChainCRF(nn.Module):
                mask: torch.Tensor | None = None) -> torch.Tensor | list[list[int]]:
         """The best tag sequences (Viterbi).
 
-        spchain's convention: int64 (batch, v), -1 past each length (or outside the mask).
+        spchain's convention: int64 (batch, v), -1 past each length (or outside the mask), and
+        everywhere for a sequence that reads a NaN score (as :func:`spchain.viterbi`).
         pytorch-crf's (``batch_first`` given): a list over the batch of each sequence's tags at
         its unmasked positions. A 2-D ``lengths`` is taken as the mask (pytorch-crf's
         ``decode(emissions, mask)``).
