@@ -27,6 +27,7 @@ True
 from __future__ import annotations
 
 import collections
+import weakref
 from collections.abc import Callable, Hashable
 from typing import Any, TypeVar
 
@@ -57,23 +58,29 @@ class StructureCache:
     (reading it would wait for the device): :meth:`lookup` returns its flag with the
     structure, for the caller to make its result NaN where the structure changed; a lookup
     ``by_content`` reads its comparisons (one synchronisation a call).
-    :meth:`note_versions` drops the entries of arrays whose torch version counters moved (host
-    integers, no synchronisation), so that an in-place torch write validates and rebuilds at
-    the next lookup.
+    :meth:`note_versions` drops the entries of arrays whose torch version counters moved or
+    whose tensors are new (host integers and identities, no synchronisation), so that an
+    in-place torch write or a new index tensor at a freed one's address validates and rebuilds
+    at the next lookup.
     """
 
     def __init__(self, size: int = 64, budget: int = 256 * 2**20) -> None:
         self._entries: collections.OrderedDict[tuple[Hashable, ...], Csr | Bsr] = collections.OrderedDict()
         self._size, self._budget = size, budget
-        self._versions: collections.OrderedDict[tuple[int, int], tuple[int, int]] = collections.OrderedDict()
+        self._versions: collections.OrderedDict[tuple[int, int], tuple[tuple[int, int], tuple[weakref.ref[object], ...]]] \
+            = collections.OrderedDict()
 
-    def note_versions(self, addresses: tuple[int, int], versions: tuple[int, int]) -> None:
+    def note_versions(self, addresses: tuple[int, int], versions: tuple[int, int], owners: tuple[object, object]
+                      ) -> None:
         """Drop the entries of the index arrays at ``addresses`` if their ``versions`` (torch's
-        version counters) changed since the last call."""
-        if self._versions.pop(addresses, versions) != versions:
+        version counters) changed since the last call, or the objects that hold them
+        (``owners``, the torch tensors, held by weak reference) are new: a new tensor at a freed
+        tensor's address (as torch's caching allocator hands out) starts its own count."""
+        noted = self._versions.pop(addresses, None)
+        if noted is not None and (noted[0] != versions or any(ref() is not o for ref, o in zip(noted[1], owners))):
             for key in [key for key in self._entries if key[:2] == addresses]:
                 del self._entries[key]
-        self._versions[addresses] = versions
+        self._versions[addresses] = versions, tuple(weakref.ref(o) for o in owners)
         while len(self._versions) > self._size:
             self._versions.popitem(last=False)
 

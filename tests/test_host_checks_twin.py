@@ -36,7 +36,7 @@ def test_maxmatmul_backward_gpu_branch_matches_the_cpu(monkeypatch, rng, posinf)
         np.testing.assert_array_equal(g, w)
 
 
-def test_structure_cache_compares_on_the_device_and_rebuilds_on_a_version_bump(monkeypatch):
+def test_structure_cache_compares_on_the_device_and_rebuilds_for_a_write_or_new_tensors(monkeypatch):
     built = []
 
     def to_csr(backend, kind, shape, values, indptr, indices, caller):
@@ -54,10 +54,20 @@ def test_structure_cache_compares_on_the_device_and_rebuilds_on_a_version_bump(m
     assert bool(same) and len(built) == 1, "a hit compares on the device, builds nothing"
     assert cache.lookup(gpu, (csr.indptr, csr.indices), (2, 3), "t", key_arrays=arrays)[1] is None  # its own arrays
     indices.numpy()[0] = 1  # a write no version counter sees
-    cache.note_versions((indptr.data_ptr(), indices.data_ptr()), (indptr._version, indices._version))
+    cache.note_versions((indptr.data_ptr(), indices.data_ptr()), (indptr._version, indices._version),
+                        (indptr, indices))
     _, same = cache.lookup(gpu, arrays, (2, 3), "t")
     assert not bool(same) and len(built) == 1, "the flag says changed: the forward makes its result NaN"
     indices[0] = 2  # an in-place torch write bumps the version: the entry is dropped and rebuilt
-    cache.note_versions((indptr.data_ptr(), indices.data_ptr()), (indptr._version, indices._version))
+    cache.note_versions((indptr.data_ptr(), indices.data_ptr()), (indptr._version, indices._version),
+                        (indptr, indices))
     csr, same = cache.lookup(gpu, arrays, (2, 3), "t")
     assert same is None and len(built) == 2 and csr.indices.tolist() == [2, 0, 1]
+    # new tensors at the same addresses (torch's caching allocator hands a freed block out again)
+    # whose own version counts happen to equal the noted ones: new contents, rebuilt, not NaN
+    new_indptr, new_indices = torch.from_numpy(arrays[0]), torch.from_numpy(arrays[1])
+    new_indices.numpy()[:] = [0, 2, 1]
+    cache.note_versions((new_indptr.data_ptr(), new_indices.data_ptr()), (indptr._version, indices._version),
+                        (new_indptr, new_indices))
+    csr, same = cache.lookup(gpu, arrays, (2, 3), "t")
+    assert same is None and len(built) == 3 and csr.indices.tolist() == [0, 2, 1]

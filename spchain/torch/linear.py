@@ -70,7 +70,7 @@ def linear(caller: str, x: torch.Tensor, values: torch.Tensor, indptr: torch.Ten
         raise ValueError(f"{caller}: bias has shape {tuple(bias.shape)}; expected ({shape[0]},)")
     if indices.is_cuda and not torch.compiler.is_compiling():
         _structures.STRUCTURES.note_versions((indptr.data_ptr(), indices.data_ptr()),
-                                             (indptr._version, indices._version))
+                                             (indptr._version, indices._version), (indptr, indices))
     rows = x if x.dim() == 2 else x.reshape(math.prod(x.shape[:-1]), shape[1])
     y = _OPERATOR(rows, values, indptr, indices, list(shape), bias).t()
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], shape[0])
