@@ -358,10 +358,11 @@ def flat_batch(a: Array, tail: int = 2) -> Array:
 
 
 def reduce_to(grad: Array, shape: Shape) -> Array:
-    """Sum ``grad`` over the leading and size-1 axes along which an operand of ``shape`` broadcast."""
+    """Sum ``grad`` over the leading and size-1 axes along which an operand of ``shape`` broadcast
+    (an array also for ``shape`` (), not a NumPy scalar)."""
     lead = grad.ndim - len(shape)
     axes = tuple(range(lead)) + tuple(lead + k for k, size in enumerate(shape) if size == 1 and grad.shape[lead + k] != 1)
-    return grad.sum(axis=axes).reshape(shape) if axes else grad
+    return grad.sum(axis=axes, keepdims=True).reshape(shape) if axes else grad
 
 
 def batched_operands(xp: ModuleType, a: Array, b: Array, batch_shape: Shape) -> tuple[Array, Array, Array, Array]:

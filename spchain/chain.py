@@ -188,8 +188,8 @@ def _input_grads(problem: ChainProblem, needs: Sequence[bool], grad_x: Array, gr
     # grad_trans is None unless need_trans (the sweeps computed it where trans_grad = need_trans)
     if grad_trans is not None and problem.structure is not None:
         trans = _sparse_chain.trans_grad(chain.backend, problem.structure, grad_trans)
-    elif grad_trans is not None:
-        trans = grad_trans.reshape(problem.trans_shape)
+    elif grad_trans is not None:  # a 0-d log_trans stood for every entry: the sum of theirs
+        trans = grad_trans.reshape(problem.trans_shape) if problem.trans_shape else _logspace.reduce_to(grad_trans, ())
     init_shape = problem.init_shape if problem.init_shape is not None else problem.x_shape[-1:]
     return ChainGrads(_logspace.reduce_to(chain.unrows(grad_x), problem.x_shape) if need_x else None,
                       trans if need_trans else None,

@@ -251,6 +251,46 @@ def test_scalars_and_lists_become_tensors_of_x_dtype():
     torch.testing.assert_close(st.chain_marginals([[0.0, 0.0]], 0.0), torch.full((1, 2), 0.5))
 
 
+@pytest.mark.parametrize("op", [st.chain_logsumexp, st.viterbi, st.chain_entropy])
+def test_zero_dimensional_log_trans_and_log_init_get_the_sum_of_their_entries_gradients(op):
+    """A 0-d ``log_trans`` or ``log_init`` stands for every entry (a backward crashed on both)."""
+    x = torch.randn(2, 3, 4, dtype=torch.float64)
+    scalar_trans = torch.tensor(-1.0, dtype=torch.float64, requires_grad=True)
+    scalar_init = torch.tensor(0.5, dtype=torch.float64, requires_grad=True)
+    full_trans = torch.full((4, 4), -1.0, dtype=torch.float64, requires_grad=True)
+    full_init = torch.full((4,), 0.5, dtype=torch.float64, requires_grad=True)
+    for trans, init in ((scalar_trans, scalar_init), (full_trans, full_init)):
+        out = op(x, trans, init)
+        (out[0] if isinstance(out, tuple) else out).sum().backward()
+    assert scalar_trans.grad.shape == () and scalar_init.grad.shape == ()
+    torch.testing.assert_close(scalar_trans.grad, full_trans.grad.sum())
+    torch.testing.assert_close(scalar_init.grad, full_init.grad.sum())
+
+
+@pytest.mark.parametrize("op", [st.chain_logsumexp, st.viterbi, st.chain_entropy])
+@pytest.mark.parametrize("x_shape, init_shape", [((4, 3), (3,)), ((2, 1, 3), (2, 3))])
+def test_x_and_log_init_gradients_do_not_share_memory(op, x_shape, init_shape):
+    """``log_init``'s gradient is ``x``'s at the first position: for one chain or chains of
+    length one it came back as a view of ``x``'s, so that two backward passes accumulated it
+    three times into ``log_init.grad`` (and ``x.grad.mul_`` changed it)."""
+    torch.manual_seed(0)
+    x = torch.randn(x_shape, dtype=torch.float64, requires_grad=True)
+    init = torch.randn(init_shape, dtype=torch.float64, requires_grad=True)
+    trans = torch.randn(3, 3, dtype=torch.float64)
+
+    def loss():
+        out = op(x, trans, init)
+        return (out[0] if isinstance(out, tuple) else out).sum()
+
+    want_x, want_init = torch.autograd.grad(loss(), (x, init))
+    for _ in range(2):
+        loss().backward()
+    torch.testing.assert_close(init.grad, 2 * want_init)
+    torch.testing.assert_close(x.grad, 2 * want_x)
+    x.grad.zero_()
+    torch.testing.assert_close(init.grad, 2 * want_init)
+
+
 @pytest.mark.parametrize("op", [st.chain_logsumexp, st.chain_marginals, st.viterbi])
 @pytest.mark.parametrize("args, match", [
     ((torch.eye(3).to_sparse(), torch.zeros(3, 3)), "x must be a dense tensor, not one of layout torch.sparse_coo"),

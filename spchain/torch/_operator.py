@@ -353,11 +353,26 @@ def _arrays(args: Iterable[object], strided: frozenset[int] = frozenset()) -> li
 
 
 def _own(results: Iterable[torch.Tensor], args: Iterable[object]) -> tuple[torch.Tensor, ...]:
-    """``results`` as contiguous tensors sharing no memory with ``args`` (an operator's
-    outputs may not alias its inputs)."""
-    inputs = {t.untyped_storage().data_ptr() for t in _flat_tensors(args) if t.numel()}
-    return tuple(r.clone() if r.numel() and r.untyped_storage().data_ptr() in inputs else r.contiguous()
-                 for r in results)
+    """``results`` as contiguous tensors sharing no memory with ``args`` or one another (an
+    operator's outputs may not alias its inputs or each other)."""
+    taken = {t.untyped_storage().data_ptr() for t in _flat_tensors(args) if t.numel()}
+    return tuple(_distinct(results, taken, contiguous=True))
+
+
+def _distinct(tensors: Iterable[torch.Tensor | None], taken: set[int], contiguous: bool = False
+              ) -> list[torch.Tensor | None]:
+    """``tensors`` with each one that shares memory with ``taken`` (storage addresses) or an
+    earlier one cloned (``contiguous``: the others made contiguous). Gradients must not share
+    memory: autograd keeps each as a leaf's ``.grad`` and accumulates into it in place (the
+    chain functions' ``log_init`` gradient is a view of the ``x`` gradient's first position)."""
+    out: list[torch.Tensor | None] = []
+    for t in tensors:
+        if t is not None and t.numel():
+            address = t.untyped_storage().data_ptr()
+            t = t.clone() if address in taken else t.contiguous() if contiguous else t
+            taken.add(t.untyped_storage().data_ptr())
+        out.append(t)
+    return out
 
 
 # ctx is autograd's node object, typed Any as in torch: FunctionCtx does not declare
@@ -456,7 +471,7 @@ def _eager_function(op: Operator[Any]) -> type[torch.autograd.Function]:
                 if need:
                     t = to_tensor(g)
                     out[k] = t if t.dtype == dtype else t.to(dtype)
-            return tuple(out)
+            return tuple(_distinct(out, set()))
 
     return Eager
 
