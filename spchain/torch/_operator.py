@@ -356,7 +356,7 @@ def _own(results: Iterable[torch.Tensor], args: Iterable[object]) -> tuple[torch
     """``results`` as contiguous tensors sharing no memory with ``args`` or one another (an
     operator's outputs may not alias its inputs or each other)."""
     taken = {t.untyped_storage().data_ptr() for t in _flat_tensors(args) if t.numel()}
-    return tuple(_distinct(results, taken, contiguous=True))
+    return cast(tuple[torch.Tensor, ...], tuple(_distinct(results, taken, contiguous=True)))
 
 
 def _distinct(tensors: Iterable[torch.Tensor | None], taken: set[int], contiguous: bool = False
