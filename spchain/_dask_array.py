@@ -16,8 +16,9 @@ independent rows, columns or batch entries:
   ``group_sizes`` they hold (``group_sizes`` is read eagerly, a Dask one computed).
 - ``spmm``: ``b``'s column chunks (``a`` shared by all tasks) and ``a``'s row chunks.
   ``sddmm``: ``a``'s row chunks with the matching rows of a CSR ``pattern`` (a CSC or COO
-  pattern is converted to CSR first, which adds up duplicate entries); the result has
-  CSR chunks.
+  pattern is put in CSR order first, as the in-memory function orders it, duplicate entries
+  kept); the result has CSR chunks. A BSR ``a`` of ``spmm`` is shared by the tasks of ``b``'s
+  column chunks; a BSR ``pattern`` (SciPy or cupyx) makes one task, with a BSR result.
 
 Shapes and dtypes are checked when the graph is built, by calling the in-memory function on
 zero-stride probes of the inputs with their batch axes cut to length 1, so bad input fails
@@ -36,7 +37,7 @@ import dask.array as da
 import numpy as np
 from numpy.typing import DTypeLike, NDArray
 
-from . import _backend, blockdiag, semiring, sparse
+from . import _backend, blockdiag, blocksparse, semiring, sparse
 from ._typing import Array, Shape
 
 Lazy: TypeAlias = Union[da.Array, Array]
@@ -213,6 +214,8 @@ def grouped_matmul(x: Lazy, w: Lazy, group_sizes: Sequence[int] | Lazy) -> da.Ar
 
 def spmm(a: Any, b: Lazy) -> da.Array:
     caller = "spchain.spmm"
+    if blocksparse.is_bsr(a):
+        return _bsr_spmm(a, as_dask(b))
     a, b = as_dask(a), as_dask(b)
     if a.ndim != 2 or b.ndim not in (1, 2) or a.shape[1] != b.shape[0]:
         raise ValueError(f"{caller}: shapes {a.shape} and {b.shape} do not match")
@@ -223,6 +226,19 @@ def spmm(a: Any, b: Lazy) -> da.Array:
         result = da.blockwise(sparse.spmm, "i", a, "ik", b, "k", dtype=out.dtype, meta=meta, concatenate=True)
     else:
         result = da.blockwise(sparse.spmm, "ij", a, "ik", b, "kj", dtype=out.dtype, meta=meta, concatenate=True)
+    return result
+
+
+def _bsr_spmm(a: Any, b: da.Array) -> da.Array:
+    """:func:`spmm` of an in-memory BSR ``a`` (SciPy/cupyx or a tuple), shared by the tasks of
+    ``b``'s column chunks (its row chunks gathered)."""
+    shape = blocksparse.bsr_parts(a, "spchain.spmm")[3]
+    if b.ndim not in (1, 2) or shape[1] != b.shape[0]:
+        raise ValueError(f"spchain.spmm: shapes {tuple(shape)} and {b.shape} do not match")
+    out = sparse.spmm(a, xp_of(b).zeros((shape[1],) + (0,) * (b.ndim - 1), b.dtype))
+    index = "ij"[:b.ndim]
+    result: da.Array = da.blockwise(partial(sparse.spmm, a), index, b, "kj"[:b.ndim], new_axes={"i": shape[0]},
+                                    concatenate=True, dtype=out.dtype, meta=out[:0])
     return result
 
 
@@ -241,12 +257,21 @@ def _sddmm_block(pattern: Any, a: Array, b: Array, block_info: Any = None) -> An
 def sddmm(pattern: Any, a: Lazy, b: Lazy) -> da.Array:
     caller = "spchain.sddmm"
     pattern = pattern.compute() if _backend.is_dask(pattern) else pattern
+    if isinstance(pattern, tuple):
+        raise TypeError(f"{caller}: a BSR pattern given as a tuple has a tuple result, which a Dask array cannot "
+                        "hold: pass a SciPy or cupyx bsr_array")
     a, b = as_dask(a), as_dask(b)
     m, n = pattern.shape
     if a.ndim != 2 or b.ndim != 2 or a.shape[0] != m or b.shape[0] != n or a.shape[1] != b.shape[1]:
         raise ValueError(f"{caller}: pattern {pattern.shape}, a {a.shape} and b {b.shape} do not match")
     xp = xp_of(a)
-    pattern = pattern if pattern.format == "csr" else pattern.tocsr()
+    if blocksparse.is_bsr(pattern):  # one task: a block spans rows, and the result is a BSR as in memory
+        meta = sparse.sddmm(pattern, xp.zeros((m, 0), a.dtype), xp.zeros((n, 0), b.dtype))
+        single: da.Array = da.blockwise(partial(sparse.sddmm, pattern), "ij", a.rechunk({0: -1}), "ik",
+                                        b.rechunk({0: -1}), "jk", concatenate=True, dtype=meta.dtype, meta=meta)
+        return single
+    if pattern.format != "csr":  # its entries in the CSR order the in-memory sddmm gives, duplicates kept
+        pattern = sparse.sddmm(pattern, xp.empty((m, 0), a.dtype), xp.empty((n, 0), b.dtype))
     meta = sparse.sddmm(_csr_rows(pattern, 0, 0), xp.empty((0, a.shape[1]), a.dtype), probe(b, 2))
     a = a.rechunk({1: -1})
     result: da.Array = da.map_blocks(_sddmm_block, pattern, a, b.rechunk(-1), dtype=meta.dtype, meta=meta,

@@ -289,7 +289,12 @@ def _chunk_marginals(positions: Array, x: Array, log_trans: Array, alpha: Array,
     ext_lengths = xp.where(covered > size, lead + size + 1, xp.clip(lead + covered, 1, None))
     out = chain.chain_marginals(ext, ext_trans, init, lengths=xp.broadcast_to(ext_lengths, batch))
     out = out[..., lead:lead + size, :].astype(dtype)
-    return xp.where((covered > 0)[..., None, None], out, 0) if lengths is not None else out
+    if lengths is None:
+        return out
+    # a chunk past a chain's end: 0, or NaN for a chain that read a NaN before it (its message
+    # holds one), as the in-memory function makes that chain's marginals NaN at every position
+    past = xp.where(xp.isnan(alpha).any(axis=-1)[..., None], np.nan, 0).astype(dtype)
+    return xp.where((covered > 0)[..., None, None], out, past)
 
 
 def _shifted(message: da.Array, axis: int) -> da.Array:
@@ -304,6 +309,9 @@ def _shifted(message: da.Array, axis: int) -> da.Array:
 def _marginals_in_time_chunks(x: da.Array, log_trans: Lazy, log_init: Lazy | None, lengths: Lazy | None, nb: int,
                               per_step: bool, dtype: DTypeLike, meta: Array) -> da.Array:
     """Marginals of time-chunked chains: a second pass over the chunks with boundary messages."""
+    if not x.size:  # no chain, or no state: nothing to pass (the messages' maxima would have no identity)
+        empty: da.Array = da.zeros_like(x, dtype=dtype)
+        return empty
     mats = _transfer_matrices(x, log_trans, log_init, lengths, nb, per_step, dtype, "spchain.chain_marginals",
                               limit=True)
     chunks = x.numblocks[-2]

@@ -142,7 +142,7 @@ def bsr_parts(a: BsrOperand, caller: str) -> tuple[Array, Array, Array, Shape]:
     if isinstance(a, tuple):
         if len(a[0]) != 3:
             raise ValueError(f"{caller}: a BSR tuple is ((data, indices, indptr), shape), got {len(a[0])} arrays")
-        return (*a[0], a[1])
+        return (*a[0], _csr.check_shape(caller, a[1]))
     return a.data, a.indices, a.indptr, a.shape
 
 
@@ -198,6 +198,7 @@ def spmm(a: BsrOperand, b: Array) -> Array:
     array([5., 5., 0., 0.])
     """
     caller = "spchain.spmm"
+    _csr.check_dense(caller, b=b)
     data, indices, indptr, shape = bsr_parts(a, caller)
     backend = _backend.backend_of(data, indices, indptr, b, caller=caller)
     b = _csr._operand(backend, b, caller, "b", (1, 2))
@@ -224,6 +225,7 @@ def sddmm(pattern: BsrOperand, a: Array, b: Array) -> BsrOperand:
     array([3., 3., 0., 0.])
     """
     caller = "spchain.sddmm"
+    _csr.check_dense(caller, a=a, b=b)
     data, indices, indptr, shape = bsr_parts(pattern, caller)
     backend = _backend.backend_of(data, indices, indptr, a, b, caller=caller)
     a = _csr._operand(backend, a, caller, "a", (2,))

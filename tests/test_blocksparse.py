@@ -251,3 +251,16 @@ def test_both_backends_take_bsr_tuples_and_give_their_arrays(xp, rng):
     pruned = sc.prune(xp.asarray(b.T.copy()), 0.5, block=(2, 2))
     blocks = pruned[0][0] if xp is not np else pruned.data
     assert isinstance(blocks, xp.ndarray) and blocks.shape == (6, 2, 2)
+
+
+def test_bsr_products_check_their_dense_operands_and_shape_as_the_csr_ones():
+    """``None``, a number or a one-element shape get the CSR path's TypeError / ValueError (they
+    raised AttributeError and IndexError)."""
+    bsr = scipy.sparse.bsr_array(np.eye(4), blocksize=(2, 2))
+    for call, error, match in [(lambda: sc.spmm(bsr, None), TypeError, "b must be a NumPy or CuPy array"),
+                               (lambda: sc.spmm(bsr, 2.0), TypeError, "b must be a NumPy or CuPy array"),
+                               (lambda: sc.sddmm(bsr, None, np.ones((4, 2))), TypeError, "a must be"),
+                               (lambda: sc.spmm(((bsr.data, bsr.indices, bsr.indptr), (4,)), np.ones(4)), ValueError,
+                                "shape must be a pair")]:
+        with pytest.raises(error, match=match):
+            call()

@@ -304,3 +304,43 @@ def test_time_chunked_marginals_with_plus_inf_equal_the_in_memory_result(rng, pe
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 if dtype == np.float32 else 1e-9,
                                    err_msg=f"time chunks {time_chunks}")
         np.testing.assert_allclose(got_z, want_z, rtol=1e-5 if dtype == np.float32 else 1e-12)
+
+
+def test_time_chunked_marginals_of_a_nan_chain_and_of_no_chain_equal_the_in_memory_result():
+    """A chain that reads a NaN has NaN marginals at every position, also in a time chunk past
+    its length (which gave 0: the answer hung on the chunking); an empty batch gives an empty
+    result under time chunks (it raised NumPy's zero-size reduction error)."""
+    x = np.zeros((2, 4, 2))
+    x[0, 0, 0] = np.nan
+    x[1, 3, 1] = np.nan  # past chain 1's length: not read
+    trans, lengths = np.log(np.full((2, 2), 0.5)), np.array([2, 3])
+    want = sc.chain_marginals(x, trans, lengths=lengths)
+    assert np.isnan(want[0]).all() and not np.isnan(want[1]).any()
+    for time_chunks in [(4,), (2, 2), (1, 1, 2), (3, 1)]:
+        got = sc.chain_marginals(chunked(x, (1, time_chunks, 2)), trans, lengths=lengths).compute(scheduler="sync")
+        np.testing.assert_array_equal(got, want)
+    empty = np.zeros((0, 8, 3))
+    got = sc.chain_marginals(chunked(empty, (1, 4, 3)), np.zeros((3, 3))).compute(scheduler="sync")
+    assert got.shape == (0, 8, 3)
+
+
+def test_sparse_products_with_coo_duplicates_and_bsr_operands_equal_the_in_memory_ones():
+    """A COO pattern's duplicate entries stay separate under Dask (they were added up), and BSR
+    operands work with Dask arrays as in memory: a BSR result for a BSR pattern (a CSR came
+    back), products by a BSR ``a`` as a SciPy object or a tuple (they raised)."""
+    a, b = np.array([[1.0, 2.0], [3.0, 4.0]]), np.eye(2)
+    coo = scipy.sparse.coo_array(([1.0, 1.0, 1.0], ([0, 0, 1], [1, 1, 0])), shape=(2, 2))  # (0, 1) twice
+    got, want = sc.sddmm(coo, chunked(a, (1, 2)), b).compute(scheduler="sync"), sc.sddmm(coo, a, b)
+    assert got.nnz == want.nnz == 3
+    np.testing.assert_array_equal(got.data, want.data)
+    bsr = scipy.sparse.bsr_array(np.kron(np.eye(2), np.ones((2, 2))), blocksize=(2, 2))
+    left, right = np.arange(8.0).reshape(4, 2), np.ones((4, 2))
+    got, want = sc.sddmm(bsr, chunked(left, (2, 1)), right).compute(scheduler="sync"), sc.sddmm(bsr, left, right)
+    assert got.format == "bsr" and got.data.shape == want.data.shape
+    np.testing.assert_array_equal(got.toarray(), want.toarray())
+    for operand in (bsr, ((bsr.data, bsr.indices, bsr.indptr), bsr.shape)):
+        for dense in (left, left[:, 0]):
+            got = sc.spmm(operand, chunked(dense, (2,) + (1,) * (dense.ndim - 1))).compute(scheduler="sync")
+            np.testing.assert_array_equal(got, sc.spmm(operand, dense))
+    with pytest.raises(TypeError, match="tuple"):
+        sc.sddmm(((bsr.data, bsr.indices, bsr.indptr), bsr.shape), chunked(left, 2), right)
