@@ -288,18 +288,25 @@ def test_entropy_with_plus_inf_is_that_of_the_limit_posterior(seed, v, c, per_st
         np.testing.assert_allclose(got[b], -(p[p > 0] * np.log(p[p > 0])).sum(), rtol=1e-8, atol=1e-8)
 
 
+def nan_reading_chains():
+    """``(x, trans, lengths)`` of four chains: 0 and 2 read a NaN (0 one on no possible path, on
+    a transition out of a state of weight 0), 1 one past its length, 3 one in a step it does
+    not take."""
+    x = np.zeros((4, 3, 2))
+    x[0, 0, 0] = -np.inf
+    x[1, 2, 1] = np.nan
+    x[2, 1, 0] = np.nan
+    trans = np.zeros((4, 2, 2, 2))  # per row and step
+    trans[0, 0, 0, 0] = np.nan
+    trans[3, 1, 1, 1] = np.nan
+    return x, trans, np.array([3, 2, 3, 2])
+
+
 def test_sample_is_minus_one_for_every_draw_of_a_chain_that_reads_a_nan():
     """A NaN input makes every draw of its chain -1, also a NaN off every possible path (on a
     transition out of a state of weight 0, where draws mixed -1 and paths); a NaN past a
     chain's length or in a step it does not take leaves it alone."""
-    x = np.zeros((4, 3, 2))
-    x[0, 0, 0] = -np.inf  # chain 0 leaves state 0 of position 0 never: its NaN below is on no path
-    x[1, 2, 1] = np.nan  # past chain 1's length: not read
-    x[2, 1, 0] = np.nan
-    trans = np.zeros((4, 2, 2, 2))  # per row and step
-    trans[0, 0, 0, 0] = np.nan
-    trans[3, 1, 1, 1] = np.nan  # chain 3's second step, which it does not take
-    lengths = np.array([3, 2, 3, 2])
+    x, trans, lengths = nan_reading_chains()
     paths = sc.chain_sample(x, trans, lengths=lengths, num_samples=50, seed=0)
     np.testing.assert_array_equal(paths[:, [0, 2]], -1)
     assert (paths[:, [1, 3], :2] >= 0).all() and (paths[:, [1, 3], 2] == -1).all()
@@ -312,14 +319,7 @@ def test_viterbi_and_kbest_of_a_chain_that_reads_a_nan_are_nan_and_minus_one():
     """A chain that reads a NaN scores NaN with path -1 (a real-looking path came back before),
     in ``viterbi`` and ``chain_kbest``, dense per step and sparse, its torch ``x`` gradient NaN;
     a NaN past a chain's length or in a step it does not take leaves it alone."""
-    x = np.zeros((4, 3, 2))
-    x[0, 0, 0] = -np.inf  # chain 0 leaves state 0 of position 0 never: its NaN below is on no path
-    x[1, 2, 1] = np.nan  # past chain 1's length: not read
-    x[2, 1, 0] = np.nan
-    trans = np.zeros((4, 2, 2, 2))  # per row and step
-    trans[0, 0, 0, 0] = np.nan
-    trans[3, 1, 1, 1] = np.nan  # chain 3's second step, which it does not take
-    lengths = np.array([3, 2, 3, 2])
+    x, trans, lengths = nan_reading_chains()
     score, path = sc.viterbi(x, trans, lengths=lengths)
     scores, paths = sc.chain_kbest(x, trans, lengths=lengths, k=2)
     for s, p in ((score, path), (scores, paths)):
