@@ -170,6 +170,15 @@ def test_double_backward_raises_instead_of_a_silent_first_order_answer(case):
         torch.autograd.functional.hessian(lambda x: case.fn(x, *inputs[1:]).sum(), inputs[0])
 
 
+@pytest.mark.parametrize("case", DIFFERENTIABLE, ids=str)
+def test_forward_over_reverse_raises_not_implemented_naming_the_operator(case):
+    inputs = case.inputs()
+    loss = lambda x: case.fn(x, *inputs[1:]).sum()  # noqa: E731
+    for second in (torch.func.hessian(loss), torch.func.jacfwd(torch.func.grad(loss))):
+        with pytest.raises(NotImplementedError, match=r"spchain\.torch\.\w+: forward( over reverse|-mode AD)"):
+            second(inputs[0])
+
+
 # Forward-mode AD: the operators whose results have no gradient (chain_marginals, chain_kbest) and
 # the sparse linear layers raise NotImplementedError; the others give the exact tangent.
 NO_FORWARD_AD = {"chain_marginals", "chain_kbest", "sparse_linear", "sparse_linear_3d"}

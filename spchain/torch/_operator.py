@@ -490,9 +490,10 @@ def _transform_functions(op: Operator[Any], backward_op: torch._ops.OpOverload |
         generate_vmap_rule = True
 
         @staticmethod
-        def forward(counts: tuple[int, int, int], needs: list[bool], *flat: torch.Tensor | None
-                    ) -> tuple[torch.Tensor, ...]:
-            args, results, grads = _unflatten(counts, flat)
+        def forward(counts: "_Leaf", *flat: Any) -> tuple[torch.Tensor, ...]:
+            (n_args, n_results), needs = counts.value
+            plain = [a.value if isinstance(a, _Leaf) else a for a in flat]
+            args, results, grads = plain[:n_args], plain[n_args:n_args + n_results], plain[n_args + n_results:]
             assert backward_op is not None  # built only with a backward
             return tuple(backward_op(*args, results, grads, needs))
 
@@ -503,6 +504,11 @@ def _transform_functions(op: Operator[Any], backward_op: torch._ops.OpOverload |
         @staticmethod
         def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
             raise _double_backward_error(name)
+
+        @staticmethod
+        def jvp(ctx: Any, *tangents: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+            raise NotImplementedError(f"{name}: forward over reverse (torch.func.hessian, jacfwd of a gradient) "
+                                      "is not implemented (no second derivative is)")
 
     class Transform(torch.autograd.Function):
         generate_vmap_rule = True
@@ -525,8 +531,9 @@ def _transform_functions(op: Operator[Any], backward_op: torch._ops.OpOverload |
             if torch.compiler.is_compiling():  # compiled graphs have no double backward anyway
                 gradients = backward_op(*args, results, grads, needs)
             else:
-                counts = (len(args), len(results), len(grads))  # the ignore: Function.apply is unannotated
-                gradients = Backward.apply(counts, needs, *args, *results, *grads)  # type: ignore[no-untyped-call]
+                counts = _Leaf(((len(args), len(results)), needs))  # the ignore: Function.apply is unannotated
+                gradients = Backward.apply(counts, *(a if isinstance(a, torch.Tensor) or a is None else _Leaf(a)
+                                                     for a in (*args, *results, *grads)))  # type: ignore[no-untyped-call]
             return _place(len(args), differentiable, needs, gradients)
 
     class Tangent(Transform):
@@ -555,10 +562,15 @@ def _transform_functions(op: Operator[Any], backward_op: torch._ops.OpOverload |
     return Transform, Tangent
 
 
-def _unflatten(counts: tuple[int, int, int], flat: Sequence[torch.Tensor | None]
-               ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None], list[torch.Tensor | None]]:
-    n_args, n_results, _ = counts
-    return list(flat[:n_args]), list(flat[n_args:n_args + n_results]), list(flat[n_args + n_results:])
+class _Leaf:
+    """A non-tensor argument of a backward ``autograd.Function`` as one pytree leaf: torch's
+    generated vmap rule flattens a list or tuple argument's ``in_dims`` but not its tangents,
+    and fails on it under ``torch.func.hessian`` before the ``jvp`` that says why it cannot."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
 
 
 # A vmap rule's in_dims hold an int or None per argument, a list of them per Tensor[] argument;
