@@ -260,6 +260,8 @@ def backend_of(*arrays: Any, caller: str = "spchain") -> Backend:
                 f"use spchain.torch.{caller.rsplit('.', 1)[-1]} for tensors (it supports autograd), "
                 "or pass t.detach().numpy()"
             )
+        elif is_dask(a):
+            raise TypeError(f"{caller} takes in-memory arrays, not a dask.array.Array (call .compute() first)")
         elif isinstance(a, np.ndarray) or scipy.sparse.issparse(a):
             current = NUMPY
         elif _is_cupy_object(a):

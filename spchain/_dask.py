@@ -1,6 +1,7 @@
-"""The hook that lets every array-level function take Dask arrays.
+"""The hook that lets the array-level functions take Dask arrays.
 
-Each public function of the array API carries ``@scales_out``. A call with no
+Each public function of the array API but ``prune`` (which needs the whole weight, and says so
+for a Dask array) carries ``@scales_out``. A call with no
 ``dask.array.Array`` argument goes straight to the function; a call with one goes to the
 function of the same name in ``_dask_array`` (products), ``_dask_chain`` (chains) or
 ``_dask_paths`` (paths), which build a lazy Dask graph whose tasks call the ordinary in-memory

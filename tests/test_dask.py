@@ -240,6 +240,9 @@ def test_bad_input_fails_when_the_graph_is_built(rng):
         sc.grouped_matmul(chunked(np.ones((10, 3)), 4), np.ones((2, 3, 1)), [4, 5])
     with pytest.raises(ValueError, match="do not match"):
         sc.spmm(scipy.sparse.eye(3, format="csr"), chunked(np.ones((4, 2)), 2))
+    for block in (None, (2, 2)):  # pruning needs the whole weight: in memory only
+        with pytest.raises(TypeError, match=r"spchain.prune takes in-memory arrays, not a dask.array.Array"):
+            sc.prune(chunked(np.ones((4, 4)), 2), 0.5, block=block)
 
 
 @pytest.mark.parametrize("time_chunks", [5, 2], ids=["one time chunk", "time chunks"])
