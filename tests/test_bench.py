@@ -300,7 +300,7 @@ def test_the_readme_and_benchmarks_page_tables_are_the_ones_the_record_generates
 
 def test_every_record_entry_names_a_known_case_its_run_and_consistent_figures():
     saved = record.load()
-    keys = [record.key(c) for c in saved["cases"]]
+    keys = [(*record.key(c), record.cpu(saved, c)) for c in saved["cases"]]  # one entry a case, size and CPU
     assert len(keys) == len(set(keys))
     for case in saved["cases"]:
         names = bench.workload(case["workload"]).CASES  # a case may add a note: "forward, threaded scheduler"
@@ -323,35 +323,36 @@ def _results(workload, case, spchain_s, baselines):
 
 
 def test_check_lists_every_ratio_that_fell_by_more_than_a_quarter():
-    saved = {"runs": {}, "cases": [
+    saved = {"runs": {"r": {"cpu": "A", "date": "2026-01-01"}}, "cases": [
         {"workload": "chain", "case": "forward", "quick": True, "run": "r",
          "methods": [{"method": "spchain", "median_s": 1.0}, {"method": "slow", "median_s": 10.0, "time_ratio": 10.0},
                      {"method": "fast", "median_s": 4.0, "time_ratio": 4.0}]}]}
     now = _results("chain", "forward", 1.0, {"slow": 7.4, "fast": 3.1}) + _results("chain", "new", 1.0, {"b": 2.0})
-    changes, missing = record.compare(saved, now, quick=True)
+    changes, missing = record.compare(saved, now, quick=True, model="A")
     assert [(c.baseline, c.fell) for c in changes] == [("slow", True), ("fast", False)]  # 26 % and 22.5 % down
     assert missing == ["chain: new"]
     text = record.check_report(changes, missing)
     assert "1 of 2 ratios fell by more than 25%" in text and "chain: forward, slow: 10x -> 7.4x (-26%)" in text
-    assert record.compare(saved, now, quick=False) == ([], ["chain: forward", "chain: new"])  # other sizes
+    assert record.compare(saved, now, quick=False, model="A") == ([], ["chain: forward", "chain: new"])  # other sizes
 
 
 def test_check_exits_nonzero_when_a_ratio_fell(tmp_path, capsys, monkeypatch):
     path = tmp_path / "record.json"
-    path.write_text(json.dumps({"runs": {}, "cases": [
+    path.write_text(json.dumps({"runs": {"r": {"cpu": "another CPU", "date": "2026-01-01"}}, "cases": [
         {"workload": "viterbi", "case": "decode", "quick": True, "run": "r",
          "methods": [{"method": "spchain", "median_s": 1.0},
                      {"method": "torch broadcasting max", "median_s": 1.0, "time_ratio": 1.0}]}]}))
     monkeypatch.setattr(bench, "run", lambda *a: _results("viterbi", "decode", 1.0, {"torch broadcasting max": 0.5}))
     assert bench.main(["bench", "--only", "viterbi", "--check", "--record", str(path)]) == 1  # quick sizes
-    assert "decode, torch broadcasting max: 1x -> 0.5x (-50%)" in capsys.readouterr().out
+    assert "decode, torch broadcasting max: 1x on another CPU -> 0.5x (-50%)" in capsys.readouterr().out
     monkeypatch.setattr(bench, "run", lambda *a: _results("viterbi", "decode", 1.0, {"torch broadcasting max": 0.8}))
     assert bench.main(["bench", "--quick", "--only", "viterbi", "--check", "--record", str(path)]) == 0
 
 
 def test_update_record_writes_the_run_and_keeps_labels(tmp_path, monkeypatch):
     path = tmp_path / "record.json"
-    path.write_text(json.dumps({"runs": {"old": {"date": "2000-01-01"}}, "cases": [
+    here = record.this_run([], True, 1, "cpu")["cpu"]
+    path.write_text(json.dumps({"runs": {"old": {"date": "2000-01-01", "cpu": here}}, "cases": [
         {"workload": "viterbi", "case": "decode", "quick": True, "run": "old", "label": "`viterbi`", "headline": "h",
          "methods": [{"method": "spchain", "label": "spchain", "median_s": 1.0},
                      {"method": "torch broadcasting max", "label": "broadcasting", "median_s": 1.0, "time_ratio": 1.0}]}]}))
@@ -367,6 +368,39 @@ def test_update_record_writes_the_run_and_keeps_labels(tmp_path, monkeypatch):
     run = saved["runs"][case["run"]]
     assert run["command"] == "python -m spchain " + " ".join(argv) and run["sizes"] == "quick"
     assert run["torch"] and run["cpu"] and run["threads"] >= 1
+
+
+def _machines_record():
+    def case(run, ratio):
+        return {"workload": "chain", "case": "forward", "quick": True, "run": run,
+                "methods": [{"method": "spchain", "median_s": 1.0},
+                            {"method": "loop", "median_s": ratio, "time_ratio": ratio}]}
+    runs = {"a": {"cpu": "AMD", "date": "2026-01-02"}, "i": {"cpu": "Intel", "date": "2026-01-01"}}
+    return {"runs": runs, "cases": [case("a", 20.0), case("i", 10.0)]}
+
+
+def test_check_compares_with_the_ratio_recorded_on_the_same_cpu_else_the_latest_and_says_so():
+    saved, now = _machines_record(), _results("chain", "forward", 1.0, {"loop": 9.0})
+    (intel,), _ = record.compare(saved, now, quick=True, model="Intel")
+    assert (intel.recorded, intel.elsewhere, intel.fell) == (10.0, None, False)
+    (other,), _ = record.compare(saved, now, quick=True, model="ARM")
+    assert (other.recorded, other.elsewhere, other.fell) == (20.0, "AMD", True)  # the latest: AMD's
+    text = record.check_report([other], [])
+    assert "20x recorded on AMD, 9x now  FELL" in text and "1 ratios compared with another machine's (AMD)" in text
+    assert [c["run"] for c in record.latest(saved)] == ["a"]  # what the README shows
+
+
+def test_update_record_keeps_other_machines_entries_and_replaces_this_ones():
+    saved = _machines_record()
+    run = {"date": "2026-01-03", "cpu": "Intel", "sizes": "quick", "command": "python -m spchain bench"}
+    assert record.update(saved, _results("chain", "forward", 1.0, {"loop": 12.0}), True, run) == ["chain: forward"]
+    assert [(record.cpu(saved, c), c["methods"][1]["time_ratio"]) for c in saved["cases"]] == [("AMD", 20.0),
+                                                                                              ("Intel", 12.0)]
+    assert record.latest(saved)[0]["methods"][1]["time_ratio"] == 12.0
+    run = {**run, "cpu": "ARM"}
+    record.update(saved, _results("chain", "forward", 1.0, {"loop": 3.0}), True, run)
+    assert [record.cpu(saved, c) for c in saved["cases"]] == ["AMD", "Intel", "ARM"]
+    assert len(saved["runs"]) == 3
 
 
 def test_json_writes_the_run_and_its_cases_in_the_records_form(tmp_path, monkeypatch):

@@ -21,7 +21,6 @@ import importlib
 import json
 import math
 import os
-import platform
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -332,8 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cpu" and not kernels_cached():
         compile_kernels(list(dict.fromkeys(w for w, _ in selected)), args.quick)
     results = run(selected, args.quick, args.device, repeat, budget)
-    machine = torch.cuda.get_device_name() if args.device == "cuda" else f"{platform.processor() or platform.machine()}"
-    title = (f"spchain {importlib.import_module('spchain').__version__} on {machine}, torch {torch.__version__}, "
+    title = (f"spchain {importlib.import_module('spchain').__version__} on {this_run['cpu']}, torch {torch.__version__}, "
              f"{torch.get_num_threads()} threads{' (quick sizes)' if args.quick else ''}")
     print(title)
     names = list(dict.fromkeys(w for w, _ in selected))
@@ -348,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"figures written to {args.json}")
     status = 0
     if args.check:
-        changes, missing = record.compare(record.load(args.record), results, args.quick)
+        changes, missing = record.compare(record.load(args.record), results, args.quick, this_run["cpu"])
         print(record.check_report(changes, missing))
         status = 1 if any(c.fell for c in changes) else 0
     if args.update_record:

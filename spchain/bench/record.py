@@ -41,13 +41,31 @@ def save(record: dict[str, Any], path: Path = PATH) -> None:
 
 
 def key(case: dict[str, Any]) -> tuple[str, str, bool]:
-    """``(workload, case, quick)``: what identifies a case in the record."""
+    """``(workload, case, quick)``: what identifies a case in the record (one entry per CPU model)."""
     return case["workload"], case["case"], case["quick"]
 
 
-def find(record: dict[str, Any], workload: str, case: str, quick: bool) -> dict[str, Any] | None:
-    """The record's entry of one case at one size, or ``None``."""
-    return next((c for c in record["cases"] if key(c) == (workload, case, quick)), None)
+def cpu(record: dict[str, Any], case: dict[str, Any]) -> str:
+    """The CPU (or GPU) model that measured an entry: its run's."""
+    model: str = record["runs"][case["run"]]["cpu"]
+    return model
+
+
+def find(record: dict[str, Any], workload: str, case: str, quick: bool, model: str | None = None
+         ) -> dict[str, Any] | None:
+    """The record's entry of one case at one size measured on the CPU ``model``, else the most
+    recently measured one of any machine (``None`` where there is none)."""
+    found = [(record["runs"][c["run"]]["date"], k, c) for k, c in enumerate(record["cases"])
+             if key(c) == (workload, case, quick)]
+    same = [f for f in found if cpu(record, f[2]) == model]
+    return max(same or found, key=lambda f: f[:2], default=(None, None, None))[2]
+
+
+def latest(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """One entry a case and size, the most recently measured, in the record's order: what the
+    README and the benchmarks page show."""
+    keys = dict.fromkeys(key(c) for c in record["cases"])
+    return [c for c in (find(record, *k) for k in keys) if c is not None]
 
 
 def this_run(argv: list[str], quick: bool, threads: int, device: str) -> dict[str, Any]:
@@ -114,19 +132,20 @@ def entry(results: list[Result], run: str, quick: bool, old: dict[str, Any] | No
 def update(record: dict[str, Any], results: list[Result], quick: bool, run: dict[str, Any]) -> list[str]:
     """Write ``results`` into ``record`` as measured in ``run``; returns the cases written.
 
-    A case's entry at these sizes is replaced (its labels kept); runs that no entry names any
-    more are dropped.
+    A case's entry at these sizes measured on this run's CPU model is replaced, another
+    machine's kept (a new entry takes the labels of the case's latest one); runs that no entry
+    names any more are dropped.
     """
-    run_id = f"{run['date']} {run['sizes']}, {run['command']}"
+    run_id = f"{run['date']} {run['sizes']}, {run['command']}, {run['cpu']}"
     record["runs"][run_id] = run
     written = []
     for group in _by_case(results):
-        old = find(record, group[0].workload, group[0].case, quick)
+        old = find(record, group[0].workload, group[0].case, quick, run["cpu"])
         new = entry(group, run_id, quick, old)
-        if old is None:
-            record["cases"].append(new)
-        else:
+        if old is not None and cpu(record, old) == run["cpu"]:
             record["cases"][record["cases"].index(old)] = new
+        else:
+            record["cases"].append(new)
         written.append(f"{group[0].workload}: {group[0].case}")
     named = {m.get("run", c["run"]) for c in record["cases"] for m in [{}, *c["methods"]]}
     record["runs"] = {k: v for k, v in record["runs"].items() if k in named}
@@ -148,6 +167,8 @@ class Change:
     baseline: str
     recorded: float
     now: float
+    elsewhere: str | None = None
+    """The CPU model of the recorded ratio where the record has none of this machine's."""
 
     @property
     def fell(self) -> bool:
@@ -155,34 +176,46 @@ class Change:
         return self.now < (1 - DROP) * self.recorded
 
 
-def compare(record: dict[str, Any], results: list[Result], quick: bool) -> tuple[list[Change], list[str]]:
-    """Each baseline's time ratio now against the record's at these sizes; and the cases that the
-    record does not have at these sizes."""
+def compare(record: dict[str, Any], results: list[Result], quick: bool, model: str
+            ) -> tuple[list[Change], list[str]]:
+    """Each baseline's time ratio now against the record's at these sizes, measured on the CPU
+    ``model`` where the record has it (ratios move between machines: torch's dense kernels use
+    what each CPU has), else on the machine that measured the case last; and the cases that
+    the record does not have at these sizes."""
     changes, missing = [], []
     for group in _by_case(results):
-        old = find(record, group[0].workload, group[0].case, quick)
+        old = find(record, group[0].workload, group[0].case, quick, model)
         if old is None:
             missing.append(f"{group[0].workload}: {group[0].case}")
             continue
+        elsewhere = None if cpu(record, old) == model else cpu(record, old)
         recorded = {m["method"]: m.get("time_ratio") for m in old["methods"][1:]}
         base = group[0]
         for r in group[1:]:
             if recorded.get(r.method) is not None:
                 now = r.median * r.scale / base.median
-                changes.append(Change(r.workload, r.case, r.method, recorded[r.method], now))
+                changes.append(Change(r.workload, r.case, r.method, recorded[r.method], now, elsewhere))
     return changes, missing
 
 
 def check_report(changes: list[Change], missing: list[str]) -> str:
     """The check's text: every ratio, then those that fell by more than :data:`DROP`."""
-    lines = [f"{c.workload}: {c.case}, {c.baseline}: {c.recorded:.3g}x recorded, {c.now:.3g}x now"
+    def on(c: Change) -> str:
+        return f" on {c.elsewhere}" if c.elsewhere else ""
+
+    lines = [f"{c.workload}: {c.case}, {c.baseline}: {c.recorded:.3g}x recorded{on(c)}, {c.now:.3g}x now"
              f"{'  FELL' if c.fell else ''}" for c in changes]
     if missing:
         lines.append("not in the record at these sizes (python -m spchain bench --update-record): "
                      + ", ".join(missing))
+    elsewhere = {c.elsewhere for c in changes if c.elsewhere}
+    if elsewhere:
+        lines.append(f"{sum(1 for c in changes if c.elsewhere)} ratios compared with another machine's "
+                     f"({', '.join(sorted(elsewhere))}): the record has none of this CPU's for those cases "
+                     "(python -m spchain bench --update-record, idle, records them)")
     fell = [c for c in changes if c.fell]
     lines.append(f"{len(fell)} of {len(changes)} ratios fell by more than {DROP:.0%}" + (":" if fell else ""))
-    lines += [f"  {c.workload}: {c.case}, {c.baseline}: {c.recorded:.3g}x -> {c.now:.3g}x "
+    lines += [f"  {c.workload}: {c.case}, {c.baseline}: {c.recorded:.3g}x{on(c)} -> {c.now:.3g}x "
               f"({c.now / c.recorded - 1:+.0%})" for c in fell]
     return "\n".join(lines)
 

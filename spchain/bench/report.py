@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from .core import MiB, Result
+from .record import latest
 
 HEADER = ("workload", "case", "method", "median", "runs", "peak MiB", "max rel err", "time / spchain", "memory / spchain")
 
@@ -169,7 +170,7 @@ def _legend(record: dict[str, Any], letters: dict[str, str], fmt: str) -> list[s
 
 def markdown(record: dict[str, Any]) -> str:
     """The README's headline table (the record's full-size cases that have a ``headline``) and its legend."""
-    cases = [c for c in record["cases"] if not c["quick"] and "headline" in c]
+    cases = [c for c in latest(record) if not c["quick"] and "headline" in c]
     letters = _runs(record, cases)
     lines = ["| workload | spchain | baseline | baseline / spchain: time, memory |", "|---|---|---|---|"]
     for case in cases:
@@ -180,7 +181,7 @@ def markdown(record: dict[str, Any]) -> str:
 
 def rst(record: dict[str, Any]) -> str:
     """The figures table of ``docs/tutorials/benchmarks.rst``: every full-size case of the record."""
-    cases = [c for c in record["cases"] if not c["quick"]]
+    cases = [c for c in latest(record) if not c["quick"]]
     letters = _runs(record, cases)
     lines = [".. list-table::", "   :header-rows: 1", "   :widths: 30 14 30 16 10", ""]
     header = ("workload", "spchain", "baseline", "baseline / spchain: time, memory", "spchain's max rel err")
