@@ -19,6 +19,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .sparse import aligned_empty
 from .team import team_rows
 
 _FAST = {"reassoc", "contract"}  # lets the loops vectorise; never assumes no inf/NaN
@@ -199,7 +200,7 @@ def _sddmm_panels(b, out):
     rows, cols, k = out.shape[1], out.shape[2], b.shape[1]
     lanes = _PANEL_BYTES // out.itemsize
     whole = rows >= _PANEL_ROWS and cols >= lanes
-    return np.empty((b.shape[0] // cols if whole else 0, k, cols), out.dtype)
+    return aligned_empty((b.shape[0] // cols if whole else 0, k, cols), out)
 
 
 @njit(cache=True, error_model="numpy")  # division by zero gives inf or NaN

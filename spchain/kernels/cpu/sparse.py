@@ -34,6 +34,21 @@ _PANEL = 2**22
 """Bytes at most of a tile of ``b`` copied for :func:`sparse_spmm` (beyond, ``b`` is read in place)."""
 
 
+@njit(inline="always")
+def aligned_empty(shape, like):
+    """``np.empty(shape, like.dtype)`` starting on a 64-byte boundary, for the buffers that the
+    kernels read by vector loads of 64-byte rows. Numba aligns its arrays to 32 bytes only, and
+    half the time each such load then spans two cache lines: the sparse-linear product at 90 %
+    sparsity ran 1.25 to 2 times slower so (20.8 against 41.5 ms on one thread)."""
+    size = like.itemsize
+    count = 1
+    for extent in shape:
+        count *= extent
+    buffer = np.empty(count + _VECTOR // size, like.dtype)
+    skip = (-buffer.ctypes.data % _VECTOR) // size
+    return buffer[skip:skip + count].reshape(shape)
+
+
 def packs_transposed(k: int) -> bool:
     """Whether :func:`sparse_spmm` takes a ``b`` of ``k`` rows ``transposed``: its tile buffer
     (``k`` rows of ``_TILE`` vectors) within ``_PANEL`` bytes."""
@@ -105,7 +120,7 @@ def _spmm_part(indptr, indices, data, b, bias, out, lo, hi, tile, last, transpos
     vectors = min(_TILE, (n - n % lanes - c0) // lanes)
     if vectors > 0:
         packed = transposed or (indptr[hi] - indptr[lo] >= k and k * width * out.itemsize <= _PANEL)
-        panel = np.empty((k if packed else 0, width), out.dtype)
+        panel = aligned_empty((k if packed else 0, width), out)
         if transposed:
             _pack_transposed(b[c0:c0 + vectors * lanes], panel, 0, k)
         elif packed:
@@ -329,8 +344,8 @@ def _sddmm_rows(indptr, indices, a, b, out, lo, hi, transposed):
     p0, p1 = indptr[lo], indptr[hi]
     out[p0:p1] = 0
     packed = transposed or (p1 - p0 >= n and n * width * out.itemsize <= _PANEL)
-    panel = np.empty((n if packed else 0, width), out.dtype)
-    rows = np.empty((hi if transposed else 0, width), out.dtype)
+    panel = aligned_empty((n if packed else 0, width), out)
+    rows = aligned_empty((hi if transposed else 0, width), out)
     c0 = 0
     while c0 < k - k % lanes:
         vectors = min(_SLAB, (k - c0) // lanes)
