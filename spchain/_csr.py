@@ -85,7 +85,7 @@ class Csr:
         csr = self
         if transpose:
             csr, order = self.transposed(backend)
-            values = values[order]
+            values = _gathered(values, order)
         m, n = csr.shape[0], b.shape[1]
         out = np.empty((m, n), dtype)
         if out.size:
@@ -117,6 +117,22 @@ class Csr:
         a, b = (a.T, b.T) if transposed else (contiguous(backend, a), contiguous(backend, b))
         _run(cpu.sparse.sparse_sddmm, (self.indptr, self.indices, a, b, out), threads, transposed)
         return out
+
+
+def _gathered(values: Array, order: Array) -> Array:
+    """``values[order]`` by the parallel gather kernel (the values in a transpose's order)."""
+    out = np.empty(order.shape[0], values.dtype)
+    _on_threads(cpu.sparse.gather, order.shape[0], values, order, out)
+    return out
+
+
+def _on_threads(kernel: Any, work: int, *args: Any) -> None:
+    """``kernel(parallel, threads, *args)`` on a team of threads (``team.run``), or for
+    ``work`` below :data:`~spchain._backend.SERIAL_WORK` on the calling thread."""
+    if _backend.threads(work) > 1:
+        cpu.team.run(kernel, *args)
+    else:  # small: on the calling thread
+        cpu.team.serial(kernel, *args)
 
 
 def _run(kernel: Any, args: tuple[Any, ...], threads: int, transposed: bool) -> None:
@@ -337,10 +353,7 @@ def contiguous(backend: Backend, a: Array) -> Array:
         return a
     if not backend.on_gpu and a.ndim == 2 and a.flags.f_contiguous:
         out = np.empty(a.shape, a.dtype)
-        if _backend.threads(a.size) > 1:
-            cpu.team.run(cpu.sparse.transpose, a.T, out)
-        else:  # small: on the calling thread
-            cpu.team.serial(cpu.sparse.transpose, a.T, out)
+        _on_threads(cpu.sparse.transpose, a.size, a.T, out)
         return out
     return backend.xp.ascontiguousarray(a)
 

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import scipy.sparse
+from numba import njit
 
 import reference
 from spchain.kernels.cpu import sparse as cpu_sparse
@@ -80,6 +81,35 @@ def test_group_by_is_a_stable_counting_sort(rng):
     cpu_sparse.group_by(keys, indptr, order)
     np.testing.assert_array_equal(order, np.argsort(keys, kind="stable"))
     np.testing.assert_array_equal(indptr, np.concatenate([[0], np.cumsum(np.bincount(keys, minlength=7))]))
+
+
+@pytest.mark.parametrize("threads", [0, 2])
+@pytest.mark.parametrize("count", [0, 1, 2**14, 2**14 + 3, 50_000])
+def test_gather_is_values_at_order(rng, threads, count):
+    """Whole runs of ``_RUN`` entries and a partial last one, on the calling thread or a team."""
+    values = rng.standard_normal(count).astype(np.float32)
+    order = rng.permutation(count).astype(np.int32)
+    out = np.full(count, np.nan, np.float32)
+    if threads:
+        team.run(cpu_sparse.gather, values, order, out)
+    else:
+        cpu_sparse.gather(0, 1, values, order, out)
+    np.testing.assert_array_equal(out, values[order])
+
+
+@njit
+def _aligned(rows, columns, like):
+    return cpu_sparse.aligned_empty((rows, columns), like)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("rows", [0, 1, 5, 4096])
+def test_aligned_empty_starts_on_a_64_byte_boundary(rows, dtype):
+    """Whatever the 32-byte-aligned allocation Numba returns, one of 64-byte rows of ``rows``."""
+    for _ in range(8):  # allocations at varying addresses
+        buffer = _aligned(rows, 64 // np.dtype(dtype).itemsize, np.empty(0, dtype))
+        assert buffer.shape == (rows, 64 // np.dtype(dtype).itemsize) and buffer.dtype == dtype
+        assert buffer.flags.c_contiguous and buffer.ctypes.data % 64 == 0
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int8, np.bool_])

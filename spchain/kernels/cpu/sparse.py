@@ -473,6 +473,30 @@ def _dot_entries(typingctx, indices, b, b0, p, a, i, a0, out, vectors, entries):
     return types.void(indices, b, b0, p, a, i, a0, out, vectors, entries), codegen
 
 
+_RUN = 2**14
+"""Entries per chunk of :func:`gather`."""
+
+
+@njit(nogil=True, cache=True)
+def gather(parallel, team, values, order, out):
+    """``out[q] = values[order[q]]``: the stored values in the order of a structure's transpose.
+
+    Inputs: ``values`` (nnz), ``order`` (nnz) with every entry in range. Overwrites ``out``
+    (nnz). Runs of ``_RUN`` entries in parallel on a team of ``team`` threads (``team.run``;
+    ``parallel`` 0 or ``team`` 1: on the calling thread). The reads are scattered over all of
+    ``values``: two threads keep more of them in flight than NumPy's ``values[order]`` on one
+    (2.6 against 12.3 ms for 1.7 million float32 values). Complexity: O(nnz).
+    """
+    return team_rows(parallel, team, _gather_runs, (order.shape[0] + _RUN - 1) // _RUN, (values, order, out))
+
+
+@njit(cache=True)
+def _gather_runs(lo, hi, values, order, out):
+    """Runs ``lo:hi`` of :func:`gather`."""
+    for q in range(lo * _RUN, min(order.shape[0], hi * _RUN)):
+        out[q] = values[order[q]]
+
+
 @njit(cache=True)
 def group_by(keys, indptr, order):
     """Stable counting sort of entry positions by key.
