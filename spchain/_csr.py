@@ -122,13 +122,14 @@ class Csr:
 def _gathered(values: Array, order: Array) -> Array:
     """``values[order]`` by the parallel gather kernel (the values in a transpose's order)."""
     out = np.empty(order.shape[0], values.dtype)
-    _on_threads(cpu.sparse.gather, order.shape[0], values, order, out)
+    on_threads(cpu.sparse.gather, order.shape[0], values, order, out)
     return out
 
 
-def _on_threads(kernel: Any, work: int, *args: Any) -> None:
-    """``kernel(parallel, threads, *args)`` on a team of threads (``team.run``), or for
-    ``work`` below :data:`~spchain._backend.SERIAL_WORK` on the calling thread."""
+def on_threads(kernel: Any, work: int, *args: Any) -> None:
+    """``kernel(parallel, threads, *args)`` for ``work`` multiply-adds (or elements): in
+    parallel on torch's threads or Numba's (``team.run``), or below
+    :data:`~spchain._backend.SERIAL_WORK` on the calling thread."""
     if _backend.threads(work) > 1:
         cpu.team.run(kernel, *args)
     else:  # small: on the calling thread
@@ -353,7 +354,7 @@ def contiguous(backend: Backend, a: Array) -> Array:
         return a
     if not backend.on_gpu and a.ndim == 2 and a.flags.f_contiguous:
         out = np.empty(a.shape, a.dtype)
-        _on_threads(cpu.sparse.transpose, a.size, a.T, out)
+        on_threads(cpu.sparse.transpose, a.size, a.T, out)
         return out
     return backend.xp.ascontiguousarray(a)
 

@@ -100,8 +100,8 @@ class Bsr:
                     backend.launcher(cuda.blocksparse.launch_blocksparse_spmm)(indptr, indices, slots, data, b, bias,
                                                                                out)
             else:
-                _run(cpu.blocksparse.blocksparse_spmm, data.size * b.shape[1], indptr, indices, slots, data, transpose, b,
-                     bias, out)
+                _csr.on_threads(cpu.blocksparse.blocksparse_spmm, data.size * b.shape[1], indptr, indices, slots, data,
+                                transpose, b, bias, out)
         return out
 
     def sampled(self, backend: Backend, a: Array, b: Array, dtype: np.dtype[Any]) -> Array:
@@ -115,18 +115,9 @@ class Bsr:
                 with backend.use():
                     backend.launcher(cuda.blocksparse.launch_blocksparse_sddmm)(self.indptr, self.indices, a, b, out)
             else:
-                _run(cpu.blocksparse.blocksparse_sddmm, out.size * a.shape[1], self.indptr, self.indices, a, b, out)
+                _csr.on_threads(cpu.blocksparse.blocksparse_sddmm, out.size * a.shape[1], self.indptr, self.indices, a, b,
+                                out)
         return out
-
-
-def _run(kernel: Any, work: int, *args: Any) -> None:
-    """A block-sparse product of ``work`` multiply-adds: in parallel on torch's threads or
-    Numba's (``team.run``), or below :data:`~spchain._backend.SERIAL_WORK` on the calling
-    thread."""
-    if _backend.threads(work) > 1:
-        cpu.team.run(kernel, *args)
-    else:
-        cpu.team.serial(kernel, *args)
 
 
 # --- validation ----------------------------------------------------------------------------
