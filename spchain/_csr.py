@@ -94,7 +94,8 @@ class Csr:
             transposed = not b.flags.c_contiguous and b.flags.f_contiguous and cpu.sparse.packs_transposed(b.shape[0])
             args = (csr.indptr, csr.indices, values, b.T if transposed else contiguous(backend, b),
                     np.zeros(m, dtype) if bias is None else bias, out)
-            _run(cpu.sparse.sparse_spmm, args, _backend.threads(csr.nnz * n), transposed)
+            threads = _backend.threads(csr.nnz * n)
+            on_threads(cpu.sparse.sparse_spmm, threads, *args, threads, transposed)
         return out
 
     def sampled(self, backend: Backend, a: Array, b: Array, dtype: np.dtype[Any]) -> Array:
@@ -115,35 +116,25 @@ class Csr:
         transposed = all(not t.flags.c_contiguous and t.flags.f_contiguous and cpu.sparse.packs_transposed(t.shape[0])
                          for t in (a, b))
         a, b = (a.T, b.T) if transposed else (contiguous(backend, a), contiguous(backend, b))
-        _run(cpu.sparse.sparse_sddmm, (self.indptr, self.indices, a, b, out), threads, transposed)
+        on_threads(cpu.sparse.sparse_sddmm, threads, self.indptr, self.indices, a, b, out, threads, transposed)
         return out
 
 
 def _gathered(values: Array, order: Array) -> Array:
     """``values[order]`` by the parallel gather kernel (the values in a transpose's order)."""
     out = np.empty(order.shape[0], values.dtype)
-    on_threads(cpu.sparse.gather, order.shape[0], values, order, out)
+    on_threads(cpu.sparse.gather, _backend.threads(order.shape[0]), values, order, out)
     return out
 
 
-def on_threads(kernel: Any, work: int, *args: Any) -> None:
-    """``kernel(parallel, threads, *args)`` for ``work`` multiply-adds (or elements): in
-    parallel on torch's threads or Numba's (``team.run``), or below
-    :data:`~spchain._backend.SERIAL_WORK` on the calling thread."""
-    if _backend.threads(work) > 1:
+def on_threads(kernel: Any, threads: int, *args: Any) -> None:
+    """``kernel(parallel, team, *args)`` in parallel on torch's threads or Numba's
+    (``team.run``), or, for ``threads`` 1 (:func:`spchain._backend.threads` of a work below
+    :data:`~spchain._backend.SERIAL_WORK`), on the calling thread."""
+    if threads > 1:
         cpu.team.run(kernel, *args)
     else:  # small: on the calling thread
         cpu.team.serial(kernel, *args)
-
-
-def _run(kernel: Any, args: tuple[Any, ...], threads: int, transposed: bool) -> None:
-    """A sparse product in ``threads`` runs: in parallel on torch's threads or Numba's
-    (``team.run``), or for ``threads`` 1 (below :data:`~spchain._backend.SERIAL_WORK`) on the
-    calling thread."""
-    if threads > 1:
-        cpu.team.run(kernel, *args, threads, transposed)
-    else:
-        cpu.team.serial(kernel, *args, 1, transposed)
 
 
 def structure_nbytes(structure: Any) -> int:
@@ -354,7 +345,7 @@ def contiguous(backend: Backend, a: Array) -> Array:
         return a
     if not backend.on_gpu and a.ndim == 2 and a.flags.f_contiguous:
         out = np.empty(a.shape, a.dtype)
-        on_threads(cpu.sparse.transpose, a.size, a.T, out)
+        on_threads(cpu.sparse.transpose, _backend.threads(a.size), a.T, out)
         return out
     return backend.xp.ascontiguousarray(a)
 

@@ -100,8 +100,8 @@ class Bsr:
                     backend.launcher(cuda.blocksparse.launch_blocksparse_spmm)(indptr, indices, slots, data, b, bias,
                                                                                out)
             else:
-                _csr.on_threads(cpu.blocksparse.blocksparse_spmm, data.size * b.shape[1], indptr, indices, slots, data,
-                                transpose, b, bias, out)
+                _csr.on_threads(cpu.blocksparse.blocksparse_spmm, _backend.threads(data.size * b.shape[1]), indptr,
+                                indices, slots, data, transpose, b, bias, out)
         return out
 
     def sampled(self, backend: Backend, a: Array, b: Array, dtype: np.dtype[Any]) -> Array:
@@ -115,8 +115,8 @@ class Bsr:
                 with backend.use():
                     backend.launcher(cuda.blocksparse.launch_blocksparse_sddmm)(self.indptr, self.indices, a, b, out)
             else:
-                _csr.on_threads(cpu.blocksparse.blocksparse_sddmm, out.size * a.shape[1], self.indptr, self.indices, a, b,
-                                out)
+                _csr.on_threads(cpu.blocksparse.blocksparse_sddmm, _backend.threads(out.size * a.shape[1]), self.indptr,
+                                self.indices, a, b, out)
         return out
 
 
