@@ -71,23 +71,26 @@ class Csr:
             self.transposed(backend)
 
     def matmul(self, backend: Backend, values: Array, b: Array, dtype: np.dtype[Any], bias: Array | None = None, *,
-               transpose: bool = False) -> Array:
+               transpose: bool = False, rows: bool = False) -> Array:
         """``W @ b`` (plus ``bias[:, None]``), ``W`` this structure with ``values`` (nnz), for a
         dense (k, n) ``b``; ``W.T @ b`` with ``transpose``. C-contiguous on the CPU (the
-        parallel Numba kernel), column-major on the GPU (cuSPARSE).
+        parallel Numba kernel), column-major on the GPU (cuSPARSE); with ``rows`` the product's
+        transpose (n, m), C-contiguous (a layer's input gradient: batch rows), written so by
+        the kernel on the CPU and a view of cuSPARSE's result on the GPU.
         """
         values = values.astype(dtype, copy=False)
         b = b.astype(dtype, copy=False)
         if bias is not None:
             bias = bias.astype(dtype, copy=False)
         if backend.on_gpu:
-            return _gpu_spmm(backend, self, values, b, dtype, bias, transpose)
+            out = _gpu_spmm(backend, self, values, b, dtype, bias, transpose)
+            return out.T if rows else out
         csr = self
         if transpose:
             csr, order = self.transposed(backend)
             values = _gathered(values, order)
         m, n = csr.shape[0], b.shape[1]
-        out = np.empty((m, n), dtype)
+        out = np.empty((n, m) if rows else (m, n), dtype)
         if out.size:
             # a column-major b (x.T for a row-major x) is read as its transpose, each tile of it
             # transposed into the kernel's buffer: no transposed copy of b
@@ -95,7 +98,7 @@ class Csr:
             args = (csr.indptr, csr.indices, values, b.T if transposed else contiguous(backend, b),
                     np.zeros(m, dtype) if bias is None else bias, out)
             threads = _backend.threads(csr.nnz * n)
-            on_threads(cpu.sparse.sparse_spmm, threads, *args, threads, transposed)
+            on_threads(cpu.sparse.sparse_spmm, threads, *args, threads, transposed, rows)
         return out
 
     def sampled(self, backend: Backend, a: Array, b: Array, dtype: np.dtype[Any]) -> Array:

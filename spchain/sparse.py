@@ -33,7 +33,7 @@ import numpy as np
 
 from . import _backend, _checks, _structures, blocksparse
 from ._backend import Backend
-from ._csr import Csr, _operand, check_dense, check_fraction, contiguous, new_csr, sparse_parts, to_csr
+from ._csr import Csr, _operand, check_dense, check_fraction, new_csr, sparse_parts, to_csr
 from ._dask import scales_out
 from ._op import Op, Positional, Saved
 from ._selection import largest, positions_to_csr, random_positions
@@ -316,7 +316,7 @@ class Structure(Protocol):
     :class:`~spchain._csr.Csr` and :class:`~spchain.blocksparse.Bsr` share."""
 
     def matmul(self, backend: Backend, values: Array, b: Array, dtype: np.dtype[Any], bias: Array | None = None, *,
-               transpose: bool = False) -> Array: ...
+               transpose: bool = False, rows: bool = False) -> Array: ...
 
     def sampled(self, backend: Backend, a: Array, b: Array, dtype: np.dtype[Any]) -> Array: ...
 
@@ -338,13 +338,12 @@ def linear_backward(backend: Backend, structure: Structure, values: Array, grad_
     """Gradients of :func:`linear` for ``x`` (batch, in) and for ``values``, when needed, from
     the gradient ``grad_yt`` (out, batch) of its output, both in any layout (on the CPU the
     kernels read the usual column-major ``grad_yt`` and row-major ``x`` as they are): the input
-    gradient by the transposed product (on the CPU turned into rows by the parallel transpose
-    kernel), the value gradient by the SDDMM of ``grad_yt`` and ``x.T`` at the stored entries."""
+    gradient by the transposed product, in rows (C-contiguous (batch, in): on the CPU the
+    kernel writes it so), the value gradient by the SDDMM of ``grad_yt`` and ``x.T`` at the
+    stored entries."""
     grad_x = grad_values = None
     if need_x:
-        grad_x = structure.matmul(backend, values, grad_yt, dtype, transpose=True).T
-        if not backend.on_gpu:
-            grad_x = contiguous(backend, grad_x)
+        grad_x = structure.matmul(backend, values, grad_yt, dtype, transpose=True, rows=True)
     if need_values:
         grad_values = structure.sampled(backend, grad_yt, x.T, dtype)
     return grad_x, grad_values

@@ -16,35 +16,40 @@ def random_csr(rng, m, n, density, index_dtype=np.int32):
     return indptr.astype(index_dtype), cols.astype(index_dtype), rng.standard_normal(cols.size)
 
 
-def spmm(threads, indptr, indices, data, b, bias, out, transposed=False):
+def spmm(threads, indptr, indices, data, b, bias, out, transposed=False, out_transposed=False):
     """``sparse_spmm`` on the calling thread (threads 0) or on a team (``team.run``); ``b`` given
-    as its transpose with ``transposed``."""
+    as its transpose with ``transposed``, ``out`` written transposed (C-contiguous (n, m), read
+    back as its (m, n) view) with ``out_transposed``."""
     b = np.ascontiguousarray(b.T) if transposed else b
+    target = np.ascontiguousarray(out.T) if out_transposed else out
     if threads:
-        team.run(cpu_sparse.sparse_spmm, indptr, indices, data, b, bias, out, threads, transposed)
+        team.run(cpu_sparse.sparse_spmm, indptr, indices, data, b, bias, target, threads, transposed, out_transposed)
     else:
-        cpu_sparse.sparse_spmm(0, 1, indptr, indices, data, b, bias, out, 1, transposed)
+        cpu_sparse.sparse_spmm(0, 1, indptr, indices, data, b, bias, target, 1, transposed, out_transposed)
+    out[...] = target.T if out_transposed else target
 
 
-@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("layout", ["b", "b.T", "b, out.T", "b.T, out.T"])
 @pytest.mark.parametrize("threads", [0, 1, 2, 3])
 @pytest.mark.parametrize("index_dtype", [np.int32, np.int64])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("n", [9, 16, 40, 64, 100, 257, 0])
 @pytest.mark.parametrize("k", [23, 37])
-def test_spmm_matches_scipy_with_bias(rng, index_dtype, dtype, threads, n, k, transposed):
+def test_spmm_matches_scipy_with_bias(rng, index_dtype, dtype, threads, n, k, layout):
     """Whole tiles of 2 vectors, partial ones (1 vector) and columns past the last vector
     (n = 9, 100, 257), empty rows, duplicates; ``sparse_spmm`` on the calling thread
     (threads 0) and on a team with more runs of rows than some rows have entries; ``b`` as
-    it is or ``transposed`` (its tiles transposed into the buffer in 16 x 16 blocks and edges:
-    k = 23, 37)."""
-    indptr, indices, data = random_csr(rng, 37, k, 0.2, index_dtype)
+    it is or transposed (``b.T``: its tiles transposed into the buffer in 16 x 16 blocks and
+    edges: k = 23, 37); ``out`` as it is or transposed (``out.T``: two whole 16-row blocks and
+    the rows past them)."""
+    m = 37
+    indptr, indices, data = random_csr(rng, m, k, 0.2, index_dtype)
     data = data.astype(dtype)
     b = rng.standard_normal((k, n)).astype(dtype)
-    bias = rng.standard_normal(37).astype(dtype)
-    out = np.full((37, n), np.nan, dtype)
-    spmm(threads, indptr, indices, data, b, bias, out, transposed)
-    want = scipy.sparse.csr_matrix((data.astype(np.float64), indices, indptr), shape=(37, k)) @ b + bias[:, None]
+    bias = rng.standard_normal(m).astype(dtype)
+    out = np.full((m, n), np.nan, dtype)
+    spmm(threads, indptr, indices, data, b, bias, out, "b.T" in layout, "out.T" in layout)
+    want = scipy.sparse.csr_matrix((data.astype(np.float64), indices, indptr), shape=(m, k)) @ b + bias[:, None]
     np.testing.assert_allclose(out, want, rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-5)
 
 

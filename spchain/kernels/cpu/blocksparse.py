@@ -13,7 +13,6 @@ the operands). The edges go by loops that Numba vectorises: four output rows by 
 columns per pass (``blocksparse_spmm``) or dot products (``blocksparse_sddmm``).
 """
 
-import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils

@@ -56,26 +56,29 @@ def packs_transposed(k: int) -> bool:
 
 
 @njit(nogil=True, cache=True)
-def sparse_spmm(parallel, team, indptr, indices, data, b, bias, out, threads, transposed):
+def sparse_spmm(parallel, team, indptr, indices, data, b, bias, out, threads, transposed, out_transposed):
     """CSR times dense: ``out[i, :] = bias[i] + sum(data[p] * b[indices[p], :])`` over row ``i``.
 
     Inputs: ``indptr`` (m + 1), ``indices`` and ``data`` (nnz), ``b`` (k, n) C-contiguous, or
     with ``transposed`` its transpose (n, k) C-contiguous (a row-major batch ``x`` for
     ``b = x.T``: no transposed copy), ``bias`` (m), ``threads`` >= 1. Overwrites ``out``
-    (m, n), C-contiguous. The work is cut into parts, tiles of ``_TILE`` vectors of columns
+    (m, n), C-contiguous, or with ``out_transposed`` its transpose (n, m) C-contiguous (a
+    layer's input gradient in the batch's rows: each 16 rows' sums go through a small buffer,
+    written out as 16 x 16 blocks transposed in registers; no transposed copy of the product).
+    The work is cut into parts, tiles of ``_TILE`` vectors of columns
     first (each part copies only its own tile of ``b``), then, where the tiles are fewer than
     ``threads``, runs of rows of about equal stored entries (:func:`_parts`); the parts run in
     parallel on a team of ``team`` threads (``team.run``; ``parallel`` 0 or ``team`` 1: on the
     calling thread, the small products' route), each as :func:`_spmm_part`.
     Complexity: O(nnz * n) multiply-adds, O(m * n) writes.
     """
-    return team_rows(parallel, team, _spmm_parts, _parts(out, threads)[2],
-                     (indptr, indices, data, b, bias, out, threads, transposed))
+    return team_rows(parallel, team, _spmm_parts, _parts(out, threads, out_transposed)[2],
+                     (indptr, indices, data, b, bias, out, threads, transposed, out_transposed))
 
 
 @njit(inline="always")
-def _parts(out, threads):
-    """``(tiles, runs, parts)`` of :func:`sparse_spmm`: tiles of ``_TILE`` vectors of ``out``'s
+def _parts(out, threads, out_transposed):
+    """``(tiles, runs, parts)`` of :func:`sparse_spmm`: tiles of ``_TILE`` vectors of the product's
     columns (the last may hold one vector and the columns past the last whole vector; one
     tile where there is no whole vector), each cut into ``runs`` runs of rows so that the
     ``parts`` = tiles x runs are at least ``threads``. A part's tile of ``b`` is read by its
@@ -83,28 +86,40 @@ def _parts(out, threads):
     every tile, that copy took 1.0 ms of a 1.7 ms product at 99 % sparsity), and every part
     reads the stored entries of its rows whichever way the work is cut."""
     width = _TILE * _VECTOR // out.itemsize
-    whole = out.shape[1] - out.shape[1] % (_VECTOR // out.itemsize)
+    n = out.shape[0] if out_transposed else out.shape[1]
+    whole = n - n % (_VECTOR // out.itemsize)
     tiles = max(1, (whole + width - 1) // width)
     runs = (threads + tiles - 1) // tiles
     return tiles, runs, tiles * runs
 
 
 @njit(cache=True, error_model="numpy")  # division by zero gives inf or NaN
-def _spmm_parts(lo, hi, indptr, indices, data, b, bias, out, threads, transposed):
+def _spmm_parts(lo, hi, indptr, indices, data, b, bias, out, threads, transposed, out_transposed):
     """Parts ``lo:hi`` of :func:`sparse_spmm` (see :func:`_parts`; each row's sums do not depend
     on the parts: the same bits for any ``threads``)."""
-    m = out.shape[0]
-    nnz = indptr[m]
-    tiles, runs, _ = _parts(out, threads)
+    tiles, runs, _ = _parts(out, threads, out_transposed)
     for q in range(lo, hi):
         tile, r = q // runs, q % runs
-        start = np.searchsorted(indptr[:m], nnz * r // runs)
-        end = m if r == runs - 1 else np.searchsorted(indptr[:m], nnz * (r + 1) // runs)
-        _spmm_part(indptr, indices, data, b, bias, out, start, end, tile, tile == tiles - 1, transposed)
+        start = _run_start(indptr, r, runs, out_transposed)
+        end = _run_start(indptr, r + 1, runs, out_transposed)
+        _spmm_part(indptr, indices, data, b, bias, out, start, end, tile, tile == tiles - 1, transposed,
+                   out_transposed)
 
 
 @njit(inline="always")
-def _spmm_part(indptr, indices, data, b, bias, out, lo, hi, tile, last, transposed):
+def _run_start(indptr, r, runs, out_transposed):
+    """The first row of run ``r`` of ``runs`` of about equal stored entries (``m`` for
+    ``r == runs``); with ``out_transposed`` a multiple of 16, so that each part writes whole
+    16 x 16 blocks of the transposed ``out`` and no cache line of it is shared by two parts."""
+    m = indptr.shape[0] - 1
+    if r == runs:
+        return m
+    start = np.searchsorted(indptr[:m], indptr[m] * r // runs)
+    return start - start % _BLOCK if out_transposed else start
+
+
+@njit(inline="always")
+def _spmm_part(indptr, indices, data, b, bias, out, lo, hi, tile, last, transposed, out_transposed):
     """Rows ``lo`` to ``hi`` of tile ``tile`` of :func:`sparse_spmm`, each row summed in registers
     (:func:`_row_tile`); the ``last`` tile also takes the columns past the last whole vector,
     one by one. Where the rows' entries outnumber ``b``'s rows (each row of ``b`` read more
@@ -113,7 +128,7 @@ def _spmm_part(indptr, indices, data, b, bias, out, lo, hi, tile, last, transpos
     ``b``'s power-of-two row strides would map them onto a fraction of the cache's sets. A
     ``transposed`` ``b`` is always copied so, transposed on the way (:func:`_pack_transposed`)."""
     k = b.shape[1] if transposed else b.shape[0]
-    n = out.shape[1]
+    n = out.shape[0] if out_transposed else out.shape[1]
     lanes = _VECTOR // out.itemsize
     width = _TILE * lanes
     c0 = tile * width
@@ -127,16 +142,19 @@ def _spmm_part(indptr, indices, data, b, bias, out, lo, hi, tile, last, transpos
             for j in range(k):
                 _copy_vectors(b, j, c0, panel, vectors * lanes)
         if packed:
-            _tile_rows(indptr, indices, data, panel, 0, bias, out, lo, hi, c0, vectors)
+            _tile_rows(indptr, indices, data, panel, 0, bias, out, lo, hi, c0, vectors, out_transposed)
         else:
-            _tile_rows(indptr, indices, data, b, c0, bias, out, lo, hi, c0, vectors)
+            _tile_rows(indptr, indices, data, b, c0, bias, out, lo, hi, c0, vectors, out_transposed)
     if last:
         for i in range(lo, hi):
             for c in range(c0 + vectors * lanes, n):
                 total = bias[i]
                 for p in range(indptr[i], indptr[i + 1]):
                     total += data[p] * (b[c, indices[p]] if transposed else b[indices[p], c])
-                out[i, c] = total
+                if out_transposed:
+                    out[c, i] = total
+                else:
+                    out[i, c] = total
 
 
 @njit(inline="always")
@@ -151,7 +169,7 @@ def _pack_transposed(a, panel, lo, hi):
     while r0 + _BLOCK <= w:
         j0 = start
         while j0 + _BLOCK <= hi:
-            _transpose_block(a, panel, r0, j0)
+            _transpose_block(a, r0, j0, panel, j0, r0)
             j0 += _BLOCK
         for r in range(r0, r0 + _BLOCK):
             for j in range(max(j0, lo), hi):
@@ -163,14 +181,38 @@ def _pack_transposed(a, panel, lo, hi):
 
 
 @njit(inline="always")
-def _tile_rows(indptr, indices, data, b, b0, bias, out, lo, hi, c0, vectors):
+def _tile_rows(indptr, indices, data, b, b0, bias, out, lo, hi, c0, vectors, out_transposed):
     """``out[i, c0:c0 + w] = bias[i] + sum(data[p] * b[indices[p], b0:b0 + w])`` for rows
-    ``lo`` to ``hi``, ``w`` the columns of ``vectors`` (1 or ``_TILE`` = 2) vectors."""
+    ``lo`` to ``hi``, ``w`` the columns of ``vectors`` (1 or ``_TILE`` = 2) vectors; with
+    ``out_transposed`` into ``out[c0:c0 + w, i]``, 16 rows at a time through a buffer."""
+    if not out_transposed:
+        _sum_rows(indptr, indices, data, b, b0, bias, out, lo, hi, 0, c0, vectors)
+        return
+    width = vectors * (_VECTOR // out.itemsize)
+    block = aligned_empty((_BLOCK, _TILE * _VECTOR // out.itemsize), out)
+    i0 = lo
+    while i0 < hi:
+        i1 = min(hi, i0 - i0 % _BLOCK + _BLOCK)
+        _sum_rows(indptr, indices, data, b, b0, bias, block, i0, i1, i0, 0, vectors)
+        j = 0
+        if i1 - i0 == _BLOCK:
+            while j + _BLOCK <= width:
+                _transpose_block(block, 0, j, out, c0 + j, i0)
+                j += _BLOCK
+        for r in range(i1 - i0):
+            for c in range(j, width):
+                out[c0 + c, i0 + r] = block[r, c]
+        i0 = i1
+
+
+@njit(inline="always")
+def _sum_rows(indptr, indices, data, b, b0, bias, out, lo, hi, first, c0, vectors):
+    """``out[i - first, c0:c0 + w]`` of :func:`_tile_rows` for rows ``lo`` to ``hi``."""
     for i in range(lo, hi):
         if vectors == 2:
-            _row_tile(indices, data, b, b0, indptr[i], indptr[i + 1], bias[i], out, i, c0, 2)
+            _row_tile(indices, data, b, b0, indptr[i], indptr[i + 1], bias[i], out, i - first, c0, 2)
         else:
-            _row_tile(indices, data, b, b0, indptr[i], indptr[i + 1], bias[i], out, i, c0, 1)
+            _row_tile(indices, data, b, b0, indptr[i], indptr[i + 1], bias[i], out, i - first, c0, 1)
 
 
 def _vector_types(context, dtype):
@@ -538,24 +580,24 @@ _STAGES = _shuffle_masks()
 
 
 @intrinsic
-def _transpose_block(typingctx, a, out, i0, j0):
-    """``out[j0 + c, i0 + r] = a[i0 + r, j0 + c]`` for ``r, c < 16``: 16 vector loads, 64 lane
+def _transpose_block(typingctx, a, i0, j0, out, k0, l0):
+    """``out[k0 + c, l0 + r] = a[i0 + r, j0 + c]`` for ``r, c < 16``: 16 vector loads, 64 lane
     shuffles, 16 vector stores (LLVM emits the target's permutes). Both arrays C-contiguous, of
-    bool, integer or float elements."""
+    one bool, integer or float dtype."""
     plain = isinstance(a.dtype, (types.Boolean, types.Integer, types.Float))
-    if a.layout != "C" or out.layout != "C" or not plain:
+    if a.layout != "C" or out.layout != "C" or not plain or a.dtype != out.dtype:
         return None
 
     def codegen(context, builder, signature, args):
-        a_type, out_type, i0_type, j0_type = signature.args
+        a_type, i0_type, j0_type, out_type, k0_type, l0_type = signature.args
         a_array = context.make_array(a_type)(context, builder, args[0])
-        out_array = context.make_array(out_type)(context, builder, args[1])
+        out_array = context.make_array(out_type)(context, builder, args[3])
         element = context.get_data_type(a_type.dtype)  # as stored: a bool is a byte
         vector = ir.VectorType(element, _BLOCK)
         size = context.get_abi_sizeof(element)
         intp = lambda v: context.get_constant(types.intp, v)  # noqa: E731
-        i0 = context.cast(builder, args[2], i0_type, types.intp)
-        j0 = context.cast(builder, args[3], j0_type, types.intp)
+        i0, j0, k0, l0 = (context.cast(builder, args[k], t, types.intp)
+                          for k, t in ((1, i0_type), (2, j0_type), (4, k0_type), (5, l0_type)))
 
         def row_pointer(array, row, column):  # &array[row, column]
             stride = cgutils.unpack_tuple(builder, array.strides)[0]
@@ -576,11 +618,11 @@ def _transpose_block(typingctx, a, out, i0, j0):
                 new[r1] = builder.shuffle_vector(rows[r], rows[r1], ir.Constant(lanes, high))
             rows = new
         for c in range(_BLOCK):
-            store = builder.store(rows[c], row_pointer(out_array, builder.add(j0, intp(c)), i0))
+            store = builder.store(rows[c], row_pointer(out_array, builder.add(k0, intp(c)), l0))
             store.align = size
         return context.get_dummy_value()
 
-    return types.void(a, out, i0, j0), codegen
+    return types.void(a, i0, j0, out, k0, l0), codegen
 
 
 @njit(nogil=True, cache=True)
@@ -603,7 +645,7 @@ def _transpose_strips(lo, hi, a, out):
         i0 = 0
         if j0 + _BLOCK <= n:
             while i0 + _BLOCK <= m:
-                _transpose_block(a, out, i0, j0)
+                _transpose_block(a, i0, j0, out, j0, i0)
                 i0 += _BLOCK
         for i in range(i0, m):
             for j in range(j0, min(j0 + _BLOCK, n)):
