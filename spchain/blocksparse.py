@@ -80,8 +80,8 @@ class Bsr:
                transpose: bool = False, rows: bool = False) -> Array:
         """``W @ b`` (plus ``bias[:, None]``), ``W`` this structure with blocks ``values``
         (nnzb, R, C), for a dense (N, n) ``b``: a C-contiguous (M, n) array, or with ``rows`` its
-        C-contiguous transpose (n, M). With ``transpose`` it is ``W.T @ b``, read from the same
-        blocks through :meth:`transposed`."""
+        transpose (n, M) (C-contiguous on the CPU, a view on the GPU). With ``transpose`` it is
+        ``W.T @ b``, read from the same blocks through :meth:`transposed`."""
         xp = backend.xp
         data = xp.ascontiguousarray(values.astype(dtype, copy=False))
         if transpose:
@@ -103,7 +103,9 @@ class Bsr:
             else:
                 _csr.on_threads(cpu.blocksparse.blocksparse_spmm, _backend.threads(data.size * b.shape[1]), indptr,
                                 indices, slots, data, transpose, b, bias, out)
-        return _csr.contiguous(backend, out.T) if rows else out
+        if rows:
+            return out.T if backend.on_gpu else _csr.contiguous(backend, out.T)
+        return out
 
     def sampled(self, backend: Backend, a: Array, b: Array, dtype: np.dtype[Any]) -> Array:
         """``out[p] = a[rows of block p] @ b[cols of block p].T`` for every stored block: (nnzb, R, C)."""

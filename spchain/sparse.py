@@ -338,8 +338,8 @@ def linear_backward(backend: Backend, structure: Structure, values: Array, grad_
     """Gradients of :func:`linear` for ``x`` (batch, in) and for ``values``, when needed, from
     the gradient ``grad_yt`` (out, batch) of its output, both in any layout (on the CPU the
     kernels read the usual column-major ``grad_yt`` and row-major ``x`` as they are): the input
-    gradient by the transposed product, in rows (C-contiguous (batch, in): on the CPU the
-    kernel writes it so), the value gradient by the SDDMM of ``grad_yt`` and ``x.T`` at the
+    gradient by the transposed product, in rows ((batch, in): on the CPU C-contiguous, the
+    CSR kernel writing it so), the value gradient by the SDDMM of ``grad_yt`` and ``x.T`` at the
     stored entries."""
     grad_x = grad_values = None
     if need_x:
