@@ -249,10 +249,10 @@ def backend_of(*arrays: Any, caller: str = "spchain") -> Backend:
     """
     found: Backend | None = None
     for a in arrays:
-        if a is None or isinstance(a, (int, float, np.generic)):
-            continue
         if type(a) is np.ndarray:  # the common case first: small calls pay for every check
             current = NUMPY
+        elif a is None or isinstance(a, (int, float, np.generic)):
+            continue
         elif _is_torch_tensor(a):
             hint = " and requires grad" if a.requires_grad else ""
             raise TypeError(

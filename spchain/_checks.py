@@ -46,7 +46,7 @@ def float_dtype(caller: str, **arrays: Any) -> np.dtype[Any]:
         dtype = np.dtype(a.dtype)
         if dtype not in FLOAT_DTYPES:
             raise TypeError(f"{caller}: {name} has dtype {dtype}; spchain supports float32 and float64")
-        result = dtype if result is None else np.promote_types(result, dtype)
+        result = dtype if result is None or result == dtype else np.promote_types(result, dtype)
     return result if result is not None else np.dtype(np.float64)
 
 

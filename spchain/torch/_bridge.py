@@ -37,15 +37,23 @@ def to_array(t: torch.Tensor, *, strided: bool = False) -> Array:
     >>> to_array(torch.zeros(2, 3).t(), strided=True).flags.f_contiguous
     True
     """
-    if t.dtype == torch.bfloat16:
-        raise TypeError("bfloat16 tensors have no NumPy/CuPy dtype; convert with t.float() first")
     if not (strided or t.is_contiguous()):
         t = t.detach().contiguous()
     if t.is_cpu:  # the same view as np.from_dlpack, several times faster; force: detached (0.4 us faster)
-        return t.numpy(force=True) if t.requires_grad else t.numpy()
+        try:
+            return t.numpy(force=True) if t.requires_grad else t.numpy()
+        except TypeError:  # checked only then: small calls convert several tensors
+            _no_bfloat16(t)
+            raise
+    _no_bfloat16(t)
     if t.is_cuda:
         return _backend.cupy().from_dlpack(t.detach())
     raise TypeError(f"spchain supports CPU and CUDA tensors, not {t.device.type} ones")
+
+
+def _no_bfloat16(t: torch.Tensor) -> None:
+    if t.dtype == torch.bfloat16:
+        raise TypeError("bfloat16 tensors have no NumPy/CuPy dtype; convert with t.float() first")
 
 
 def to_tensor(a: Array) -> torch.Tensor:
