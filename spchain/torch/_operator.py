@@ -77,7 +77,7 @@ def run_eagerly(fn: F) -> F:
 
 def plain_eager(tensors: Iterable[torch.Tensor]) -> bool:
     """Whether ``tensors`` are ordinary CPU/CUDA tensors outside every tracer and transform."""
-    return _untraced() and _plain(tensors)
+    return _untraced() and all(_plain(t) for t in tensors)
 
 
 def _untraced() -> bool:
@@ -86,11 +86,9 @@ def _untraced() -> bool:
                 or torch._C._is_tracing() or torch._C._len_torch_dispatch_stack())
 
 
-def _plain(tensors: Iterable[torch.Tensor]) -> bool:
-    for t in tensors:
-        if type(t) not in _PLAIN or not (t.is_cpu or t.is_cuda):
-            return False
-    return True
+def _plain(t: torch.Tensor) -> bool:
+    """Whether ``t`` is an ordinary CPU/CUDA tensor (no subclass, no fake or meta tensor)."""
+    return type(t) in _PLAIN and (t.is_cpu or t.is_cuda)
 
 
 OPERATORS: dict[str, "Operator[Any]"] = {}
@@ -204,15 +202,18 @@ class Operator(Generic[Public]):
         return self.array.backward
 
     def __call__(self, *args: object) -> Public:
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        low, requires = None, False
-        for t in tensors:
-            requires = requires or t.requires_grad
-            if low is None and t.dtype in _LOW:
-                low = t.dtype
+        compiling = torch.compiler.is_compiling()
+        tensors: list[torch.Tensor] = []
+        low, requires, plain = None, False, not compiling
+        for a in args:  # one pass: a small call pays for each
+            if isinstance(a, torch.Tensor):
+                tensors.append(a)
+                requires = requires or a.requires_grad
+                plain = plain and _plain(a)
+                if low is None and a.dtype in _LOW:
+                    low = a.dtype
         if low is not None:
             args = tuple(a.float() if isinstance(a, torch.Tensor) and a.dtype in _LOW else a for a in args)
-        compiling = torch.compiler.is_compiling()
         # _is_any_autocast_enabled: a cheap first test, which Dynamo need not trace
         if tensors and (compiling or torch._C._is_any_autocast_enabled()) \
                 and torch.is_autocast_enabled(tensors[0].device.type):
@@ -226,7 +227,7 @@ class Operator(Generic[Public]):
                 args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
             grad = requires and differentiable and torch.is_grad_enabled()
             # not compiling and no forward mode: no torch.func transform is active
-            if not (compiling or torch._C._is_tracing() or torch._C._len_torch_dispatch_stack()) and _plain(tensors):
+            if plain and not (torch._C._is_tracing() or torch._C._len_torch_dispatch_stack()):
                 # without a graph, only the public results become tensors
                 results = (self._eager.apply(*args) if grad  # type: ignore[no-untyped-call]
                            else self._run(args, self.outputs))
@@ -369,8 +370,9 @@ def _distinct(tensors: Iterable[torch.Tensor | None], taken: set[int], contiguou
     for t in tensors:
         if t is not None and t.numel():
             address = t.untyped_storage().data_ptr()
-            t = t.clone() if address in taken else t.contiguous() if contiguous else t
-            taken.add(t.untyped_storage().data_ptr())
+            kept = t.clone() if address in taken else t.contiguous() if contiguous else t
+            taken.add(address if kept is t else kept.untyped_storage().data_ptr())
+            t = kept
         out.append(t)
     return out
 
