@@ -178,7 +178,7 @@ which makes a temporary and reduces it); larger ones element-wise (a 4096 x 4096
 
 def _equal(structure: Csr | Bsr, arrays: tuple[Array, Array]) -> bool:
     """Whether ``arrays`` hold ``structure``'s index arrays (on the GPU: waits for the device)."""
-    return all(_same(mine, given) for mine, given in zip((structure.indices, structure.indptr), arrays[::-1]))
+    return _same(structure.indices, arrays[1]) and _same(structure.indptr, arrays[0])
 
 
 def _same(mine: Array, given: Array) -> bool:
