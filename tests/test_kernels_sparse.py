@@ -102,6 +102,21 @@ def test_gather_is_values_at_order(rng, threads, count):
     np.testing.assert_array_equal(out, values[order])
 
 
+@pytest.mark.parametrize("density", [0.02, 0.9])
+def test_transposed_product_takes_the_values_in_the_transposes_order(rng, density):
+    """``W.T @ b`` (a layer's input gradient) gathers the values into the transpose's order: by
+    NumPy's ``take`` below ``SERIAL_WORK`` entries, by the gather kernel on the team above."""
+    from spchain import _backend, _csr
+
+    indptr, indices, values = random_csr(rng, 600, 300, density)
+    assert (indices.size < _backend.SERIAL_WORK) == (density < 0.5)
+    csr = _csr.Csr(indptr, indices, None, (600, 300))
+    b = rng.standard_normal((600, 2))
+    got = csr.matmul(_backend.NUMPY, values, b, np.dtype(np.float64), transpose=True)
+    want = scipy.sparse.csr_matrix((values, indices, indptr), shape=(600, 300)).T @ b
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
 @njit
 def _aligned(rows, columns, like):
     return cpu_sparse.aligned_empty((rows, columns), like)
