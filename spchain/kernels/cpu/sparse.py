@@ -33,7 +33,7 @@ sparsity and 4 % slower at 99 %: one thread, fastest runs, measured beside other
 _SETS = 4
 """Sets of accumulators of :func:`_row_tile`, each taking every fourth stored entry: eight
 independent chains of FMAs for a tile of two vectors, enough to hide the FMA's latency (two
-sets ran the sparse-linear product 3 to 20 % slower: 4096², x (256, 4096), same process)."""
+sets ran the sparse-linear product 3 to 12 % slower: 4096², x (256, 4096), same process)."""
 _AHEAD = 16
 """Rows ahead whose output lines :func:`_sum_rows` fetches for writing: a tile writes 128 bytes
 of each output row, a row apart by the whole product's width, which the hardware prefetcher
