@@ -30,7 +30,7 @@ import collections
 import ctypes
 import weakref
 from collections.abc import Callable, Hashable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
@@ -173,8 +173,23 @@ def kept(structure: object, name: str, build: Callable[[], T]) -> T:
 _BYTES = 2**15
 """Index arrays of at most this many bytes are compared as bytes (a copy each and a
 ``memcmp``: 0.3 us for a 64 x 64 layer's, against 2.7 us for NumPy's element-wise comparison,
-which makes a temporary and reduces it); larger ones element-wise (a 4096 x 4096 layer's at
-99 %: 33 us against 510 us for copies that large)."""
+which makes a temporary and reduces it); larger ones by the C library's ``memcmp`` on their
+memory (a 4096 x 4096 layer's at 99 %: 36 us against 69 us element-wise, and the product
+after it 0.1 ms faster, its caches not flushed by NumPy's temporary)."""
+
+
+def _libc_memcmp() -> Callable[[int, int, int], int] | None:
+    """The C library's ``memcmp`` (``None`` where the process has none to find)."""
+    try:
+        memcmp = ctypes.CDLL(None).memcmp
+    except (OSError, AttributeError, TypeError):  # no C library loaded by name (Windows)
+        return None
+    memcmp.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+    memcmp.restype = ctypes.c_int
+    return cast(Callable[[int, int, int], int], memcmp)
+
+
+_MEMCMP = _libc_memcmp()
 
 
 def _equal(structure: Csr | Bsr, arrays: tuple[Array, Array]) -> bool:
@@ -186,8 +201,11 @@ def _same(mine: Array, given: Array) -> bool:
     """Whether ``given`` holds ``mine``'s values (a cached index array and a caller's)."""
     if mine.shape != given.shape:
         return False
-    if type(given) is np.ndarray and given.nbytes <= _BYTES and given.dtype == mine.dtype:
-        return bool(mine.tobytes() == given.tobytes())
+    if type(given) is np.ndarray and given.dtype == mine.dtype:
+        if given.nbytes <= _BYTES:
+            return bool(mine.tobytes() == given.tobytes())
+        if _MEMCMP is not None and given.flags.c_contiguous and mine.flags.c_contiguous:
+            return _MEMCMP(address(mine), address(given), given.nbytes) == 0
     return bool((mine == given).all())
 
 
@@ -202,7 +220,7 @@ def address(a: Array) -> int:
     if not isinstance(a, np.ndarray):
         return int(a.data.ptr)
     try:  # 0.4 us against 2.8 us for __array_interface__ (a lookup takes two, a small layer's call one)
-        return ctypes.addressof(ctypes.c_char.from_buffer(a))
+        return ctypes.addressof(ctypes.c_char.from_buffer(a))  # type: ignore[arg-type]  # a buffer; the stubs say no
     except (TypeError, ValueError):  # read-only, empty or not C-contiguous
         return int(a.__array_interface__["data"][0])
 

@@ -228,9 +228,10 @@ def test_changing_the_structure_between_forward_and_backward_is_caught_by_autogr
     lambda t, i, v: t.data.__setitem__(i, v),  # .data: no version bump either
 ], ids=["numpy-view", "data"])
 @pytest.mark.parametrize("name, bad", [("indices", 10**8), ("indices", -1), ("indptr", 10**8)])
-def test_a_cached_structure_written_behind_autograd_s_back_is_validated_again(write, name, bad):
-    layer = st.SparseLinear(6, 6, sparsity=0.5)
-    x = torch.randn(3, 6, requires_grad=True)
+@pytest.mark.parametrize("shape", [(6, 6), (8200, 8)], ids=["small", "compared-by-memcmp"])  # index arrays over 32 KiB
+def test_a_cached_structure_written_behind_autograd_s_back_is_validated_again(write, name, bad, shape):
+    layer = st.SparseLinear(shape[1], shape[0], sparsity=0.5)
+    x = torch.randn(3, shape[1], requires_grad=True)
     layer(x)
     write(getattr(layer, name), 1, bad)
     with pytest.raises(ValueError, match=f"{name} (holds|decreases|ends)"):
