@@ -120,7 +120,7 @@ def test_a_stream_of_new_log_trans_structures_keeps_the_cache_bounded(monkeypatc
     assert [s() is None and k() is None for s, k in gone] == [True] * 8 + [False] * 4
 
 
-@pytest.mark.parametrize("rows", [3, 9000], ids=["compared as bytes", "compared element-wise"])
+@pytest.mark.parametrize("rows", [3, 9000], ids=["compared as bytes", "compared by memcmp"])
 @pytest.mark.parametrize("dtype", [np.int32, np.int64])
 def test_a_lookup_rebuilds_after_any_change_of_the_index_arrays_contents(rows, dtype):
     """The same arrays changed in place (one index, the last pointer) validate and rebuild;
