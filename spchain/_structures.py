@@ -118,7 +118,7 @@ class StructureCache:
             if backend.on_gpu:
                 self._entries.move_to_end(key)
                 return entry, _same_on_device(entry, arrays)
-            if _equal(entry, arrays):
+            if equal(entry, arrays):
                 self._entries.move_to_end(key)
                 return entry, None
         copies = arrays[0].copy(), arrays[1].copy()
@@ -138,7 +138,7 @@ class StructureCache:
         """The most recently used entry whose key ends in ``sizes`` (all of it but the
         addresses and dtypes) and whose index arrays equal ``arrays`` (compared on the host)."""
         for key in reversed(self._entries):
-            if key[4:] == sizes and _equal(self._entries[key], arrays):
+            if key[4:] == sizes and equal(self._entries[key], arrays):
                 self._entries.move_to_end(key)
                 return self._entries[key]
         return None
@@ -192,7 +192,7 @@ def _libc_memcmp() -> Callable[[int, int, int], int] | None:
 _MEMCMP = _libc_memcmp()
 
 
-def _equal(structure: Csr | Bsr, arrays: tuple[Array, Array]) -> bool:
+def equal(structure: Csr | Bsr, arrays: tuple[Array, Array]) -> bool:
     """Whether ``arrays`` hold ``structure``'s index arrays (on the GPU: waits for the device)."""
     return _same(structure.indices, arrays[1]) and _same(structure.indptr, arrays[0])
 

@@ -240,6 +240,97 @@ def test_a_cached_structure_written_behind_autograd_s_back_is_validated_again(wr
         layer(x)
 
 
+class _CountingOperator:
+    """Counts the calls that reach the operator ``spchain::sparse_linear``."""
+
+    def __init__(self, operator):
+        self.operator, self.calls = operator, 0
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.operator(*args)
+
+
+@pytest.mark.parametrize("block", [None, (2, 3)])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("layout", ["rows", "columns", "3-d", "empty"])
+def test_inference_on_the_cpu_takes_the_plan_and_gives_the_operator_s_bits(monkeypatch, block, bias, dtype, layout):
+    torch.manual_seed(0)
+    layer = st.SparseLinear(12, 6, bias=bias, sparsity=0.5, block=block, dtype=dtype)
+    x = {"rows": torch.randn(5, 12), "columns": torch.randn(12, 5).t(), "3-d": torch.randn(2, 3, 12),
+         "empty": torch.randn(0, 12)}[layout].to(dtype)
+    expected = layer(x.clone().requires_grad_()).detach()  # a gradient to record: the operator
+    counting = _CountingOperator(torch_linear._OPERATOR)
+    monkeypatch.setattr(torch_linear, "_OPERATOR", counting)
+    with torch.no_grad():
+        y = layer(x)
+        again = layer(x)  # the kept structure
+    assert counting.calls == 0
+    assert torch.equal(y, expected) and torch.equal(again, expected) and y.dtype == dtype
+    assert y.shape == (*x.shape[:-1], 6)
+
+
+def test_the_plan_compares_its_kept_structure_with_the_tensors_at_every_call(rng):
+    torch.manual_seed(0)
+    layer = st.SparseLinear(6, 4, sparsity=0.5)
+    x = torch.randn(3, 6)
+    with torch.no_grad():
+        layer(x)  # the plan keeps this structure
+        layer.indices.numpy()[:] = (layer.indices.numpy() + 1) % 6  # written behind it: no version bump
+        expected = linear_reference(x, layer.weight_values, layer.indptr, layer.indices, (4, 6), layer.bias)
+        np.testing.assert_allclose(layer(x).numpy(), expected, rtol=1e-5, atol=1e-6)
+        layer.indices = torch.flip(layer.indices, (0,))  # a new tensor
+        expected = linear_reference(x, layer.weight_values, layer.indptr, layer.indices, (4, 6), layer.bias)
+        np.testing.assert_allclose(layer(x).numpy(), expected, rtol=1e-5, atol=1e-6)
+        layer.weight_values.mul_(2)  # values are read at every call
+        expected = linear_reference(x, layer.weight_values, layer.indptr, layer.indices, (4, 6), layer.bias)
+        np.testing.assert_allclose(layer(x).numpy(), expected, rtol=1e-5, atol=1e-6)
+        layer.indptr.numpy()[1] = 10**6
+        with pytest.raises(ValueError, match="indptr"):
+            layer(x)
+
+
+def test_calls_the_plan_cannot_take_reach_the_operator():
+    torch.manual_seed(0)
+    layer = st.SparseLinear(6, 4, sparsity=0.5)
+    args = (layer.weight_values, layer.indptr, layer.indices, (4, 6), layer.bias)
+    plan = torch_linear.LinearPlan()
+    x = torch.randn(3, 6)
+    assert plan(x, *args) is None  # weight_values requires grad and grad mode is on
+    with torch.no_grad():
+        assert plan(x, *args) is not None
+        assert plan(x.double(), *args) is None  # mixed dtypes: the operator promotes
+        assert plan(x.to(torch.bfloat16), *args) is None
+        assert plan(torch.randn(3, 5), *args) is None  # wrong shapes: the operator's error
+        assert plan(x, layer.weight_values[:-1], *args[1:]) is None
+        assert plan(x.to_sparse(), *args) is None
+        with torch.autocast("cpu"):
+            assert plan(x, *args) is None
+        torch.testing.assert_close(layer(x.double()), layer(x).double())
+        with pytest.raises(ValueError, match="last axis must be 6"):
+            layer(torch.randn(3, 5))
+
+
+def test_copies_of_a_layer_prepare_their_own_plan():
+    import copy
+    import io
+
+    torch.manual_seed(0)
+    layer = st.SparseLinear(6, 4, sparsity=0.5)
+    x = torch.randn(3, 6)
+    with torch.no_grad():
+        y = layer(x)
+    assert layer.__dict__.get("_plan") is not None
+    buffer = io.BytesIO()
+    torch.save(layer, buffer)
+    buffer.seek(0)
+    for twin in (copy.deepcopy(layer), torch.load(buffer, weights_only=False)):
+        assert twin.__dict__.get("_plan") is None
+        with torch.no_grad():
+            assert torch.equal(twin(x), y)
+
+
 def test_a_structure_changed_through_data_never_pairs_with_a_stale_transpose(rng):
     indptr, indices = random_structure(rng, 6, 6, 0.5)
     values = torch.randn(indices.numel(), requires_grad=True)

@@ -21,15 +21,17 @@ import math
 from collections.abc import Sequence
 import torch
 
-from .. import _csr, _structures
+from .. import _backend, _csr, _structures
 from .. import sparse as _sparse
+from ..blocksparse import Bsr
 from ._bridge import check_dense
-from ._operator import Operator
+from ._operator import _PLAIN, Operator, _forward_mode, _untraced
 from .sparse import index_dtype
 
 __all__ = ["sparse_linear"]
 
 _CALLER = "spchain.torch.sparse_linear"
+_FLOATS = (torch.float32, torch.float64)
 
 
 def _fake(x: torch.Tensor, values: torch.Tensor, indptr: torch.Tensor, indices: torch.Tensor, shape: Sequence[int],
@@ -60,20 +62,87 @@ def linear(caller: str, x: torch.Tensor, values: torch.Tensor, indptr: torch.Ten
     their arguments, in one place, and the operator."""
     check_dense(caller, ("bias",), x=x, values=values, indptr=indptr, indices=indices, bias=bias)
     shape = _csr.check_shape(caller, shape)
-    if x.dim() == 0 or x.shape[-1] != shape[1]:
-        raise ValueError(f"{caller}: x has shape {tuple(x.shape)} but the weight has shape {shape} "
-                         f"(x's last axis must be {shape[1]})")
-    if values.dim() not in (1, 3) or indices.dim() != 1 or values.shape[0] != indices.shape[0]:
-        raise ValueError(f"{caller}: values {tuple(values.shape)} and indices {tuple(indices.shape)} must be "
-                         "1-D and of one length (nnz), or (nnzb, R, C) blocks and (nnzb,)")
-    if bias is not None and tuple(bias.shape) != (shape[0],):
-        raise ValueError(f"{caller}: bias has shape {tuple(bias.shape)}; expected ({shape[0]},)")
+    error = _shape_error(x, values, indices, shape, bias)
+    if error:
+        raise ValueError(f"{caller}: {error}")
     if indices.is_cuda and not torch.compiler.is_compiling():
         _structures.STRUCTURES.note_versions((indptr.data_ptr(), indices.data_ptr()),
                                              (indptr._version, indices._version), (indptr, indices))
     rows = x if x.dim() == 2 else x.reshape(math.prod(x.shape[:-1]), shape[1])
     y = _OPERATOR(rows, values, indptr, indices, list(shape), bias).t()
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], shape[0])
+
+
+def _shape_error(x: torch.Tensor, values: torch.Tensor, indices: torch.Tensor, shape: tuple[int, int],
+                 bias: torch.Tensor | None) -> str:
+    """What is wrong with the shapes of :func:`linear`'s arguments ("" where nothing is)."""
+    if x.dim() == 0 or x.shape[-1] != shape[1]:
+        return f"x has shape {tuple(x.shape)} but the weight has shape {shape} (x's last axis must be {shape[1]})"
+    if values.dim() not in (1, 3) or indices.dim() != 1 or values.shape[0] != indices.shape[0]:
+        return (f"values {tuple(values.shape)} and indices {tuple(indices.shape)} must be 1-D and of one length "
+                "(nnz), or (nnzb, R, C) blocks and (nnzb,)")
+    if bias is not None and tuple(bias.shape) != (shape[0],):
+        return f"bias has shape {tuple(bias.shape)}; expected ({shape[0]},)"
+    return ""
+
+
+class LinearPlan:
+    """A layer's :func:`sparse_linear` on the CPU without a gradient (inference), past the
+    operator: the structure of its index tensors, validated and prepared by the structure
+    cache, kept between calls, and each call's product by the same array-level body
+    (:func:`spchain.sparse.linear`). Every call compares the index tensors' contents with the
+    kept structure's (as every lookup of the cache does) and looks the structure up again on
+    any difference. A call that needs more (a gradient, a GPU, a transform, tracer, compile or
+    autocast, mixed dtypes, an argument that is wrong) returns ``None`` and takes the
+    operator, which raises the errors. ``SparseLinear(64, 64)`` on (16, 64) under
+    ``torch.no_grad``: 2.5-2.6x ``nn.Linear``'s time, against 5.6-5.8x through the operator.
+    The plan holds one structure (the layer's latest) for as long as the layer lives.
+
+    >>> import torch
+    >>> plan = LinearPlan()
+    >>> indptr, indices, values = torch.tensor([0, 1, 2]), torch.tensor([1, 0]), torch.ones(2)
+    >>> with torch.no_grad():
+    ...     plan(torch.ones(3, 2), values, indptr, indices, (2, 2), None).shape
+    torch.Size([3, 2])
+    """
+
+    __slots__ = ("_structure",)
+
+    def __init__(self) -> None:
+        self._structure: _csr.Csr | Bsr | None = None
+
+    def __call__(self, x: torch.Tensor, values: torch.Tensor, indptr: torch.Tensor, indices: torch.Tensor,
+                 shape: tuple[int, int], bias: torch.Tensor | None) -> torch.Tensor | None:
+        """``sparse_linear(x, values, indptr, indices, shape, bias)``, or ``None`` where the call
+        takes the operator."""
+        if torch.is_grad_enabled() and (x.requires_grad or values.requires_grad
+                                        or (bias is not None and bias.requires_grad)):
+            return None
+        if _forward_mode() or torch._C._is_any_autocast_enabled() or not _untraced():
+            return None
+        dtype = values.dtype
+        if not (type(x) in _PLAIN and x.is_cpu and x.layout == torch.strided and x.dtype == dtype):
+            return None
+        for t in (values, indptr, indices, bias):  # read as they are by the kernels: C-contiguous
+            if t is not None and not (type(t) in _PLAIN and t.is_cpu and t.layout == torch.strided
+                                      and t.is_contiguous()):
+                return None
+        if dtype not in _FLOATS or (bias is not None and bias.dtype != dtype) \
+                or _shape_error(x, values, indices, shape, bias):
+            return None
+        arrays = indptr.numpy(), indices.numpy()
+        values_array = values.numpy(force=True)
+        block = _sparse.block_size(values_array)
+        structure = self._structure
+        if structure is None or structure.shape != shape or getattr(structure, "blocksize", None) != block \
+                or not _structures.equal(structure, arrays):
+            structure, _ = _structures.STRUCTURES.lookup(_backend.NUMPY, arrays, shape, _CALLER, blocksize=block)
+            self._structure = structure
+        rows = x if x.dim() == 2 else x.reshape(math.prod(x.shape[:-1]), shape[1])
+        yt = _sparse.linear(_backend.NUMPY, structure, values_array, rows.numpy(force=True),
+                            None if bias is None else bias.numpy(force=True), dtype=values_array.dtype)
+        y = torch.from_numpy(yt).t()
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], shape[0])
 
 
 def sparse_linear(x: torch.Tensor, values: torch.Tensor, indptr: torch.Tensor, indices: torch.Tensor,

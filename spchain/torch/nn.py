@@ -20,7 +20,7 @@ from torch.nn.utils import parametrize
 
 from .. import _csr
 from . import _block_layer
-from .linear import sparse_linear
+from .linear import LinearPlan, sparse_linear
 from .sparse import csr_tensor, prune
 
 __all__ = ["SparseLinear"]
@@ -270,6 +270,7 @@ class SparseLinear(torch.nn.Module):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_last_batch"] = None  # activations, not part of the layer: never pickled or deep-copied
+        state.pop("_plan", None)  # a copy prepares its own
         return state
 
     @property
@@ -320,7 +321,14 @@ class SparseLinear(torch.nn.Module):
             if norms:
                 raise ValueError(f"SparseLinear: {norms[0]} on weight_values would normalise the stored values, not "
                                  "each output row as on nn.Linear; it is not supported (remove it)")
-        y = sparse_linear(x, self.weight_values, self.indptr, self.indices, (self.out_features, self.in_features), self.bias)
+        args = (x, self.weight_values, self.indptr, self.indices, (self.out_features, self.in_features), self.bias)
+        plan = self.__dict__.get("_plan")
+        if plan is None:  # also a layer unpickled without one
+            plan = self.__dict__["_plan"] = LinearPlan()
+        y = plan(*args)
+        if y is not None:  # inference on the CPU, past the operator
+            return y
+        y = sparse_linear(*args)
         if self.training and y.requires_grad and not torch.compiler.is_compiling():  # a hook would break the graph
             batch = self.__dict__["_last_batch"] = _Batch(x.detach())  # not nn.Module's __setattr__ (2 us)
             y.register_hook(batch.record)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
