@@ -469,7 +469,8 @@ def test_the_documented_asv_quick_command_saves_results(tmp_path):
 def test_torch_layer_has_a_compiled_case_for_each_module_and_small_call_cases():
     cases = bench.workload("torch-layer").CASES
     assert {"compiled BlockDiagonalLinear", "compiled GroupedLinear", "compiled SparseLinear"} <= set(cases)
-    assert {"small SparseLinear(64, 64)", "small SparseLinear(64, 64) forward", "small logmatmul 4x4",
+    assert {"small SparseLinear(64, 64)", "small SparseLinear(64, 64) forward", "small SparseLinear(64, 64) inference",
+            "small logmatmul 4x4",
             "small block_diag_matmul", "small chain_logsumexp (4, 8, 4)"} <= set(cases)
     assert list(bench.make_case("torch-layer", "compiled GroupedLinear", quick=True).methods) == ["spchain", "eager"]
 

@@ -4,7 +4,8 @@
   compiled with ``torch.compile`` (method ``spchain``) beside the same model in eager mode:
   the compiled one must be no slower.
 - ``small <op>``: tiny sizes, where the call overhead dominates, forward + backward (``small
-  <op> forward``: the forward alone, on the same inputs, which require grad as in training),
+  <op> forward``: the forward alone, on the same inputs, which require grad as in training;
+  ``small <op> inference``: the forward under ``torch.no_grad``),
   beside the torch op that the spchain call replaces (``nn.Linear``, the broadcasting
   logsumexp, einsum, the sequential ``torch.logsumexp`` recursion of a chain); a timed run is
   the mean of :data:`SMALL_CALLS` calls.
@@ -21,7 +22,8 @@ from .chain import sequential
 from .core import Case
 
 CASES = ["compiled BlockDiagonalLinear", "compiled GroupedLinear", "compiled SparseLinear",
-         "small SparseLinear(64, 64)", "small SparseLinear(64, 64) forward", "small logmatmul 4x4",
+         "small SparseLinear(64, 64)", "small SparseLinear(64, 64) forward",
+         "small SparseLinear(64, 64) inference", "small logmatmul 4x4",
          "small block_diag_matmul", "small chain_logsumexp (4, 8, 4)"]
 SIZES = {False: {"rows": 2048, "features": 512}, True: {"rows": 512, "features": 256}}  # of the compiled models
 FULL_ONLY = CASES[:3]
@@ -91,7 +93,8 @@ def _small_case(name: str, device: str) -> Case:
     g = torch.Generator().manual_seed(0)
     ours: Callable[..., torch.Tensor]
     theirs: Callable[..., torch.Tensor]
-    op = name.removesuffix(" forward")
+    op = name.removesuffix(" forward").removesuffix(" inference")
+    inference = name.endswith(" inference")
     if op == "small SparseLinear(64, 64)":
         torch.manual_seed(0)
         layer = st.SparseLinear(64, 64, sparsity=0.0).to(device)
@@ -117,8 +120,9 @@ def _small_case(name: str, device: str) -> Case:
 
     def timed(fn: Callable[..., torch.Tensor]) -> Callable[[], tuple[torch.Tensor, ...]]:
         def run() -> tuple[torch.Tensor, ...]:
-            out = fn(*inputs)
-            grads = () if name.endswith(" forward") else torch.autograd.grad(out.sum(), inputs)
+            with torch.set_grad_enabled(not inference):
+                out = fn(*inputs)
+            grads = () if name.endswith((" forward", " inference")) else torch.autograd.grad(out.sum(), inputs)
             if device == "cuda":
                 torch.cuda.synchronize()
             return (out.detach(), *grads)
