@@ -241,54 +241,91 @@ def test_a_cached_structure_written_behind_autograd_s_back_is_validated_again(wr
 
 
 class _CountingOperator:
-    """Counts the calls that reach the operator ``spchain::sparse_linear``."""
+    """Counts the calls that reach the operator ``spchain::sparse_linear`` (its checks and
+    ``prepare``) and those that the plan records on its kept structure."""
 
     def __init__(self, operator):
-        self.operator, self.calls = operator, 0
+        self.operator, self.calls, self.recorded = operator, 0, 0
 
     def __call__(self, *args):
         self.calls += 1
         return self.operator(*args)
+
+    def record(self, *args):
+        self.recorded += 1
+        return self.operator.record(*args)
+
+
+def _forward_backward(layer, x, grad_y):
+    """The layer's output and the gradients of ``x``, its values and its bias."""
+    x = x.detach().requires_grad_()
+    for p in layer.parameters():
+        p.grad = None
+    y = layer(x)
+    y.backward(grad_y)
+    return y.detach(), x.grad, layer.weight_values.grad, None if layer.bias is None else layer.bias.grad
 
 
 @pytest.mark.parametrize("block", [None, (2, 3)])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("layout", ["rows", "columns", "3-d", "empty"])
-def test_inference_on_the_cpu_takes_the_plan_and_gives_the_operator_s_bits(monkeypatch, block, bias, dtype, layout):
+def test_the_cpu_takes_the_plan_and_gives_the_operator_s_bits(monkeypatch, block, bias, dtype, layout):
     torch.manual_seed(0)
     layer = st.SparseLinear(12, 6, bias=bias, sparsity=0.5, block=block, dtype=dtype)
     x = {"rows": torch.randn(5, 12), "columns": torch.randn(12, 5).t(), "3-d": torch.randn(2, 3, 12),
          "empty": torch.randn(0, 12)}[layout].to(dtype)
-    expected = layer(x.clone().requires_grad_()).detach()  # a gradient to record: the operator
+    grad_y = torch.randn(*x.shape[:-1], 6, dtype=dtype)
+    args = (layer.weight_values, layer.indptr, layer.indices, (6, 12), layer.bias)
+    with torch.no_grad():
+        expected = st.sparse_linear(x, *args)  # the operator
+    x_grad = x.detach().requires_grad_()
+    expected_y = st.sparse_linear(x_grad, *args)
+    expected_y.backward(grad_y)
+    expected_grads = (x_grad.grad, layer.weight_values.grad, None if layer.bias is None else layer.bias.grad)
     counting = _CountingOperator(torch_linear._OPERATOR)
     monkeypatch.setattr(torch_linear, "_OPERATOR", counting)
     with torch.no_grad():
         y = layer(x)
         again = layer(x)  # the kept structure
-    assert counting.calls == 0
+    y_grad, *grads = _forward_backward(layer, x, grad_y)
+    _, *grads_again = _forward_backward(layer, x, grad_y)
+    assert counting.calls == 0 and counting.recorded == 2
     assert torch.equal(y, expected) and torch.equal(again, expected) and y.dtype == dtype
-    assert y.shape == (*x.shape[:-1], 6)
+    assert torch.equal(y_grad, expected_y.detach()) and y.shape == (*x.shape[:-1], 6)
+    for got in (grads, grads_again):
+        for g, e in zip(got, expected_grads):
+            assert (g is None and e is None) or (torch.equal(g, e) and g.dtype == dtype)
 
 
-def test_the_plan_compares_its_kept_structure_with_the_tensors_at_every_call(rng):
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "recording"])
+def test_the_plan_compares_its_kept_structure_with_the_tensors_at_every_call(rng, grad):
     torch.manual_seed(0)
     layer = st.SparseLinear(6, 4, sparsity=0.5)
     x = torch.randn(3, 6)
+
+    def check():
+        expected = linear_reference(x, layer.weight_values, layer.indptr, layer.indices, (4, 6), layer.bias)
+        with torch.set_grad_enabled(grad):
+            y = layer(x)
+        assert y.requires_grad == grad
+        np.testing.assert_allclose(y.detach().numpy(), expected, rtol=1e-5, atol=1e-6)
+        if grad:  # the backward differentiates the structure the forward ran on
+            y.sum().backward()
+            torch.testing.assert_close(layer.weight_values.grad, x.sum(0)[layer.indices])
+            layer.weight_values.grad = None
+
+    check()  # the plan keeps this structure
+    layer.indices.numpy()[:] = (layer.indices.numpy() + 1) % 6  # written behind it: no version bump
+    check()
+    layer.indices = torch.flip(layer.indices, (0,))  # a new tensor
+    check()
     with torch.no_grad():
-        layer(x)  # the plan keeps this structure
-        layer.indices.numpy()[:] = (layer.indices.numpy() + 1) % 6  # written behind it: no version bump
-        expected = linear_reference(x, layer.weight_values, layer.indptr, layer.indices, (4, 6), layer.bias)
-        np.testing.assert_allclose(layer(x).numpy(), expected, rtol=1e-5, atol=1e-6)
-        layer.indices = torch.flip(layer.indices, (0,))  # a new tensor
-        expected = linear_reference(x, layer.weight_values, layer.indptr, layer.indices, (4, 6), layer.bias)
-        np.testing.assert_allclose(layer(x).numpy(), expected, rtol=1e-5, atol=1e-6)
         layer.weight_values.mul_(2)  # values are read at every call
-        expected = linear_reference(x, layer.weight_values, layer.indptr, layer.indices, (4, 6), layer.bias)
-        np.testing.assert_allclose(layer(x).numpy(), expected, rtol=1e-5, atol=1e-6)
-        layer.indptr.numpy()[1] = 10**6
-        with pytest.raises(ValueError, match="indptr"):
-            layer(x)
+    check()
+    layer.indptr.numpy()[1] = 10**6
+    with pytest.raises(ValueError, match="indptr"), torch.set_grad_enabled(grad):
+        layer(x)
 
 
 def test_calls_the_plan_cannot_take_reach_the_operator():
@@ -297,7 +334,8 @@ def test_calls_the_plan_cannot_take_reach_the_operator():
     args = (layer.weight_values, layer.indptr, layer.indices, (4, 6), layer.bias)
     plan = torch_linear.LinearPlan()
     x = torch.randn(3, 6)
-    assert plan(x, *args) is None  # weight_values requires grad and grad mode is on
+    with torch.autograd.forward_ad.dual_level():  # forward mode: the operator's jvp
+        assert plan(x, *args) is None
     with torch.no_grad():
         assert plan(x, *args) is not None
         assert plan(x.double(), *args) is None  # mixed dtypes: the operator promotes

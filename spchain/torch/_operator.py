@@ -9,7 +9,8 @@ the public function. Each call takes one of three routes:
   tensor): the array-level functions run directly, inside an ``autograd.Function`` only when a
   gradient is needed (an operator's dispatch would cost more than a small product itself),
   which keeps the forward's prepared problem and residuals on its context for the backward:
-  one ``prepare`` a forward and backward;
+  one ``prepare`` a forward and backward (:meth:`Operator.record` takes a problem its caller
+  kept, as ``SparseLinear``'s plan does);
 - a ``torch.func`` transform or an eager ``torch.autograd.forward_ad`` dual level (outside
   ``torch.compile``): the registered operators inside an ``autograd.Function`` with
   ``setup_context`` and a ``jvp``;
@@ -196,6 +197,15 @@ class Operator(Generic[Public]):
         if self.array.backward is not None:
             op.register_autograd(self._transform.backward, setup_context=self._transform.setup_context)
 
+    def record(self, problem: Any, *args: torch.Tensor | object) -> tuple[torch.Tensor, ...]:
+        """The plain eager route with a gradient on a ``problem`` its caller has prepared from
+        ``args`` (plain eager float32/float64 tensors it has checked, outside autocast and
+        forward mode): the forward's public results, recorded for the backward as
+        :meth:`__call__` records them, without preparing again (a kept structure, as
+        :class:`spchain.torch.linear.LinearPlan` keeps)."""
+        results: tuple[torch.Tensor, ...] = self._eager.apply(problem, *args)  # type: ignore[no-untyped-call]
+        return results
+
     @property
     def backward(self) -> Any:
         """The array-level backward (``None`` for an operator without a gradient)."""
@@ -229,7 +239,7 @@ class Operator(Generic[Public]):
             # not compiling and no forward mode: no torch.func transform is active
             if plain and not (torch._C._is_tracing() or torch._C._len_torch_dispatch_stack()):
                 # without a graph, only the public results become tensors
-                results = (self._eager.apply(*args) if grad  # type: ignore[no-untyped-call]
+                results = (self._eager.apply(None, *args) if grad  # type: ignore[no-untyped-call]
                            else self._run(args, self.outputs))
             else:
                 results = self._transform.apply(*args) if grad else self.op(*args)  # type: ignore[no-untyped-call]
@@ -438,16 +448,17 @@ def _eager_function(op: Operator[Any]) -> type[torch.autograd.Function]:
     """The ``autograd.Function`` of the plain eager route: its context keeps the prepared
     problem and the residuals (arrays) for the backward, which prepares nothing again; the
     tensor arguments and the outputs (which the arrays may share memory with) are saved for
-    autograd's check that none changed in between."""
+    autograd's check that none changed in between. Its first argument is the problem where its
+    caller prepared one (:meth:`Operator.record`), else ``None``."""
     array, outputs, differentiable = op.array, op.outputs, op.differentiable
     strided, caller = op._strided, op.caller
 
     class Eager(torch.autograd.Function):
         @staticmethod
-        def forward(ctx: Any, *args: Any) -> tuple[torch.Tensor, ...]:
+        def forward(ctx: Any, problem: Any, *args: Any) -> tuple[torch.Tensor, ...]:
             ctx.device = _device(args)
             with bridge(ctx.device):
-                ctx.problem = array.prepare(*_arrays(args, strided), caller=caller)
+                ctx.problem = array.prepare(*_arrays(args, strided), caller=caller) if problem is None else problem
                 results, ctx.saved = array.forward(ctx.problem)
             public = tuple(to_tensor(r) for r in results[:outputs])
             ctx.save_for_backward(*(a for a in args if isinstance(a, torch.Tensor)), *public)
@@ -464,7 +475,7 @@ def _eager_function(op: Operator[Any]) -> type[torch.autograd.Function]:
                 raise _double_backward_error(op.name)
             saved = ctx.saved_tensors  # autograd's check that no argument or output changed since the forward
             assert array.backward is not None  # built only with a backward
-            needs = [ctx.needs_input_grad[k] for k in differentiable]
+            needs = [ctx.needs_input_grad[k + 1] for k in differentiable]  # after the problem
             incoming = [torch.zeros_like(r) if g is None else g for g, r in zip(grads, saved[-outputs:])]
             with bridge(ctx.device):
                 arrays = array.backward(ctx.problem, ctx.saved, _arrays(incoming, op._grads_strided), needs).ordered()
@@ -472,7 +483,7 @@ def _eager_function(op: Operator[Any]) -> type[torch.autograd.Function]:
             for k, need, g, dtype in zip(differentiable, needs, arrays, ctx.dtypes):
                 if need:
                     t = to_tensor(g)
-                    out[k] = t if t.dtype == dtype else t.to(dtype)
+                    out[k + 1] = t if t.dtype == dtype else t.to(dtype)
             return tuple(_distinct(out, set()))
 
     return Eager

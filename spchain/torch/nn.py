@@ -325,10 +325,9 @@ class SparseLinear(torch.nn.Module):
         plan = self.__dict__.get("_plan")
         if plan is None:  # also a layer unpickled without one
             plan = self.__dict__["_plan"] = LinearPlan()
-        y = plan(*args)
-        if y is not None:  # inference on the CPU, past the operator
-            return y
-        y = sparse_linear(*args)
+        y = plan(*args)  # on the CPU: the kept structure, past the operator's checks
+        if y is None:
+            y = sparse_linear(*args)
         if self.training and y.requires_grad and not torch.compiler.is_compiling():  # a hook would break the graph
             batch = self.__dict__["_last_batch"] = _Batch(x.detach())  # not nn.Module's __setattr__ (2 us)
             y.register_hook(batch.record)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
