@@ -322,7 +322,7 @@ class SparseLinear(torch.nn.Module):
                 raise ValueError(f"SparseLinear: {norms[0]} on weight_values would normalise the stored values, not "
                                  "each output row as on nn.Linear; it is not supported (remove it)")
         args = (x, self.weight_values, self.indptr, self.indices, (self.out_features, self.in_features), self.bias)
-        plan = self.__dict__.get("_plan")
+        plan: LinearPlan | None = self.__dict__.get("_plan")
         if plan is None:  # also a layer unpickled without one
             plan = self.__dict__["_plan"] = LinearPlan()
         y = plan(*args)  # on the CPU: the kept structure, past the operator's checks
