@@ -91,8 +91,7 @@ class LinearPlan:
     its index tensors, validated and prepared by the structure cache, kept between calls, and
     each call's product by the same array-level body (:func:`spchain.sparse.linear`); a call
     that records a gradient hands the operator's eager ``autograd.Function`` that prepared
-    problem (``Operator.record``), so its backward is the
-    operator's. Every call compares the index tensors' contents with the kept structure's (as
+    problem (``Operator.record``), so its backward is the operator's. Every call compares the index tensors' contents with the kept structure's (as
     every lookup of the cache does) and looks the structure up again on any difference. A call
     that needs more (a GPU, a transform, tracer, compile, forward mode or autocast, mixed
     dtypes, an argument that is wrong) returns ``None`` and takes the operator, which raises
@@ -139,15 +138,15 @@ class LinearPlan:
             structure, _ = _structures.STRUCTURES.lookup(_backend.NUMPY, arrays, shape, _CALLER, blocksize=block)
             self._structure = structure
         rows = x if x.dim() == 2 else x.reshape(math.prod(x.shape[:-1]), shape[1])
-        bias_array = None if bias is None else bias.numpy(force=True)
+        rows_array, bias_array = rows.numpy(force=True), None if bias is None else bias.numpy(force=True)
         if torch.is_grad_enabled() and (x.requires_grad or values.requires_grad
                                         or (bias is not None and bias.requires_grad)):
-            problem = _sparse.LinearProblem(_backend.NUMPY, values_array.dtype, rows.numpy(force=True), values_array,
+            problem = _sparse.LinearProblem(_backend.NUMPY, values_array.dtype, rows_array, values_array,
                                             arrays[0], arrays[1], shape, bias_array, structure, None, _CALLER)
             yt = _OPERATOR.record(problem, rows, values, indptr, indices, list(shape), bias)[0]
         else:
-            yt = torch.from_numpy(_sparse.linear(_backend.NUMPY, structure, values_array, rows.numpy(force=True),
-                                                 bias_array, dtype=values_array.dtype))
+            yt = torch.from_numpy(_sparse.linear(_backend.NUMPY, structure, values_array, rows_array, bias_array,
+                                                 dtype=values_array.dtype))
         y = yt.t()
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], shape[0])
 
