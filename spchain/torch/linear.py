@@ -91,14 +91,15 @@ class LinearPlan:
     its index tensors, validated and prepared by the structure cache, kept between calls, and
     each call's product by the same array-level body (:func:`spchain.sparse.linear`); a call
     that records a gradient hands the operator's eager ``autograd.Function`` that prepared
-    problem (``Operator.record``), so its backward is the operator's. Every call compares the index tensors' contents with the kept structure's (as
-    every lookup of the cache does) and looks the structure up again on any difference. A call
-    that needs more (a GPU, a transform, tracer, compile, forward mode or autocast, mixed
-    dtypes, an argument that is wrong) returns ``None`` and takes the operator, which raises
-    the errors. ``SparseLinear(64, 64)`` on (16, 64): under ``torch.no_grad`` 2.5-2.6x
-    ``nn.Linear``'s time against 5.6-5.8x through the operator; recording a gradient 5.6-6.1x
-    against 8.6-15.9x. The plan holds one structure (the layer's latest) for as long as the
-    layer lives.
+    problem (``Operator.record``), so its backward is the operator's. Every call compares the
+    index tensors' contents with the kept structure's (as every lookup of the cache does) and
+    looks the structure up again on any difference. A call that needs more (a GPU, a
+    transform, tracer, compile, forward mode or autocast, mixed dtypes, an argument that is
+    wrong) returns ``None`` and takes the operator, which raises the errors.
+    ``SparseLinear(64, 64)`` on (16, 64): under ``torch.no_grad`` 2.5-2.6x ``nn.Linear``'s
+    time against 5.6-5.8x through the operator; recording a gradient 5.6-6.1x against
+    8.6-15.9x. The plan holds one structure (the layer's latest) for as long as the layer
+    lives.
 
     >>> import torch
     >>> plan = LinearPlan()
