@@ -45,7 +45,7 @@ from . import _backend, _chain_limits, _checks, _sparse_chain, chain, semiring
 from ._dask_array import LETTERS as _LETTERS
 from ._dask_array import Lazy
 from ._typing import Array, Shape
-from ._dask_array import as_dask, batch_index, batch_shape, blockwise, gathered, part, probe, tree_product, xp_of
+from ._dask_array import as_dask, batch_shape, blockwise, gathered, part, probe, tree_product, xp_of
 
 
 def _inputs(fn: Callable[..., Any], x: Lazy, log_trans: Lazy, log_init: Lazy | None, lengths: Any,
@@ -122,7 +122,7 @@ def chain_logsumexp(x: Lazy, log_trans: Lazy, log_init: Lazy | None = None, *,
                                         meta=meta)
         return total
     args, cores = _args(x, log_trans, log_init, lengths, per_step)
-    return blockwise(chain.chain_logsumexp, batch_index(nb, x[..., 0, 0], ""), args, cores, nb, result.dtype, meta)
+    return blockwise(chain.chain_logsumexp, _LETTERS[:nb], args, cores, nb, result.dtype, meta)
 
 
 def chain_marginals(x: Lazy, log_trans: Lazy, log_init: Lazy | None = None, *,

@@ -58,6 +58,9 @@ CHAIN_CASES = {
     "per-step, lengths": dict(x=(7, 9, 3), trans=(7, 8, 3, 3), init=(3,), lengths=True, chunks=(3, 9, 3)),
     "broadcast (n, t, v, c) with (1, t, v-1, c, c)": dict(x=(5, 2, 6, 3), trans=(1, 2, 5, 3, 3), init=(1, 2, 3),
                                                          lengths=True, chunks=(2, 1, 6, 3)),
+    # one time chunk: the batch axis that only log_init and lengths have is in the result too
+    "log_init (2, 5, c) over x (5, t, c)": dict(x=(5, 7, 3), trans=(3, 3), init=(2, 5, 3), lengths=True,
+                                                chunks=(2, 7, 3)),
 }
 
 
@@ -67,9 +70,15 @@ def chain_inputs(rng, spec):
     x[0, ..., 1, 0] = -np.inf
     trans = log_stochastic(rng, spec["trans"])
     init = None if spec["init"] is None else rng.normal(size=spec["init"])
-    batch = np.broadcast_shapes(spec["x"][:-2], spec["trans"][:-3 if len(spec["trans"]) > len(spec["x"]) else -2])
+    batch = np.broadcast_shapes(spec["x"][:-2], spec["trans"][:-3 if len(spec["trans"]) > len(spec["x"]) else -2],
+                                (spec["init"] or (0,))[:-1])
     lengths = rng.integers(1, spec["x"][-2] + 1, batch) if spec["lengths"] else None
     return x, trans, init, lengths, batch
+
+
+def batch_chunks(spec, batch):
+    """Chunks of a batch-shaped array: ``x``'s batch chunks, right-aligned (axes only the other inputs have: whole)."""
+    return (-1,) * (len(batch) - len(spec["x"]) + 2) + spec["chunks"][:-2]
 
 
 def assert_same_results(got, want):
@@ -87,7 +96,7 @@ def test_batch_chunks_equal_the_in_memory_result(client, rng, case):
     spec = CHAIN_CASES[case]
     x, trans, init, lengths, batch = chain_inputs(rng, spec)
     dx = chunked(x, spec["chunks"])
-    dlengths = None if lengths is None else chunked(lengths, spec["chunks"][:len(batch)])
+    dlengths = None if lengths is None else chunked(lengths, batch_chunks(spec, batch))
     got = client.compute([sc.chain_logsumexp(dx, trans, init, lengths=dlengths),
                           sc.chain_marginals(dx, trans, init, lengths=dlengths),
                           *sc.viterbi(dx, trans, init, lengths=dlengths)], sync=True)
@@ -102,8 +111,8 @@ def test_path_functions_on_batch_chunks_equal_the_in_memory_results(client, rng,
     x, trans, init, lengths, batch = chain_inputs(rng, spec)
     path = rng.integers(0, spec["x"][-1], batch + spec["x"][-2:-1])
     time_chunked = spec["chunks"][:-2] + (4,) + spec["chunks"][-1:]      # gathered into one chunk
-    dx, dpath = chunked(x, time_chunked), chunked(path, spec["chunks"][:-1])
-    dlengths = None if lengths is None else chunked(lengths, spec["chunks"][:len(batch)])
+    dx, dpath = chunked(x, time_chunked), chunked(path, batch_chunks(spec, batch) + spec["chunks"][-2:-1])
+    dlengths = None if lengths is None else chunked(lengths, batch_chunks(spec, batch))
     got = client.compute([sc.chain_entropy(dx, trans, init, lengths=dlengths),
                           sc.chain_path_score(dx, trans, init, dpath, lengths=dlengths),
                           *sc.chain_kbest(dx, trans, init, k=3, lengths=dlengths)], sync=True)
