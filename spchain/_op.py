@@ -84,6 +84,12 @@ class Op(Generic[P, S]):
     backward: Backward[P, S] | None = None
     value: Callable[[P], tuple[Array, ...]] | None = None
     """The outputs alone, where they cost less without the residuals (default: ``forward``'s)."""
+    reads_outputs: bool = True
+    """Whether ``backward`` may read the outputs (its residuals hold them, or arrays sharing their
+    memory): a torch operator then saves them for autograd's check that none changed in place
+    before the backward, as ``torch.logsumexp`` saves its result. ``False`` where it reads only
+    the arguments, as ``nn.Linear``: an in-place op on the output (``nn.ReLU(inplace=True)``)
+    leaves the gradient right, so it is allowed."""
 
     def outputs(self, problem: P) -> tuple[Array, ...]:
         """The outputs, without residuals: a call that needs no gradient."""

@@ -245,7 +245,8 @@ def _block_diag_backward(p: Operands, saved: Saved, grads: Sequence[Array | None
     return MatmulGrads(grad_x, _block_diag_weight_grad(p.x, grad) if needs[1] else None)
 
 
-BLOCK_DIAG: Op[Operands, Saved] = Op(prepare_block_diag, _block_diag_forward, Saved, _block_diag_backward)
+BLOCK_DIAG: Op[Operands, Saved] = Op(prepare_block_diag, _block_diag_forward, Saved, _block_diag_backward,
+                                     reads_outputs=False)
 """:func:`block_diag_matmul` as an :class:`~spchain._op.Op`: outputs ``(y,)``, differentiable in ``(x, w)``."""
 
 
@@ -502,7 +503,7 @@ def _grouped_backward(p: Operands, saved: Saved, grads: Sequence[Array | None], 
     return MatmulGrads(grad_x, _grouped_weight_grad(p.x, grad, p.sizes) if needs[1] else None)
 
 
-GROUPED: Op[Operands, Saved] = Op(prepare_grouped, _grouped_forward, Saved, _grouped_backward)
+GROUPED: Op[Operands, Saved] = Op(prepare_grouped, _grouped_forward, Saved, _grouped_backward, reads_outputs=False)
 """:func:`grouped_matmul` as an :class:`~spchain._op.Op`: outputs ``(y,)``, differentiable in ``(x, w)``."""
 
 

@@ -492,6 +492,7 @@ def _path_score_backward(paths: PathProblem, saved: Saved, grads: Sequence[Array
         return _input_grads(paths.problem, needs, grad_x, grad_trans)
 
 
-PATH_SCORE: Op[PathProblem, Saved] = Op(prepare_paths, _path_score_forward, Saved, _path_score_backward)
+PATH_SCORE: Op[PathProblem, Saved] = Op(prepare_paths, _path_score_forward, Saved, _path_score_backward,
+                                        reads_outputs=False)
 """:func:`chain_path_score` as an :class:`~spchain._op.Op`: outputs ``(score,)``, differentiable
 in ``(x, log_trans, log_init)``."""

@@ -333,7 +333,7 @@ def _log_chain_product_backward(p: ChainOperand, saved: Saved, grads: Sequence[A
 
 
 LOG_CHAIN_PRODUCT: Op[ChainOperand, Saved] = Op(prepare_chain_product, _log_chain_product_forward, Saved,
-                                                _log_chain_product_backward)
+                                                _log_chain_product_backward, reads_outputs=False)
 """:func:`log_chain_product` as an :class:`~spchain._op.Op`: outputs ``(out,)``, differentiable in ``m``."""
 
 

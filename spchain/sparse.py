@@ -144,7 +144,7 @@ def _spmm_backward(p: SpmmProblem, saved: SpmmSaved, grads: Sequence[Array | Non
     return Positional((grad_b if grad.ndim == 2 else grad_b[:, 0],))
 
 
-SPMM: Op[SpmmProblem, SpmmSaved] = Op(prepare_spmm, _spmm_forward, SpmmSaved, _spmm_backward)
+SPMM: Op[SpmmProblem, SpmmSaved] = Op(prepare_spmm, _spmm_forward, SpmmSaved, _spmm_backward, reads_outputs=False)
 """``a @ b`` for ``a`` given by parts as an :class:`~spchain._op.Op`, differentiable in ``b``:
 the array half of :func:`spmm` and ``spchain::spmm``."""
 
@@ -433,7 +433,8 @@ class _LinearOp(Op[LinearProblem, LinearSaved]):
         return saved.arrays()
 
 
-LINEAR: Op[LinearProblem, LinearSaved] = _LinearOp(prepare_linear, _linear_forward, LinearSaved, _linear_backward)
+LINEAR: Op[LinearProblem, LinearSaved] = _LinearOp(prepare_linear, _linear_forward, LinearSaved, _linear_backward,
+                                                    reads_outputs=False)
 """``y.T`` for ``y = x @ W.T + bias`` as an :class:`~spchain._op.Op` (:func:`linear` and
 :func:`linear_backward`), the array half of ``spchain::sparse_linear``: its problem holds the
 structure from the cache, so an eager backward reuses its forward's."""

@@ -126,13 +126,13 @@ def test_non_contiguous_tensors_get_correct_values_and_gradients(layout):
             torch.testing.assert_close(got, expected)
 
 
-def test_backward_saves_only_x_w_the_output_and_the_sizes():
+def test_backward_saves_only_x_w_and_the_sizes():
     x, w = make((5, 2, 3)), make((2, 3, 4))
     for y in (sct.block_diag_matmul(x, w), sct.grouped_matmul(x[:, 0], w, [1, 4])):
         saved = y.grad_fn.saved_tensors
         assert saved[0].data_ptr() == x.data_ptr() and saved[1] is w  # never a per-row copy of w
-        assert saved[-1].data_ptr() == y.data_ptr()  # the output itself: no extra memory
-        assert sum(t.numel() for t in saved[2:-1]) <= 2  # grouped_matmul's int64 sizes
+        assert all(t.data_ptr() != y.data_ptr() for t in saved)  # not the output, which may change in place
+        assert sum(t.numel() for t in saved[2:]) <= 2  # grouped_matmul's int64 sizes
 
 
 def test_only_the_needed_gradients_are_computed(monkeypatch):

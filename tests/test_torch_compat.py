@@ -113,6 +113,19 @@ def test_torch_func_grad_of_functional_call_equals_autograd(name):
 
 
 @pytest.mark.parametrize("name", CASES)
+def test_an_in_place_op_on_the_output_trains_as_on_nn_linear_s(name):
+    """``nn.ReLU(inplace=True)`` after the module: the backward reads no output, so autograd
+    allows it (as after ``nn.Linear``) and the gradients are those of ``relu(out)``."""
+    module, inputs = _case(name)
+    want = torch.autograd.grad(torch.relu(module(*inputs)).sum(), list(module.parameters()))
+    out = module(*inputs)
+    out.relu_()
+    got = torch.autograd.grad(out.sum(), list(module.parameters()))
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
+
+
+@pytest.mark.parametrize("name", CASES)
 def test_forward_ad_is_exact_or_not_implemented_never_zero(name):
     module, inputs = _case(name)
     x, rest = inputs[0], inputs[1:]

@@ -135,3 +135,34 @@ def _opcheck(name, args, dtype):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch's beta and deprecation notes on the way
         torch.library.opcheck(overload, args, test_utils=UTILS[dtype])
+
+
+# the operators whose backward reads their outputs (a log-sum-exp's or a max's result, a best path)
+READ_OUTPUTS = {"chain_logsumexp", "sparse_chain_logsumexp", "chain_entropy", "sparse_chain_entropy", "viterbi",
+                "sparse_viterbi", "logmatmul", "maxmatmul"}
+
+
+@pytest.mark.parametrize("name", sorted(n for n in SAMPLES if _operator(n).backward is not None))
+def test_an_output_changed_in_place_is_allowed_where_the_backward_does_not_read_it(name):
+    """As torch's own ops: where the backward reads the arguments alone (a product, as
+    ``nn.Linear``'s), the output may change in place before it (``nn.ReLU(inplace=True)``) and the
+    gradients are the out-of-place op's; where it reads the output (as ``torch.logsumexp``'s),
+    autograd's in-place error."""
+    operator = _operator(name)
+    assert operator.array.reads_outputs == (name in READ_OUTPUTS)
+    args = _requires_grad(operator, SAMPLES[name](torch.float64))
+    leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+
+    def first_output():
+        out = operator(*args)
+        return out[0] if isinstance(out, tuple) else out
+
+    want = torch.autograd.grad((first_output() * 2).sum(), leaves)
+    out = first_output()
+    out.mul_(2)
+    if operator.array.reads_outputs:
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.sum().backward()
+        return
+    for got, w in zip(torch.autograd.grad(out.sum(), leaves), want, strict=True):
+        torch.testing.assert_close(got, w)

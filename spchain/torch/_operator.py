@@ -447,9 +447,10 @@ def _double_backward_error(name: str) -> RuntimeError:
 def _eager_function(op: Operator[Any]) -> type[torch.autograd.Function]:
     """The ``autograd.Function`` of the plain eager route: its context keeps the prepared
     problem and the residuals (arrays) for the backward, which prepares nothing again; the
-    tensor arguments and the outputs (which the arrays may share memory with) are saved for
-    autograd's check that none changed in between. Its first argument is the problem where its
-    caller prepared one (:meth:`Operator.record`), else ``None``."""
+    tensor arguments, and the outputs where the backward reads them (``reads_outputs``: the
+    arrays may share their memory), are saved for autograd's check that none changed in
+    between. Its first argument is the problem where its caller prepared one
+    (:meth:`Operator.record`), else ``None``."""
     array, outputs, differentiable = op.array, op.outputs, op.differentiable
     strided, caller = op._strided, op.caller
 
@@ -461,22 +462,27 @@ def _eager_function(op: Operator[Any]) -> type[torch.autograd.Function]:
                 ctx.problem = array.prepare(*_arrays(args, strided), caller=caller) if problem is None else problem
                 results, ctx.saved = array.forward(ctx.problem)
             public = tuple(to_tensor(r) for r in results[:outputs])
-            ctx.save_for_backward(*(a for a in args if isinstance(a, torch.Tensor)), *public)
+            tensors = (a for a in args if isinstance(a, torch.Tensor))
             ctx.dtypes = [args[k].dtype if isinstance(args[k], torch.Tensor) else None for k in differentiable]
-            fixed = [r for r in public if not r.is_floating_point()]
-            if fixed:
-                ctx.mark_non_differentiable(*fixed)
-            ctx.set_materialize_grads(False)
+            if array.reads_outputs:
+                ctx.save_for_backward(*tensors, *public)
+                fixed = [r for r in public if not r.is_floating_point()]
+                if fixed:
+                    ctx.mark_non_differentiable(*fixed)
+                ctx.set_materialize_grads(False)  # zeros for the unused float outputs alone (below)
+            else:  # autograd gives zeros for an unused output
+                ctx.save_for_backward(*tensors)
             return public
 
         @staticmethod
         def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
             if torch.is_grad_enabled():
                 raise _double_backward_error(op.name)
-            saved = ctx.saved_tensors  # autograd's check that no argument or output changed since the forward
+            saved = ctx.saved_tensors  # autograd's check that no argument (or read output) changed since the forward
             assert array.backward is not None  # built only with a backward
             needs = [ctx.needs_input_grad[k + 1] for k in differentiable]  # after the problem
-            incoming = [torch.zeros_like(r) if g is None else g for g, r in zip(grads, saved[-outputs:])]
+            incoming = [torch.zeros_like(r) if g is None else g for g, r in zip(grads, saved[-outputs:])] \
+                if array.reads_outputs else grads
             with bridge(ctx.device):
                 arrays = array.backward(ctx.problem, ctx.saved, _arrays(incoming, op._grads_strided), needs).ordered()
             out: list[torch.Tensor | None] = [None] * len(ctx.needs_input_grad)
