@@ -732,12 +732,12 @@ def test_pickling_and_deepcopy_drop_the_recorded_batch():
 
     layer = st.SparseLinear(8, 4, sparsity=0.5)
     layer(torch.randn(3, 8)).sum().backward()
-    assert layer._last_batch is not None
+    assert layer._step
     buffer = io.BytesIO()
     torch.save(layer, buffer)
     buffer.seek(0)
     for other in (torch.load(buffer, weights_only=False), copy.deepcopy(layer)):
-        assert other._last_batch is None
+        assert other._step == []
         x = torch.randn(2, 8)
         torch.testing.assert_close(other(x), layer(x))
 
@@ -798,13 +798,30 @@ def test_prune_and_regrow_moves_weights_and_adam_state_with_them(regrow):
     train_step(layer, optimizer, x)
 
 
-def test_regrow_by_gradient_picks_the_largest_dense_gradient():
+def _twice(layer, x):
+    """A layer used twice in one forward (shared, or a recurrence)."""
+    return layer(x[:8]).pow(3).mean() + layer(torch.tanh(layer(x[8:]))).pow(3).mean()
+
+
+def _after_an_earlier_step_and_an_unused_call(layer, x):
+    layer(x.flip(0)).sum().backward()  # the step before: not this step's gradient
+    layer.zero_grad()
+    loss = layer(x).pow(3).mean()
+    layer(x[:3])  # an output that gets no backward: not recorded
+    return loss
+
+
+@pytest.mark.parametrize("loss", [lambda layer, x: layer(x).pow(3).mean(), _twice,
+                                  _after_an_earlier_step_and_an_unused_call],
+                         ids=["one call", "two calls", "after an earlier step and an unused call"])
+def test_regrow_by_gradient_picks_the_largest_dense_gradient(loss):
     torch.manual_seed(3)
-    layer = st.SparseLinear(10, 8, sparsity=0.7)
+    layer = st.SparseLinear(10, 10, sparsity=0.7)
     x = torch.randn(16, 10)
-    layer(x).pow(3).mean().backward()
     dense = layer.to_dense()
-    dense(x).pow(3).mean().backward()
+    loss(layer, x).backward()
+    dense.zero_grad()
+    loss(dense, x).backward()
     before = positions(layer)
     n_move = round(0.5 * layer.nnz)
     survivors = reference.largest_positions(np.abs(layer.weight_values.detach().numpy()), layer.nnz - n_move)

@@ -26,18 +26,19 @@ from .sparse import csr_tensor, prune
 __all__ = ["SparseLinear"]
 
 
-class _Batch:
-    """The input and output gradient of one training batch, held by reference (for RigL)."""
+class _Call:
+    """One training call's input, held by its autograd graph (a hook on the output) until the
+    backward hands it the output gradient; both then join ``step``, the layer's record of the
+    calls of one backward (for RigL), by reference. A call whose graph is dropped unused is
+    dropped with it."""
 
-    __slots__ = ("x", "grad_y")
-    x: torch.Tensor
-    grad_y: torch.Tensor | None
+    __slots__ = ("x", "step")
 
-    def __init__(self, x: torch.Tensor) -> None:
-        self.x, self.grad_y = x, None
+    def __init__(self, x: torch.Tensor, step: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.x, self.step = x, step
 
     def record(self, grad_y: torch.Tensor) -> None:
-        self.grad_y = grad_y
+        self.step.append((self.x, grad_y))
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -131,10 +132,11 @@ class SparseLinear(torch.nn.Module):
 
     Notes
     -----
-    In training mode, when autograd records, an eager ``forward`` keeps the last batch's input
-    and (by a hook) output gradient by reference, for ``prune_and_regrow(regrow="gradient")``;
-    they are the ones of that batch's step, so the layer holds one batch of activations
-    between steps. Under ``torch.compile`` (``fullgraph=True`` works) and ``torch.export`` it
+    In training mode, when autograd records, an eager ``forward`` keeps its input and (by a
+    hook) output gradient by reference, for ``prune_and_regrow(regrow="gradient")``: those of
+    every call that the last backward reached (a layer called several times in one forward,
+    shared or recurrent, adds up its calls' gradients), so the layer holds one step's
+    activations between steps; a call whose output gets no backward is not kept. Under ``torch.compile`` (``fullgraph=True`` works) and ``torch.export`` it
     records nothing (a hook that stores Python state would break the graph): run the step
     before a gradient regrowth eagerly.
 
@@ -160,7 +162,7 @@ class SparseLinear(torch.nn.Module):
     bias: torch.nn.Parameter | None
     indptr: torch.Tensor
     indices: torch.Tensor
-    _last_batch: _Batch | None
+    _step: list[tuple[torch.Tensor, torch.Tensor]]
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, sparsity: float = 0.9,
                  block: tuple[int, int] | None = None, device: torch.device | str | None = None,
@@ -191,7 +193,7 @@ class SparseLinear(torch.nn.Module):
             self.register_parameter("bias", None)
         else:
             self.bias = torch.nn.Parameter(bias)
-        self._last_batch = None
+        self._step = []
 
     def reset_parameters(self) -> None:
         """Draw a new random structure of the same nnz (torch's generator) and re-initialise
@@ -269,7 +271,7 @@ class SparseLinear(torch.nn.Module):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_last_batch"] = None  # activations, not part of the layer: never pickled or deep-copied
+        state["_step"] = []  # activations, not part of the layer: never pickled or deep-copied
         state.pop("_plan", None)  # a copy prepares its own
         return state
 
@@ -329,8 +331,10 @@ class SparseLinear(torch.nn.Module):
         if y is None:
             y = sparse_linear(*args)
         if self.training and y.requires_grad and not torch.compiler.is_compiling():  # a hook would break the graph
-            batch = self.__dict__["_last_batch"] = _Batch(x.detach())  # not nn.Module's __setattr__ (2 us)
-            y.register_hook(batch.record)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+            step = self.__dict__["_step"]
+            if step:  # a backward since the last call: this call starts the next step's record
+                step = self.__dict__["_step"] = []  # not nn.Module's __setattr__ (2 us)
+            y.register_hook(_Call(x.detach(), step).record)  # type: ignore[no-untyped-call]  # unannotated in torch
         return y
 
     def weight_csr(self) -> torch.Tensor:
@@ -366,7 +370,8 @@ class SparseLinear(torch.nn.Module):
             Where the new connections go, among positions not stored after the drop (a
             just-dropped one may return): uniformly at random (SET; torch's generator), or
             where the dense weight gradient ``|grad_y.T @ x|`` of the last training batch is
-            largest (RigL; computed now, in row blocks, from the batch this layer recorded).
+            largest (RigL; computed now, in row blocks, from the calls this layer recorded: those
+            of the last backward, summed over the calls of a layer used several times).
         optimizer : torch.optim.Optimizer, optional
             Its per-weight state (every state tensor shaped like ``weight_values``, e.g. Adam's
             moments) follows each surviving weight to its new slot and is zero for new ones;
@@ -394,11 +399,12 @@ class SparseLinear(torch.nn.Module):
             raise ValueError(f"{caller}: the optimizer does not hold this layer's weight_values")
         gradient = None
         if regrow == "gradient":
-            batch = self._last_batch
-            if batch is None or batch.grad_y is None:
+            if not self._step:
                 raise RuntimeError(f"{caller}: regrow='gradient' needs a training batch's gradient: "
                                    "run forward and backward in training mode (eagerly, not compiled) first")
-            gradient = (_rows(batch.grad_y), _rows(batch.x))
+            # the dense gradient of all the step's calls: sum_k grad_y_k.T @ x_k, one product of their rows
+            grad_y, x = (torch.cat([_rows(t) for t in ts]) for ts in zip(*((g, x) for x, g in self._step)))
+            gradient = (grad_y, x)
         seed = _torch_seed()
         shape = (self.out_features, self.in_features)
         with torch.no_grad():
