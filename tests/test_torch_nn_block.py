@@ -84,10 +84,18 @@ def test_block_layer_gradcheck_in_values_x_and_bias():
     assert torch.autograd.gradcheck(through_layer, (x, values, bias))
 
 
-def test_block_prune_and_regrow_keeps_nnzb_and_moves_adam_state_per_block():
+# an optimizer and the keys of its per-block state: Adam's moments are shaped like the blocks,
+# Adafactor's second moment is factored over each block's axes ((nnzb, R, 1) and (nnzb, 1, C))
+OPTIMIZERS = {"Adam": (torch.optim.Adam, ("exp_avg", "exp_avg_sq")),
+              "Adafactor": (torch.optim.Adafactor, ("row_var", "col_var"))}
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_block_prune_and_regrow_keeps_nnzb_and_moves_optimizer_state_per_block(name):
+    make, keys = OPTIMIZERS[name]
     torch.manual_seed(2)
     layer = st.SparseLinear(16, 12, sparsity=0.6, block=(2, 4))
-    optimizer = torch.optim.Adam(layer.parameters(), lr=1e-2)
+    optimizer = make(layer.parameters(), lr=1e-2)
     x = torch.randn(32, 16)
     for _ in range(3):
         optimizer.zero_grad()
@@ -108,7 +116,7 @@ def test_block_prune_and_regrow_keeps_nnzb_and_moves_adam_state_per_block():
     fresh = np.setdiff1d(np.arange(nnzb), new_slots)
     assert fresh.size == n_move
     for after, before in [(layer.weight_values.detach(), before_values), (layer.weight_values.grad, before_grad),
-                          (state["exp_avg"], before_state["exp_avg"]), (state["exp_avg_sq"], before_state["exp_avg_sq"])]:
+                          *((state[k], before_state[k]) for k in keys)]:
         torch.testing.assert_close(after[new_slots], before[survivors], rtol=0, atol=0)
         assert bool((after[fresh] == 0).all())
     assert state["step"] == before_state["step"]
@@ -266,13 +274,15 @@ def test_sparsify_with_blocks_round_trips_at_sparsity_0_and_checks_every_layer_f
     assert type(other[0]) is torch.nn.Linear  # nothing replaced
 
 
-def test_gradual_pruning_of_block_layers_reaches_the_final_density_and_state_follows_blocks():
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_gradual_pruning_of_block_layers_reaches_the_final_density_and_state_follows_blocks(name):
+    make, keys = OPTIMIZERS[name]
     torch.manual_seed(7)
     model = torch.nn.Sequential(torch.nn.Linear(16, 8, dtype=torch.float64))
     st.sparsify(model, 0.0, block=(2, 2))
     layer = model[0]
     parameter = layer.weight_values
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    optimizer = make(model.parameters(), lr=1e-2)
     optimizer.zero_grad()
     model(torch.randn(5, 16, dtype=torch.float64)).square().sum().backward()
     optimizer.step()
@@ -286,7 +296,7 @@ def test_gradual_pruning_of_block_layers_reaches_the_final_density_and_state_fol
     kept = np.isin(before_pos, _blocks(layer))
     norms = _block_norms_of(before_values)
     assert norms[kept].min() >= norms[~kept].max()
-    for key in ("exp_avg", "exp_avg_sq"):
+    for key in keys:
         assert torch.equal(optimizer.state[parameter][key], before[key][torch.from_numpy(kept)])
     model(torch.randn(5, 16, dtype=torch.float64)).sum().backward()
     optimizer.step()

@@ -100,9 +100,14 @@ def selectable(t: torch.Tensor) -> torch.Tensor:
 
 
 def following(state: Mapping[str, Any], weights: torch.Tensor) -> list[str]:
-    """The keys of the optimizer ``state`` that follow each stored weight: its tensors shaped
-    like ``weights`` (Adam's moments; not scalar state such as ``step``)."""
-    return [k for k, v in state.items() if torch.is_tensor(v) and v.shape == weights.shape]
+    """The keys of the optimizer ``state`` that follow each stored weight (or block): its
+    tensors of one entry per stored weight along the first axis, shaped like ``weights`` (Adam's
+    moments) or factored over a block's axes (Adafactor's ``row_var`` (nnzb, R, 1) and
+    ``col_var`` (nnzb, 1, C)); not scalar state such as ``step``."""
+    def per_weight(v: Any) -> bool:
+        return (torch.is_tensor(v) and v.dim() == weights.dim() and v.dim() > 0 and v.shape[0] == weights.shape[0]
+                and all(n in (1, m) for n, m in zip(v.shape[1:], weights.shape[1:])))
+    return [k for k, v in state.items() if per_weight(v)]
 
 
 def carry(weights: torch.Tensor, optimizer: torch.optim.Optimizer | None,

@@ -374,8 +374,8 @@ class SparseLinear(torch.nn.Module):
             of the last backward, summed over the calls of a layer used several times).
         optimizer : torch.optim.Optimizer, optional
             Its per-weight state (every state tensor shaped like ``weight_values``, e.g. Adam's
-            moments) follows each surviving weight to its new slot and is zero for new ones;
-            scalar state (``step``) stays.
+            moments, or factored over a block's axes, as Adafactor's) follows each surviving
+            weight to its new slot and is zero for new ones; scalar state (``step``) stays.
 
         Under ``torch.distributed`` (initialised), rank 0's choice and ``weight_values`` are
         broadcast (the default process group; every rank must call this), so the replicas stay

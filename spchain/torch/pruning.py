@@ -194,9 +194,10 @@ def prune_to(layer: SparseLinear, nnz: int, optimizer: torch.optim.Optimizer | N
     A block layer keeps ``nnz // (R * C)`` blocks, those of largest Frobenius norm.
 
     The weight parameter stays the same object (its data shrinks), so optimizers keep holding
-    it; its gradient and every optimizer state tensor shaped like it (Adam's moments) keep the
-    entries of the kept weights, in their new slots, exactly as in
-    :meth:`SparseLinear.prune_and_regrow`; scalar state (``step``) stays.
+    it; its gradient and every optimizer state tensor shaped like it (Adam's moments; with
+    blocks also one factored over a block's axes, as Adafactor's) keep the entries of the kept
+    weights, in their new slots, exactly as in :meth:`SparseLinear.prune_and_regrow`; scalar
+    state (``step``) stays.
     """
     check_no_utilities(layer, "prune_to")
     weights = layer.weight_values
