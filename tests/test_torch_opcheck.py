@@ -166,3 +166,19 @@ def test_an_output_changed_in_place_is_allowed_where_the_backward_does_not_read_
         return
     for got, w in zip(torch.autograd.grad(out.sum(), leaves), want, strict=True):
         torch.testing.assert_close(got, w)
+
+
+@pytest.mark.parametrize("low", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", sorted(SAMPLES))
+def test_low_precision_arguments_promote_as_torch_does(name, low):
+    """float16 and bfloat16 arguments are computed in float32, and the float results come in the
+    promoted dtype of the float arguments (``torch.promote_types``): the low one where every
+    float argument has it, float32 beside a float32 one (never a silent downcast)."""
+    operator = _operator(name)
+    args = SAMPLES[name](torch.float32)
+    floats = [k for k, a in enumerate(args) if isinstance(a, torch.Tensor) and a.is_floating_point()]
+    cases = [(floats, low)] + ([(floats[:1], torch.float32)] if len(floats) > 1 else [])
+    for lowered, dtype in cases:
+        results = operator(*(a.to(low) if k in lowered else a for k, a in enumerate(args)))
+        for r in results if isinstance(results, tuple) else (results,):
+            assert r.dtype == dtype or not r.is_floating_point()

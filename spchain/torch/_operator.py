@@ -37,6 +37,7 @@ Hessians, gradient penalties, nested ``torch.func.grad``, forward over reverse) 
 first-order answer. :data:`OPERATORS` holds every operator made, for ``torch.library.opcheck``.
 """
 
+import functools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, cast, overload
 
@@ -222,7 +223,9 @@ class Operator(Generic[Public]):
                 plain = plain and _plain(a)
                 if low is None and a.dtype in _LOW:
                     low = a.dtype
-        if low is not None:
+        if low is not None:  # computed in float32; the results in the promoted dtype, if still a low one
+            low = functools.reduce(torch.promote_types, (t.dtype for t in tensors if t.is_floating_point()))
+            low = low if low in _LOW else None
             args = tuple(a.float() if isinstance(a, torch.Tensor) and a.dtype in _LOW else a for a in args)
         # _is_any_autocast_enabled: a cheap first test, which Dynamo need not trace
         if tensors and (compiling or torch._C._is_any_autocast_enabled()) \
