@@ -28,6 +28,7 @@ a sum of weights off by ``ε`` would move them by ``ε`` times their size. Each 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from types import ModuleType
 
@@ -140,8 +141,22 @@ def _steps(chain: Chain) -> _Dense:
     return _Dense(chain) if chain.sparse is None else _Sparse(chain)
 
 
+def _centred(chain: Chain) -> Chain:
+    """``chain`` with each position's ``x`` less its largest finite entry. The entropy and its
+    gradient stay the same (a constant at a position adds to every path's score), and the
+    expected scores keep the size of their spread instead of ``x``'s, which ``H = log Z -
+    E[score]`` would cancel: ``x`` near ``-1e4`` in float32 (or ``-1e300`` in float64) left
+    nothing of the entropy, and emissions near ``-50`` over 2000 steps a float32 gradient of
+    rounding error."""
+    if not chain.x.size:
+        return chain
+    shift = _logspace.finite_or_zero(chain.xp, chain.x.max(axis=-1, keepdims=True))
+    return dataclasses.replace(chain, x=chain.x - shift)
+
+
 def entropy(chain: Chain) -> tuple[Array, tuple[Array, Array, Array, Array, Array]]:
     """``(H (B,), saved)``: the entropies and what :func:`entropy_grads` needs."""
+    chain = _centred(chain)
     xp = chain.xp
     rows, v, c = chain.x.shape
     log_partition, pre, norm = _forward(chain)
@@ -186,6 +201,7 @@ def entropy_grads(chain: Chain, saved: Sequence[Array], weight: Array,
                   trans_grad: bool = True) -> tuple[Array, Array | None]:
     """Gradients of ``sum(weight * H)``: ``(d x (B, v, c), d trans (G, S, c, c) or None)``;
     ``d init`` is ``d x[:, 0]``."""
+    chain = _centred(chain)  # as the forward that made ``saved``
     xp = chain.xp
     pre, norm, fwd, mean, possible = saved
     rows, v, c = chain.x.shape

@@ -39,6 +39,28 @@ def test_entropy_gradient_matches_autograd_through_enumeration(seed, v, c, per_s
         torch.testing.assert_close(g, torch.zeros_like(g) if w is None else w, rtol=1e-9, atol=1e-10)
 
 
+@pytest.mark.parametrize("dtype, offset, quantum, tol", [
+    (torch.float64, -1e12, 1 / 8, 1e-10), (torch.float64, -1e300, None, 1e-10),
+    (torch.float32, -1e4, 1 / 8, 2e-5), (torch.float32, -1e6, 1 / 2, 2e-5)])
+def test_entropy_and_its_gradient_ignore_a_constant_at_each_position(dtype, offset, quantum, tol):
+    """A constant added to every state of a position adds to every path's score: the posterior,
+    its entropy and the gradient stay those without it, even where the constant dwarfs the
+    entropy (``H = log Z - E[score]`` would cancel to nothing). ``x`` is exact beside the
+    constants: multiples of ``quantum``, or zeros (and the ``-inf`` holes)."""
+    x, trans, init, lengths = problem(9, 3, 6, 3, False)
+    x = torch.where(x.isfinite(), 0.0, x) if quantum is None else torch.round(x / quantum) * quantum
+    constants = offset * torch.arange(1, 7, dtype=torch.float64)[:, None]  # exact in dtype
+    results = []
+    for shifted in (x, x + constants):
+        inputs = [t.to(dtype).requires_grad_() for t in (shifted, trans, init)]
+        h = st.chain_entropy(*inputs, lengths=lengths)
+        results.append((h, *torch.autograd.grad(h.sum(), inputs)))
+    want = torch.stack([reference.chain_entropy_torch(x[b], trans, init, lengths[b]) for b in range(3)])
+    torch.testing.assert_close(results[1][0].double(), want, rtol=tol, atol=tol)
+    for got, without in zip(results[1], results[0]):
+        torch.testing.assert_close(got, without, rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("per_step", [True, False])
 def test_entropy_gradcheck(per_step):
     x, trans, init, lengths = problem(7, 2, 4, 3, per_step, holes=False)
