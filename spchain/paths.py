@@ -78,6 +78,8 @@ def _scaled_exp(xp: ModuleType, a: Array) -> Array:
     from .kernels.rules import FLUSH
 
     a = a.astype(np.float64)
+    if not a.shape[-1]:  # no states (c = 0): no weights
+        return a
     top = a.max(axis=-1, keepdims=True)
     e = xp.exp(a - xp.where(xp.isfinite(top), top, 0))
     return xp.where(xp.isfinite(top) & (e >= FLUSH), e, 0)

@@ -185,6 +185,16 @@ def test_empty_batch():
     assert sc.chain_path_score(x, np.zeros((2, 2)), None, np.zeros((0, 3), np.int64)).shape == (0,)
 
 
+def test_no_states():
+    """c = 0: no path, as the chain functions give it (log Z -inf): entropy 0, scores -inf, paths -1."""
+    x, trans = np.zeros((2, 3, 0)), np.zeros((0, 0))
+    np.testing.assert_array_equal(sc.chain_entropy(x, trans), [0.0, 0.0])
+    np.testing.assert_array_equal(sc.chain_sample(x, trans, num_samples=2, seed=0), np.full((2, 2, 3), -1))
+    scores, paths = sc.chain_kbest(x, trans, k=2)
+    np.testing.assert_array_equal(scores, np.full((2, 2), -np.inf))
+    np.testing.assert_array_equal(paths, np.full((2, 2, 3), -1))
+
+
 @pytest.mark.parametrize("dtype, scale", [(np.float32, 100.0), (np.float64, 700.0)])
 def test_samples_of_underflowing_weights_are_drawn_in_log_space(dtype, scale):
     """Every weight of the draw at position 0 underflows once scaled: exp(-scale) and exp(-scale - 1)."""
