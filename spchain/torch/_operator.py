@@ -465,16 +465,14 @@ def _eager_function(op: Operator[Any]) -> type[torch.autograd.Function]:
                 ctx.problem = array.prepare(*_arrays(args, strided), caller=caller) if problem is None else problem
                 results, ctx.saved = array.forward(ctx.problem)
             public = tuple(to_tensor(r) for r in results[:outputs])
-            tensors = (a for a in args if isinstance(a, torch.Tensor))
+            ctx.save_for_backward(*(a for a in args if isinstance(a, torch.Tensor)),
+                                  *(public if array.reads_outputs else ()))
             ctx.dtypes = [args[k].dtype if isinstance(args[k], torch.Tensor) else None for k in differentiable]
-            if array.reads_outputs:
-                ctx.save_for_backward(*tensors, *public)
-                fixed = [r for r in public if not r.is_floating_point()]
-                if fixed:
-                    ctx.mark_non_differentiable(*fixed)
-                ctx.set_materialize_grads(False)  # zeros for the unused float outputs alone (below)
-            else:  # autograd gives zeros for an unused output
-                ctx.save_for_backward(*tensors)
+            fixed = [r for r in public if not r.is_floating_point()]
+            if fixed:
+                ctx.mark_non_differentiable(*fixed)
+            if array.reads_outputs:  # zeros for the unused float outputs alone (below); else autograd's
+                ctx.set_materialize_grads(False)
             return public
 
         @staticmethod

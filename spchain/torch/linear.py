@@ -176,9 +176,9 @@ def sparse_linear(x: torch.Tensor, values: torch.Tensor, indptr: torch.Tensor, i
         The promoted dtype of the float inputs (``torch.promote_types``): float64 if one is
         float64, float16 or bfloat16 where every one has that dtype (computed in float32 and
         rounded once, so within that dtype's rounding of the float32 result), else float32;
-        gradients come back in each input's dtype. On the
-        CPU a float32/float64 result is a transposed view of the kernel's feature-major
-        output (call ``.contiguous()`` if you need rows).
+        gradients come back in each input's dtype. On the CPU a float32/float64 result is a
+        transposed view of the kernel's feature-major output (call ``.contiguous()`` if you
+        need rows).
 
     Raises
     ------

@@ -136,9 +136,10 @@ class SparseLinear(torch.nn.Module):
     hook) output gradient by reference, for ``prune_and_regrow(regrow="gradient")``: those of
     every call that the last backward reached (a layer called several times in one forward,
     shared or recurrent, adds up its calls' gradients), so the layer holds one step's
-    activations between steps; a call whose output gets no backward is not kept. Under ``torch.compile`` (``fullgraph=True`` works) and ``torch.export`` it
-    records nothing (a hook that stores Python state would break the graph): run the step
-    before a gradient regrowth eagerly.
+    activations between steps; a call whose output gets no backward is not kept. Under
+    ``torch.compile`` (``fullgraph=True`` works) and ``torch.export`` it records nothing (a
+    hook that stores Python state would break the graph): run the step before a gradient
+    regrowth eagerly.
 
     Examples
     --------
