@@ -22,6 +22,12 @@ FORMATS = ("csr", "csc", "coo")
 _INT32_MAX = np.iinfo(np.int32).max
 
 
+def fits_int32(*sizes: int) -> bool:
+    """Whether int32 indices can hold every size (dimensions, entry counts, offsets), e.g.
+    ``fits_int32(rows, cols, nnz)``; else a structure takes int64."""
+    return max(sizes, default=0) <= _INT32_MAX
+
+
 @dataclass(frozen=True)
 class Csr:
     """A validated sparse structure in CSR order: raw arrays of one backend.
@@ -216,7 +222,7 @@ def _index_arrays(caller: str, shape: tuple[int, int], **arrays: Array) -> list[
         if a.ndim != 1:
             raise ValueError(f"{caller}: {name} must be 1-D, got shape {a.shape}")
         nnz = max(nnz, a.shape[0])
-    small = max((*shape, nnz), default=0) <= _INT32_MAX
+    small = fits_int32(*shape, nnz)
     dtype = np.int32 if small and all(np.can_cast(a.dtype, np.int32) for a in arrays.values()) else np.int64
     return [a.astype(dtype, copy=False) for a in arrays.values()]
 

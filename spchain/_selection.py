@@ -9,7 +9,7 @@ import numpy as np
 
 from . import _backend
 from ._backend import Backend
-from ._csr import _INT32_MAX, Csr, row_of_entries
+from ._csr import Csr, fits_int32, row_of_entries
 from ._typing import Array, Seed, Shape
 
 _SCORE_BLOCK = 1 << 20
@@ -101,7 +101,7 @@ def positions_to_csr(backend: Backend, positions: Array, shape: Shape) -> tuple[
     """``(indptr, indices)`` of the sorted flat (row-major) ``positions`` in an ``shape`` matrix."""
     xp = backend.xp
     m, n = shape
-    dtype = np.int32 if max(m, n, positions.shape[0]) <= _INT32_MAX else np.int64
+    dtype = np.int32 if fits_int32(m, n, positions.shape[0]) else np.int64
     if positions.shape[0] == 0:
         return xp.zeros(m + 1, dtype), xp.empty(0, dtype)
     rows, cols = xp.divmod(positions, n)

@@ -290,8 +290,8 @@ def n_m_parts(backend: Backend, w: Array, sparsity: float | None, n: int | None,
     groups = xp.abs(w).reshape(rows, cols // m, m)
     key = xp.where(xp.isnan(groups), xp.inf, groups)
     kept = xp.sort(xp.argsort(-key, axis=2, kind="stable")[:, :, :n], axis=2)
-    dtype = np.int32 if max(rows, cols) * max(n, 1) <= _csr._INT32_MAX else np.int64
     per_row = cols // m * n
+    dtype = np.int32 if _csr.fits_int32(rows, cols, rows * per_row) else np.int64
     indices = (kept + (xp.arange(cols // m) * m)[None, :, None]).reshape(rows, per_row).astype(dtype)
     indptr = (xp.arange(rows + 1) * per_row).astype(dtype)
     return indptr, indices.ravel(), xp.take_along_axis(w, indices, axis=1).ravel()

@@ -6,7 +6,7 @@ import scipy.sparse
 
 import reference
 import spchain as sc
-from spchain import blocksparse
+from spchain import _backend, _csr, blocksparse
 
 
 def random_bsr(rng, grid, blocksize, density, dtype=np.float64, duplicates=0):
@@ -196,6 +196,17 @@ def test_n_m_prune_keeps_the_n_largest_of_every_m(rng, n, m, dtype):
     np.testing.assert_array_equal(out.data, w[mask])
     if n:
         assert sc.prune(w, 1 - n / m, method="n:m", n=n, m=m).nnz == out.nnz
+
+
+def test_n_m_indices_widen_where_the_entry_count_passes_int32(monkeypatch, rng):
+    # 2:4 over a 40 x 40 weight: 800 entries; sizes up to 100 "fit int32" here
+    monkeypatch.setattr(_csr, "_INT32_MAX", 100)
+    w = rng.standard_normal((40, 40))
+    indptr, indices, data = blocksparse.n_m_parts(_backend.NUMPY, w, None, 2, 4, "test")
+    assert indptr.dtype == indices.dtype == np.int64 and indptr[-1] == 800
+    mask = reference.n_m_mask(w, 2, 4)
+    np.testing.assert_array_equal(indices, np.nonzero(mask)[1])
+    np.testing.assert_array_equal(data, w[mask])
 
 
 @pytest.mark.parametrize("kwargs, error, message", [

@@ -176,7 +176,7 @@ class SparseLinear(torch.nn.Module):
         r, c = (1, 1) if block is None else _block_layer.check_block(caller, block, shape)
         total = in_features * out_features // (r * c)
         nnz = total - round(_csr.check_fraction(caller, "sparsity", sparsity) * total)
-        index = torch.int32 if max(in_features, out_features, nnz) <= _csr._INT32_MAX else torch.int64
+        index = torch.int32 if _csr.fits_int32(in_features, out_features, nnz) else torch.int64
         values = torch.empty((nnz,) if block is None else (nnz, r, c), device=device, dtype=dtype)
         self._setup(in_features, out_features, torch.zeros(out_features // r + 1, dtype=index),
                     torch.zeros(nnz, dtype=index), values,

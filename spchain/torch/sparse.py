@@ -44,7 +44,7 @@ def as_array(t: torch.Tensor) -> Array:
 def index_dtype(first: torch.Tensor, second: torch.Tensor, shape: Sequence[int]) -> torch.dtype:
     """The index dtype :func:`spchain._csr.to_csr` gives a structure of the index tensors
     ``first, second``: int32 where both are and every size fits, else int64."""
-    small = max(*shape, first.shape[0], second.shape[0]) <= _csr._INT32_MAX
+    small = _csr.fits_int32(*shape, first.shape[0], second.shape[0])
     return torch.int32 if small and first.dtype in _SMALL_INDEX and second.dtype in _SMALL_INDEX else torch.int64
 
 
