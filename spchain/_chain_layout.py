@@ -236,10 +236,10 @@ def prepare(x: Any, log_trans: Any, log_init: Any, lengths: Any, caller: str, ch
     if lengths is None:
         lengths = xp.full((rows,), v, dtype=np.int64)
     else:
-        lengths = _rows(xp, batch_shape, order, lengths.astype(np.int64, copy=False), ())
-        if rows:
+        if rows:  # read in the caller's dtype: a uint64 past int64 is reported as given
             low, high = int(lengths.min()), int(lengths.max())
             if check and (low < 1 or high > v):
                 raise ValueError(f"{caller}: lengths must lie in 1..v = 1..{v}, got values from {low} to {high}")
             max_length = high
+        lengths = _rows(xp, batch_shape, order, lengths.astype(np.int64, copy=False), ())
     return Chain(backend, x_rows, trans, init, lengths, group, max_length, batch_shape, order, x.shape, structure)

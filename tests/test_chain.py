@@ -308,6 +308,7 @@ def test_zero_states_is_minus_inf(algorithm):
     [
         ({"lengths": np.array([0, 3])}, ValueError, r"lengths must lie in 1\.\.v = 1\.\.4, got values from 0"),
         ({"lengths": np.array([2, 5])}, ValueError, r"lengths must lie in 1\.\.v = 1\.\.4, got values from 2 to 5"),
+        ({"lengths": np.array([2, 2**64 - 1], np.uint64)}, ValueError, r"got values from 2 to 18446744073709551615"),
         ({"lengths": np.array([1, 2, 3])}, ValueError, r"batch shapes do not broadcast.*lengths \(3,\)"),
         ({"lengths": np.array([1.0, 2.0])}, TypeError, "lengths must hold integers, got dtype float64"),
     ],
