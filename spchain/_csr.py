@@ -24,8 +24,9 @@ _INT32_MAX = np.iinfo(np.int32).max
 
 def fits_int32(*sizes: int) -> bool:
     """Whether int32 indices can hold every size (dimensions, entry counts, offsets), e.g.
-    ``fits_int32(rows, cols, nnz)``; else a structure takes int64."""
-    return max(sizes, default=0) <= _INT32_MAX
+    ``fits_int32(rows, cols, nnz)``; else a structure takes int64. (No ``max``: on symbolic
+    sizes under ``torch.compile`` it would guard on which size is largest.)"""
+    return all(size <= _INT32_MAX for size in sizes)
 
 
 @dataclass(frozen=True)

@@ -267,3 +267,36 @@ def test_sparsify_with_the_optimizer_swaps_parameters_and_gathers_their_state(bl
     model(x).square().sum().backward()
     optimizer.step()
     assert all(not torch.equal(layer.weight_values, b) for layer, b in zip(layers, before))
+
+
+@pytest.mark.parametrize("block", [None, (2, 2)])
+def test_a_compiled_model_prunes_on_one_dynamic_graph_where_module_shapes_are_not_static(block):
+    # torch gives module parameters and buffers static shapes, so each new nnz recompiles
+    # (fullgraph=True fails after 8); with them dynamic one graph serves every nnz
+    def train(compiled):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(st.SparseLinear(16, 16, sparsity=0.0, block=block, dtype=torch.float64),
+                                    torch.nn.ReLU(), torch.nn.Linear(16, 2, dtype=torch.float64))
+        run = torch.compile(model, fullgraph=True, backend="aot_eager") if compiled else model
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+        schedule = st.GradualPruning(model, 0.9, start=0, steps=10, optimizer=optimizer)
+        x, losses = torch.randn(8, 16, dtype=torch.float64), []
+        for _ in range(12):
+            loss = run(x).square().mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+            losses.append(loss.detach())
+        return torch.stack(losses), model[0].nnz
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    with torch._dynamo.config.patch(force_parameter_static_shapes=False,
+                                    force_nn_module_property_static_shapes=False):
+        losses, nnz = train(compiled=True)
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    expected, expected_nnz = train(compiled=False)
+    assert nnz == expected_nnz < 30 and graphs <= 2  # 256 weights pruned to 90 %
+    torch.testing.assert_close(losses, expected, rtol=1e-12, atol=1e-12)

@@ -242,6 +242,11 @@ class GradualPruning:
     optimizer : torch.optim.Optimizer, optional
         Its per-weight state follows the kept weights (see :func:`prune_to`).
 
+    Notes
+    -----
+    Under ``torch.compile`` each new ``nnz`` recompiles (module shapes are static); see
+    :doc:`compatibility` for the configuration that keeps one graph.
+
     Examples
     --------
     >>> import torch, spchain.torch as st
