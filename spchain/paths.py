@@ -367,10 +367,11 @@ KBEST: Op[KBestProblem, Saved] = Op(prepare_kbest, _kbest_forward, Saved)
 
 
 def _path_rows(chain: Chain, path: Array, caller: str, check: bool = True) -> Array:
-    """``path`` in row order (B, v), checked (unless ``check`` is false), -1 past each length."""
+    """``path`` in row order (B, v) of int64 (an unsigned path would wrap the -1), checked (unless
+    ``check`` is false), -1 past each length."""
     xp = chain.xp
     rows, v, c = chain.x.shape
-    path = chain.rows(path, (v,))
+    path = chain.rows(path, (v,)).astype(np.int64, copy=False)
     inside = xp.arange(v)[None, :] < chain.lengths[:, None]
     if check and rows and bool(((path < 0) | (path >= c))[inside].any()):
         raise ValueError(f"{caller}: path states must lie in 0..c-1 = 0..{c - 1} within each chain's length")

@@ -46,6 +46,14 @@ def test_nll_and_gradients_match_pytorch_crf(num_tags, lengths, reduction):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int16, torch.int32])
+def test_tags_of_a_compact_integer_dtype_give_the_int64_nll(dtype):
+    crf, _ = pair(5)
+    emissions, tags, lengths, _ = batch(5, [6, 4, 1])
+    torch.testing.assert_close(crf.nll(emissions, tags.to(dtype), lengths), crf.nll(emissions, tags, lengths),
+                               rtol=0, atol=0)
+
+
 def test_nll_float32_without_lengths():
     crf, ref = pair(5, dtype=torch.float32)
     emissions, tags, _, mask = batch(5, [6, 6, 6], dtype=torch.float32)

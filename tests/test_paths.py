@@ -120,6 +120,14 @@ def test_states_past_the_length_are_ignored():
     assert a == b
 
 
+@pytest.mark.parametrize("dtype", [np.int8, np.int32, np.uint8, np.uint16, np.uint32, np.uint64])
+def test_paths_of_any_integer_dtype_score_as_int64_ones(dtype):
+    x, trans, init, _ = problem(2, 5, 3, batch=3, holes=False)
+    path, lengths = np.array([[0, 2, 1, 1, 0], [2, 2, 0, 1, 1], [1, 0, 0, 2, 2]]), np.array([5, 3, 1])
+    expected = sc.chain_path_score(x, trans, init, path, lengths=lengths)
+    np.testing.assert_array_equal(sc.chain_path_score(x, trans, init, path.astype(dtype), lengths=lengths), expected)
+
+
 def sample_frequencies(paths, all_paths):
     index = {tuple(p): i for i, p in enumerate(all_paths)}
     counts = np.zeros(len(all_paths))
