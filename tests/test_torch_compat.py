@@ -316,7 +316,7 @@ def test_the_compatibility_table_names_tests_that_exist():
 
     tests = pathlib.Path(__file__).resolve().parent
     files = {"compat": "test_torch_compat.py", "transforms": "test_torch_transforms.py", "nn": "test_torch_nn.py",
-             "crf": "test_crf.py"}
+             "crf": "test_crf.py", "pruning": "test_torch_pruning.py"}
     text = (tests.parent / "docs" / "compatibility.rst").read_text()
     references = re.findall(r"``([\w.]+)::(test_\w+)``", text)
     assert len(references) > 30

@@ -6,6 +6,7 @@ from typing import Literal, TypeAlias
 import torch
 from torch import nn
 
+from ._bridge import check_dense
 from .chain import (SPARSE_CHAIN_LOGSUMEXP, SPARSE_CHAIN_MARGINALS, SPARSE_VITERBI, chain_logsumexp, chain_marginals,
                     viterbi)
 from .paths import SPARSE_CHAIN_PATH_SCORE, SPARSE_CHAIN_SAMPLE, chain_path_score, chain_sample
@@ -162,8 +163,9 @@ class LinearChainCRF(nn.Module):
         """``(x, lengths, offsets)``: the batch-major emissions with the end scores added at each
         chain's last position, each masked window moved to the front (``offsets`` (batch,) its
         starts; None without a mask)."""
+        check_dense(caller, emissions=emissions)
         names = ("v", "batch") if self.batch_first is False else ("batch", "v")
-        if not isinstance(emissions, torch.Tensor) or emissions.ndim != 3 or emissions.shape[-1] != self.num_tags:
+        if emissions.ndim != 3 or emissions.shape[-1] != self.num_tags:
             raise ValueError(f"{caller}: emissions must have shape ({names[0]}, {names[1]}, num_tags = "
                              f"{self.num_tags}), got {getattr(emissions, 'shape', type(emissions).__name__)}")
         emissions = self._batch_major(emissions)
@@ -215,8 +217,9 @@ class LinearChainCRF(nn.Module):
 
     def _path(self, tags: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor | None, caller: str) -> torch.Tensor:
         """``tags`` batch-major, each masked window moved to the front as ``x``'s."""
-        if not isinstance(tags, torch.Tensor) or tags.ndim != 2:
-            raise ValueError(f"{caller}: tags must be a 2-D tensor, got {getattr(tags, 'shape', type(tags).__name__)}")
+        check_dense(caller, tags=tags)
+        if tags.ndim != 2:
+            raise ValueError(f"{caller}: tags must be a 2-D tensor, got {tuple(tags.shape)}")
         tags = self._batch_major(tags)
         if tags.shape != x.shape[:2]:
             raise ValueError(f"{caller}: tags must be a tensor of shape {self._layout(x.shape[:2])}, "
@@ -301,9 +304,9 @@ class LinearChainCRF(nn.Module):
         caller = "LinearChainCRF.decode"
         if isinstance(lengths, torch.Tensor) and lengths.ndim == 2 and mask is None:
             lengths, mask = None, lengths
-        x, lengths, offsets = self._chain(emissions.detach(), lengths, mask, caller)
-        transitions, start = self._scores(x.dtype)
         with torch.no_grad():
+            x, lengths, offsets = self._chain(emissions, lengths, mask, caller)
+            transitions, start = self._scores(x.dtype)
             if len(transitions) == 1:
                 path = viterbi(x, transitions[0], start, lengths=lengths)[1]
             else:
@@ -316,10 +319,9 @@ class LinearChainCRF(nn.Module):
                   mask: torch.Tensor | None = None) -> torch.Tensor:
         """The posterior marginals of each tag at each position, the shape of ``emissions``
         (0 past each length, or outside the mask)."""
-        x, lengths, offsets = self._chain(emissions.detach(), lengths, mask, "LinearChainCRF.marginals")
-        transitions, start = self._scores(x.dtype)
         with torch.no_grad():
-            transitions, start = [t.detach() for t in transitions], start.detach()
+            x, lengths, offsets = self._chain(emissions, lengths, mask, "LinearChainCRF.marginals")
+            transitions, start = self._scores(x.dtype)
             if len(transitions) == 1:
                 out = chain_marginals(x, transitions[0], start, lengths=lengths)
             else:
@@ -330,9 +332,9 @@ class LinearChainCRF(nn.Module):
                num_samples: int = 1, seed: int | None = None) -> torch.Tensor:
         """Tag sequences drawn from the posterior, int64 (num_samples, batch, v) ((num_samples,
         v, batch) time-major), -1 past each length (or outside the mask)."""
-        x, lengths, offsets = self._chain(emissions.detach(), lengths, mask, "LinearChainCRF.sample")
-        transitions, start = self._scores(x.dtype)
         with torch.no_grad():
+            x, lengths, offsets = self._chain(emissions, lengths, mask, "LinearChainCRF.sample")
+            transitions, start = self._scores(x.dtype)
             if len(transitions) == 1:
                 out = chain_sample(x, transitions[0], start, lengths=lengths, num_samples=num_samples, seed=seed)
             else:
