@@ -24,6 +24,10 @@ WRONG = {("chain", "torch pairwise broadcast tree")}
 
 CASES = [(w, c) for w in bench.WORKLOADS for c in bench.workload(w).CASES]
 
+RUN = {"date": "2026-01-01", "machine": "2 cores, Linux", "cpu": "A", "torch": "2.13.0", "threads": 2,
+       "command": "python -m spchain bench"}
+"""A run of the record, as far as :func:`record.validate` asks."""
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("workload, case", CASES)
@@ -177,6 +181,56 @@ def test_an_unwritable_png_fails_before_the_run(tmp_path, capsys, monkeypatch):
     with pytest.raises(SystemExit):
         bench.main(["bench", "--quick", "--png", str(folder / "bench.png")])
     assert "cannot be written" in capsys.readouterr().err
+
+
+def test_a_png_where_no_file_can_be_made_fails_before_the_run(capsys, monkeypatch):
+    if not os.path.isdir("/proc"):
+        pytest.skip("no /proc")
+    monkeypatch.setattr(bench.os, "access", lambda path, mode: True)  # as for root
+    monkeypatch.setattr(bench, "run", lambda *a, **k: pytest.fail("ran despite an unwritable --png"))
+    with pytest.raises(SystemExit):
+        bench.main(["bench", "--quick", "--png", "/proc/bench.png"])
+    assert "--png: '/proc/bench.png' cannot be written" in capsys.readouterr().err
+
+
+_CASE = {"workload": "chain", "case": "forward", "quick": True, "run": "r",
+         "methods": [{"method": "spchain", "median_s": 1.0}, {"method": "loop", "median_s": 2.0, "time_ratio": 2.0}]}
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{bad", "is not JSON (Expecting property name"),
+    ("[]", 'not a record: expected an object {"runs"'),
+    ('{"runs": {}}', "not a record"),
+    (json.dumps({"runs": {"r": {"cpu": "A"}}, "cases": []}), "run 'r' is not an object with the keys date, machine"),
+    (json.dumps({"runs": {"r": RUN}, "cases": [{"workload": "chain"}]}), "case 0 is not an object with the keys"),
+    (json.dumps({"runs": {"r": RUN}, "cases": [{**_CASE, "methods": []}]}), "methods is not a non-empty list"),
+    (json.dumps({"runs": {"r": RUN}, "cases": [{**_CASE, "methods": _CASE["methods"][:1] + [{"method": "loop"}]}]}),
+     "case 0 (chain: forward): method 1 is not an object with the keys method, median_s, time_ratio"),
+    (json.dumps({"runs": {"r": RUN}, "cases": [{**_CASE, "run": "s"}]}), "names a run that the record lacks: 's'"),
+])
+@pytest.mark.parametrize("flag", ["--check", "--update-record", "--write-docs"])
+def test_a_malformed_record_is_a_clear_error_before_anything_runs(flag, text, message, tmp_path, capsys, monkeypatch):
+    path = tmp_path / "record.json"
+    path.write_text(text)
+    monkeypatch.setattr(bench, "run", lambda *a, **k: pytest.fail("ran despite a malformed record"))
+    monkeypatch.setattr(bench, "write_docs", lambda *a, **k: pytest.fail("wrote despite a malformed record"))
+    with pytest.raises(SystemExit) as exit:
+        bench.main(["bench", flag, "--record", str(path)])
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and f"--record: {str(path)!r}" in err and message in err
+    with pytest.raises(ValueError):  # the same check where the record is loaded (a JSONDecodeError is one)
+        record.load(path)
+
+
+@pytest.mark.parametrize("args", [["--only", "chain"], ["--check"], ["--quick"], ["--png", "x.png"],
+                                  ["--device", "cuda"], ["--repeat", "2", "--update-record"]])
+def test_write_docs_refuses_what_only_a_run_uses(args, capsys, monkeypatch):
+    monkeypatch.setattr(bench, "write_docs", lambda *a, **k: pytest.fail("wrote despite a run's argument"))
+    with pytest.raises(SystemExit) as exit:
+        bench.main(["bench", "--write-docs", *args])
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and "--write-docs runs nothing" in err
+    assert f"{', '.join(a for a in args if a.startswith('--'))} not allowed with it" in err
 
 
 def test_a_first_run_compiles_the_kernels_of_the_selected_workloads_first_and_only_then(monkeypatch):
@@ -338,7 +392,7 @@ def test_check_lists_every_ratio_that_fell_by_more_than_a_quarter():
 
 def test_check_exits_nonzero_when_a_ratio_fell(tmp_path, capsys, monkeypatch):
     path = tmp_path / "record.json"
-    path.write_text(json.dumps({"runs": {"r": {"cpu": "another CPU", "date": "2026-01-01"}}, "cases": [
+    path.write_text(json.dumps({"runs": {"r": {**RUN, "cpu": "another CPU"}}, "cases": [
         {"workload": "viterbi", "case": "decode", "quick": True, "run": "r",
          "methods": [{"method": "spchain", "median_s": 1.0},
                      {"method": "torch broadcasting max", "median_s": 1.0, "time_ratio": 1.0}]}]}))
@@ -352,7 +406,7 @@ def test_check_exits_nonzero_when_a_ratio_fell(tmp_path, capsys, monkeypatch):
 def test_update_record_writes_the_run_and_keeps_labels(tmp_path, monkeypatch):
     path = tmp_path / "record.json"
     here = record.this_run([], True, 1, "cpu")["cpu"]
-    path.write_text(json.dumps({"runs": {"old": {"date": "2000-01-01", "cpu": here}}, "cases": [
+    path.write_text(json.dumps({"runs": {"old": {**RUN, "date": "2000-01-01", "cpu": here}}, "cases": [
         {"workload": "viterbi", "case": "decode", "quick": True, "run": "old", "label": "`viterbi`", "headline": "h",
          "methods": [{"method": "spchain", "label": "spchain", "median_s": 1.0},
                      {"method": "torch broadcasting max", "label": "broadcasting", "median_s": 1.0, "time_ratio": 1.0}]}]}))

@@ -22,6 +22,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 from pathlib import Path
 from types import ModuleType
 
@@ -107,6 +108,12 @@ def _writable(path: str, suffix: str) -> None:
         raise ValueError(f"{path!r}: no directory {str(folder)!r}")
     if not os.access(target if target.exists() else folder, os.W_OK):
         raise ValueError(f"{path!r} cannot be written")
+    if not target.exists():  # root passes os.access where no file can be made (/proc)
+        try:
+            with tempfile.TemporaryFile(dir=folder):
+                pass
+        except OSError as exc:
+            raise ValueError(f"{path!r} cannot be written ({exc.strerror})") from None
 
 
 def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
@@ -137,15 +144,33 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
 
 
 def _arguments(argv: list[str] | None) -> argparse.Namespace:
-    """The parsed arguments, every check that can fail done before anything runs."""
+    """The parsed arguments, every check that can fail done before anything runs; ``saved`` is the
+    record, loaded and validated where ``--check``, ``--update-record`` or ``--write-docs`` reads it."""
     top, parser = _parser()
     args = top.parse_args(argv)
     twice = sorted({w for w in args.only or () if args.only.count(w) > 1})
     if twice:
         parser.error(f"--only: {', '.join(twice)} named more than once")
+    if args.write_docs:
+        run_only = [("--only", args.only), ("--quick", args.quick), ("--full", args.full),
+                    ("--device", args.device != "cpu"), ("--repeat", args.repeat),
+                    ("--budget", args.budget is not None), ("--png", args.png), ("--json", args.json),
+                    ("--check", args.check), ("--update-record", args.update_record)]
+        given = [flag for flag, value in run_only if value]
+        if given:
+            parser.error(f"--write-docs runs nothing and rewrites every table from the whole record: "
+                         f"{', '.join(given)} not allowed with it")
     args.quick = args.quick or (args.check and not args.full)
-    if (args.check or args.update_record or args.write_docs) and not args.record.is_file():
-        parser.error(f"--record: no file {str(args.record)!r}")
+    args.saved = None
+    if args.check or args.update_record or args.write_docs:
+        if not args.record.is_file():
+            parser.error(f"--record: no file {str(args.record)!r}")
+        try:
+            args.saved = record.load(args.record)
+        except json.JSONDecodeError as exc:
+            parser.error(f"--record: {str(args.record)!r} is not JSON ({exc})")
+        except (OSError, ValueError) as exc:
+            parser.error(f"--record: {str(args.record)!r}: {exc}")
     if (args.check or args.update_record) and args.device != "cpu":
         parser.error("--check and --update-record: the record holds CPU figures (--device cpu)")
     outputs = [("--png", args.png, ".png"), ("--json", args.json, ".json"),
@@ -310,7 +335,7 @@ def run(selected: list[tuple[str, str]], quick: bool, device: str, repeat: int, 
 def main(argv: list[str] | None = None) -> int:
     args = _arguments(argv)
     if args.write_docs:
-        for path in write_docs(record.load(args.record), ROOT):
+        for path in write_docs(args.saved, ROOT):
             print(f"rewritten: {path}")
         return 0
     try:
@@ -346,11 +371,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"figures written to {args.json}")
     status = 0
     if args.check:
-        changes, missing = record.compare(record.load(args.record), results, args.quick, this_run["cpu"])
+        changes, missing = record.compare(args.saved, results, args.quick, this_run["cpu"])
         print(record.check_report(changes, missing))
         status = 1 if any(c.fell for c in changes) else 0
     if args.update_record:
-        saved = record.load(args.record)
+        saved = record.load(args.record)  # not args.saved: another run may have written it since
         written = record.update(saved, results, args.quick, this_run)
         record.save(saved, args.record)
         print(f"{args.record}: {len(written)} cases written")

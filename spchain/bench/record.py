@@ -29,10 +29,44 @@ PATH = Path(__file__).with_name("record.json")
 DROP = 0.25
 """``--check`` lists every ratio that fell by more than this fraction of the recorded one."""
 
+RUN_KEYS = ("date", "machine", "cpu", "torch", "threads", "command")
+"""What every run of the record holds (:func:`this_run` writes more)."""
+
+CASE_KEYS = ("workload", "case", "quick", "run", "methods")
+"""What every case of the record holds (:func:`entry` may add a label and a headline)."""
+
 
 def load(path: Path = PATH) -> dict[str, Any]:
-    """The record: ``{"runs": {id: run}, "cases": [case, ...]}``."""
-    record: dict[str, Any] = json.loads(path.read_text())
+    """The record: ``{"runs": {id: run}, "cases": [case, ...]}``; ``ValueError`` where the file is
+    not JSON or not a record (:func:`validate`), ``OSError`` where it cannot be read."""
+    return validate(json.loads(path.read_text()))
+
+
+def validate(data: Any) -> dict[str, Any]:
+    """``data`` if it has the record's structure, else ``ValueError`` saying what is missing: every
+    run holds :data:`RUN_KEYS`; every case :data:`CASE_KEYS`, a run of the record and a non-empty
+    list of methods, each with a method and a median time, every baseline with its time ratio."""
+    if not (isinstance(data, dict) and isinstance(data.get("runs"), dict) and isinstance(data.get("cases"), list)):
+        raise ValueError('not a record: expected an object {"runs": {id: run, ...}, "cases": [case, ...]}')
+    for name, run in data["runs"].items():
+        if not (isinstance(run, dict) and set(RUN_KEYS) <= run.keys()):
+            raise ValueError(f"run {name!r} is not an object with the keys {', '.join(RUN_KEYS)}")
+    for i, case in enumerate(data["cases"]):
+        if not (isinstance(case, dict) and set(CASE_KEYS) <= case.keys()):
+            raise ValueError(f"case {i} is not an object with the keys {', '.join(CASE_KEYS)}")
+        methods = case["methods"]
+        what = f"case {i} ({case['workload']}: {case['case']})"
+        if not (isinstance(methods, list) and methods and all(isinstance(m, dict) for m in methods)):
+            raise ValueError(f"{what}: methods is not a non-empty list of objects")
+        for k, m in enumerate(methods):
+            needs = ("method", "median_s", "time_ratio") if k else ("method", "median_s")
+            if not set(needs) <= m.keys():
+                raise ValueError(f"{what}: method {k} is not an object with the keys {', '.join(needs)}")
+        named = [case["run"], *(m["run"] for m in methods if "run" in m)]
+        unknown = [run for run in named if not (isinstance(run, str) and run in data["runs"])]
+        if unknown:
+            raise ValueError(f"{what} names a run that the record lacks: {unknown[0]!r}")
+    record: dict[str, Any] = data
     return record
 
 
