@@ -242,6 +242,33 @@ def test_forward_ad_equals_torch_on_a_float64_reference(fn, reference, inputs):
                                rtol=1e-10, atol=1e-12)
 
 
+def _with_plus_inf(t, *positions):
+    for position in positions:
+        t[position] = float("inf")
+    return t
+
+
+@pytest.mark.parametrize("fn, inputs", [
+    (st.logmatmul, lambda: (_with_plus_inf(randn(2, 3, 4), (0, 1, 2), (1, 0, 2)),
+                            _with_plus_inf(randn(4, 5, seed=1), (2, 3)))),
+    (st.logmatmul, lambda: (randn(2, 0), randn(0, 3))),
+    (lambda a, b: st.maxmatmul(a, b)[0], lambda: (randn(2, 0), randn(0, 3))),
+    (st.log_chain_product, lambda: (_with_plus_inf(randn(2, 4, 3, 3), (0, 1, 0, 1), (1, 2, 2, 0), (1, 3, 2, 0)),)),
+    (st.log_chain_product, lambda: (_with_plus_inf(randn(1, 3, 3), (0, 0, 1)),)),
+], ids=["logmatmul", "logmatmul_k0", "maxmatmul_k0", "log_chain_product", "log_chain_product_length_1"])
+def test_forward_ad_at_plus_inf_and_empty_products_is_the_jacobian_times_the_tangent(fn, inputs):
+    # a +inf output: reverse mode's equal shares to its +inf terms; no term (k = 0): a zero tangent
+    inputs = inputs()
+    for a in inputs:
+        a[..., :1, -1:] = -float("inf")  # a log-space zero too
+    tangents = _tangents(inputs)
+    out, tangent = torch.func.jvp(fn, inputs, tangents)
+    jacobians = torch.func.jacrev(fn, argnums=tuple(range(len(inputs))))(*inputs)
+    expected = sum(torch.tensordot(j, t, dims=t.dim()) for j, t in zip(jacobians, tangents))
+    assert torch.isfinite(expected).all() and (torch.isposinf(out).any() or torch.isneginf(out).all())
+    torch.testing.assert_close(tangent, expected, rtol=1e-10, atol=1e-12)
+
+
 def test_forward_ad_of_the_log_partition_is_the_sum_of_the_marginals():
     x, log_trans = randn(4, 3), randn(3, 3, seed=1)  # the example: 4 positions, tangent 4
     _, tangent = torch.func.jvp(lambda x: st.chain_logsumexp(x, log_trans), (x,), (torch.ones_like(x),))

@@ -11,7 +11,7 @@ from .. import semiring as _semiring
 from ._bridge import check_dense
 from ._operator import Operator
 
-_NEG_INF = float("-inf")
+_NEG_INF, _POS_INF = float("-inf"), float("inf")
 
 
 def _product_fake(caller: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -41,26 +41,43 @@ def _ratio(parts: Sequence[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
     return torch.where(out == _NEG_INF, 0.0, (positive - out).exp() - (negative - out).exp())
 
 
+def _product_tangent(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, da: torch.Tensor | None,
+                     db: torch.Tensor | None) -> torch.Tensor:
+    """The tangent of ``out = logmatmul(a, b)``: ``sum_k w[i, k, j] (da[i, k] + db[k, j])``,
+    ``w = exp(a[i, k] + b[k, j] - out[i, j])``, each sign of a tangent as log-space weights, so
+    the sums are log-space products (exact, no overflow). At a ``+inf`` output, the mean of its
+    ``+inf`` terms' tangents (reverse mode's equal shares); elsewhere ``+inf`` terms are absent."""
+    a_finite, b_finite = (t.masked_fill(t == _POS_INF, _NEG_INF) for t in (a, b))
+    tangent, shares = torch.zeros_like(out), torch.zeros_like(out)
+    # term (i, k, j) is +inf where pa_ik and fb_kj, or else fa_ik and pb_kj (as _logspace.PosInf)
+    pa, pb = (t == _POS_INF for t in (a, b))
+    fb, fa_only = (b > _NEG_INF).to(out.dtype), ((a > _NEG_INF) & ~pa).to(out.dtype)
+    pa, pb = pa.to(out.dtype), pb.to(out.dtype)
+    if da is not None:
+        tangent = tangent + _ratio([_LOGMATMUL.op(a_finite + w, b_finite) for w in _log_parts(da)], out)
+        shares = shares + (pa * da) @ fb + (fa_only * da) @ pb
+    if db is not None:
+        tangent = tangent + _ratio([_LOGMATMUL.op(a_finite, b_finite + w) for w in _log_parts(db)], out)
+        shares = shares + pa @ (fb * db) + fa_only @ (pb * db)
+    count = pa @ fb + fa_only @ pb
+    return torch.where(out == _POS_INF, shares / count.clamp(min=1), tangent)
+
+
 def _logmatmul_jvp(operator: Operator[Any], args: Sequence[Any], results: Sequence[torch.Tensor],
                    tangents: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
-    """``sum_k w[i, k, j] (da[i, k] + db[k, j])``, ``w = exp(a[i, k] + b[k, j] - out[i, j])``: each
-    sign of a tangent as log-space weights, so the sums are log-space products (exact, no overflow)."""
-    (a, b), out, (da, db) = args, results[0], tangents
-    tangent = torch.zeros_like(out)
-    if da is not None:
-        tangent = tangent + _ratio([operator.op(a + w, b) for w in _log_parts(da)], out)
-    if db is not None:
-        tangent = tangent + _ratio([operator.op(a, b + w) for w in _log_parts(db)], out)
-    return [tangent]
+    """:func:`_product_tangent` of the product."""
+    (a, b), (da, db) = args, tangents
+    return [_product_tangent(a, b, results[0], da, db)]
 
 
 def _maxmatmul_jvp(operator: Operator[Any], args: Sequence[Any], results: Sequence[torch.Tensor],
                    tangents: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
-    """The tangents of the argmax terms, ``da[i, k*] + db[k*, j]`` (0 where the value is ``-inf``)."""
+    """The tangents of the argmax terms, ``da[i, k*] + db[k*, j]`` (0 where the value is ``-inf``,
+    as everywhere when ``k = 0``)."""
     (values, argmax), (da, db) = results, tangents
     tangent = torch.zeros_like(values)
     for d, dim in ((da, -1), (db, -2)):
-        if d is not None:  # leading ones where the batch broadcasts
+        if d is not None and d.shape[dim]:  # leading ones where the batch broadcasts
             tangent = tangent + torch.take_along_dim(d.reshape((1,) * (argmax.dim() - d.dim()) + d.shape), argmax, dim)
     return [torch.where(values == _NEG_INF, 0.0, tangent)]
 
@@ -69,9 +86,17 @@ def _log_chain_product_jvp(operator: Operator[Any], args: Sequence[Any], results
                            tangents: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
     """Each sign of the tangent as log-space weights ``w`` in the product of the block matrices
     ``[[m, m + w], [-inf, m]]`` (twice the states): its upper right block sums, over the paths,
-    each path's weight times its tangent, in log space."""
+    each path's weight times its tangent, in log space. With a ``+inf`` entry, the products
+    folded left to right with :func:`_product_tangent`, the order of reverse mode's equal shares."""
     (m,), out, (dm,) = args, results[0], tangents
     assert dm is not None  # the one differentiable argument has the tangent
+    if bool(torch.isposinf(m).any()):
+        product, tangent = m[..., 0, :, :], dm[..., 0, :, :]
+        for step in range(1, m.shape[-3]):
+            following = _LOGMATMUL.op(product, m[..., step, :, :])
+            tangent = _product_tangent(product, m[..., step, :, :], following, tangent, dm[..., step, :, :])
+            product = following
+        return [tangent]
     c = m.shape[-1]
     never = torch.full_like(m, _NEG_INF)
     parts = [operator.op(torch.cat([torch.cat([m, m + w], -1), torch.cat([never, m], -1)], -2))[..., :c, c:]
