@@ -147,6 +147,18 @@ def test_vmap_equals_a_loop(case):
         torch.testing.assert_close(out[k], case.fn(*(t[k] for t in stacked)), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if not c.differentiable], ids=str)
+def test_a_backward_through_an_operator_without_a_gradient_raises_never_a_zero(case):
+    match = f"{case.name} has no gradient"
+    leaves = _leaves(case)
+    with pytest.raises(NotImplementedError, match=match):
+        torch.autograd.grad(case.fn(*leaves).sum(), leaves)
+    inputs = case.inputs()
+    with pytest.raises(NotImplementedError, match=match):
+        torch.func.grad(lambda x: case.fn(x, *inputs[1:]).sum())(inputs[0])
+    torch.testing.assert_close(case.fn(*(t.detach() for t in leaves)), case.fn(*inputs))  # detached: constants
+
+
 @pytest.mark.parametrize("case", DIFFERENTIABLE, ids=str)
 def test_per_sample_gradients_equal_a_loop(case):
     stacked = [torch.stack([t, t * 0.5 - 0.25]) for t in case.inputs()]

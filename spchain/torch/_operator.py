@@ -236,15 +236,16 @@ class Operator(Generic[Public]):
             results = self._tangent.apply(*args)  # type: ignore[no-untyped-call]
         else:
             differentiable = self.array.backward is not None
-            if requires and not differentiable:  # results without a graph, also where compile traces the joint graph
-                args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
-            grad = requires and differentiable and torch.is_grad_enabled()
+            if requires and compiling and not differentiable:  # constants: the joint graph would trace the
+                args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)  # raising backward
+            grad = requires and torch.is_grad_enabled() and not (compiling and not differentiable)
             # not compiling and no forward mode: no torch.func transform is active
-            if plain and not (torch._C._is_tracing() or torch._C._len_torch_dispatch_stack()):
+            if plain and (differentiable or not grad) and not (torch._C._is_tracing()
+                                                               or torch._C._len_torch_dispatch_stack()):
                 # without a graph, only the public results become tensors
                 results = (self._eager.apply(None, *args) if grad  # type: ignore[no-untyped-call]
                            else self._run(args, self.outputs))
-            else:
+            else:  # an operator without a backward: results whose backward raises, never a zero gradient
                 results = self._transform.apply(*args) if grad else self.op(*args)  # type: ignore[no-untyped-call]
         if isinstance(results, torch.Tensor):
             results = (results,)
@@ -502,7 +503,6 @@ def _transform_functions(op: Operator[Any], backward_op: torch._ops.OpOverload |
     methods close over operators, numbers and module functions only, which ``torch.compile``
     can trace."""
     name, forward_op, outputs, differentiable = op.name, op.op, op.outputs, op.differentiable
-    graded = outputs if backward_op is not None else 0  # results with a gradient
 
     class Backward(torch.autograd.Function):
         """The backward operator, differentiable once: a second derivative raises."""
@@ -540,11 +540,13 @@ def _transform_functions(op: Operator[Any], backward_op: torch._ops.OpOverload |
 
         @staticmethod
         def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-            _save(ctx, inputs, output, graded)
+            _save(ctx, inputs, output, outputs)
 
         @staticmethod
         def backward(ctx: Any, *incoming: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-            assert backward_op is not None  # without one, no result is differentiable
+            if backward_op is None:
+                raise NotImplementedError(f"{name} has no gradient (its docstring names a differentiable "
+                                          "alternative); call it on detached tensors to use its results as constants")
             args, results = _restore(ctx)
             needs = [bool(ctx.needs_input_grad[k]) for k in differentiable]
             grads = _public_grads(incoming, results, outputs)
@@ -561,7 +563,7 @@ def _transform_functions(op: Operator[Any], backward_op: torch._ops.OpOverload |
 
         @staticmethod
         def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-            _save(ctx, inputs, output, graded, jvp=True)
+            _save(ctx, inputs, output, outputs, jvp=True)
 
         @staticmethod
         def jvp(ctx: Any, *tangents: torch.Tensor | None) -> torch.Tensor | tuple[torch.Tensor | None, ...] | None:

@@ -173,7 +173,8 @@ def chain_marginals(x: TensorLike, log_trans: TensorLike, log_init: TensorLike |
                     lengths: TensorLike | None = None) -> torch.Tensor:
     """:func:`spchain.chain_marginals` for tensors: the posterior marginals, shape of ``x``.
 
-    The result carries no graph (it is itself a gradient).
+    No gradient (the marginals are :func:`chain_logsumexp`'s): a backward through the result
+    raises ``NotImplementedError``; detach ``x`` to use them as constants.
 
     Examples
     --------

@@ -110,7 +110,8 @@ def chain_entropy(x: TensorLike, log_trans: TensorLike, log_init: TensorLike | N
 def chain_kbest(x: TensorLike, log_trans: TensorLike, log_init: TensorLike | None = None, *, k: int,
                 lengths: TensorLike | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`spchain.chain_kbest` for tensors: ``(scores (k, *batch), paths (k, *batch, v))``
-    (no gradient; :func:`chain_path_score` of a path gives a differentiable score).
+    (no gradient: a backward through the scores raises ``NotImplementedError``;
+    :func:`chain_path_score` of the paths gives differentiable scores).
 
     Examples
     --------
