@@ -255,11 +255,11 @@ def backend_of(*arrays: Any, caller: str = "spchain") -> Backend:
             continue
         elif _is_torch_tensor(a):
             hint = " and requires grad" if a.requires_grad else ""
-            raise TypeError(
-                f"{caller} got a torch.Tensor{hint}; the array API takes NumPy/CuPy arrays: "
-                f"use spchain.torch.{caller.rsplit('.', 1)[-1]} for tensors (it supports autograd), "
-                "or pass t.detach().numpy()"
-            )
+            name = caller.rsplit(".", 1)[-1]
+            twin = hasattr(importlib.import_module("spchain.torch"), name)  # torch is loaded: a tensor came
+            use = f"use spchain.torch.{name} for tensors (it supports autograd), or " if twin else ""
+            raise TypeError(f"{caller} got a torch.Tensor{hint}; the array API takes NumPy/CuPy arrays: "
+                            f"{use}pass t.detach().numpy()")
         elif is_dask(a):
             raise TypeError(f"{caller} takes in-memory arrays, not a dask.array.Array (call .compute() first)")
         elif isinstance(a, np.ndarray) or scipy.sparse.issparse(a):

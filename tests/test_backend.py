@@ -28,6 +28,8 @@ def test_tensor_that_requires_grad_points_to_spchain_torch():
         _backend.backend_of(torch.ones(2, requires_grad=True), caller="spchain.spmm")
     with pytest.raises(TypeError, match=r"spchain\.torch\.spmm"):
         _backend.backend_of(np.ones(2), torch.ones(2), caller="spchain.spmm")
+    with pytest.raises(TypeError, match=r"arrays: pass t\.detach\(\)\.numpy\(\)$"):  # no spchain.torch twin
+        _backend.backend_of(torch.ones(2), caller="GaussianHMM")
 
 
 def test_missing_cupy_gives_one_clear_error(monkeypatch):
