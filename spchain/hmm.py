@@ -414,6 +414,8 @@ class _BaseHMM:
         seqs = _sequences(xp, X.shape[0], lengths)
         data = self._prepare(backend, X, fitting=True)
         random_state = _random_state(self.random_state)
+        if _csr.check_size(f"{type(self).__name__}.fit", "n_components", self.n_components) < 1:
+            raise ValueError(f"{type(self).__name__}.fit: n_components must be at least 1, got {self.n_components}")
         uniform = np.full(self.n_components, 1.0 / self.n_components)
         if self._needs_init("s", "startprob_"):
             self.startprob_ = random_state.dirichlet(uniform)

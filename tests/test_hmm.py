@@ -282,6 +282,12 @@ def test_errors(rng):
         model.fit(X[:, 0])
     with pytest.raises(ValueError, match="NaN or infinity"):
         model.fit(np.where(X > 3, np.nan, X))
+    for n_components, error, match in [(0, ValueError, "n_components must be at least 1, got 0"),
+                                       (-1, ValueError, "n_components must be non-negative"),
+                                       (2.0, TypeError, "n_components must be an int")]:
+        for estimator in (hmm.GaussianHMM, hmm.CategoricalHMM):
+            with pytest.raises(error, match=match):
+                estimator(n_components=n_components).fit(np.ones((6, 1), np.int64))
     model.fit(X)
     with pytest.raises(ValueError, match="Unexpected number of dimensions, got 3 but expected 2"):
         model.score(np.ones((5, 3)))
