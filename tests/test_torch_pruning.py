@@ -90,6 +90,10 @@ def test_sparsify_bad_input(kwargs, error, message):
         st.sparsify(Net(), **kwargs)
     with pytest.raises(ValueError, match="for one layer use SparseLinear.from_dense"):
         st.sparsify(torch.nn.Linear(3, 3), 0.5)
+    weight = torch.nn.Parameter(torch.ones(3, 3))
+    for call in (lambda: st.sparsify(weight, 0.5), lambda: st.GradualPruning(weight, 0.5, steps=2)):
+        with pytest.raises(TypeError, match="model must be a torch.nn.Module, not Parameter"):
+            call()
 
 
 def cubic(t, s_i, s_f, start, steps, every):

@@ -129,6 +129,7 @@ def sparsify(model: torch.nn.Module, sparsity: float, *, method: Literal["magnit
     'Linear'
     """
     caller = "sparsify"
+    _check_model(caller, model)
     sparsity = _csr.check_fraction(caller, "sparsity", sparsity)
     if distribution not in ("uniform", "erk"):
         raise ValueError(f"{caller}: distribution must be 'uniform' or 'erk', not {distribution!r}")
@@ -217,6 +218,11 @@ def prune_to(layer: SparseLinear, nnz: int, optimizer: torch.optim.Optimizer | N
         indptr[1:] = torch.cumsum(counts, 0).to(indptr.dtype)
 
 
+def _check_model(caller: str, model: object) -> None:
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"{caller}: model must be a torch.nn.Module, not {type(model).__name__}")
+
+
 class GradualPruning:
     """Gradual magnitude pruning on Zhu & Gupta's cubic schedule (arXiv:1710.01878).
 
@@ -266,6 +272,7 @@ class GradualPruning:
                  steps: int, every: int = 1, initial_sparsity: float | None = None,
                  optimizer: torch.optim.Optimizer | None = None) -> None:
         caller = "GradualPruning"
+        _check_model(caller, model)
         self.layers = {name: m for name, m in model.named_modules() if isinstance(m, SparseLinear)}
         if not self.layers:
             raise ValueError(f"{caller}: the model has no SparseLinear layers (convert it with sparsify first)")
