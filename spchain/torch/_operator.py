@@ -238,7 +238,8 @@ class Operator(Generic[Public]):
             differentiable = self.array.backward is not None
             if requires and compiling and not differentiable:  # constants: the joint graph would trace the
                 args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)  # raising backward
-            grad = requires and torch.is_grad_enabled() and not (compiling and not differentiable)
+                requires = False
+            grad = requires and torch.is_grad_enabled()
             # not compiling and no forward mode: no torch.func transform is active
             if plain and (differentiable or not grad) and not (torch._C._is_tracing()
                                                                or torch._C._len_torch_dispatch_stack()):
