@@ -29,6 +29,24 @@ def fits_int32(*sizes: int) -> bool:
     return all(size <= _INT32_MAX for size in sizes)
 
 
+def stores_every_entry(indptr: Array, indices: Array, grid: tuple[int, int]) -> bool:
+    """Whether a CSR pattern over ``grid`` (rows, cols) stores each of its entries once, in
+    row-major order, as a dense matrix does (the values of a CSR weight are then that
+    matrix's rows, flattened). NumPy arrays; O(nnz).
+
+    >>> import numpy as np
+    >>> stores_every_entry(np.array([0, 2, 4]), np.array([0, 1, 0, 1]), (2, 2))
+    True
+    >>> stores_every_entry(np.array([0, 2, 4]), np.array([1, 0, 0, 1]), (2, 2))
+    False
+    """
+    m, n = grid
+    if indices.shape[0] != m * n:
+        return False
+    return bool(np.array_equal(indptr, np.arange(m + 1) * n)
+                and np.array_equal(indices.reshape(m, n), np.broadcast_to(np.arange(n), (m, n))))
+
+
 @dataclass(frozen=True)
 class Csr:
     """A validated sparse structure in CSR order: raw arrays of one backend.

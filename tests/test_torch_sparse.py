@@ -328,6 +328,42 @@ def test_the_plan_compares_its_kept_structure_with_the_tensors_at_every_call(rng
         layer(x)
 
 
+@pytest.mark.parametrize("block", [None, (2, 3)])
+@pytest.mark.parametrize("layout", ["rows", "3-d", "empty"])
+def test_a_layer_that_stores_every_entry_runs_torch_s_dense_product(monkeypatch, block, layout):
+    # sparsity 0 (GradualPruning's dense start): the weight's values are the dense weight
+    # (CSR) or its blocks, so the plan runs nn.Linear's GEMM; an unsorted or partial
+    # structure returns to the sparse kernels, with the same results
+    torch.manual_seed(0)
+    layer = st.SparseLinear(12, 6, sparsity=0.0, block=block, dtype=torch.float64)
+    x = {"rows": torch.randn(5, 12), "3-d": torch.randn(2, 3, 12), "empty": torch.randn(0, 12)}[layout].double()
+    grad_y = torch.randn(*x.shape[:-1], 6, dtype=torch.float64)
+
+    def expected():
+        x_grad = x.detach().requires_grad_()
+        values = layer.weight_values.detach().requires_grad_()
+        bias = layer.bias.detach().requires_grad_()
+        y = st.sparse_linear(x_grad, values, layer.indptr, layer.indices, (6, 12), bias)  # the operator
+        y.backward(grad_y)
+        return y.detach(), x_grad.grad, values.grad, bias.grad
+
+    counting = _CountingOperator(torch_linear._OPERATOR)
+    monkeypatch.setattr(torch_linear, "_OPERATOR", counting)
+    want = expected()
+    got = _forward_backward(layer, x, grad_y)
+    assert counting.recorded == 0 and got[0].is_contiguous()  # the GEMM's rows, not the kernels' y.T
+    for g, e in zip(got, want):
+        torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
+    with torch.no_grad():  # two stored entries (blocks) of the first row swap places: the same weight
+        layer.indices[:2] = layer.indices[:2].flip(0)
+        layer.weight_values[:2] = layer.weight_values[:2].flip(0)
+    y, x_grad, values_grad, bias_grad = _forward_backward(layer, x, grad_y)
+    assert counting.recorded == 1
+    swapped = torch.tensor([1, 0, *range(2, values_grad.shape[0])])
+    for g, e in zip((y, x_grad, values_grad[swapped], bias_grad), want):
+        torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
+
+
 def test_calls_the_plan_cannot_take_reach_the_operator():
     torch.manual_seed(0)
     layer = st.SparseLinear(6, 4, sparsity=0.5)

@@ -141,6 +141,13 @@ class SparseLinear(torch.nn.Module):
     hook that stores Python state would break the graph): run the step before a gradient
     regrowth eagerly.
 
+    On the CPU, eagerly, a layer whose structure stores every entry (``sparsity=0``, the
+    dense start of :class:`~spchain.torch.GradualPruning`) computes as ``nn.Linear`` does:
+    torch's dense product on ``weight_values`` viewed as the weight (for CSR; a copy of the
+    blocks in their rows for ``block``), as fast as ``nn.Linear`` and 3x faster than the
+    sparse kernels at 1024 x 1024; its output is then row-major, and a double backward
+    works there.
+
     Examples
     --------
     >>> import torch, spchain.torch as st
