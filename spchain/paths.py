@@ -222,13 +222,15 @@ class Expectations(Saved):
     """What the entropy's backward reads (the entropy's batch shape leading): the forward
     messages before each emission ``pre`` (v, c), their log normalisers ``norm`` (v,), the
     expected scores carried forward ``fwd`` (v, c), each chain's expected score ``mean`` and
-    whether it has a path ``possible``."""
+    whether it has a path ``possible``, and the running sums ``shift`` (v,) taken out of ``fwd``
+    at each position (``mean`` and ``shift`` in float64)."""
 
     pre: Array
     norm: Array
     fwd: Array
     mean: Array
     possible: Array
+    shift: Array
 
 
 def prepare_entropy(x: Any, log_trans: Any, log_init: Any = None, lengths: Any = None, *,
@@ -240,10 +242,10 @@ def prepare_entropy(x: Any, log_trans: Any, log_init: Any = None, lengths: Any =
 def _entropy_forward(problem: ChainProblem) -> tuple[tuple[Array], Expectations]:
     chain = problem.chain
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"), chain.backend.use():
-        entropy, saved = _entropy.entropy(_limit(chain))
-        entropy, *rest = (chain.unrows(a.astype(chain.x.dtype, copy=False) if a.dtype.kind == "f" else a)
-                          for a in (entropy, *saved))
-        return (entropy,), Expectations(*rest)
+        entropy, (pre, norm, fwd, mean, possible, shift) = _entropy.entropy(_limit(chain))
+        dtype = chain.x.dtype  # the float64 limit chain's messages rounded (its backward runs it again)
+        entropy, pre, norm, fwd = (chain.unrows(a.astype(dtype, copy=False)) for a in (entropy, pre, norm, fwd))
+        return (entropy,), Expectations(pre, norm, fwd, *(chain.unrows(a) for a in (mean, possible, shift)))
 
 
 def _entropy_backward(problem: ChainProblem, saved: Expectations, grads: Sequence[Array | None],
@@ -258,7 +260,7 @@ def _entropy_backward(problem: ChainProblem, saved: Expectations, grads: Sequenc
         limit = _limit(chain)
         if limit is chain:
             rows = [chain.rows(saved.pre, (v, c)), chain.rows(saved.norm, (v,)), chain.rows(saved.fwd, (v, c)),
-                    chain.rows(saved.mean), chain.rows(saved.possible)]
+                    chain.rows(saved.mean), chain.rows(saved.possible), chain.rows(saved.shift, (v,))]
         else:
             rows = list(_entropy.entropy(limit)[1])
         weight = chain.rows(grads[0].astype(limit.x.dtype, copy=False))

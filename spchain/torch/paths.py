@@ -15,8 +15,8 @@ def _entropy_fake(x: torch.Tensor, log_trans: torch.Tensor, log_init: torch.Tens
                   lengths: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
     batch_shape, (v, c), like = _chain_fake("spchain.torch.chain_entropy")(x, log_trans, log_init, lengths)
     return (like.new_empty(batch_shape), like.new_empty(batch_shape + (v, c)), like.new_empty(batch_shape + (v,)),
-            like.new_empty(batch_shape + (v, c)), like.new_empty(batch_shape),
-            like.new_empty(batch_shape, dtype=torch.bool))
+            like.new_empty(batch_shape + (v, c)), like.new_empty(batch_shape, dtype=torch.float64),
+            like.new_empty(batch_shape, dtype=torch.bool), like.new_empty(batch_shape + (v,), dtype=torch.float64))
 
 
 def _sample_fake(x: torch.Tensor, log_trans: torch.Tensor, log_init: torch.Tensor | None, lengths: torch.Tensor | None,
@@ -47,7 +47,7 @@ _SCHEMA = "Tensor x, Tensor log_trans, Tensor? log_init, Tensor? lengths"
 # Forward-mode AD: the entropy's by its exact reverse rule (batch_jvp), the path score's by linearity;
 # chain_kbest's scores raise NotImplementedError, chain_sample's paths are integers.
 _CHAIN_ENTROPY = Operator(
-    "chain_entropy", f"({_SCHEMA}) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)", _paths.ENTROPY,
+    "chain_entropy", f"({_SCHEMA}) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)", _paths.ENTROPY,
     _entropy_fake, differentiable=(0, 1, 2), jvp=batch_jvp(), autocast="float32")
 _CHAIN_SAMPLE = Operator(
     "chain_sample", f"({_SCHEMA}, int num_samples, int? seed) -> Tensor", _paths.SAMPLE, _sample_fake,
@@ -60,7 +60,7 @@ _CHAIN_PATH_SCORE = Operator(
     _paths.PATH_SCORE, _path_score_fake, differentiable=(0, 1, 2), jvp=linear_jvp, autocast="float32")
 SPARSE_CHAIN_ENTROPY = _sparse_chain.operator(
     "chain_entropy", _paths.ENTROPY, _entropy_fake, schema_tail=_sparse_chain.LENGTHS,
-    returns="(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)", jvp=batch_jvp(3))
+    returns="(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)", jvp=batch_jvp(3))
 SPARSE_CHAIN_SAMPLE = _sparse_chain.operator(
     "chain_sample", _paths.SAMPLE, _sample_fake,
     schema_tail=f"{_sparse_chain.LENGTHS}, int num_samples, int? seed", returns="Tensor")
