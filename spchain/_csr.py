@@ -5,6 +5,7 @@ The caller's arrays are never written to: conversions build new arrays."""
 
 from __future__ import annotations
 
+import copy
 import importlib
 import operator
 from dataclasses import dataclass
@@ -406,21 +407,24 @@ def _cupyx_csr(backend: Backend, csr: Csr, data: Array) -> Sparse:
 
 class _GpuStructure:
     """What cuSPARSE needs of a structure, worked out once per prepared :class:`Csr`: its
-    index arrays in cupyx's int32 and whether it is canonical (sorted, no duplicates: one
-    check, which synchronises once per structure, never per product)."""
+    index arrays in cupyx's int32, whether it is canonical (sorted, no duplicates) and a cupyx
+    matrix of it. cupyx's constructor reads ``indptr``'s ends on the host (a synchronisation)
+    and its canonical check runs a kernel and synchronises: both happen here, once per
+    structure, never per product."""
 
     def __init__(self, backend: Backend, csr: Csr) -> None:
         self.indptr = csr.indptr.astype(np.int32, copy=False)
         self.indices = csr.indices.astype(np.int32, copy=False)
         self.shape = csr.shape
-        probe = backend.sparse.csr_matrix((backend.xp.empty(csr.nnz, np.float32), self.indices, self.indptr),
-                                          shape=csr.shape)
-        self.canonical = bool(probe.has_canonical_format)
+        self._shell = backend.sparse.csr_matrix((backend.xp.empty(csr.nnz, np.float32), self.indices, self.indptr),
+                                                shape=csr.shape)
+        self.canonical = bool(self._shell.has_canonical_format)
 
     def matrix(self, backend: Backend, data: Array) -> Sparse:
-        """A canonical cupyx CSR matrix of this structure around ``data`` (no copy)."""
-        matrix = backend.sparse.csr_matrix((data, self.indices, self.indptr), shape=self.shape, copy=False)
-        matrix.has_canonical_format = True  # known: spares cupyx's check (a kernel and a synchronisation)
+        """A canonical cupyx CSR matrix of this structure around ``data`` (no copy): a shallow
+        copy of the matrix built once, its values replaced (cupyx's constructor is not run)."""
+        matrix = copy.copy(self._shell)
+        matrix.data = data
         return matrix
 
 

@@ -123,7 +123,7 @@ def test_chain_sweeps_run_without_synchronising(rng, sweep, per_step):
 
     B, v, c = 16, 9, 12
     x = cp.asarray(rng.normal(size=(B, v, c)) * 40, cp.float32)
-    trans = cp.asarray(rng.normal(size=(v - 1, c, c) if per_step else (c, c)) * 40, cp.float32)
+    trans = cp.asarray(rng.normal(size=(1, v - 1, c, c) if per_step else (c, c)) * 40, cp.float32)
     trans[..., 0, 1] = -cp.inf
     chain = _chain_layout.prepare(x, trans, None, None, "t")
     weight = cp.ones(B, cp.float32)
@@ -174,8 +174,9 @@ def test_block_diag_and_sparse_linear_run_without_synchronising(rng):
     import scipy.sparse
 
     import spchain
-    from spchain import _backend, _csr
+    from spchain import _backend
     from spchain import sparse as S
+    from spchain._structures import STRUCTURES
 
     x = cp.asarray(rng.normal(size=(64, 4, 32)), cp.float32)
     w = cp.asarray(rng.normal(size=(4, 32, 16)), cp.float32)
@@ -190,10 +191,10 @@ def test_block_diag_and_sparse_linear_run_without_synchronising(rng):
                                atol=1e-4)
     host = scipy.sparse.random(48, 32, density=0.1, format="csr", random_state=1)
     backend = _backend.backend_of(x)
-    csr = _csr.to_csr(backend, "csr", host.shape, None, cp.asarray(host.indptr), cp.asarray(host.indices), "t")
+    csr, _ = STRUCTURES.lookup(backend, (cp.asarray(host.indptr), cp.asarray(host.indices)), host.shape, "t")
     values, xs = cp.asarray(host.data, cp.float32), cp.asarray(rng.normal(size=(8, 32)), cp.float32)
     bias = cp.ones(48, cp.float32)
-    S.linear(backend, csr, values, xs, bias, np.dtype(np.float32))  # checks the structure once
+    S.linear(backend, csr, values, xs, bias, np.dtype(np.float32))
     cp.cuda.get_current_stream().synchronize()
     with cupyx.allow_synchronize(False), numba_never_waits():
         out = S.linear(backend, csr, values, xs, bias, np.dtype(np.float32))
