@@ -16,8 +16,9 @@ and the value gradient from one SDDMM of scaled factors (log space where they le
 Viterbi runs in log space (``spchain/kernels/*/sparse_chain.py``). On the CPU the path
 functions run on the stored entries as well (``spchain/paths.py``, ``spchain/_entropy.py``,
 ``spchain/kernels/cpu/paths.py``; :func:`entries_of` looks up the steps of given paths), in
-O(batch · v · c + nnz) memory; on the GPU they run on the dense matrix (:func:`densified`,
-O(c²) memory).
+O(batch · v · c + nnz) memory; on the GPU ``chain_kbest`` does too (a thread a row over the
+dense matrix would take c² steps per position), the others run on the dense matrix
+(:func:`densified`, O(c²) memory).
 """
 
 from __future__ import annotations

@@ -42,7 +42,8 @@ from .kernels import cpu, cuda
 
 def _prepare(x: Any, log_trans: Any, log_init: Any, lengths: Any, caller: str, check: bool = True) -> ChainProblem:
     """:func:`spchain.chain.prepare_chain`; sparse transitions stay sparse on the CPU (the path
-    functions run on their stored entries) and become a dense matrix on the GPU (O(c²) memory)."""
+    functions run on their stored entries) and become a dense matrix on the GPU (O(c²) memory;
+    :func:`chain_kbest` keeps them sparse there too)."""
     problem = prepare_chain(x, log_trans, log_init, lengths, caller=caller, check=check)
     if not problem.chain.backend.on_gpu:
         return problem
@@ -287,9 +288,12 @@ def _kbest(chain: Chain, k: int) -> tuple[Array, Array]:
         scratch = (work, counts, backptr, scores, paths)
         if chain.sparse is not None:
             s = chain.sparse
-            t_values = _sparse_chain.transposed_values(chain)
-            cpu.team.run(cpu.paths.sparse_chain_kbest, chain.x, s.t_indptr,
-                         s.t_rows, t_values, chain.init, chain.lengths, *scratch)
+            args = (chain.x, s.t_indptr, s.t_rows, _sparse_chain.transposed_values(chain), chain.init, chain.lengths,
+                    *scratch)
+            if chain.backend.on_gpu:
+                chain.backend.launcher(cuda.paths.launch_sparse_chain_kbest)(*args)
+            else:
+                cpu.team.run(cpu.paths.sparse_chain_kbest, *args)
         elif chain.backend.on_gpu:
             chain.backend.launcher(cuda.paths.launch_chain_kbest)(chain.x, chain.trans, chain.group, chain.init,
                                                                    chain.lengths, *scratch)
@@ -353,7 +357,7 @@ def prepare_kbest(x: Any, log_trans: Any, log_init: Any = None, lengths: Any = N
                   caller: str = "spchain.chain_kbest", check: bool = True) -> KBestProblem:
     """The :class:`KBestProblem` of :func:`chain_kbest`'s arguments."""
     k = _count(caller, "k", k, 1)
-    return KBestProblem(_prepare(x, log_trans, log_init, lengths, caller, check).chain, k)
+    return KBestProblem(prepare_chain(x, log_trans, log_init, lengths, caller=caller, check=check).chain, k)
 
 
 def _kbest_forward(p: KBestProblem) -> tuple[tuple[Array, Array], Saved]:

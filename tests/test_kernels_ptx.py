@@ -77,6 +77,8 @@ def kernels(dtype):
           arr(types.float64, 3), arr(i64, 3))),
         ("chain_kbest", cuda_paths.chain_kbest_kernel,
          (x, trans, i64, init, lengths, arr(f, 4), arr(i64, 4), arr(i64, 4), arr(f, 2), arr(i64, 3))),
+        ("sparse_chain_kbest", cuda_paths.sparse_chain_kbest_kernel,
+         (x, lengths, lengths, arr(f, 1), init, lengths, arr(f, 4), arr(i64, 4), arr(i64, 4), arr(f, 2), arr(i64, 3))),
         ("max_matmul", cuda_semiring.max_matmul_kernel,
          (arr(f, 3), arr(f, 3), arr(i64, 1), arr(i64, 1), arr(f, 3), arr(i64, 3))),
         *((f"sddmm {index}", cuda_sparse.sparse_sddmm_kernel,

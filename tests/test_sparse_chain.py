@@ -116,6 +116,21 @@ def test_value_gradient_is_a_finite_difference(rng):
         assert abs(grad.data[q] - numeric) < 1e-6
 
 
+@pytest.mark.gpu
+def test_kbest_of_a_sparse_chain_on_the_gpu_runs_on_its_entries_and_equals_the_cpu_s(rng):
+    import cupy as cp
+    import cupyx.scipy.sparse
+
+    x, init = rng.normal(size=(3, 6, 5)), rng.normal(size=5)
+    matrix, _ = sparse_trans(rng, 5, density=0.5)
+    lengths = np.array([6, 1, 4])
+    want = sc.chain_kbest(x, matrix, init, k=3, lengths=lengths)
+    got = sc.chain_kbest(cp.asarray(x), cupyx.scipy.sparse.csr_matrix(matrix), cp.asarray(init), k=3,
+                         lengths=cp.asarray(lengths))
+    np.testing.assert_allclose(cp.asnumpy(got[0]), want[0], rtol=1e-12)
+    np.testing.assert_array_equal(cp.asnumpy(got[1]), want[1])
+
+
 @pytest.mark.parametrize("batch, v, c, lengths", CASES)
 def test_path_functions_equal_the_dense_chain(rng, batch, v, c, lengths):
     x = rng.normal(size=batch + (v, c))

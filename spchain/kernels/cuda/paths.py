@@ -114,6 +114,75 @@ def launch_chain_sample(alpha, probs, trans_t, trans_probs, totals, tiny, group,
         alpha, probs, trans_t, trans_probs, totals, tiny, group, lengths, possible, uniforms, paths)
 
 
+@cuda.jit(device=True)
+def _kbest_first(b, x, init, work, counts):
+    """Position 0 of row ``b``: one partial path per state, in ``work[b, 0]`` / ``counts[b, 0]``."""
+    zero = x.dtype.type(0)  # not 0.0: a float64 sum would make float32 kernels compute in float64
+    for j in range(x.shape[2]):
+        for r in range(work.shape[3]):
+            work[b, 0, j, r] = -math.inf
+            counts[b, 0, j, r] = 0
+        f, n = kbest_plus(zero, 0, init[b, j])
+        f, n = kbest_plus(f, n, x[b, 0, j])
+        work[b, 0, j, 0] = f
+        counts[b, 0, j, 0] = n
+
+
+@cuda.jit(device=True)
+def _kbest_clear(new, index, k):
+    """Empty the ``k`` slots of a state's next partial paths."""
+    for r in range(k):
+        new[r] = -math.inf
+        index[r] = -1
+
+
+@cuda.jit(device=True)
+def _kbest_candidate(work, counts, b, cur, i, k, value, new, new_counts, index):
+    """Offer the ``k`` partial paths of state ``i`` times the log term ``value`` to ``new``."""
+    for r in range(k):
+        if work[b, cur, i, r] != -math.inf:  # an empty slot, or a path of weight 0
+            f, n = kbest_plus(work[b, cur, i, r], counts[b, cur, i, r], value)
+            kbest_insert(new, new_counts, index, k, f, n, i * k + r)
+
+
+@cuda.jit(device=True)
+def _kbest_emit(new, new_counts, index, k, value):
+    """The emission ``value`` times the kept partial paths of a state (not the empty slots)."""
+    for r in range(k):
+        if index[r] >= 0:
+            f, n = kbest_plus(new[r], new_counts[r], value)
+            new[r] = f
+            new_counts[r] = n
+
+
+@cuda.jit(device=True)
+def _kbest_last(b, length, cur, work, counts, backptr, scores, paths):
+    """Rank the partial paths of the last position of row ``b`` and follow their back-pointers."""
+    c, k, v = work.shape[2], work.shape[3], paths.shape[2]
+    best = work[b, 1 - cur, 0]  # free scratch now, as is backptr[b, 0]
+    best_counts = counts[b, 1 - cur, 0]
+    index = backptr[b, 0, 0]
+    _kbest_clear(best, index, k)
+    for j in range(c):
+        for r in range(k):
+            kbest_insert(best, best_counts, index, k, work[b, cur, j, r], counts[b, cur, j, r], j * k + r)
+    for r in range(k):
+        if index[r] >= 0 and best_counts[r] > 0 and best[r] == best[r]:
+            scores[r, b] = math.inf
+        else:
+            scores[r, b] = best[r]
+        for t in range(v):
+            paths[r, b, t] = -1
+        entry = index[r]
+        if entry < 0:
+            continue
+        for t in range(length - 1, -1, -1):
+            state = entry // k
+            paths[r, b, t] = state
+            if t > 0:
+                entry = backptr[b, t, state, entry % k]
+
+
 @cuda.jit
 def chain_kbest_kernel(x, trans, group, init, lengths, work, counts, backptr, scores, paths):
     """Exact k-best Viterbi, the twin of ``kernels.cpu.paths.chain_kbest`` (same arguments).
@@ -125,63 +194,46 @@ def chain_kbest_kernel(x, trans, group, init, lengths, work, counts, backptr, sc
     rows, v, c = x.shape
     k = scores.shape[0]
     per_step = trans.shape[1] > 1
-    zero = x.dtype.type(0)  # not 0.0: a float64 sum would make float32 kernels compute in float64
     for b in range(cuda.grid(1), rows, cuda.gridsize(1)):
         g = b // group
-        length = lengths[b]
+        _kbest_first(b, x, init, work, counts)
         cur = 0
-        for j in range(c):
-            for r in range(k):
-                work[b, 0, j, r] = -math.inf
-                counts[b, 0, j, r] = 0
-            f, n = kbest_plus(zero, 0, init[b, j])
-            f, n = kbest_plus(f, n, x[b, 0, j])
-            work[b, 0, j, 0] = f
-            counts[b, 0, j, 0] = n
-        for t in range(length - 1):
+        for t in range(lengths[b] - 1):
             s = t if per_step else 0
             for j in range(c):
-                new = work[b, 1 - cur, j]
-                new_counts = counts[b, 1 - cur, j]
-                index = backptr[b, t + 1, j]
-                for r in range(k):
-                    new[r] = -math.inf
-                    index[r] = -1
+                new, new_counts, index = work[b, 1 - cur, j], counts[b, 1 - cur, j], backptr[b, t + 1, j]
+                _kbest_clear(new, index, k)
                 for i in range(c):
-                    for r in range(k):
-                        if work[b, cur, i, r] != -math.inf:
-                            f, n = kbest_plus(work[b, cur, i, r], counts[b, cur, i, r], trans[g, s, i, j])
-                            kbest_insert(new, new_counts, index, k, f, n, i * k + r)
-                for r in range(k):
-                    if index[r] >= 0:
-                        f, n = kbest_plus(new[r], new_counts[r], x[b, t + 1, j])
-                        new[r] = f
-                        new_counts[r] = n
+                    _kbest_candidate(work, counts, b, cur, i, k, trans[g, s, i, j], new, new_counts, index)
+                _kbest_emit(new, new_counts, index, k, x[b, t + 1, j])
             cur = 1 - cur
-        best = work[b, 1 - cur, 0]
-        best_counts = counts[b, 1 - cur, 0]
-        index = backptr[b, 0, 0]
-        for r in range(k):
-            best[r] = -math.inf
-            index[r] = -1
-        for j in range(c):
-            for r in range(k):
-                kbest_insert(best, best_counts, index, k, work[b, cur, j, r], counts[b, cur, j, r], j * k + r)
-        for r in range(k):
-            if index[r] >= 0 and best_counts[r] > 0 and best[r] == best[r]:
-                scores[r, b] = math.inf
-            else:
-                scores[r, b] = best[r]
-            for t in range(v):
-                paths[r, b, t] = -1
-            entry = index[r]
-            if entry < 0:
-                continue
-            for t in range(length - 1, -1, -1):
-                state = entry // k
-                paths[r, b, t] = state
-                if t > 0:
-                    entry = backptr[b, t, state, entry % k]
+        _kbest_last(b, lengths[b], cur, work, counts, backptr, scores, paths)
+
+
+@cuda.jit
+def sparse_chain_kbest_kernel(x, t_indptr, t_rows, t_values, init, lengths, work, counts, backptr, scores, paths):
+    """Exact k-best Viterbi with one sparse transition matrix, the twin of
+    ``kernels.cpu.paths.sparse_chain_kbest`` (same arguments but the CPU's team).
+
+    Inputs: ``x`` (B, v, c), the transpose's CSR ``t_indptr`` (c + 1,), ``t_rows`` and ``t_values``
+    (nnz,), ``init`` (B, c), ``lengths`` (B,); scratch ``work``, ``counts`` and ``backptr``. Outputs:
+    ``scores`` (k, B) and ``paths`` (k, B, v), overwritten. Launch: grid ``blocks_for(B)`` blocks of
+    ``THREADS_PER_BLOCK`` threads, a thread a row of the batch (grid-stride), which visits the
+    stored predecessors of each state only: O(v · (c + nnz) · k²) a row."""
+    rows, v, c = x.shape
+    k = scores.shape[0]
+    for b in range(cuda.grid(1), rows, cuda.gridsize(1)):
+        _kbest_first(b, x, init, work, counts)
+        cur = 0
+        for t in range(lengths[b] - 1):
+            for j in range(c):
+                new, new_counts, index = work[b, 1 - cur, j], counts[b, 1 - cur, j], backptr[b, t + 1, j]
+                _kbest_clear(new, index, k)
+                for q in range(t_indptr[j], t_indptr[j + 1]):
+                    _kbest_candidate(work, counts, b, cur, t_rows[q], k, t_values[q], new, new_counts, index)
+                _kbest_emit(new, new_counts, index, k, x[b, t + 1, j])
+            cur = 1 - cur
+        _kbest_last(b, lengths[b], cur, work, counts, backptr, scores, paths)
 
 
 def launch_chain_kbest(x, trans, group, init, lengths, work, counts, backptr, scores, paths, stream=0):
@@ -190,3 +242,13 @@ def launch_chain_kbest(x, trans, group, init, lengths, work, counts, backptr, sc
         return
     chain_kbest_kernel[config.blocks_for(x.shape[0]), config.THREADS_PER_BLOCK, stream](
         x, trans, group, init, lengths, work, counts, backptr, scores, paths)
+
+
+def launch_sparse_chain_kbest(x, t_indptr, t_rows, t_values, init, lengths, work, counts, backptr, scores, paths,
+                              stream=0):
+    """Sparse k-best Viterbi; overwrites ``scores`` and ``paths`` (see
+    ``kernels.cpu.paths.sparse_chain_kbest``)."""
+    if x.shape[0] == 0:
+        return
+    sparse_chain_kbest_kernel[config.blocks_for(x.shape[0]), config.THREADS_PER_BLOCK, stream](
+        x, t_indptr, t_rows, t_values, init, lengths, work, counts, backptr, scores, paths)
