@@ -17,7 +17,7 @@ A running log-sum-exp is held as a pair ``(m, s)``: the largest value folded in 
 the sum of ``exp(x - m)`` over the values folded in. The empty sum is ``(-inf, 0.0)``.
 
 The k-best kernels of both targets rank partial paths by the same helpers (:func:`kbest_plus`,
-:func:`kbest_insert`), registered as jitable: a CPU or CUDA kernel calls them as they are.
+:func:`kbest_insert`, :func:`kbest_backtrack`), registered as jitable: a CPU or CUDA kernel calls them as they are.
 
 Every constant in the helpers takes the float type of the value it meets (:func:`like`), so
 float32 inputs are computed in float32 (float32 ``exp``/``log``, no float64 on a GPU) and
@@ -145,3 +145,19 @@ def kbest_insert(score, count, index, k, val, n, idx):
     score[pos] = val
     count[pos] = n
     index[pos] = idx
+
+
+@register_jitable
+def kbest_backtrack(paths, backptr, r, b, entry, length, k):
+    """Write path ``r`` of row ``b`` into ``paths[r, b]``: ``-1`` throughout, then, from its last
+    position's ``entry`` (``state * k + rank``; none where negative), the states that
+    ``backptr`` (B, v, c, k) leads back through."""
+    for t in range(paths.shape[2]):
+        paths[r, b, t] = -1
+    if entry < 0:
+        return
+    for t in range(length - 1, -1, -1):
+        state = entry // k
+        paths[r, b, t] = state
+        if t > 0:
+            entry = backptr[b, t, state, entry % k]

@@ -10,7 +10,7 @@ import math
 import numpy as np
 from numba import njit
 
-from ..rules import WALK_CHUNK, kbest_insert, kbest_plus
+from ..rules import WALK_CHUNK, kbest_backtrack, kbest_insert, kbest_plus
 from .exp import exp_nonpositive
 from .team import team_rows
 
@@ -231,15 +231,7 @@ def _kbest_last(b, length, cur, work, counts, backptr, scores, paths):
             kbest_insert(best, best_counts, index, k, work[b, cur, j, r], counts[b, cur, j, r], j * k + r)
     for r in range(k):
         scores[r, b] = np.inf if index[r] >= 0 and best_counts[r] > 0 and best[r] == best[r] else best[r]
-        paths[r, b, :] = -1
-        entry = index[r]
-        if entry < 0:
-            continue
-        for t in range(length - 1, -1, -1):
-            state = entry // k
-            paths[r, b, t] = state
-            if t > 0:
-                entry = backptr[b, t, state, entry % k]
+        kbest_backtrack(paths, backptr, r, b, index[r], length, k)
 
 
 @njit(nogil=True, cache=True)

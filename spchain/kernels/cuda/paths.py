@@ -7,7 +7,7 @@ import math
 
 from numba import cuda
 
-from ..rules import WALK_CHUNK, kbest_insert, kbest_plus
+from ..rules import WALK_CHUNK, kbest_backtrack, kbest_insert, kbest_plus
 from . import config
 
 
@@ -158,7 +158,7 @@ def _kbest_emit(new, new_counts, index, k, value):
 @cuda.jit(device=True)
 def _kbest_last(b, length, cur, work, counts, backptr, scores, paths):
     """Rank the partial paths of the last position of row ``b`` and follow their back-pointers."""
-    c, k, v = work.shape[2], work.shape[3], paths.shape[2]
+    c, k = work.shape[2], work.shape[3]
     best = work[b, 1 - cur, 0]  # free scratch now, as is backptr[b, 0]
     best_counts = counts[b, 1 - cur, 0]
     index = backptr[b, 0, 0]
@@ -171,16 +171,7 @@ def _kbest_last(b, length, cur, work, counts, backptr, scores, paths):
             scores[r, b] = math.inf
         else:
             scores[r, b] = best[r]
-        for t in range(v):
-            paths[r, b, t] = -1
-        entry = index[r]
-        if entry < 0:
-            continue
-        for t in range(length - 1, -1, -1):
-            state = entry // k
-            paths[r, b, t] = state
-            if t > 0:
-                entry = backptr[b, t, state, entry % k]
+        kbest_backtrack(paths, backptr, r, b, index[r], length, k)
 
 
 @cuda.jit
