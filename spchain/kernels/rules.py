@@ -16,8 +16,9 @@ sum is below :data:`TINY` (so dropped terms could matter: they are under ``c · 
 A running log-sum-exp is held as a pair ``(m, s)``: the largest value folded in so far and
 the sum of ``exp(x - m)`` over the values folded in. The empty sum is ``(-inf, 0.0)``.
 
-The k-best kernels of both targets rank partial paths by the same helpers (:func:`kbest_plus`,
-:func:`kbest_insert`, :func:`kbest_backtrack`), registered as jitable: a CPU or CUDA kernel calls them as they are.
+The k-best kernels of both targets rank and follow partial paths by the same helpers
+(:func:`kbest_plus`, :func:`kbest_insert`, :func:`kbest_backtrack`), registered as jitable: a CPU
+or CUDA kernel calls them as they are.
 
 Every constant in the helpers takes the float type of the value it meets (:func:`like`), so
 float32 inputs are computed in float32 (float32 ``exp``/``log``, no float64 on a GPU) and
