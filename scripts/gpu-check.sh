@@ -5,7 +5,8 @@
 #
 # 1. installs this checkout into the current Python environment, from nothing but itself
 #    (pip install --no-deps --no-build-isolation --no-index -e .: no network);
-# 2. runs the `gpu` and `cuda_kernel` tests (CuPy, numba-cuda, CUDA torch; the hot paths under
+# 2. runs the `gpu` and `cuda_kernel` tests, on 8 workers where pytest-xdist is installed (CuPy,
+#    numba-cuda, CUDA torch; the hot paths under
 #    cupyx.allow_synchronize(False));
 # 3. runs every benchmark workload with `python -m spchain bench --device cuda --json`, one
 #    workload at a time (CUDA-event times after warm-up, peak device memory, device name,
@@ -19,10 +20,11 @@ out=${1:-gpu-check-out}
 python=${PYTHON:-python}
 tests_s=${GPU_CHECK_TESTS_S:-200}
 total_s=${GPU_CHECK_TOTAL_S:-530}
+workers=$("$python" -c 'import xdist' 2>/dev/null && echo "-n 8")  # 8 workers compile the kernels: 72 s on an H200
 workloads=$("$python" -c 'from spchain.bench import WORKLOADS; print(" ".join(WORKLOADS))' 2>/dev/null) \
   || workloads="(every workload of spchain.bench.WORKLOADS)"
 plan="  1. $python -m pip install --no-deps --no-build-isolation --no-index -e .
-  2. $python -m pytest -q -m 'gpu or cuda_kernel' tests   (at most ${tests_s} s)
+  2. $python -m pytest -q -m 'gpu or cuda_kernel' $workers tests   (at most ${tests_s} s)
   3. $python -m spchain bench --device cuda --repeat 3 --budget 3 --only W --json $out/bench-W.json
      for W in: $workloads   (until ${total_s} s in all)"
 
@@ -60,7 +62,7 @@ mkdir -p "$out"
 echo "gpu-check: on ${reason}; results in $out"
 echo "$plan"
 "$python" -m pip install -q --no-deps --no-build-isolation --no-index -e . || exit 1
-timeout "$tests_s" "$python" -m pytest -q -p no:cacheprovider -m "gpu or cuda_kernel" tests 2>&1 | tee "$out/tests.log"
+timeout "$tests_s" "$python" -m pytest -q -p no:cacheprovider -m "gpu or cuda_kernel" $workers tests 2>&1 | tee "$out/tests.log"
 status=${PIPESTATUS[0]}
 skipped=()
 for w in $workloads; do
