@@ -117,10 +117,16 @@ def test_value_gradient_is_a_finite_difference(rng):
 
 
 @pytest.mark.gpu
-def test_kbest_of_a_sparse_chain_on_the_gpu_runs_on_its_entries_and_equals_the_cpu_s(rng):
+def test_kbest_of_a_sparse_chain_on_the_gpu_runs_on_its_entries_and_equals_the_cpu_s(rng, monkeypatch):
     import cupy as cp
     import cupyx.scipy.sparse
 
+    from spchain import _sparse_chain
+
+    def densified(chain):
+        raise AssertionError("chain_kbest densified the sparse log_trans")
+
+    monkeypatch.setattr(_sparse_chain, "densified", densified)
     x, init = rng.normal(size=(3, 6, 5)), rng.normal(size=5)
     matrix, _ = sparse_trans(rng, 5, density=0.5)
     lengths = np.array([6, 1, 4])
