@@ -144,13 +144,14 @@ def _block_norms_of(values):
     return values.double().flatten(1).norm(dim=1).numpy()
 
 
-def test_block_regrow_by_gradient_picks_the_largest_dense_gradient_block_norms():
+@pytest.mark.parametrize("inplace", [False, True], ids=["", "in-place ReLU after"])
+def test_block_regrow_by_gradient_picks_the_largest_dense_gradient_block_norms(inplace):
     torch.manual_seed(3)
     layer = st.SparseLinear(12, 8, sparsity=0.7, block=(2, 3), dtype=torch.float64)
     x = torch.randn(16, 12, dtype=torch.float64)
-    layer(x).pow(3).mean().backward()
     dense = layer.to_dense()
-    dense(x).pow(3).mean().backward()
+    for model in (layer, dense):
+        torch.nn.functional.relu(model(x), inplace=inplace).pow(3).mean().backward()
     before = _blocks(layer)
     nnzb = layer.weight_values.shape[0]
     n_move = round(0.5 * nnzb)

@@ -847,9 +847,16 @@ def _after_an_earlier_step_and_an_unused_call(layer, x):
     return loss
 
 
+def _in_place_relu(layer, x):
+    """``nn.ReLU(inplace=True)`` on the output (a transposed view from the sparse product)."""
+    return torch.nn.functional.relu(layer(x), inplace=True).pow(3).mean()
+
+
 @pytest.mark.parametrize("loss", [lambda layer, x: layer(x).pow(3).mean(), _twice,
-                                  _after_an_earlier_step_and_an_unused_call],
-                         ids=["one call", "two calls", "after an earlier step and an unused call"])
+                                  _after_an_earlier_step_and_an_unused_call, _in_place_relu,
+                                  lambda layer, x: _in_place_relu(layer, x.view(4, 4, 10))],
+                         ids=["one call", "two calls", "after an earlier step and an unused call",
+                              "in-place ReLU after", "in-place ReLU after, 3-D input"])
 def test_regrow_by_gradient_picks_the_largest_dense_gradient(loss):
     torch.manual_seed(3)
     layer = st.SparseLinear(10, 10, sparsity=0.7)

@@ -13,13 +13,14 @@ float16/bfloat16 too). The block layers
 
 import math
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch.nn.utils import parametrize
 
 from .. import _csr
 from . import _block_layer
+from ._operator import Unscriptable
 from .linear import LinearPlan, sparse_linear
 from .sparse import csr_tensor, prune
 
@@ -27,18 +28,36 @@ __all__ = ["SparseLinear"]
 
 
 class _Call:
-    """One training call's input, held by its autograd graph (a hook on the output) until the
-    backward hands it the output gradient; both then join ``step``, the layer's record of the
-    calls of one backward (for RigL), by reference. A call whose graph is dropped unused is
-    dropped with it."""
+    """One training call's input, held by its autograd graph (a hook on the node that made the
+    output) until the backward hands that node the output gradient; both then join ``step``,
+    the layer's record of the calls of one backward (for RigL), by reference. A call whose
+    graph is dropped unused is dropped with it.
 
-    __slots__ = ("x", "step")
+    The sparse product returns a view of the operator's output ``yᵀ`` (out, rows): its
+    transpose, reshaped for an input of more than two dimensions. An in-place op on that view
+    (``nn.ReLU(inplace=True)``) takes the view's own node out of the graph, so the hook goes on
+    its base's node, whose gradient is the transpose of the rows' gradient.
+    """
 
-    def __init__(self, x: torch.Tensor, step: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    __slots__ = ("x", "step", "transposed")
+
+    def __init__(self, x: torch.Tensor, step: list[tuple[torch.Tensor, torch.Tensor]], y: torch.Tensor) -> None:
         self.x, self.step = x, step
+        base = y._base
+        self.transposed = base is not None and base.dim() == 2 and base.shape[0] == y.shape[-1] \
+            and base.numel() == y.numel()
+        node = base.grad_fn if base is not None and self.transposed else y.grad_fn
+        if node is not None:  # y requires grad: an op's output, never a leaf
+            node.register_prehook(self.record)  # a node's hook: a third of a tensor hook's cost
 
-    def record(self, grad_y: torch.Tensor) -> None:
-        self.step.append((self.x, grad_y))
+    def record(self, grads: tuple[torch.Tensor | None, ...]) -> None:
+        grad_y = grads[0]
+        if grad_y is not None:
+            self.step.append((self.x, grad_y.t() if self.transposed else grad_y))
+
+
+_Arguments = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, int], torch.Tensor | None]
+""":func:`sparse_linear`'s arguments."""
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -86,7 +105,7 @@ _NORMS = {"_WeightNorm": "weight_norm", "WeightNorm": "weight_norm", "_SpectralN
 """The classes of torch's weight and spectral norms (parametrizations and the older hooks)."""
 
 
-class SparseLinear(torch.nn.Module):
+class SparseLinear(Unscriptable, torch.nn.Module):
     """A linear layer with a sparse weight: ``y = x @ W.T + b`` with ``W`` CSR or block-sparse.
 
     Parameters
@@ -326,12 +345,20 @@ class SparseLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # "parametrizations" in _modules: parametrize.is_parametrized(self), 1.5 us faster
+        shape = (self.out_features, self.in_features)
         if self._forward_pre_hooks or "parametrizations" in self._modules:
             norms = [_NORMS[type(u).__name__] for u in self._utilities() if type(u).__name__ in _NORMS]
             if norms:
                 raise ValueError(f"SparseLinear: {norms[0]} on weight_values would normalise the stored values, not "
                                  "each output row as on nn.Linear; it is not supported (remove it)")
-        args = (x, self.weight_values, self.indptr, self.indices, (self.out_features, self.in_features), self.bias)
+            args: _Arguments = (x, self.weight_values, self.indptr, self.indices, shape, self.bias)
+        else:
+            try:  # the module's own dictionaries, where nn.Module.__getattr__ finds them (0.3 us an attribute)
+                parameters, buffers = self._parameters, self._buffers
+                args = cast(_Arguments, (x, parameters["weight_values"], buffers["indptr"], buffers["indices"], shape,
+                                         parameters["bias"]))
+            except KeyError:  # one replaced by a plain attribute
+                args = (x, self.weight_values, self.indptr, self.indices, shape, self.bias)
         plan: LinearPlan | None = self.__dict__.get("_plan")
         if plan is None:  # also a layer unpickled without one
             plan = self.__dict__["_plan"] = LinearPlan()
@@ -342,7 +369,7 @@ class SparseLinear(torch.nn.Module):
             step = self.__dict__["_step"]
             if step:  # a backward since the last call: this call starts the next step's record
                 step = self.__dict__["_step"] = []  # not nn.Module's __setattr__ (2 us)
-            y.register_hook(_Call(x.detach(), step).record)  # type: ignore[no-untyped-call]  # unannotated in torch
+            _Call(x.detach(), step, y)
         return y
 
     def weight_csr(self) -> torch.Tensor:
