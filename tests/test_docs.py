@@ -8,9 +8,9 @@ import pytest
 MODULES = ["spchain", "spchain._backend", "spchain._checks", "spchain._chain_layout", "spchain._chain_sweep",
            "spchain.blockdiag", "spchain.blocksparse", "spchain.chain", "spchain.hmm", "spchain.paths",
            "spchain.semiring", "spchain.sparse"]
-TORCH_MODULES = ["spchain.torch._bridge", "spchain.torch.blockdiag", "spchain.torch.blocksparse", "spchain.torch.chain",
-                 "spchain.torch.crf", "spchain.torch.nn", "spchain.torch.paths", "spchain.torch.pruning", "spchain.torch.semiring",
-                 "spchain.torch.sparse"]
+TORCH_MODULES = ["spchain.torch._bridge", "spchain.torch._operator", "spchain.torch.blockdiag",
+                 "spchain.torch.blocksparse", "spchain.torch.chain", "spchain.torch.crf", "spchain.torch.nn",
+                 "spchain.torch.paths", "spchain.torch.pruning", "spchain.torch.semiring", "spchain.torch.sparse"]
 
 
 @pytest.mark.slow

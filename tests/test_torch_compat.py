@@ -295,8 +295,10 @@ def test_dataloader_workers_run_the_modules():
 @pytest.mark.parametrize("name", CASES)
 def test_jit_script_and_trace_raise(name):
     module, inputs = _case(name)
-    with pytest.raises(RuntimeError):
-        torch.jit.script(module)
+    for scripted in (module, torch.nn.Sequential(torch.nn.Identity(), module)):  # alone, and in a model
+        with pytest.raises(RuntimeError, match=r"spchain\.torch\.\w+: torch.jit.script cannot compile spchain's "
+                                               r"modules .*; use torch.compile or torch.export"):
+            torch.jit.script(scripted)
     with warnings.catch_warnings(), pytest.raises((RuntimeError, torch.jit._trace.TracingCheckError)):
         warnings.simplefilter("ignore")
         torch.jit.trace(module, tuple(inputs))

@@ -39,7 +39,7 @@ first-order answer. :data:`OPERATORS` holds every operator made, for ``torch.lib
 
 import functools
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, cast, overload
+from typing import TYPE_CHECKING, Any, Generic, Literal, NoReturn, TypeVar, cast, overload
 
 import torch
 from torch._compile import _disable_dynamo
@@ -75,6 +75,24 @@ def run_eagerly(fn: F) -> F:
     runs it eagerly. Dynamo is imported at ``fn``'s first call, not by decorating it (Dynamo's
     import takes a second, which every ``import spchain.torch`` paid); torch's own lazy form."""
     return cast(F, _disable_dynamo(fn))
+
+
+class Unscriptable:
+    """A base of spchain's modules: ``torch.jit.script`` (of the module or of a model holding
+    it) raises a ``RuntimeError`` that names the supported compilers, where TorchScript would
+    fail on whichever Python construct of the forward it met first.
+
+    >>> import torch, spchain.torch as st
+    >>> torch.jit.script(torch.nn.Sequential(st.SparseLinear(4, 4)))
+    Traceback (most recent call last):
+    ...
+    RuntimeError: spchain.torch.SparseLinear: torch.jit.script cannot compile spchain's modules
+    (their forward is Python around spchain's operators); use torch.compile or torch.export
+    """
+
+    def __prepare_scriptable__(self) -> NoReturn:  # torch.jit.script calls it first, on every submodule
+        raise RuntimeError(f"spchain.torch.{type(self).__name__}: torch.jit.script cannot compile spchain's modules "
+                           "(their forward is Python around spchain's operators); use torch.compile or torch.export")
 
 
 def plain_eager(tensors: Iterable[torch.Tensor]) -> bool:

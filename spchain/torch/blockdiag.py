@@ -20,7 +20,7 @@ from torch import nn
 
 from .. import blockdiag
 from ._bridge import check_dense
-from ._operator import Operator, multilinear_jvp, plain_eager
+from ._operator import Operator, Unscriptable, multilinear_jvp, plain_eager
 
 __all__ = ["block_diag_matmul", "grouped_matmul", "BlockDiagonalLinear", "GroupedLinear"]
 
@@ -166,7 +166,7 @@ def group_sizes_tensor(caller: str, group_sizes: Sequence[int] | NDArray[np.inte
     return torch.from_numpy(blockdiag._check_group_sizes(caller, group_sizes, groups, rows))
 
 
-class _PerGroupLinear(nn.Module):
+class _PerGroupLinear(Unscriptable, nn.Module):
     """A (G, d_in, d_out) weight and an optional bias, initialised like ``nn.Linear`` per group.
 
     Every entry is drawn from U(-1/√d_in, 1/√d_in), d_in being one group's fan-in: what

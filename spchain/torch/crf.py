@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from ._bridge import check_dense
+from ._operator import Unscriptable
 from .chain import (SPARSE_CHAIN_LOGSUMEXP, SPARSE_CHAIN_MARGINALS, SPARSE_VITERBI, chain_logsumexp, chain_marginals,
                     viterbi)
 from .paths import SPARSE_CHAIN_PATH_SCORE, SPARSE_CHAIN_SAMPLE, chain_path_score, chain_sample
@@ -17,7 +18,7 @@ Reduction: TypeAlias = Literal["mean", "sum", "token_mean", "none"]
 Lengths: TypeAlias = torch.Tensor | Sequence[int] | None
 
 
-class LinearChainCRF(nn.Module):
+class LinearChainCRF(Unscriptable, nn.Module):
     """A linear-chain CRF over ``num_tags`` tags: start, transition and end scores.
 
     A tag sequence ``y`` of length ``L`` scores
