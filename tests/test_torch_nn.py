@@ -123,6 +123,17 @@ def test_parametrize_accepts_weight_values():
     assert layer.parametrizations.weight_values.original.grad is not None
 
 
+def test_a_parameter_replaced_by_a_plain_attribute_is_the_one_used():
+    layer = _layer()
+    x = torch.randn(3, 12)
+    before = layer(x) - layer.bias
+    values = layer.weight_values.detach().clone()
+    del layer.weight_values, layer.bias
+    layer.weight_values, layer.bias = 3 * values, None  # plain attributes, not parameters
+    assert "weight_values" not in layer._parameters
+    torch.testing.assert_close(layer(x), 3 * before)
+
+
 def test_nn_utils_prune_masks_weight_values():
     from torch.nn.utils import prune
 
