@@ -16,9 +16,10 @@ sum is below :data:`TINY` (so dropped terms could matter: they are under ``c · 
 A running log-sum-exp is held as a pair ``(m, s)``: the largest value folded in so far and
 the sum of ``exp(x - m)`` over the values folded in. The empty sum is ``(-inf, 0.0)``.
 
-The k-best kernels of both targets rank and follow partial paths by the same helpers
-(:func:`kbest_plus`, :func:`kbest_insert`, :func:`kbest_backtrack`), registered as jitable: a CPU
-or CUDA kernel calls them as they are.
+The k-best kernels of both targets run one row of the batch by the same helpers
+(:func:`kbest_row`, :func:`sparse_kbest_row`, built on :func:`kbest_plus`, :func:`kbest_insert`
+and :func:`kbest_backtrack`), registered as jitable: a CPU or CUDA kernel calls them as they
+are, and only the loop over rows (a team's share, a grid stride) is each kernel's own.
 
 Every constant in the helpers takes the float type of the value it meets (:func:`like`), so
 float32 inputs are computed in float32 (float32 ``exp``/``log``, no float64 on a GPU) and
@@ -162,3 +163,101 @@ def kbest_backtrack(paths, backptr, r, b, entry, length, k):
         paths[r, b, t] = state
         if t > 0:
             entry = backptr[b, t, state, entry % k]
+
+
+@register_jitable
+def kbest_first(b, x, init, work, counts):
+    """Position 0 of row ``b``: one partial path per state, in ``work[b, 0]`` / ``counts[b, 0]``."""
+    for j in range(x.shape[2]):
+        for r in range(work.shape[3]):
+            work[b, 0, j, r] = -math.inf
+            counts[b, 0, j, r] = 0
+        f, n = kbest_plus(like(x[b, 0, j], 0.0), 0, init[b, j])
+        f, n = kbest_plus(f, n, x[b, 0, j])
+        work[b, 0, j, 0] = f
+        counts[b, 0, j, 0] = n
+
+
+@register_jitable
+def kbest_clear(score, index, k):
+    """Empty the ``k`` slots of a ranked list: ``-inf`` scores, ``index`` -1."""
+    for r in range(k):
+        score[r] = -math.inf
+        index[r] = -1
+
+
+@register_jitable
+def kbest_candidate(work, counts, b, cur, i, k, value, new, new_counts, index):
+    """Offer the ``k`` partial paths of state ``i`` times the log term ``value`` to ``new``."""
+    for r in range(k):
+        if work[b, cur, i, r] != -math.inf:  # an empty slot, or a path of weight 0
+            f, n = kbest_plus(work[b, cur, i, r], counts[b, cur, i, r], value)
+            kbest_insert(new, new_counts, index, k, f, n, i * k + r)
+
+
+@register_jitable
+def kbest_emit(new, new_counts, index, k, value):
+    """The emission ``value`` times the kept partial paths of a state (not the empty slots)."""
+    for r in range(k):
+        if index[r] >= 0:
+            f, n = kbest_plus(new[r], new_counts[r], value)
+            new[r] = f
+            new_counts[r] = n
+
+
+@register_jitable
+def kbest_last(b, length, cur, work, counts, backptr, scores, paths):
+    """Rank the partial paths of the last position of row ``b`` into ``scores[:, b]`` (``+inf``
+    for a path with ``+inf`` terms) and follow their back-pointers into ``paths[:, b]``."""
+    c, k = work.shape[2], work.shape[3]
+    best, best_counts = work[b, 1 - cur, 0], counts[b, 1 - cur, 0]  # free scratch now, as is backptr[b, 0]
+    index = backptr[b, 0, 0]
+    kbest_clear(best, index, k)
+    for j in range(c):
+        for r in range(k):
+            kbest_insert(best, best_counts, index, k, work[b, cur, j, r], counts[b, cur, j, r], j * k + r)
+    for r in range(k):
+        if index[r] >= 0 and best_counts[r] > 0 and best[r] == best[r]:
+            scores[r, b] = math.inf
+        else:
+            scores[r, b] = best[r]
+        kbest_backtrack(paths, backptr, r, b, index[r], length, k)
+
+
+@register_jitable
+def kbest_row(b, x, trans, group, init, lengths, work, counts, backptr, scores, paths):
+    """Row ``b`` of the k-best kernels (``kernels.cpu.paths.chain_kbest``): every predecessor of
+    each state through ``trans`` (G, S, c, c)."""
+    c, k = x.shape[2], scores.shape[0]
+    g = b // group
+    per_step = trans.shape[1] > 1
+    kbest_first(b, x, init, work, counts)
+    cur = 0
+    for t in range(lengths[b] - 1):
+        m = trans[g, t if per_step else 0]
+        for j in range(c):
+            new, new_counts, index = work[b, 1 - cur, j], counts[b, 1 - cur, j], backptr[b, t + 1, j]
+            kbest_clear(new, index, k)
+            for i in range(c):
+                kbest_candidate(work, counts, b, cur, i, k, m[i, j], new, new_counts, index)
+            kbest_emit(new, new_counts, index, k, x[b, t + 1, j])
+        cur = 1 - cur
+    kbest_last(b, lengths[b], cur, work, counts, backptr, scores, paths)
+
+
+@register_jitable
+def sparse_kbest_row(b, x, t_indptr, t_rows, t_values, init, lengths, work, counts, backptr, scores, paths):
+    """Row ``b`` of the sparse k-best kernels (``kernels.cpu.paths.sparse_chain_kbest``): the
+    stored predecessors of each state only, from the transpose's CSR structure."""
+    c, k = x.shape[2], scores.shape[0]
+    kbest_first(b, x, init, work, counts)
+    cur = 0
+    for t in range(lengths[b] - 1):
+        for j in range(c):
+            new, new_counts, index = work[b, 1 - cur, j], counts[b, 1 - cur, j], backptr[b, t + 1, j]
+            kbest_clear(new, index, k)
+            for q in range(t_indptr[j], t_indptr[j + 1]):
+                kbest_candidate(work, counts, b, cur, t_rows[q], k, t_values[q], new, new_counts, index)
+            kbest_emit(new, new_counts, index, k, x[b, t + 1, j])
+        cur = 1 - cur
+    kbest_last(b, lengths[b], cur, work, counts, backptr, scores, paths)

@@ -10,7 +10,7 @@ import math
 import numpy as np
 from numba import njit
 
-from ..rules import WALK_CHUNK, kbest_backtrack, kbest_insert, kbest_plus
+from ..rules import WALK_CHUNK, kbest_row, sparse_kbest_row
 from .exp import exp_nonpositive
 from .team import team_rows
 
@@ -191,49 +191,6 @@ def _sample_rows(lo, hi, alpha, probs, trans_t, trans_probs, totals, tiny, group
             paths[n, b, :] = -1
 
 
-@njit(cache=True)
-def _kbest_first(b, x, init, work, counts):
-    """Position 0 of row ``b``: one partial path per state, in ``work[b, 0]`` / ``counts[b, 0]``."""
-    for j in range(x.shape[2]):
-        work[b, 0, j, :] = -np.inf
-        counts[b, 0, j, :] = 0
-        f, n = kbest_plus(0.0, 0, init[b, j])
-        work[b, 0, j, 0], counts[b, 0, j, 0] = kbest_plus(f, n, x[b, 0, j])
-
-
-@njit(cache=True)
-def _kbest_candidate(work, counts, b, cur, i, k, value, new, new_counts, index):
-    """Offer the ``k`` partial paths of state ``i`` times the log term ``value`` to ``new``."""
-    for r in range(k):
-        if work[b, cur, i, r] != -np.inf:  # an empty slot, or a path of weight 0
-            f, n = kbest_plus(work[b, cur, i, r], counts[b, cur, i, r], value)
-            kbest_insert(new, new_counts, index, k, f, n, i * k + r)
-
-
-@njit(cache=True)
-def _kbest_emit(new, new_counts, index, k, value):
-    """The emission ``value`` times the kept partial paths of a state (not the empty slots)."""
-    for r in range(k):
-        if index[r] >= 0:
-            new[r], new_counts[r] = kbest_plus(new[r], new_counts[r], value)
-
-
-@njit(cache=True)
-def _kbest_last(b, length, cur, work, counts, backptr, scores, paths):
-    """Rank the partial paths of the last position of row ``b`` and follow their back-pointers."""
-    c, k = work.shape[2], work.shape[3]
-    best, best_counts = work[b, 1 - cur, 0], counts[b, 1 - cur, 0]  # free scratch now, as is backptr[b, 0]
-    index = backptr[b, 0, 0]
-    best[:] = -np.inf
-    index[:] = -1
-    for j in range(c):
-        for r in range(k):
-            kbest_insert(best, best_counts, index, k, work[b, cur, j, r], counts[b, cur, j, r], j * k + r)
-    for r in range(k):
-        scores[r, b] = np.inf if index[r] >= 0 and best_counts[r] > 0 and best[r] == best[r] else best[r]
-        kbest_backtrack(paths, backptr, r, b, index[r], length, k)
-
-
 @njit(nogil=True, cache=True)
 def chain_kbest(parallel, threads, x, trans, group, init, lengths, work, counts, backptr, scores, paths):
     """Exact k-best Viterbi: the ``k`` best paths of each row, best first.
@@ -255,24 +212,8 @@ def chain_kbest(parallel, threads, x, trans, group, init, lengths, work, counts,
 @njit(cache=True, error_model="numpy")  # division by zero gives inf or NaN
 def _kbest_rows(lo, hi, x, trans, group, init, lengths, work, counts, backptr, scores, paths):
     """Rows ``lo:hi`` of :func:`chain_kbest`."""
-    c = x.shape[2]
-    k = scores.shape[0]
-    per_step = trans.shape[1] > 1
     for b in range(lo, hi):
-        g = b // group
-        _kbest_first(b, x, init, work, counts)
-        cur = 0
-        for t in range(lengths[b] - 1):
-            m = trans[g, t if per_step else 0]
-            for j in range(c):
-                new, new_counts, index = work[b, 1 - cur, j], counts[b, 1 - cur, j], backptr[b, t + 1, j]
-                new[:] = -np.inf
-                index[:] = -1
-                for i in range(c):
-                    _kbest_candidate(work, counts, b, cur, i, k, m[i, j], new, new_counts, index)
-                _kbest_emit(new, new_counts, index, k, x[b, t + 1, j])
-            cur = 1 - cur
-        _kbest_last(b, lengths[b], cur, work, counts, backptr, scores, paths)
+        kbest_row(b, x, trans, group, init, lengths, work, counts, backptr, scores, paths)
 
 
 @njit(nogil=True, cache=True)
@@ -290,18 +231,5 @@ def sparse_chain_kbest(parallel, threads, x, t_indptr, t_rows, t_values, init, l
 @njit(cache=True, error_model="numpy")  # division by zero gives inf or NaN
 def _sparse_kbest_rows(lo, hi, x, t_indptr, t_rows, t_values, init, lengths, work, counts, backptr, scores, paths):
     """Rows ``lo:hi`` of :func:`sparse_chain_kbest`."""
-    c = x.shape[2]
-    k = scores.shape[0]
     for b in range(lo, hi):
-        _kbest_first(b, x, init, work, counts)
-        cur = 0
-        for t in range(lengths[b] - 1):
-            for j in range(c):
-                new, new_counts, index = work[b, 1 - cur, j], counts[b, 1 - cur, j], backptr[b, t + 1, j]
-                new[:] = -np.inf
-                index[:] = -1
-                for q in range(t_indptr[j], t_indptr[j + 1]):
-                    _kbest_candidate(work, counts, b, cur, t_rows[q], k, t_values[q], new, new_counts, index)
-                _kbest_emit(new, new_counts, index, k, x[b, t + 1, j])
-            cur = 1 - cur
-        _kbest_last(b, lengths[b], cur, work, counts, backptr, scores, paths)
+        sparse_kbest_row(b, x, t_indptr, t_rows, t_values, init, lengths, work, counts, backptr, scores, paths)

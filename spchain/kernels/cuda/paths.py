@@ -7,7 +7,7 @@ import math
 
 from numba import cuda
 
-from ..rules import WALK_CHUNK, kbest_backtrack, kbest_insert, kbest_plus
+from ..rules import WALK_CHUNK, kbest_row, sparse_kbest_row
 from . import config
 
 
@@ -114,66 +114,6 @@ def launch_chain_sample(alpha, probs, trans_t, trans_probs, totals, tiny, group,
         alpha, probs, trans_t, trans_probs, totals, tiny, group, lengths, possible, uniforms, paths)
 
 
-@cuda.jit(device=True)
-def _kbest_first(b, x, init, work, counts):
-    """Position 0 of row ``b``: one partial path per state, in ``work[b, 0]`` / ``counts[b, 0]``."""
-    zero = x.dtype.type(0)  # not 0.0: a float64 sum would make float32 kernels compute in float64
-    for j in range(x.shape[2]):
-        for r in range(work.shape[3]):
-            work[b, 0, j, r] = -math.inf
-            counts[b, 0, j, r] = 0
-        f, n = kbest_plus(zero, 0, init[b, j])
-        f, n = kbest_plus(f, n, x[b, 0, j])
-        work[b, 0, j, 0] = f
-        counts[b, 0, j, 0] = n
-
-
-@cuda.jit(device=True)
-def _kbest_clear(new, index, k):
-    """Empty the ``k`` slots of a state's next partial paths."""
-    for r in range(k):
-        new[r] = -math.inf
-        index[r] = -1
-
-
-@cuda.jit(device=True)
-def _kbest_candidate(work, counts, b, cur, i, k, value, new, new_counts, index):
-    """Offer the ``k`` partial paths of state ``i`` times the log term ``value`` to ``new``."""
-    for r in range(k):
-        if work[b, cur, i, r] != -math.inf:  # an empty slot, or a path of weight 0
-            f, n = kbest_plus(work[b, cur, i, r], counts[b, cur, i, r], value)
-            kbest_insert(new, new_counts, index, k, f, n, i * k + r)
-
-
-@cuda.jit(device=True)
-def _kbest_emit(new, new_counts, index, k, value):
-    """The emission ``value`` times the kept partial paths of a state (not the empty slots)."""
-    for r in range(k):
-        if index[r] >= 0:
-            f, n = kbest_plus(new[r], new_counts[r], value)
-            new[r] = f
-            new_counts[r] = n
-
-
-@cuda.jit(device=True)
-def _kbest_last(b, length, cur, work, counts, backptr, scores, paths):
-    """Rank the partial paths of the last position of row ``b`` and follow their back-pointers."""
-    c, k = work.shape[2], work.shape[3]
-    best = work[b, 1 - cur, 0]  # free scratch now, as is backptr[b, 0]
-    best_counts = counts[b, 1 - cur, 0]
-    index = backptr[b, 0, 0]
-    _kbest_clear(best, index, k)
-    for j in range(c):
-        for r in range(k):
-            kbest_insert(best, best_counts, index, k, work[b, cur, j, r], counts[b, cur, j, r], j * k + r)
-    for r in range(k):
-        if index[r] >= 0 and best_counts[r] > 0 and best[r] == best[r]:
-            scores[r, b] = math.inf
-        else:
-            scores[r, b] = best[r]
-        kbest_backtrack(paths, backptr, r, b, index[r], length, k)
-
-
 @cuda.jit
 def chain_kbest_kernel(x, trans, group, init, lengths, work, counts, backptr, scores, paths):
     """Exact k-best Viterbi, the twin of ``kernels.cpu.paths.chain_kbest`` (same arguments).
@@ -182,23 +122,8 @@ def chain_kbest_kernel(x, trans, group, init, lengths, work, counts, backptr, sc
     ``work``, ``counts`` and ``backptr``. Outputs: ``scores`` (k, B) and ``paths`` (k, B, v), overwritten.
     Launch: grid ``blocks_for(B)`` blocks of ``THREADS_PER_BLOCK`` threads, a thread a row of the batch
     (grid-stride)."""
-    rows, v, c = x.shape
-    k = scores.shape[0]
-    per_step = trans.shape[1] > 1
-    for b in range(cuda.grid(1), rows, cuda.gridsize(1)):
-        g = b // group
-        _kbest_first(b, x, init, work, counts)
-        cur = 0
-        for t in range(lengths[b] - 1):
-            s = t if per_step else 0
-            for j in range(c):
-                new, new_counts, index = work[b, 1 - cur, j], counts[b, 1 - cur, j], backptr[b, t + 1, j]
-                _kbest_clear(new, index, k)
-                for i in range(c):
-                    _kbest_candidate(work, counts, b, cur, i, k, trans[g, s, i, j], new, new_counts, index)
-                _kbest_emit(new, new_counts, index, k, x[b, t + 1, j])
-            cur = 1 - cur
-        _kbest_last(b, lengths[b], cur, work, counts, backptr, scores, paths)
+    for b in range(cuda.grid(1), x.shape[0], cuda.gridsize(1)):
+        kbest_row(b, x, trans, group, init, lengths, work, counts, backptr, scores, paths)
 
 
 @cuda.jit
@@ -211,20 +136,8 @@ def sparse_chain_kbest_kernel(x, t_indptr, t_rows, t_values, init, lengths, work
     ``scores`` (k, B) and ``paths`` (k, B, v), overwritten. Launch: grid ``blocks_for(B)`` blocks of
     ``THREADS_PER_BLOCK`` threads, a thread a row of the batch (grid-stride), which visits the
     stored predecessors of each state only: O(v · (c + nnz) · k²) a row."""
-    rows, v, c = x.shape
-    k = scores.shape[0]
-    for b in range(cuda.grid(1), rows, cuda.gridsize(1)):
-        _kbest_first(b, x, init, work, counts)
-        cur = 0
-        for t in range(lengths[b] - 1):
-            for j in range(c):
-                new, new_counts, index = work[b, 1 - cur, j], counts[b, 1 - cur, j], backptr[b, t + 1, j]
-                _kbest_clear(new, index, k)
-                for q in range(t_indptr[j], t_indptr[j + 1]):
-                    _kbest_candidate(work, counts, b, cur, t_rows[q], k, t_values[q], new, new_counts, index)
-                _kbest_emit(new, new_counts, index, k, x[b, t + 1, j])
-            cur = 1 - cur
-        _kbest_last(b, lengths[b], cur, work, counts, backptr, scores, paths)
+    for b in range(cuda.grid(1), x.shape[0], cuda.gridsize(1)):
+        sparse_kbest_row(b, x, t_indptr, t_rows, t_values, init, lengths, work, counts, backptr, scores, paths)
 
 
 def launch_chain_kbest(x, trans, group, init, lengths, work, counts, backptr, scores, paths, stream=0):
