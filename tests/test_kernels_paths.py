@@ -96,16 +96,13 @@ def test_cuda_kbest_matches_cpu_twin(small_launch, rng, per_step, group, k):
     np.testing.assert_array_equal(got[1], want[1])
 
 
-def run_sparse_kbest(module, prefix, x, trans, init, lengths, k):
-    """k-best with the entries of ``trans`` (c, c) other than ``-inf`` stored, by its transpose's CSR."""
+def run_sparse_kbest(module, prefix, x, transpose, init, lengths, k):
+    """k-best over the stored entries of a transition matrix, given by its transpose's CSR."""
     rows, v, c = x.shape
-    stored = trans.T > -np.inf
-    t_indptr, t_rows = np.concatenate([[0], stored.sum(1).cumsum()]), np.ascontiguousarray(np.nonzero(stored)[1])
     scores, paths = np.empty((k, rows), x.dtype), np.empty((k, rows, v), np.int64)
-    entry(module, prefix, "sparse_chain_kbest")(x, t_indptr, t_rows, np.ascontiguousarray(trans.T[stored]), init,
-                                                   lengths, np.empty((rows, 2, c, k), x.dtype),
-                                                   np.empty((rows, 2, c, k), np.int64), np.empty((rows, v, c, k), np.int64),
-                                                   scores, paths)
+    scratch = np.empty((rows, 2, c, k), x.dtype), np.empty((rows, 2, c, k), np.int64), np.empty((rows, v, c, k), np.int64)
+    entry(module, prefix, "sparse_chain_kbest")(x, transpose.indptr, transpose.indices, transpose.data, init, lengths,
+                                                   *scratch, scores, paths)
     return scores, paths
 
 
@@ -113,18 +110,18 @@ def run_sparse_kbest(module, prefix, x, trans, init, lengths, k):
 @pytest.mark.parametrize("k", [1, 3])
 def test_cuda_sparse_kbest_matches_cpu_twin_and_the_dense_kernel(small_launch, rng, k):
     from spchain.kernels.cuda import paths as cuda_paths
+    from test_kernels_sparse_chain import problem
 
-    x, trans, _, init, lengths = normalised_problem(rng, c=5, per_step=False, group=7)
-    trans = trans[0, 0]
-    trans[rng.random(trans.shape) < 0.4] = -np.inf  # absent entries
-    trans[1, 1] = np.inf
-    want = run_sparse_kbest(cpu_paths, "", x, trans, init, lengths, k)
-    got = run_sparse_kbest(cuda_paths, "launch_", x, trans, init, lengths, k)
+    x, _, transpose, dense, init, lengths = problem(rng, c=5)
+    j = np.searchsorted(transpose.indptr, 1, side="right") - 1  # the column of transpose's entry 1
+    transpose.data[1] = dense[transpose.indices[1], j] = np.inf
+    want = run_sparse_kbest(cpu_paths, "", x, transpose, init, lengths, k)
+    got = run_sparse_kbest(cuda_paths, "launch_", x, transpose, init, lengths, k)
     np.testing.assert_allclose(got[0], want[0], rtol=1e-12)
     np.testing.assert_array_equal(got[1], want[1])
-    dense = run_kbest(cpu_paths, "", x, trans[None, None], x.shape[0], init, lengths, k)
-    np.testing.assert_allclose(got[0], dense[0], rtol=1e-12)
-    np.testing.assert_array_equal(got[1], dense[1])
+    dense_kbest = run_kbest(cpu_paths, "", x, dense[None, None], x.shape[0], init, lengths, k)
+    np.testing.assert_allclose(got[0], dense_kbest[0], rtol=1e-12)
+    np.testing.assert_array_equal(got[1], dense_kbest[1])
 
 
 @pytest.mark.cuda_kernel

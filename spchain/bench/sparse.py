@@ -4,7 +4,7 @@ spchain's ``SparseLinear`` beside the dense ``nn.Linear`` it replaces and the la
 users build today with ``torch.sparse.mm``: on a COO weight, and on a CSR weight (torch's
 fastest sparse product on the CPU, MKL's), at 90 % and 99 % sparsity, forward
 (inference, under ``torch.no_grad``) and forward + backward (``x`` requires grad; the returned
-result is the output and the input gradient). All three hold the same weights, so each is
+result is the output and the input gradient). All four hold the same weights, so each is
 compared with one float64 dense reference. torch is imported when a case is built.
 """
 
